@@ -1,0 +1,35 @@
+# The two commands: `make run` (a local cluster on the simulated engine, with a demo) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROTOS := $(wildcard protos/baton/v1/*.proto)
+
+.PHONY: run test unit integration protos check-protos bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/baton up --nodes 3 --gpus h100,a100,l4 --demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
+
+integration: $(STAMP)
+	$(BIN)/python -m pytest -q tests/integration
+
+protos: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.mesh_overhead --out docs/benchmarks.md
+
+clean:
+	rm -rf $(VENV) .pytest_cache

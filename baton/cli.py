@@ -1,0 +1,180 @@
+"""The `baton` command: up (a local cluster), generate (stream a completion), status."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+
+from baton.client import BatonClient
+from baton.cluster import ClusterSpec, LocalCluster, StartError, default_state_path
+from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+DEMO_PROMPT = "Explain in one paragraph why a generation should survive the death of the GPU serving it."
+
+
+def _load_state(args: argparse.Namespace) -> dict[str, str]:
+    path = Path(args.state)
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text())
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    spec = ClusterSpec(
+        num_nodes=args.nodes,
+        gpus=tuple(g.strip() for g in args.gpus.split(",") if g.strip()),
+        model=args.model,
+        router_port=args.router_port,
+        speed=args.speed,
+        lease_ttl_s=args.lease_ttl_s,
+        otel_exporter=args.otel_exporter,
+    )
+    cluster = LocalCluster(spec, Path(args.workdir) if args.workdir else None)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        cluster.start(timeout_s=args.timeout_s)
+    except StartError as exc:
+        print(f"baton up: {exc}", file=sys.stderr)
+        return 1
+    try:
+        cluster.write_state(Path(args.state))
+        assert cluster.router is not None and cluster.scheduler is not None
+        print(f"Baton is up: router {cluster.router.address}  (etcd {cluster.etcd_endpoint}, "
+              f"logs in {cluster.workdir})")
+        for node in cluster.nodes:
+            print(f"  {node.name}: {node.address}")
+        print(f"Try: baton generate --router {cluster.router.address} 'Hello'   |   baton status")
+        if args.demo:
+            asyncio.run(_demo(cluster.router.address, spec.model))
+        print("Ctrl-C stops the cluster.", flush=True)
+        stop.wait()
+    finally:
+        print("stopping...", flush=True)
+        cluster.stop()
+        Path(args.state).unlink(missing_ok=True)
+    return 0
+
+
+async def _demo(router: str, model: str) -> None:
+    async with BatonClient(router) as client:
+        for attempt in ("first", "repeated (now served from the prefix cache)"):
+            print(f"\n--- demo: {attempt} request: {DEMO_PROMPT!r}")
+            node = ""
+            async for chunk in client.generate(model, DEMO_PROMPT, max_tokens=120):
+                node = chunk.node_id or node
+                print(chunk.text, end="", flush=True)
+                if chunk.finish_reason:
+                    usage = chunk.usage
+                    reason = common_pb2.FinishReason.Name(chunk.finish_reason)
+                    print(f"\n[node {node}; {reason}; prompt {usage.prompt_tokens}, "
+                          f"cached {usage.cached_tokens}, completion {usage.completion_tokens} tokens]")
+    print()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    router = args.router or _load_state(args).get("router")
+    if not router:
+        print("baton generate: no --router given and no running `baton up` found", file=sys.stderr)
+        return 2
+    return asyncio.run(_generate(router, args))
+
+
+async def _generate(router: str, args: argparse.Namespace) -> int:
+    fields: dict[str, object] = {"temperature": args.temperature}
+    if args.max_tokens is not None:
+        fields["max_tokens"] = args.max_tokens
+    if args.seed is not None:
+        fields["seed"] = args.seed
+    async with BatonClient(router) as client:
+        try:
+            async for chunk in client.generate(args.model, args.prompt, **fields):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                if chunk.finish_reason:
+                    usage = chunk.usage
+                    print(f"\n[{chunk.request_id} on {chunk.node_id}: "
+                          f"{common_pb2.FinishReason.Name(chunk.finish_reason)}; prompt {usage.prompt_tokens}, "
+                          f"cached {usage.cached_tokens}, completion {usage.completion_tokens}]", file=sys.stderr)
+        except grpc.aio.AioRpcError as exc:
+            print(f"\nbaton generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    scheduler = args.scheduler or _load_state(args).get("scheduler")
+    if not scheduler:
+        print("baton status: no --scheduler given and no running `baton up` found", file=sys.stderr)
+        return 2
+    try:
+        with grpc.insecure_channel(scheduler) as channel:
+            state = scheduler_pb2_grpc.SchedulerStub(channel).GetClusterState(
+                scheduler_pb2.GetClusterStateRequest(), timeout=3.0
+            )
+    except grpc.RpcError as exc:
+        print(f"baton status: scheduler {scheduler}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print(f"scheduler {state.scheduler_id} at {scheduler}: {len(state.nodes)} nodes")
+    print(f"{'node':<10} {'gpu':<6} {'address':<22} {'models':<18} {'run':>4} {'wait':>4} "
+          f"{'kv used/total':>16} {'kv%':>5} {'$/h':>6} {'seen':>7}")
+    for node in state.nodes:
+        info, load = node.info, node.load
+        models = ",".join(m.name for m in info.models if m.is_warm)
+        pct = 100.0 * load.kv_blocks_used / load.kv_blocks_total if load.kv_blocks_total else 0.0
+        seen = f"{node.load_age_ms}ms" if node.load_age_ms >= 0 else "never"
+        print(f"{info.node_id:<10} {info.gpu:<6} {info.address:<22} {models:<18} {load.num_running:>4} "
+              f"{load.num_waiting:>4} {f'{load.kv_blocks_used}/{load.kv_blocks_total}':>16} {pct:>5.1f} "
+              f"{info.price_per_hour:>6.2f} {seen:>7}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="baton", description=__doc__)
+    parser.add_argument("--state", default=str(default_state_path()),
+                        help="where `baton up` records the cluster's addresses")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    up = commands.add_parser("up", help="start etcd and the whole mesh on 127.0.0.1")
+    up.add_argument("--nodes", type=int, default=3, help="number of node agents")
+    up.add_argument("--gpus", default="h100", help="GPU generations, cycled over the nodes: h100,a100,l4")
+    up.add_argument("--model", default="sim-llama-3-8b", help="simulated model every node serves")
+    up.add_argument("--router-port", type=int, default=50051, help="router port (0: any free port)")
+    up.add_argument("--speed", type=float, default=1.0, help="sim engine time scale (0: no timing)")
+    up.add_argument("--lease-ttl-s", type=int, default=5, help="etcd lease TTL of every service")
+    up.add_argument("--otel-exporter", default="none", help="span exporter: none, console or file:PATH")
+    up.add_argument("--workdir", default="", help="where logs and etcd data go (default: a temp dir)")
+    up.add_argument("--timeout-s", type=float, default=60.0, help="how long to wait for readiness")
+    up.add_argument("--demo", action="store_true", help="send a demo request once the cluster is up")
+    up.set_defaults(func=cmd_up)
+
+    gen = commands.add_parser("generate", help="stream a completion to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--router", default="", help="router host:port (default: the running `baton up`)")
+    gen.add_argument("--model", default="sim-llama-3-8b")
+    gen.add_argument("--max-tokens", type=int, default=None)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.set_defaults(func=cmd_generate)
+
+    status = commands.add_parser("status", help="nodes, models, load and KV usage")
+    status.add_argument("--scheduler", default="", help="scheduler host:port (default: the running `baton up`)")
+    status.set_defaults(func=cmd_status)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

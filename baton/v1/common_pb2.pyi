@@ -1,0 +1,107 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_ABORT: FinishReason
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "seed", "max_tokens", "stop", "ignore_eos")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    seed: int
+    max_tokens: int
+    stop: _containers.RepeatedCompositeFieldContainer[TokenSequence]
+    ignore_eos: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class TokenSequence(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "max_context_tokens", "tokenizer", "vocab_size", "is_warm")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    IS_WARM_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    max_context_tokens: int
+    tokenizer: str
+    vocab_size: int
+    is_warm: bool
+    def __init__(self, name: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., is_warm: _Optional[bool] = ...) -> None: ...
+
+class NodeInfo(_message.Message):
+    __slots__ = ("node_id", "address", "gpu", "hbm_bytes", "region", "price_per_hour", "models", "kv_block_size", "engine")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    HBM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    PRICE_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    gpu: str
+    hbm_bytes: int
+    region: str
+    price_per_hour: float
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    kv_block_size: int
+    engine: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., gpu: _Optional[str] = ..., hbm_bytes: _Optional[int] = ..., region: _Optional[str] = ..., price_per_hour: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., kv_block_size: _Optional[int] = ..., engine: _Optional[str] = ...) -> None: ...
+
+class NodeLoad(_message.Message):
+    __slots__ = ("node_id", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "active_decode_blocks", "pending_prefill_tokens", "reported_at_ms")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_DECODE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REPORTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    active_decode_blocks: int
+    pending_prefill_tokens: int
+    reported_at_ms: int
+    def __init__(self, node_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., active_decode_blocks: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., reported_at_ms: _Optional[int] = ...) -> None: ...

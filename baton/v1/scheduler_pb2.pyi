@@ -1,0 +1,76 @@
+from baton.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PlaceRequest(_message.Message):
+    __slots__ = ("request_id", "model", "num_prompt_tokens", "block_hashes", "max_tokens", "tenant", "priority", "ttft_budget_ms", "deadline_ms", "workflow_id", "step", "total_steps", "exclude_node_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TTFT_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    WORKFLOW_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    num_prompt_tokens: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    max_tokens: int
+    tenant: str
+    priority: int
+    ttft_budget_ms: int
+    deadline_ms: int
+    workflow_id: str
+    step: int
+    total_steps: int
+    exclude_node_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., ttft_budget_ms: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., workflow_id: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., exclude_node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Placement(_message.Message):
+    __slots__ = ("node_id", "address", "matched_blocks", "cost")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    matched_blocks: int
+    cost: float
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., cost: _Optional[float] = ...) -> None: ...
+
+class ReportLoadAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetClusterStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeState(_message.Message):
+    __slots__ = ("info", "load", "load_age_ms")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    LOAD_AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    info: _common_pb2.NodeInfo
+    load: _common_pb2.NodeLoad
+    load_age_ms: int
+    def __init__(self, info: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.NodeLoad, _Mapping]] = ..., load_age_ms: _Optional[int] = ...) -> None: ...
+
+class ClusterState(_message.Message):
+    __slots__ = ("scheduler_id", "nodes")
+    SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    scheduler_id: str
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeState]
+    def __init__(self, scheduler_id: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ...) -> None: ...

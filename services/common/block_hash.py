@@ -1,0 +1,30 @@
+"""Chained KV block keys, computed the same way by router, kvindex and engines."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+DEFAULT_BLOCK_SIZE = 16
+# Parent of the first block of every chain.
+ROOT_PARENT_HASH = 0
+
+
+def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
+    """Key of one full block: a 64-bit hash of its parent's key and its token ids."""
+    payload = struct.pack(f"<Q{len(token_ids)}i", parent_hash, *token_ids)
+    return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little")
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    parent_hash: int = ROOT_PARENT_HASH,
+) -> list[int]:
+    """Keys of every full block of token_ids; a trailing partial block has none."""
+    hashes: list[int] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent_hash = hash_block(parent_hash, token_ids[start : start + block_size])
+        hashes.append(parent_hash)
+    return hashes

@@ -1,0 +1,77 @@
+"""Service configuration: frozen dataclasses whose fields become CLI flags defaulting from env vars."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
+
+
+def _converter(annotation: Any):
+    """The str -> value function for a field's type (int, float, str, bool)."""
+    if annotation in (bool, "bool"):
+        return _parse_bool
+    if annotation in (int, "int"):
+        return int
+    if annotation in (float, "float"):
+        return float
+    return str
+
+
+def parse_config(cls: type[T], env_prefix: str, argv: Sequence[str] | None = None) -> T:
+    """Build cls from `--field-name` flags, each defaulting from `<env_prefix>_FIELD_NAME`.
+
+    A field's docstring is its `help` metadata; its dataclass default applies when
+    neither flag nor env var is given.
+    """
+    parser = argparse.ArgumentParser(prog=cls.__module__.rsplit(".", 1)[0], description=cls.__doc__)
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        env_name = f"{env_prefix}_{field.name.upper()}"
+        convert = _converter(hints[field.name])
+        if env_name in os.environ:
+            default = convert(os.environ[env_name])
+        elif field.default is not dataclasses.MISSING:
+            default = field.default
+        else:
+            default = None
+        parser.add_argument(
+            f"--{field.name.replace('_', '-')}",
+            dest=field.name,
+            type=convert,
+            default=default,
+            required=default is None and field.default is dataclasses.MISSING,
+            help=f"{field.metadata.get('help', '')} [env {env_name}; default {default!r}]",
+        )
+    args = parser.parse_args(argv)
+    try:
+        return cls(**vars(args))
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+def doc(text: str, default: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field with a one-line help text."""
+    return dataclasses.field(default=default, metadata={"help": text})
+
+
+def check_listen(name: str, value: str) -> None:
+    """Raise ValueError unless value looks like host:port."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"--{name.replace('_', '-')}: expected host:port, got {value!r}")

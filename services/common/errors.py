@@ -1,0 +1,54 @@
+"""Domain errors, mapped to gRPC status codes once, at the servicer boundary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+
+class BatonError(Exception):
+    """An error with a gRPC status code and a message naming what was wrong."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(BatonError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, field: str, value: Any, reason: str) -> None:
+        shown = repr(value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        super().__init__(f"{field}={shown}: {reason}")
+        self.field = field
+
+
+class NotFound(BatonError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class Unavailable(BatonError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class ResourceExhausted(BatonError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_ms: int) -> None:
+        super().__init__(f"{message}; retry after {retry_after_ms} ms")
+        self.retry_after_ms = retry_after_ms
+
+
+async def abort(context: grpc.aio.ServicerContext, error: BatonError) -> None:
+    """End the RPC with error's status; raises, like context.abort."""
+    if isinstance(error, ResourceExhausted):
+        context.set_trailing_metadata((("retry-after-ms", str(error.retry_after_ms)),))
+    await context.abort(error.code, str(error))
+
+
+def from_rpc_error(error: grpc.aio.AioRpcError) -> BatonError:
+    """Carry a downstream status through to our caller, keeping its code and message."""
+    result = BatonError(error.details() or error.code().name)
+    result.code = error.code()
+    return result

@@ -1,0 +1,18 @@
+"""The etcd key layout (see docs/etcd.md)."""
+
+PREFIX = "/baton/"
+NODES = PREFIX + "nodes/"
+SERVICES = PREFIX + "services/"
+
+
+def node_key(node_id: str) -> str:
+    return NODES + node_id
+
+
+def service_prefix(kind: str) -> str:
+    """Prefix under which every instance of a service kind ("scheduler", "kvindex", "router") registers."""
+    return f"{SERVICES}{kind}/"
+
+
+def service_key(kind: str, instance_id: str) -> str:
+    return service_prefix(kind) + instance_id

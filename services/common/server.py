@@ -1,0 +1,95 @@
+"""Server bootstrap shared by every service: health, reflection, tracing, signals, ordered shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Coroutine, Sequence
+from typing import Any, Protocol
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+
+class Service(Protocol):
+    """What a process plugs into `serve`."""
+
+    #: Full gRPC service names, for health and reflection, e.g. "baton.v1.Router".
+    service_names: Sequence[str]
+
+    def register(self, server: grpc.aio.Server) -> None:
+        """Add the servicers to server."""
+
+    def background(self) -> Sequence[Coroutine[Any, Any, None]]:
+        """Loops that run while the server serves; one dying stops the process."""
+
+    async def before_stop(self) -> None:
+        """Stop taking new work (deregister, resign); in-flight RPCs still run after this."""
+
+    async def close(self) -> None:
+        """Release clients and channels, after the server has stopped."""
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+async def serve(
+    service: Service,
+    listen: str,
+    telemetry: Telemetry,
+    grace_s: float = 10.0,
+    started: asyncio.Event | None = None,
+) -> int:
+    """Serve until SIGTERM/SIGINT, then shut down in order; returns the process exit code."""
+    server = grpc.aio.server(interceptors=telemetry.server_interceptors())
+    service.register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*service.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        log.error("cannot bind %s", listen)
+        return 2
+    await server.start()
+
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+
+    exit_code = 0
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            loops = [tasks.create_task(coro) for coro in service.background()]
+            for name in ("", *service.service_names):
+                await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+            log.info("serving %s on %s", ", ".join(service.service_names), listen)
+            if started is not None:
+                started.set()
+            await stopping.wait()
+            log.info("shutting down")
+            await health_servicer.enter_graceful_shutdown()
+            await service.before_stop()
+            await server.stop(grace_s)
+            for task in loops:
+                task.cancel()
+    except* Exception:
+        log.exception("a background loop failed; stopping")
+        exit_code = 1
+        await server.stop(0)
+    finally:
+        await service.close()
+        telemetry.shutdown()
+    return exit_code

@@ -1,0 +1,106 @@
+"""OpenTelemetry set-up: a tracer provider per process, trace context carried in gRPC metadata."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Sequence
+
+import grpc
+from opentelemetry import metrics, trace
+from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
+from opentelemetry.instrumentation.grpc.filters import service_prefix
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SpanExporter,
+    SpanExportResult,
+)
+
+
+class JsonLinesSpanExporter(SpanExporter):
+    """Appends one JSON object per finished span to a file (several processes may share it)."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        lines = []
+        for span in spans:
+            ctx = span.get_span_context()
+            parent = span.parent
+            lines.append(
+                json.dumps(
+                    {
+                        "service": span.resource.attributes.get("service.name"),
+                        "name": span.name,
+                        "trace_id": f"{ctx.trace_id:032x}",
+                        "span_id": f"{ctx.span_id:016x}",
+                        "parent_span_id": f"{parent.span_id:016x}" if parent else None,
+                        "attributes": {k: _plain(v) for k, v in (span.attributes or {}).items()},
+                    }
+                )
+            )
+        with self._lock, open(self._path, "a", encoding="utf-8") as out:
+            out.write("".join(line + "\n" for line in lines))
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _plain(value: object) -> object:
+    return list(value) if isinstance(value, tuple) else value
+
+
+class Telemetry:
+    """The process's tracer and meter providers, and the gRPC interceptors that use them."""
+
+    def __init__(self, service_name: str, exporter: str) -> None:
+        resource = Resource.create({"service.name": service_name})
+        self.tracer_provider = TracerProvider(resource=resource)
+        span_exporter: SpanExporter | None = None
+        metric_readers = []
+        if exporter == "console":
+            span_exporter = ConsoleSpanExporter()
+            metric_readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter(), 10_000))
+        elif exporter.startswith("file:"):
+            span_exporter = JsonLinesSpanExporter(exporter.removeprefix("file:"))
+        elif exporter != "none":
+            raise ValueError(f"--otel-exporter: expected none, console or file:PATH, got {exporter!r}")
+        if span_exporter is not None:
+            self.tracer_provider.add_span_processor(
+                BatchSpanProcessor(span_exporter, schedule_delay_millis=200)
+            )
+        self.meter_provider = MeterProvider(resource=resource, metric_readers=metric_readers)
+        # Make the providers global so that library instrumentation finds them too.
+        trace.set_tracer_provider(self.tracer_provider)
+        metrics.set_meter_provider(self.meter_provider)
+        self.tracer = self.tracer_provider.get_tracer(service_name)
+        self.meter = self.meter_provider.get_meter(service_name)
+
+    def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        # Only Baton's own services: the interceptor cannot wrap grpc.health's coroutine-style
+        # Watch stream, and health/reflection traffic is not worth tracing anyway.
+        return [aio_server_interceptor(tracer_provider=self.tracer_provider,
+                                       filter_=service_prefix("baton."))]
+
+    def client_interceptors(self) -> list[grpc.aio.ClientInterceptor]:
+        return list(aio_client_interceptors(tracer_provider=self.tracer_provider))
+
+    def insecure_channel(self, address: str) -> grpc.aio.Channel:
+        """A channel whose calls carry the current trace context."""
+        return grpc.aio.insecure_channel(address, interceptors=self.client_interceptors())
+
+    def shutdown(self) -> None:
+        try:
+            self.tracer_provider.shutdown()
+            self.meter_provider.shutdown()
+        except Exception:  # noqa: BLE001 - telemetry must never block shutdown
+            logging.getLogger(__name__).exception("telemetry shutdown failed")

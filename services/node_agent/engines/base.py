@@ -1,0 +1,45 @@
+"""The one interface every engine (sim, vllm) offers the node agent."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from services.node_agent.engines.types import EngineLoad, EngineRequest, KVEvent, RequestOutput
+
+
+class EngineInputError(ValueError):
+    """A request the engine cannot take (bad length, duplicate id); names the field."""
+
+    def __init__(self, field: str, value: object, reason: str) -> None:
+        super().__init__(reason)
+        self.field = field
+        self.value = value
+        self.reason = reason
+
+
+class Engine(Protocol):
+    """An inference engine for one model, driven in real time."""
+
+    model: str
+    max_context_tokens: int
+    vocab_size: int
+    tokenizer: str
+    kv_block_size: int
+    #: Set when a request arrives, finishes or is aborted, so load is reported at once.
+    load_changed: asyncio.Event
+
+    async def run(self) -> None:
+        """The engine loop; runs until cancelled."""
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Outputs as they are produced, several steps merged when the reader is slow.
+
+        Closing the iterator early aborts the request and frees its KV blocks.
+        """
+
+    def load(self) -> EngineLoad: ...
+
+    async def next_kv_events(self) -> list[KVEvent]:
+        """Wait for and take the KV events produced since the last call."""

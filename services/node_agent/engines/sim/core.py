@@ -1,0 +1,230 @@
+"""The simulated engine's pure core: vLLM-v1-style continuous batching over a paged KV cache."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from services.node_agent.engines.sim.kv_cache import KVCache
+from services.node_agent.engines.sim.models import SimModelSpec
+from services.node_agent.engines.sim.sequence import SimSequence
+from services.node_agent.engines.sim.timing import TimingModel
+from services.node_agent.engines.sim.tokens import next_token
+from services.node_agent.engines.types import (
+    EngineLoad,
+    EngineRequest,
+    FinishReason,
+    KVEvent,
+    RequestOutput,
+    StepResult,
+)
+
+
+class SimEngineCore:
+    """Schedules, "executes" and times engine steps; no clock, no I/O.
+
+    Each step() returns how long it would take on the modelled GPU; the caller
+    decides whether to sleep that long (node agent) or advance a virtual clock.
+    """
+
+    def __init__(
+        self,
+        model: SimModelSpec,
+        timing: TimingModel,
+        num_kv_blocks: int,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+    ) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_seqs={max_num_seqs} and max_num_batched_tokens={max_num_batched_tokens} "
+                "must both be >= 1"
+            )
+        self.model = model
+        self.timing = timing
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self._cache = KVCache(num_kv_blocks, block_size)
+        self._requests: dict[str, SimSequence] = {}
+        self._waiting: deque[SimSequence] = deque()
+        # In admission order: the tail is the first to be preempted.
+        self._running: list[SimSequence] = []
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; ValueError if it is a duplicate or could never be served."""
+        rid = request.request_id
+        prompt = request.prompt_token_ids
+        max_tokens = request.sampling.max_tokens
+        if rid in self._requests:
+            raise ValueError(f"request_id {rid!r} is already running")
+        if not prompt:
+            raise ValueError(f"request {rid!r}: prompt_token_ids is empty")
+        if max_tokens < 1:
+            raise ValueError(f"request {rid!r}: max_tokens={max_tokens} must be >= 1")
+        bad = next((t for t in prompt if not 0 <= t < self.model.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"request {rid!r}: token id {bad} is outside the vocabulary 0..{self.model.vocab_size - 1}"
+            )
+        if len(prompt) + max_tokens > self.model.max_context_tokens:
+            raise ValueError(
+                f"request {rid!r}: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"{self.model.name}'s context of {self.model.max_context_tokens}"
+            )
+        # The final token's KV is never computed, hence the - 1.
+        num_blocks_needed = -(-(len(prompt) + max_tokens - 1) // self.block_size)
+        if num_blocks_needed > self._cache.num_total_blocks:
+            raise ValueError(
+                f"request {rid!r}: needs {num_blocks_needed} KV blocks, "
+                f"the cache has {self._cache.num_total_blocks}"
+            )
+        seq = SimSequence(request, self.block_size)
+        self._requests[rid] = seq
+        self._waiting.append(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Drop a request now and free its blocks; its ABORT output is returned here, never by step()."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return None
+        if seq in self._running:
+            self._running.remove(seq)
+        else:
+            self._waiting.remove(seq)
+        self._cache.free(request_id)
+        return self._output(seq, [], FinishReason.ABORT)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self._requests)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached blocks; AllBlocksCleared goes out with the next events."""
+        self._cache.reset()
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        """KV events not yet returned by step() (e.g. a reset while idle)."""
+        return self._cache.drain_events()
+
+    def load(self) -> EngineLoad:
+        """Queue depths and KV usage right now."""
+        return EngineLoad(
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            kv_blocks_used=self._cache.num_used_blocks,
+            kv_blocks_total=self._cache.num_total_blocks,
+            active_decode_blocks=sum(
+                self._cache.num_blocks_held(seq.request_id) for seq in self._running if not seq.is_prefilling
+            ),
+            pending_prefill_tokens=sum(seq.num_uncomputed_tokens for seq in self._waiting)
+            + sum(seq.num_uncomputed_tokens for seq in self._running if seq.is_prefilling),
+        )
+
+    def step(self) -> StepResult:
+        """Schedule one batch, produce its tokens and return its modelled duration."""
+        scheduled = self._schedule()
+        decode = [(seq, n) for seq, n in scheduled if not seq.is_prefilling]
+        duration_ms = self.timing.step_ms(
+            decode_seqs=len(decode),
+            decode_context_tokens=sum(seq.num_computed_tokens + n for seq, n in decode),
+            prefill_chunks=[n for seq, n in scheduled if seq.is_prefilling],
+        )
+        outputs: list[RequestOutput] = []
+        for seq, num_new in scheduled:
+            seq.num_computed_tokens += num_new
+            self._cache.commit_full_blocks(
+                seq.request_id,
+                seq.block_hashes[: seq.num_computed_tokens // self.block_size],
+                seq.token_ids,
+            )
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a chunk of a longer prefill: no token yet
+            seq.is_prefilling = False
+            output = self._sample(seq)
+            outputs.append(output)
+            if output.finish_reason is not None:
+                self._finish(seq)
+        return StepResult(
+            duration_s=duration_ms / 1000.0, outputs=outputs, kv_events=self._cache.drain_events()
+        )
+
+    def _schedule(self) -> list[tuple[SimSequence, int]]:
+        """Pick this step's (request, new tokens) pairs: running first, then waiting FCFS."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[SimSequence, int]] = []
+        has_preempted = False
+        index = 0
+        while index < len(self._running) and budget > 0:
+            seq = self._running[index]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self._cache.allocate(seq.request_id, seq.num_computed_tokens + num_new):
+                victim = self._running.pop()
+                self._preempt(victim)
+                has_preempted = True
+                if victim is seq:
+                    break
+            else:
+                scheduled.append((seq, num_new))
+                budget -= num_new
+                index += 1
+        # Like vLLM, admit nobody in a step that had to preempt: memory is the bottleneck.
+        while not has_preempted and self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
+            seq = self._waiting[0]
+            # Full blocks only, and never the last token: something must be computed to sample from.
+            hits = self._cache.match_prefix(seq.block_hashes[: (seq.num_tokens - 1) // self.block_size])
+            num_computed = len(hits) * self.block_size
+            num_new = min(seq.num_tokens - num_computed, budget)
+            if not self._cache.allocate(seq.request_id, num_computed + num_new, hits):
+                break
+            self._waiting.popleft()
+            self._running.append(seq)
+            seq.num_computed_tokens = num_computed
+            seq.is_prefilling = True
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = num_computed
+            scheduled.append((seq, num_new))
+            budget -= num_new
+        return scheduled
+
+    def _preempt(self, seq: SimSequence) -> None:
+        """Free a running request's blocks and requeue it first; it recomputes, keeping its tokens."""
+        self._cache.free(seq.request_id)
+        seq.num_computed_tokens = 0
+        seq.is_prefilling = True
+        self._waiting.appendleft(seq)
+
+    def _sample(self, seq: SimSequence) -> RequestOutput:
+        """Choose the next token of a request whose whole context is computed, and check stops."""
+        sampling = seq.sampling
+        eos = self.model.eos_token_id
+        token = next_token(seq.hasher.state, seq.num_tokens, sampling, eos)
+        # EOS ends the request but is not emitted: consumers only ever see byte tokens.
+        if token == eos and not sampling.ignore_eos:
+            return self._output(seq, [], FinishReason.STOP)
+        seq.append_token(token)
+        finish: FinishReason | None = None
+        if any(seq.ends_with(stop) for stop in sampling.stop):
+            finish = FinishReason.STOP
+        elif seq.num_completion_tokens >= sampling.max_tokens:
+            finish = FinishReason.LENGTH
+        return self._output(seq, [token], finish)
+
+    def _finish(self, seq: SimSequence) -> None:
+        """Retire a finished request; its full blocks stay cached until evicted."""
+        self._running.remove(seq)
+        del self._requests[seq.request_id]
+        self._cache.free(seq.request_id)
+
+    def _output(
+        self, seq: SimSequence, new_token_ids: list[int], finish: FinishReason | None
+    ) -> RequestOutput:
+        """A RequestOutput with the request's running usage counts."""
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_token_ids,
+            finish_reason=finish,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            num_completion_tokens=seq.num_completion_tokens,
+        )

@@ -1,0 +1,117 @@
+"""The simulated engine in real time: drives SimEngineCore's steps on the event loop's clock."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from services.node_agent.engines.base import EngineInputError
+from services.node_agent.engines.sim.core import SimEngineCore
+from services.node_agent.engines.types import (
+    EngineLoad,
+    EngineRequest,
+    KVEvent,
+    RequestOutput,
+)
+
+log = logging.getLogger(__name__)
+
+# Behind schedule by more than this, the clock is reset rather than caught up in a burst.
+_MAX_LAG_S = 0.05
+
+
+class _OutputBuffer:
+    """Outputs of one request not yet read; a slow reader gets them merged."""
+
+    def __init__(self) -> None:
+        self._pending: list[RequestOutput] = []
+        self._ready = asyncio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        self._pending.append(output)
+        self._ready.set()
+
+    async def take(self) -> RequestOutput:
+        await self._ready.wait()
+        self._ready.clear()
+        pending, self._pending = self._pending, []
+        merged = pending[-1]
+        if len(pending) > 1:
+            merged.new_token_ids = [t for output in pending for t in output.new_token_ids]
+        return merged
+
+
+class SimEngine:
+    """Runs the simulated engine core in real time, scaled by `speed` (0: no waiting at all)."""
+
+    tokenizer = "byte"
+
+    def __init__(self, core: SimEngineCore, model: str, speed: float) -> None:
+        self._core = core
+        self._speed = speed
+        self.model = model
+        self.max_context_tokens = core.model.max_context_tokens
+        self.vocab_size = core.model.vocab_size
+        self.kv_block_size = core.block_size
+        self._buffers: dict[str, _OutputBuffer] = {}
+        self._wake = asyncio.Event()
+        self._kv_events: list[KVEvent] = []
+        self._kv_ready = asyncio.Event()
+        self.load_changed = asyncio.Event()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time()
+        while True:
+            if not self._core.has_unfinished_requests():
+                self._wake.clear()
+                await self._wake.wait()
+                deadline = loop.time()
+            result = self._core.step()
+            if self._speed > 0:
+                # The step's outputs exist only once the modelled GPU time has passed.
+                deadline = max(deadline + result.duration_s / self._speed, loop.time() - _MAX_LAG_S)
+                await asyncio.sleep(max(0.0, deadline - loop.time()))
+            else:
+                await asyncio.sleep(0)
+            for output in result.outputs:
+                if output.finish_reason is not None:
+                    self.load_changed.set()
+                buffer = self._buffers.get(output.request_id)
+                if buffer is not None:
+                    buffer.put(output)
+            if result.kv_events:
+                self._kv_events.extend(result.kv_events)
+                self._kv_ready.set()
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        try:
+            self._core.add_request(request)
+        except ValueError as exc:
+            raise EngineInputError("request", request.request_id, str(exc)) from exc
+        buffer = self._buffers[request.request_id] = _OutputBuffer()
+        self._wake.set()
+        self.load_changed.set()
+        finished = False
+        try:
+            while not finished:
+                output = await buffer.take()
+                finished = output.finish_reason is not None
+                yield output
+        finally:
+            del self._buffers[request.request_id]
+            if not finished:
+                # Reader went away (client cancelled, stream closed): free the KV blocks now.
+                self._core.abort_request(request.request_id)
+                self._wake.set()
+                self.load_changed.set()
+
+    def load(self) -> EngineLoad:
+        return self._core.load()
+
+    async def next_kv_events(self) -> list[KVEvent]:
+        await self._kv_ready.wait()
+        self._kv_ready.clear()
+        events, self._kv_events = self._kv_events, []
+        return events

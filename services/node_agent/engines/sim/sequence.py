@@ -1,0 +1,60 @@
+"""Per-request state of the simulated engine: tokens, progress and block keys."""
+
+from __future__ import annotations
+
+from services.common.block_hash import ROOT_PARENT_HASH, hash_block
+from services.node_agent.engines.sim.tokens import ContextHasher
+from services.node_agent.engines.types import EngineRequest, SamplingParams
+
+
+class SimSequence:
+    """One request's tokens (prompt then completion) and how far its KV has been computed."""
+
+    def __init__(self, request: EngineRequest, block_size: int) -> None:
+        self.request_id = request.request_id
+        self.sampling: SamplingParams = request.sampling
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.block_size = block_size
+        self.hasher = ContextHasher.from_tokens(self.token_ids)
+        # Chained keys of every full block of token_ids, kept current as tokens arrive.
+        self.block_hashes: list[int] = []
+        self._extend_block_hashes()
+        # Tokens whose KV is in the cache; reset to 0 when the request is preempted.
+        self.num_computed_tokens = 0
+        # True from (re)admission until the step that computes its last token.
+        self.is_prefilling = True
+        # Prefix-cache hit on first admission; a preempted request keeps its first value.
+        self.num_cached_tokens: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus completion tokens so far."""
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        """Completion tokens emitted so far."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose KV still has to be computed."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def ends_with(self, stop: tuple[int, ...]) -> bool:
+        """Whether the completion ends with stop (a stop sequence never reaches into the prompt)."""
+        return 0 < len(stop) <= self.num_completion_tokens and tuple(self.token_ids[-len(stop) :]) == stop
+
+    def append_token(self, token_id: int) -> None:
+        """Add a generated token to the context."""
+        self.token_ids.append(token_id)
+        self.hasher.extend(token_id)
+        self._extend_block_hashes()
+
+    def _extend_block_hashes(self) -> None:
+        """Hash any newly completed full blocks, chaining from the last known key."""
+        size = self.block_size
+        for start in range(len(self.block_hashes) * size, len(self.token_ids) - size + 1, size):
+            parent = self.block_hashes[-1] if self.block_hashes else ROOT_PARENT_HASH
+            self.block_hashes.append(hash_block(parent, self.token_ids[start : start + size]))

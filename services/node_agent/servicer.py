@@ -1,0 +1,129 @@
+"""NodeAgent gRPC service: protobuf <-> the engine; etcd registration, KV events and load reports."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from baton.v1 import common_pb2, node_agent_pb2, node_agent_pb2_grpc
+from services.common import etcd_keys
+from services.common.directory import ServiceDirectory
+from services.common.errors import InvalidArgument, NotFound, abort
+from services.common.etcd_session import LeaseSession, connect
+from services.common.telemetry import Telemetry
+from services.node_agent.config import NodeAgentConfig
+from services.node_agent.engines.base import Engine, EngineInputError
+from services.node_agent.engines.types import EngineRequest, FinishReason, SamplingParams
+from services.node_agent.kv_publisher import KvEventLog, publish_to_kvindex
+from services.node_agent.load_reporter import load_message, report_load
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_from_proto(sampling: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p or 1.0,
+        seed=sampling.seed if sampling.HasField("seed") else None,
+        stop=tuple(tuple(seq.token_ids) for seq in sampling.stop),
+        ignore_eos=sampling.ignore_eos,
+    )
+
+
+class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
+    service_names = ("baton.v1.NodeAgent",)
+
+    def __init__(self, config: NodeAgentConfig, engine: Engine, node_info: common_pb2.NodeInfo,
+                 telemetry: Telemetry) -> None:
+        self._config = config
+        self._engine = engine
+        self._node_info = node_info
+        self._etcd = connect(config.etcd)
+        self._session = LeaseSession(self._etcd, config.lease_ttl_s)
+        self._schedulers = ServiceDirectory(self._etcd, "scheduler", telemetry)
+        self._kvindexes = ServiceDirectory(self._etcd, "kvindex", telemetry)
+        self._kv_log = KvEventLog(config.node_id, engine.model)
+        self._tokens = telemetry.meter.create_counter(
+            "baton.node.generated_tokens", description="tokens generated on this node"
+        )
+
+    def register(self, server: grpc.aio.Server) -> None:
+        node_agent_pb2_grpc.add_NodeAgentServicer_to_server(self, server)
+
+    def background(self) -> Sequence[Coroutine[Any, Any, None]]:
+        return [
+            self._engine.run(),
+            self._register(),
+            self._session.keep_alive(),
+            self._schedulers.run(),
+            self._kvindexes.run(),
+            self._kv_log.follow(self._engine),
+            publish_to_kvindex(self._kv_log, self._kvindexes),
+            report_load(self._config.node_id, self._engine, self._schedulers,
+                        self._config.load_report_interval_s),
+        ]
+
+    async def _register(self) -> None:
+        value = json_format.MessageToJson(self._node_info, indent=None).encode()
+        await self._session.put(etcd_keys.node_key(self._config.node_id), value)
+
+    async def before_stop(self) -> None:
+        # Leave the candidate set first; streams already running finish during the grace period.
+        await self._session.revoke()
+
+    async def close(self) -> None:
+        await self._schedulers.close()
+        await self._kvindexes.close()
+        await self._etcd.close()
+
+    async def Generate(
+        self, request: node_agent_pb2.NodeGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[node_agent_pb2.NodeGenerateChunk]:
+        if request.model != self._engine.model:
+            await abort(context, NotFound(f"model={request.model!r}: not served by node {self._config.node_id}"))
+        sampling = sampling_from_proto(request.sampling)
+        engine_request = EngineRequest(
+            request_id=request.request_id,
+            prompt_token_ids=tuple(request.prompt_token_ids),
+            sampling=sampling,
+        )
+        index = 0
+        try:
+            async for output in self._engine.generate(engine_request):
+                chunk = node_agent_pb2.NodeGenerateChunk(
+                    request_id=request.request_id,
+                    token_ids=output.new_token_ids,
+                    index=index,
+                    finish_reason=FINISH_REASONS[output.finish_reason],
+                    node_id=self._config.node_id,
+                )
+                index += len(output.new_token_ids)
+                self._tokens.add(len(output.new_token_ids), {"model": request.model})
+                if output.finish_reason is not None:
+                    chunk.usage.CopyFrom(
+                        common_pb2.Usage(
+                            prompt_tokens=output.num_prompt_tokens,
+                            cached_tokens=output.num_cached_tokens,
+                            completion_tokens=output.num_completion_tokens,
+                        )
+                    )
+                yield chunk
+        except EngineInputError as exc:
+            await abort(context, InvalidArgument(exc.field, exc.value, exc.reason))
+
+    async def GetLoad(
+        self, request: node_agent_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.NodeLoad:
+        return load_message(self._config.node_id, self._engine)

@@ -1,0 +1,34 @@
+"""The models the cluster serves, derived from node registrations."""
+
+from __future__ import annotations
+
+import logging
+
+from google.protobuf import json_format
+
+from baton.v1 import common_pb2
+from services.router.validation import ModelEntry
+
+log = logging.getLogger(__name__)
+
+
+def models_from_registrations(items: dict[str, bytes]) -> dict[str, ModelEntry]:
+    """One entry per model name, counting the nodes where it is warm."""
+    entries: dict[str, ModelEntry] = {}
+    for key, value in items.items():
+        try:
+            info = json_format.Parse(value, common_pb2.NodeInfo())
+        except json_format.ParseError:
+            log.warning("malformed node registration at %s", key)
+            continue
+        for model in info.models:
+            known = entries.get(model.name)
+            warm = (known.num_warm_nodes if known else 0) + int(model.is_warm)
+            entries[model.name] = ModelEntry(
+                name=model.name,
+                max_context_tokens=model.max_context_tokens,
+                tokenizer=model.tokenizer,
+                vocab_size=model.vocab_size,
+                num_warm_nodes=warm,
+            )
+    return entries

@@ -1,0 +1,121 @@
+"""Check a client's GenerateRequest and turn it into what the node agent needs. Pure."""
+
+from __future__ import annotations
+
+import math
+import random
+import uuid
+from dataclasses import dataclass
+
+from baton.v1 import common_pb2, router_pb2
+from services.common.errors import InvalidArgument, NotFound
+from services.router.tokenizer import TOKENIZERS
+
+MAX_STOP_SEQUENCES = 16
+MAX_REQUEST_ID_LEN = 128
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A model as the cluster's registrations describe it."""
+
+    name: str
+    max_context_tokens: int
+    tokenizer: str
+    vocab_size: int
+    num_warm_nodes: int
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    request_id: str
+    model: ModelEntry
+    prompt_token_ids: list[int]
+    sampling: common_pb2.SamplingParams
+
+
+def validate(
+    request: router_pb2.GenerateRequest,
+    models: dict[str, ModelEntry],
+    default_max_tokens: int,
+    rng: random.Random,
+) -> ValidRequest:
+    """The checked request; InvalidArgument or NotFound naming the field and value otherwise."""
+    if not request.model:
+        raise InvalidArgument("model", request.model, "required")
+    model = models.get(request.model)
+    if model is None:
+        known = ", ".join(sorted(models)) or "none"
+        raise NotFound(f"model={request.model!r}: not served by this cluster (served: {known})")
+    tokenizer = TOKENIZERS.get(model.tokenizer)
+    if tokenizer is None:
+        raise InvalidArgument("model", request.model, f"tokenizer {model.tokenizer!r} unsupported by this router")
+    if len(request.request_id) > MAX_REQUEST_ID_LEN:
+        raise InvalidArgument("request_id", request.request_id, f"longer than {MAX_REQUEST_ID_LEN} characters")
+
+    kind = request.WhichOneof("input")
+    if kind is None:
+        raise InvalidArgument("prompt", "", "required (prompt or prompt_token_ids)")
+    if kind == "prompt":
+        if not request.prompt:
+            raise InvalidArgument("prompt", request.prompt, "must not be empty")
+        prompt = tokenizer.encode(request.prompt)
+    else:
+        prompt = list(request.prompt_token_ids.ids)
+        if not prompt:
+            raise InvalidArgument("prompt_token_ids", [], "must not be empty")
+        for i, token in enumerate(prompt):
+            if not 0 <= token < model.vocab_size:
+                raise InvalidArgument(
+                    f"prompt_token_ids[{i}]", token, f"outside the vocabulary [0, {model.vocab_size})"
+                )
+
+    context = model.max_context_tokens
+    if len(prompt) >= context:
+        raise InvalidArgument("prompt", f"{len(prompt)} tokens", f"does not fit the context window of {context}")
+    room = context - len(prompt)
+    if request.HasField("max_tokens"):
+        if request.max_tokens <= 0:
+            raise InvalidArgument("max_tokens", request.max_tokens, "must be positive")
+        if request.max_tokens > room:
+            raise InvalidArgument(
+                "max_tokens", request.max_tokens,
+                f"prompt ({len(prompt)} tokens) + max_tokens exceeds the context window of {context}",
+            )
+        max_tokens = request.max_tokens
+    else:
+        max_tokens = min(default_max_tokens, room)
+
+    if not math.isfinite(request.temperature) or request.temperature < 0:
+        raise InvalidArgument("temperature", request.temperature, "must be 0 (greedy) or positive")
+    if not math.isfinite(request.top_p) or not 0 <= request.top_p <= 1:
+        raise InvalidArgument("top_p", request.top_p, "must be in (0, 1]; 0 means 1")
+    if len(request.stop) > MAX_STOP_SEQUENCES:
+        raise InvalidArgument("stop", f"{len(request.stop)} sequences", f"at most {MAX_STOP_SEQUENCES}")
+    for i, stop in enumerate(request.stop):
+        if not stop:
+            raise InvalidArgument(f"stop[{i}]", stop, "must not be empty")
+    for field in ("ttft_budget_ms", "deadline_ms", "step", "total_steps"):
+        if getattr(request, field) < 0:
+            raise InvalidArgument(field, getattr(request, field), "must not be negative")
+    if request.total_steps and request.step > request.total_steps:
+        raise InvalidArgument("step", request.step, f"beyond total_steps={request.total_steps}")
+
+    sampling = common_pb2.SamplingParams(
+        temperature=request.temperature,
+        top_p=request.top_p or 1.0,
+        max_tokens=max_tokens,
+        stop=[common_pb2.TokenSequence(token_ids=tokenizer.encode(s)) for s in request.stop],
+        ignore_eos=request.ignore_eos,
+    )
+    if request.HasField("seed"):
+        sampling.seed = request.seed
+    elif request.temperature > 0:
+        # A sampled request gets a seed here, so that any replay of it is exact.
+        sampling.seed = rng.getrandbits(63)
+    return ValidRequest(
+        request_id=request.request_id or uuid.uuid4().hex,
+        model=model,
+        prompt_token_ids=prompt,
+        sampling=sampling,
+    )

@@ -1,0 +1,175 @@
+"""Scheduler gRPC service: protobuf <-> the cluster view and placement policy."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from baton.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.common import etcd_keys
+from services.common.directory import ServiceDirectory
+from services.common.errors import BatonError, NotFound, Unavailable, abort
+from services.common.etcd_session import LeaseSession, PrefixView, connect
+from services.common.telemetry import Telemetry
+from services.scheduler.cluster import ClusterView, LoadReport, NodeSpec
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.policy import KvLoadPolicy, PlacementRequest
+
+log = logging.getLogger(__name__)
+
+
+def node_spec_from_json(value: bytes) -> NodeSpec:
+    info = json_format.Parse(value, common_pb2.NodeInfo())
+    return NodeSpec(
+        node_id=info.node_id,
+        address=info.address,
+        gpu=info.gpu,
+        price_per_hour=info.price_per_hour,
+        warm_models=frozenset(m.name for m in info.models if m.is_warm),
+        kv_block_size=info.kv_block_size or 16,
+    )
+
+
+def load_from_proto(load: common_pb2.NodeLoad) -> LoadReport:
+    return LoadReport(
+        num_running=load.num_running,
+        num_waiting=load.num_waiting,
+        kv_blocks_used=load.kv_blocks_used,
+        kv_blocks_total=load.kv_blocks_total,
+        active_decode_blocks=load.active_decode_blocks,
+        pending_prefill_tokens=load.pending_prefill_tokens,
+    )
+
+
+class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+    service_names = ("baton.v1.Scheduler",)
+
+    def __init__(self, config: SchedulerConfig, telemetry: Telemetry) -> None:
+        self._config = config
+        self._telemetry = telemetry
+        self._cluster = ClusterView(load_timeout_s=config.load_timeout_s)
+        self._policy = KvLoadPolicy(config.prefill_load_scale)
+        self._node_infos: dict[str, common_pb2.NodeInfo] = {}
+        self._etcd = connect(config.etcd)
+        self._session = LeaseSession(self._etcd, config.lease_ttl_s)
+        self._nodes = PrefixView(self._etcd, etcd_keys.NODES, self._on_nodes_changed)
+        self._kvindexes = ServiceDirectory(self._etcd, "kvindex", telemetry)
+        self._placements = telemetry.meter.create_counter(
+            "baton.scheduler.placements", description="placement decisions, by outcome"
+        )
+
+    def register(self, server: grpc.aio.Server) -> None:
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(self, server)
+
+    def background(self) -> Sequence[Coroutine[Any, Any, None]]:
+        return [self._register(), self._session.keep_alive(), self._nodes.run(), self._kvindexes.run()]
+
+    async def _register(self) -> None:
+        value = json.dumps({"address": self._config.listen}).encode()
+        await self._session.put(etcd_keys.service_key("scheduler", self._config.instance_id), value)
+
+    def _on_nodes_changed(self, items: dict[str, bytes]) -> None:
+        specs, infos = [], {}
+        for key, value in items.items():
+            try:
+                spec = node_spec_from_json(value)
+                infos[spec.node_id] = json_format.Parse(value, common_pb2.NodeInfo())
+            except json_format.ParseError:
+                log.warning("malformed node registration at %s", key)
+                continue
+            specs.append(spec)
+        self._node_infos = infos
+        self._cluster.set_nodes(specs)
+
+    async def before_stop(self) -> None:
+        await self._session.revoke()
+
+    async def close(self) -> None:
+        await self._kvindexes.close()
+        await self._etcd.close()
+
+    async def _overlap(self, model: str, block_hashes: Sequence[int]) -> dict[str, int]:
+        """Cached leading blocks per node, from any kvindex replica; empty when none answers in time."""
+        if not block_hashes:
+            return {}
+        request = kvindex_pb2.OverlapRequest(model=model, block_hashes=block_hashes)
+        for address in self._kvindexes.addresses():
+            stub = kvindex_pb2_grpc.KVIndexStub(self._kvindexes.channel(address))
+            try:
+                reply = await stub.QueryOverlap(request, timeout=self._config.kvindex_timeout_s)
+                return dict(reply.matched_blocks)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("kvindex %s overlap query failed: %s", address, exc.code().name)
+        return {}
+
+    async def Place(
+        self, request: scheduler_pb2.PlaceRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.Placement:
+        try:
+            now = time.monotonic()
+            if not self._cluster.has_model(request.model):
+                raise NotFound(f"model={request.model!r}: no registered node serves it")
+            candidates = self._cluster.candidates(request.model, now, frozenset(request.exclude_node_ids))
+            if not candidates:
+                raise Unavailable(f"model={request.model!r}: no live node has it warm")
+            matched = await self._overlap(request.model, request.block_hashes)
+            placement = PlacementRequest(
+                request_id=request.request_id,
+                model=request.model,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_prompt_blocks=len(request.block_hashes),
+                max_tokens=request.max_tokens,
+            )
+            decision = self._policy.choose(placement, candidates, matched)
+        except BatonError as error:
+            self._placements.add(1, {"outcome": error.code.name})
+            await abort(context, error)
+            raise  # unreachable: abort raises
+        self._cluster.record_placement(decision.node_id, placement.num_prompt_blocks)
+        self._placements.add(1, {"outcome": "OK"})
+        log.debug("placed %s on %s (cost %.1f, %d cached blocks)", request.request_id, decision.node_id,
+                  decision.cost, decision.matched_blocks)
+        return scheduler_pb2.Placement(
+            node_id=decision.node_id,
+            address=decision.address,
+            matched_blocks=decision.matched_blocks,
+            cost=decision.cost,
+        )
+
+    async def ReportLoad(
+        self, request_iterator: AsyncIterator[common_pb2.NodeLoad], context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ReportLoadAck:
+        async for load in request_iterator:
+            self._cluster.report_load(load.node_id, load_from_proto(load), time.monotonic())
+        return scheduler_pb2.ReportLoadAck()
+
+    async def GetClusterState(
+        self, request: scheduler_pb2.GetClusterStateRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ClusterState:
+        now = time.monotonic()
+        state = scheduler_pb2.ClusterState(scheduler_id=self._config.instance_id)
+        for status in self._cluster.nodes():
+            info = self._node_infos.get(status.spec.node_id)
+            load = status.load
+            state.nodes.append(
+                scheduler_pb2.NodeState(
+                    info=info,
+                    load=common_pb2.NodeLoad(
+                        node_id=status.spec.node_id,
+                        num_running=load.num_running,
+                        num_waiting=load.num_waiting,
+                        kv_blocks_used=load.kv_blocks_used,
+                        kv_blocks_total=load.kv_blocks_total,
+                        active_decode_blocks=load.active_decode_blocks,
+                        pending_prefill_tokens=load.pending_prefill_tokens,
+                    ),
+                    load_age_ms=int((now - status.reported_at) * 1000) if status.reported_at is not None else -1,
+                )
+            )
+        return state
