@@ -35,7 +35,8 @@ async def coalesce(source: AsyncIterator[T], merge: Callable[[list[T]], T]) -> A
     reader = asyncio.create_task(read())
     try:
         while True:
-            await ready.wait()
+            if not pending and not done:
+                await ready.wait()
             ready.clear()
             if pending:
                 items = pending[:]
@@ -47,7 +48,5 @@ async def coalesce(source: AsyncIterator[T], merge: Callable[[list[T]], T]) -> A
                 return
     finally:
         reader.cancel()
-        try:
-            await reader
-        except asyncio.CancelledError:
-            pass
+        # wait() neither raises the reader's cancellation nor hides one aimed at us.
+        await asyncio.wait([reader])

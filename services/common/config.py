@@ -44,7 +44,11 @@ def parse_config(cls: type[T], env_prefix: str, argv: Sequence[str] | None = Non
         env_name = f"{env_prefix}_{field.name.upper()}"
         convert = _converter(hints[field.name])
         if env_name in os.environ:
-            default = convert(os.environ[env_name])
+            raw = os.environ[env_name]
+            try:
+                default = convert(raw)
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                parser.error(f"{env_name}={raw!r}: {exc}")
         elif field.default is not dataclasses.MISSING:
             default = field.default
         else:

@@ -30,7 +30,9 @@ class ChannelPool:
         return self._channels[address]
 
     async def close(self) -> None:
-        await self._channels.close()
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
 
 
 class ServiceDirectory:
@@ -66,6 +68,4 @@ class ServiceDirectory:
         return self.addresses()
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+        await self._channels.close()

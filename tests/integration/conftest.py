@@ -1,0 +1,36 @@
+"""Fixtures that start real etcd and real service processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from baton.cluster import ClusterSpec, LocalCluster
+
+MODEL = "sim-llama-3-8b"
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("traces") / "spans.jsonl"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, trace_file: Path) -> Iterator[LocalCluster]:
+    """Three node agents on mixed GPUs, the sim engine 20x faster than real time, spans to a file."""
+    spec = ClusterSpec(num_nodes=3, gpus=("h100", "a100", "l4"), speed=20.0,
+                       otel_exporter=f"file:{trace_file}")
+    with LocalCluster(spec, tmp_path_factory.mktemp("cluster")) as started:
+        yield started
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Re-check predicate until it holds; fail naming what was awaited after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.05)

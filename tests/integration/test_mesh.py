@@ -1,0 +1,194 @@
+"""The mesh end to end: real etcd, every service its own process, a client on the generated stubs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from baton.client import BatonClient, Completion
+from baton.cluster import LocalCluster
+from baton.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.integration.conftest import MODEL, wait_until
+from tests.reference import reference_completion
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+async def stream(cluster: LocalCluster, prompt: str, **fields: object) -> Completion:
+    assert cluster.router is not None
+    async with BatonClient(cluster.router.address) as client:
+        return await client.complete(MODEL, prompt, **fields)
+
+
+async def test_a_client_streams_a_completion(cluster: LocalCluster) -> None:
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3
+    result = await stream(cluster, prompt, max_tokens=64)
+
+    expected, reason = reference_completion(list(prompt.encode()), 64)
+    assert result.token_ids == expected
+    assert result.text == bytes(t for t in expected if t < 256).decode()
+    assert result.finish_reason == {"length": common_pb2.FINISH_REASON_LENGTH,
+                                    "stop": common_pb2.FINISH_REASON_STOP}[reason.value]
+    assert result.usage.prompt_tokens == len(prompt.encode())
+    assert result.usage.completion_tokens == len(expected)
+    assert len(result.node_ids) == 1 and result.node_ids[0].startswith("node-")
+
+
+async def test_twenty_concurrent_streams_all_complete_with_the_right_tokens(cluster: LocalCluster) -> None:
+    prompts = [f"request {i}: tell me about the number {i * 7919}." for i in range(20)]
+    results = await asyncio.gather(*(stream(cluster, p, max_tokens=48) for p in prompts))
+
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == reference_completion(list(prompt.encode()), 48)[0], prompt
+        assert result.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+    # Streams are spread over the fleet, not piled on one node.
+    assert len({r.node_ids[0] for r in results}) >= 2
+
+
+async def test_seeded_sampling_is_reproducible(cluster: LocalCluster) -> None:
+    prompt = "Sample me something."
+    first = await stream(cluster, prompt, max_tokens=40, temperature=0.8, seed=1234)
+    again = await stream(cluster, prompt, max_tokens=40, temperature=0.8, seed=1234)
+    other = await stream(cluster, prompt, max_tokens=40, temperature=0.8, seed=4321)
+    assert first.token_ids == again.token_ids
+    assert first.token_ids == reference_completion(list(prompt.encode()), 40, 0.8, 1234)[0]
+    assert other.token_ids != first.token_ids
+
+
+async def test_a_repeated_prompt_goes_to_the_node_that_caches_it(cluster: LocalCluster) -> None:
+    prompt = "A long shared system prompt that many requests repeat word for word. " * 6
+    first = await stream(cluster, prompt, max_tokens=16)
+    assert first.usage.cached_tokens == 0
+    # Let the first request's completion reach the scheduler's view of load.
+    wait_until(lambda: all(n.load.num_running == 0 for n in cluster.cluster_state().nodes), 10, "idle nodes")
+
+    second = await stream(cluster, prompt, max_tokens=16)
+    num_prompt = len(prompt.encode())
+    assert second.node_ids == first.node_ids
+    assert second.usage.cached_tokens == (num_prompt - 1) // 16 * 16
+    assert second.token_ids == first.token_ids
+
+
+async def test_list_models_names_the_served_model(cluster: LocalCluster) -> None:
+    assert cluster.router is not None
+    async with BatonClient(cluster.router.address) as client:
+        models = await client.list_models()
+    assert [(m.name, m.num_warm_nodes, m.tokenizer) for m in models] == [(MODEL, 3, "byte")]
+    assert models[0].max_context_tokens == 8192
+
+
+BAD_REQUESTS = [
+    (dict(model=MODEL, prompt=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    (dict(model=MODEL), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    (dict(model=MODEL, prompt="hi", max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens=0"),
+    (dict(model=MODEL, prompt="hi", max_tokens=-3), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens=-3"),
+    (dict(model=MODEL, prompt="hi", max_tokens=9000), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens=9000"),
+    (dict(model="no-such-model", prompt="hi"), grpc.StatusCode.NOT_FOUND, "no-such-model"),
+    (dict(model=MODEL, prompt="hi", temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature=-1.0"),
+    (dict(model=MODEL, prompt="x" * 8192), grpc.StatusCode.INVALID_ARGUMENT, "context window of 8192"),
+    (dict(model=MODEL, prompt_token_ids=router_pb2.PromptTokens(ids=[72, 105, 300])),
+     grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids[2]=300"),
+    (dict(model=MODEL, prompt_token_ids=router_pb2.PromptTokens(ids=[5, -1])),
+     grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids[1]=-1"),
+]
+
+
+@pytest.mark.parametrize(("fields", "code", "named"), BAD_REQUESTS, ids=[c[2] for c in BAD_REQUESTS])
+async def test_bad_input_gets_a_clear_status(
+    cluster: LocalCluster, fields: dict[str, object], code: grpc.StatusCode, named: str
+) -> None:
+    assert cluster.router is not None
+    async with grpc.aio.insecure_channel(cluster.router.address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            async for _ in stub.Generate(router_pb2.GenerateRequest(**fields), timeout=10):
+                pass
+    assert raised.value.code() == code
+    assert named in raised.value.details()
+
+
+async def test_bad_requests_do_not_disturb_good_ones(cluster: LocalCluster) -> None:
+    good = [stream(cluster, f"good request {i}", max_tokens=32) for i in range(4)]
+    bad = [stream(cluster, "", max_tokens=32) for _ in range(4)]
+    results = await asyncio.gather(*good, *bad, return_exceptions=True)
+    for i, result in enumerate(results[:4]):
+        assert isinstance(result, Completion)
+        assert result.token_ids == reference_completion(list(f"good request {i}".encode()), 32)[0]
+    assert all(isinstance(r, grpc.aio.AioRpcError) for r in results[4:])
+
+
+def grpcurl(*args: str) -> subprocess.CompletedProcess[str]:
+    binary = Path(sys.executable).parent / "grpcurl"
+    return subprocess.run([str(binary), "-plaintext", *args], capture_output=True, text=True, timeout=30)
+
+
+def test_grpcurl_lists_services_and_calls_generate(cluster: LocalCluster) -> None:
+    assert cluster.router is not None and cluster.scheduler is not None
+    listed = grpcurl(cluster.router.address, "list")
+    assert listed.returncode == 0, listed.stderr
+    assert {"baton.v1.Router", "grpc.health.v1.Health"} <= set(listed.stdout.split())
+    assert "baton.v1.Scheduler" in grpcurl(cluster.scheduler.address, "list").stdout
+    for node in cluster.nodes:
+        assert "baton.v1.NodeAgent" in grpcurl(node.address, "list").stdout
+
+    request = json.dumps({"model": MODEL, "prompt": "Hello, grpcurl", "max_tokens": 8})
+    called = grpcurl("-d", request, cluster.router.address, "baton.v1.Router/Generate")
+    assert called.returncode == 0, called.stderr
+    chunks = [json.loads(doc) for doc in called.stdout.replace("}\n{", "}\x00{").split("\x00")]
+    tokens = [t for chunk in chunks for t in chunk.get("token_ids", [])]
+    assert tokens == reference_completion(list(b"Hello, grpcurl"), 8)[0]
+    assert chunks[-1]["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_STOP")
+
+    health = grpcurl(cluster.router.address, "grpc.health.v1.Health/Check")
+    assert json.loads(health.stdout)["status"] == "SERVING"
+
+
+async def test_a_trace_spans_router_scheduler_and_node(cluster: LocalCluster, trace_file: Path) -> None:
+    result = await stream(cluster, "trace this request", max_tokens=8)
+    assert result.token_ids
+
+    def spans_by_trace() -> dict[str, set[str]]:
+        traces: dict[str, set[str]] = {}
+        if trace_file.exists():
+            for line in trace_file.read_text().splitlines():
+                span = json.loads(line)
+                traces.setdefault(span["trace_id"], set()).add(f"{span['service']} {span['name']}")
+        return traces
+
+    wanted = {
+        "router /baton.v1.Router/Generate",
+        "scheduler /baton.v1.Scheduler/Place",
+        f"node_agent/{result.node_ids[0]} /baton.v1.NodeAgent/Generate",
+    }
+    wait_until(lambda: any(wanted <= names for names in spans_by_trace().values()), 10,
+               "one trace with router, scheduler and node agent spans")
+
+
+async def test_a_slow_reader_gets_coalesced_chunks(cluster: LocalCluster) -> None:
+    """A client that stops reading gets the backlog in few large messages, not one per token."""
+    prompt = "a client that reads slowly"
+    num_tokens = 8000
+    assert cluster.router is not None
+    # Without BDP probing the receive window stays at 64 KiB, so the router soon has to wait.
+    async with grpc.aio.insecure_channel(cluster.router.address, options=[("grpc.http2.bdp_probe", 0)]) as channel:
+        call = router_pb2_grpc.RouterStub(channel).Generate(
+            router_pb2.GenerateRequest(model=MODEL, prompt=prompt, max_tokens=num_tokens, ignore_eos=True)
+        )
+        first = await call.read()
+        # Stop reading until the node has generated everything.
+        wait_until(lambda: all(n.load.num_running == 0 for n in cluster.cluster_state().nodes), 60,
+                   "the generation to finish on the node")
+        chunks = [first]
+        while (chunk := await call.read()) != grpc.aio.EOF:
+            chunks.append(chunk)
+
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert tokens == reference_completion(list(prompt.encode()), num_tokens, ignore_eos=True)[0]
+    assert [c.index for c in chunks] == [sum(len(c.token_ids) for c in chunks[:i]) for i in range(len(chunks))]
+    assert len(chunks) < num_tokens / 4

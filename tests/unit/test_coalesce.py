@@ -1,0 +1,124 @@
+"""coalesce(): items one by one to a fast consumer, merged for a slow one; errors and closing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+import pytest
+
+from services.common.coalesce import coalesce
+
+pytestmark = pytest.mark.timeout(10)
+
+# Bounds waits that would hang if coalesce lost the end of its source; it answers in a few loop turns.
+GUARD_S = 0.5
+
+
+def _merge(batches: list[list[int]]) -> list[int]:
+    return [item for batch in batches for item in batch]
+
+
+class Boom(Exception):
+    pass
+
+
+async def test_fast_consumer_gets_items_one_by_one() -> None:
+    taken: asyncio.Queue[None] = asyncio.Queue()
+
+    async def source() -> AsyncIterator[list[int]]:
+        for i in range(3):
+            yield [i]
+            await taken.get()  # the next item only after the consumer has this one
+
+    got = []
+    async with aclosing(coalesce(source(), _merge)) as items:
+        async for item in items:
+            got.append(item)
+            taken.put_nowait(None)
+    assert got == [[0], [1], [2]]
+
+
+async def test_slow_consumer_gets_pending_items_merged() -> None:
+    go, produced, closed = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def source() -> AsyncIterator[list[int]]:
+        try:
+            yield [0]
+            await go.wait()
+            for i in (1, 2, 3):
+                yield [i]
+            produced.set()
+            await asyncio.Event().wait()  # stays open
+        finally:
+            closed.set()
+
+    async with aclosing(coalesce(source(), _merge)) as items:
+        assert await anext(items) == [0]
+        go.set()
+        await produced.wait()  # the consumer is busy while the source produces three items
+        assert await anext(items) == [1, 2, 3]
+    assert closed.is_set()
+
+
+async def test_source_error_reaches_consumer_after_its_items() -> None:
+    taken = asyncio.Event()
+
+    async def source() -> AsyncIterator[list[int]]:
+        yield [0]
+        await taken.wait()
+        raise Boom("engine died")
+
+    async with aclosing(coalesce(source(), _merge)) as items:
+        assert await anext(items) == [0]
+        taken.set()
+        with pytest.raises(Boom, match="engine died"):
+            await anext(items)
+
+
+async def test_closing_the_consumer_early_cancels_the_reader() -> None:
+    closed = asyncio.Event()
+
+    async def source() -> AsyncIterator[list[int]]:
+        try:
+            yield [0]
+            await asyncio.Event().wait()
+        finally:
+            closed.set()
+
+    items = coalesce(source(), _merge)
+    assert await anext(items) == [0]
+    await items.aclose()
+    assert closed.is_set()
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+
+
+async def test_stream_ends_after_items_pending_when_the_source_finished() -> None:
+    async def source() -> AsyncIterator[list[int]]:
+        for i in range(3):
+            yield [i]
+
+    async with asyncio.timeout(GUARD_S), aclosing(coalesce(source(), _merge)) as items:
+        got = [item async for item in items]
+    assert _merge(got) == [0, 1, 2]
+
+
+async def test_source_error_reaches_consumer_after_items_pending_when_it_failed() -> None:
+    go, failed = asyncio.Event(), asyncio.Event()
+
+    async def source() -> AsyncIterator[list[int]]:
+        yield [0]
+        await go.wait()
+        yield [1]
+        yield [2]
+        failed.set()
+        raise Boom("engine died")
+
+    async with asyncio.timeout(GUARD_S), aclosing(coalesce(source(), _merge)) as items:
+        assert await anext(items) == [0]
+        go.set()
+        await failed.wait()
+        assert await anext(items) == [1, 2]
+        with pytest.raises(Boom, match="engine died"):
+            await anext(items)

@@ -1,0 +1,106 @@
+"""Service config: flags beat env vars beat defaults; values are converted; bad values exit cleanly."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+
+from services.common.config import doc, parse_config
+from services.router.config import RouterConfig
+
+PREFIX = "BATON_ROUTER"
+
+
+@dataclass(frozen=True)
+class FlagsConfig:
+    """A config with one field of each converted type."""
+
+    verbose: bool = doc("talk more", False)
+    retries: int = doc("attempts", 3)
+    ratio: float = doc("share", 0.5)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith(("BATON_ROUTER_", "BATON_TEST_")):
+            monkeypatch.delenv(name)
+
+
+def _exit_message(capsys: pytest.CaptureFixture[str], cls: type, prefix: str, argv: list[str]) -> str:
+    """stderr of a parse_config that must exit with argparse's usage error."""
+    with pytest.raises(SystemExit) as caught:
+        parse_config(cls, prefix, argv)
+    assert caught.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_defaults_apply_without_flags_or_env() -> None:
+    assert parse_config(RouterConfig, PREFIX, []) == RouterConfig()
+
+
+def test_env_var_beats_default_and_flag_beats_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATON_ROUTER_LISTEN", "0.0.0.0:7000")
+    monkeypatch.setenv("BATON_ROUTER_LEASE_TTL_S", "9")
+    config = parse_config(RouterConfig, PREFIX, ["--lease-ttl-s", "11"])
+    assert (config.listen, config.lease_ttl_s, config.etcd) == ("0.0.0.0:7000", 11, "127.0.0.1:2379")
+
+
+def test_int_and_float_fields_are_converted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATON_ROUTER_DEFAULT_MAX_TOKENS", "64")
+    config = parse_config(RouterConfig, PREFIX, ["--placement-timeout-s", "0.25"])
+    assert config.default_max_tokens == 64
+    assert config.placement_timeout_s == 0.25
+
+
+@pytest.mark.parametrize(
+    ("env", "argv", "expected"),
+    [
+        ({}, [], FlagsConfig()),
+        (
+            {"BATON_TEST_VERBOSE": "yes", "BATON_TEST_RETRIES": "7", "BATON_TEST_RATIO": "1e-1"},
+            [],
+            FlagsConfig(True, 7, 0.1),
+        ),
+        ({"BATON_TEST_VERBOSE": "on"}, ["--verbose", "0"], FlagsConfig(verbose=False)),
+        (
+            {"BATON_TEST_VERBOSE": "off"},
+            ["--verbose", "TRUE", "--retries", "-2", "--ratio", "2"],
+            FlagsConfig(True, -2, 2.0),
+        ),
+    ],
+)
+def test_bool_int_float_conversion(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], argv: list[str], expected: FlagsConfig
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = parse_config(FlagsConfig, "BATON_TEST", argv)
+    assert config == expected
+    assert (type(config.verbose), type(config.retries), type(config.ratio)) == (bool, int, float)
+
+
+def test_invalid_listen_flag_exits_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _exit_message(capsys, RouterConfig, PREFIX, ["--listen", "nohost"])
+    assert "--listen" in err and "'nohost'" in err
+
+
+def test_invalid_listen_env_var_exits_naming_the_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("BATON_ROUTER_LISTEN", "host:port")
+    assert "--listen" in _exit_message(capsys, RouterConfig, PREFIX, [])
+
+
+def test_unconvertible_flag_exits_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--verbose" in _exit_message(capsys, FlagsConfig, "BATON_TEST", ["--verbose", "maybe"])
+    assert "--retries" in _exit_message(capsys, FlagsConfig, "BATON_TEST", ["--retries", "1.5"])
+
+
+def test_unconvertible_env_var_exits_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("BATON_ROUTER_LEASE_TTL_S", "abc")
+    assert "BATON_ROUTER_LEASE_TTL_S" in _exit_message(capsys, RouterConfig, PREFIX, [])

@@ -1,0 +1,99 @@
+"""The KV block index: what each node holds, per model, and the leading depth it matches."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.block_hash import block_hashes
+from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from services.kvindex.index import KVIndex
+from services.kvindex.servicer import event_from_proto, event_to_proto
+
+M = "m"
+PROMPT = [10, 11, 12, 13]  # stand-in block hashes for a four-block prompt
+
+
+def _stored(*hashes: int, parent: int | None = None) -> BlockStored:
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=(), block_size=16)
+
+
+def _index(holdings: dict[tuple[str, str], list[int]]) -> KVIndex:
+    """An index where (node, model) holds the given block hashes."""
+    index = KVIndex()
+    for (node, model), hashes in holdings.items():
+        index.apply(node, model, _stored(*hashes))
+    return index
+
+
+def test_overlap_is_the_leading_matched_depth_per_node() -> None:
+    index = _index({("a", M): [10, 11, 12, 13], ("b", M): [10, 11, 13], ("c", M): [11, 12, 13], ("d", M): [10]})
+    assert index.overlap(M, PROMPT) == {"a": 4, "b": 2, "d": 1}
+
+
+def test_overlap_of_no_blocks_or_unknown_blocks_is_empty() -> None:
+    index = _index({("a", M): PROMPT})
+    assert index.overlap(M, []) == {}
+    assert index.overlap(M, [99, 10]) == {}
+
+
+def test_models_are_separate_namespaces() -> None:
+    index = _index({("a", "m1"): PROMPT, ("b", "m2"): PROMPT[:2]})
+    assert index.overlap("m1", PROMPT) == {"a": 4}
+    assert index.overlap("m2", PROMPT) == {"b": 2}
+    assert index.overlap("m3", PROMPT) == {}
+
+
+def test_block_removed_shortens_the_match_for_that_node_only() -> None:
+    index = _index({("a", M): PROMPT, ("b", M): PROMPT})
+    index.apply("a", M, BlockRemoved(block_hashes=(12,)))
+    assert index.overlap(M, PROMPT) == {"a": 2, "b": 4}
+    index.apply("a", M, BlockRemoved(block_hashes=(10,)))
+    assert index.overlap(M, PROMPT) == {"b": 4}
+
+
+def test_all_blocks_cleared_clears_only_that_model_on_that_node() -> None:
+    index = _index({("a", "m1"): PROMPT, ("a", "m2"): PROMPT, ("b", "m1"): PROMPT})
+    index.apply("a", "m1", AllBlocksCleared())
+    assert index.overlap("m1", PROMPT) == {"b": 4}
+    assert index.overlap("m2", PROMPT) == {"a": 4}
+    assert index.num_blocks("a") == 4
+
+
+def test_remove_node_drops_everything_it_held() -> None:
+    index = _index({("a", "m1"): PROMPT, ("a", "m2"): PROMPT, ("b", "m1"): PROMPT[:1]})
+    index.remove_node("a")
+    assert index.overlap("m1", PROMPT) == {"b": 1}
+    assert index.overlap("m2", PROMPT) == {}
+    assert index.num_blocks("a") == 0
+    assert index.nodes() == ["b"]
+
+
+def test_a_prompt_extending_another_by_whole_blocks_shares_its_leading_hashes() -> None:
+    short = list(range(32))
+    long = short + list(range(100, 116))
+    other = [1] + short[1:]
+    assert block_hashes(long)[:2] == block_hashes(short)
+    assert len(block_hashes(long)) == 3
+    assert len(block_hashes(long + [7] * 15)) == 3  # a trailing partial block has no hash
+    assert block_hashes(other)[1] != block_hashes(short)[1]  # chained: the parent changes the key
+
+    index = KVIndex()
+    index.apply("a", M, _stored(*block_hashes(short)))
+    assert index.overlap(M, block_hashes(long)) == {"a": 2}
+    assert index.overlap(M, block_hashes(other)) == {}
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        _stored(2**64 - 1, 5, parent=2**63),
+        _stored(1, parent=None),
+        BlockStored(block_hashes=(3,), parent_block_hash=0, token_ids=(1, 2, 3), block_size=4),
+        BlockRemoved(block_hashes=(2**64 - 1, 0)),
+        AllBlocksCleared(),
+    ],
+)
+def test_events_round_trip_through_protobuf(event: KVEvent) -> None:
+    message = event_to_proto(event)
+    decoded = event_from_proto(type(message).FromString(message.SerializeToString()))
+    assert decoded == event

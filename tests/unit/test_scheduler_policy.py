@@ -1,0 +1,117 @@
+"""The scheduler's fleet view and the KV-load placement cost (Dynamo's KV router cost)."""
+
+from __future__ import annotations
+
+from services.scheduler.cluster import ClusterView, LoadReport, NodeSpec, NodeStatus
+from services.scheduler.policy import KvLoadPolicy, PlacementRequest
+
+M = "m"
+TIMEOUT_S = 5.0
+
+
+def _spec(node_id: str, models: tuple[str, ...] = (M,), block_size: int = 16) -> NodeSpec:
+    return NodeSpec(
+        node_id=node_id,
+        address=f"{node_id}:1",
+        gpu="h100",
+        price_per_hour=1.0,
+        warm_models=frozenset(models),
+        kv_block_size=block_size,
+    )
+
+
+def _status(node_id: str, **load: int) -> NodeStatus:
+    return NodeStatus(spec=_spec(node_id), load=LoadReport(**load))
+
+
+def _request(prompt_blocks: int = 10) -> PlacementRequest:
+    return PlacementRequest(
+        request_id="r", model=M, num_prompt_tokens=prompt_blocks * 16, num_prompt_blocks=prompt_blocks, max_tokens=8
+    )
+
+
+def _view(*specs: NodeSpec) -> ClusterView:
+    view = ClusterView(load_timeout_s=TIMEOUT_S)
+    view.set_nodes(list(specs))
+    return view
+
+
+def _ids(statuses: list[NodeStatus]) -> list[str]:
+    return [status.spec.node_id for status in statuses]
+
+
+def test_cost_is_the_docstring_formula() -> None:
+    status = NodeStatus(
+        spec=_spec("a", block_size=16),
+        load=LoadReport(pending_prefill_tokens=17, active_decode_blocks=7),
+        placed_prefill_blocks=3,
+    )
+    # pending = ceil(17 / 16) + 3 = 5; prefill = max(5 + 10 - 4, 0) = 11; cost = 2 * 11 + 7 + 10
+    assert KvLoadPolicy(prefill_load_scale=2.0).cost(_request(10), status, matched=4) == 39.0
+    # A fully cached prompt on an idle node has no prefill: cost = 0 + 0 + 10.
+    assert KvLoadPolicy().cost(_request(10), _status("b"), matched=10) == 10.0
+
+
+def test_cached_prefix_wins_when_loads_are_equal() -> None:
+    nodes = [_status("a", active_decode_blocks=5), _status("b", active_decode_blocks=5)]
+    decision = KvLoadPolicy().choose(_request(10), nodes, {"b": 6})
+    assert (decision.node_id, decision.address, decision.matched_blocks) == ("b", "b:1", 6)
+    assert decision.cost == 4 + 5 + 10
+
+
+def test_loaded_node_with_prefix_loses_to_idle_node_when_decode_exceeds_saving() -> None:
+    # Full hit saves 10 prefill blocks: a(prefix) = 0 + decode + 10, b(idle) = 10 + 0 + 10.
+    policy = KvLoadPolicy()
+    assert policy.choose(_request(10), [_status("a", active_decode_blocks=9), _status("b")], {"a": 10}).node_id == "a"
+    decision = policy.choose(_request(10), [_status("a", active_decode_blocks=11), _status("b")], {"a": 10})
+    assert (decision.node_id, decision.matched_blocks, decision.cost) == ("b", 0, 20.0)
+
+
+def test_ties_go_to_fewer_running_then_lower_node_id() -> None:
+    policy = KvLoadPolicy()
+    busy = [_status("a", num_running=2), _status("b", num_running=1), _status("c", num_running=1)]
+    assert policy.choose(_request(), busy, {}).node_id == "b"
+    idle = [_status("c"), _status("b"), _status("a")]
+    assert policy.choose(_request(), idle, {}).node_id == "a"
+
+
+def test_record_placement_raises_cost_until_next_load_report() -> None:
+    view, policy = _view(_spec("a")), KvLoadPolicy()
+    view.report_load("a", LoadReport(), now=0.0)
+    (before,) = view.candidates(M, now=0.0)
+    assert policy.cost(_request(10), before, matched=0) == 20.0
+    view.record_placement("a", num_prompt_blocks=10)
+    assert policy.cost(_request(10), before, matched=0) == 30.0
+    view.report_load("a", LoadReport(active_decode_blocks=2), now=1.0)
+    assert policy.cost(_request(10), before, matched=0) == 22.0
+
+
+def test_placements_break_ties_between_otherwise_equal_nodes() -> None:
+    view = _view(_spec("a"), _spec("b"))
+    view.record_placement("a", num_prompt_blocks=0)
+    assert KvLoadPolicy().choose(_request(), view.candidates(M, now=0.0), {}).node_id == "b"
+
+
+def test_candidates_are_live_warm_and_not_excluded() -> None:
+    view = _view(_spec("a"), _spec("b"), _spec("c"), _spec("d", models=("other",)), _spec("e"))
+    view.report_load("a", LoadReport(), now=100.0)
+    view.report_load("b", LoadReport(), now=100.0 - TIMEOUT_S)
+    view.report_load("c", LoadReport(), now=100.0 - TIMEOUT_S - 0.001)
+    # e never reported: still a candidate.
+    assert _ids(view.candidates(M, now=100.0)) == ["a", "b", "e"]
+    assert _ids(view.candidates(M, now=100.0, exclude=frozenset({"a", "e"}))) == ["b"]
+    assert _ids(view.candidates("other", now=100.0)) == ["d"]
+    assert view.candidates("missing", now=100.0) == []
+
+
+def test_set_nodes_keeps_load_of_staying_nodes_and_drops_leaving_ones() -> None:
+    view = _view(_spec("a"), _spec("b"))
+    view.report_load("a", LoadReport(num_running=3), now=1.0)
+    view.report_load("b", LoadReport(num_running=4), now=1.0)
+    view.set_nodes([_spec("a", models=(M, "new")), _spec("c")])
+    (a, c) = view.nodes()
+    assert (a.spec.node_id, a.load.num_running, a.reported_at, a.spec.warm_models) == ("a", 3, 1.0, {M, "new"})
+    assert (c.spec.node_id, c.load, c.reported_at) == ("c", LoadReport(), None)
+    view.report_load("b", LoadReport(num_running=9), now=2.0)  # gone: ignored
+    assert _ids(view.nodes()) == ["a", "c"]
+    assert view.has_model("new") and not view.has_model("gone")

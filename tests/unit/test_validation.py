@@ -1,0 +1,120 @@
+"""The router's request checks: what is refused, with which status and message, and what is filled in."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import grpc
+import pytest
+
+from baton.v1 import router_pb2
+from services.common.errors import BatonError, InvalidArgument, NotFound
+from services.router.validation import ModelEntry, ValidRequest, validate
+
+MODEL = ModelEntry(name="m", max_context_tokens=100, tokenizer="byte", vocab_size=257, num_warm_nodes=1)
+MODELS = {MODEL.name: MODEL}
+DEFAULT_MAX_TOKENS = 32
+
+
+def _request(**fields: Any) -> router_pb2.GenerateRequest:
+    """A valid greedy request for MODEL, with fields overridden; prompt=None leaves out the input."""
+    if "prompt_token_ids" in fields:
+        fields = {"prompt": None} | fields
+        fields["prompt_token_ids"] = router_pb2.PromptTokens(ids=fields["prompt_token_ids"])
+    fields = {"model": "m", "prompt": "hi"} | fields
+    if fields["prompt"] is None:
+        del fields["prompt"]
+    return router_pb2.GenerateRequest(**fields)
+
+
+def _validate(request: router_pb2.GenerateRequest, rng: random.Random | None = None) -> ValidRequest:
+    return validate(request, MODELS, DEFAULT_MAX_TOKENS, rng or random.Random(0))
+
+
+def _refusal(request: router_pb2.GenerateRequest) -> BatonError:
+    with pytest.raises(BatonError) as caught:
+        _validate(request)
+    return caught.value
+
+
+REJECTIONS = [
+    ("missing model", {"model": ""}, "model=''"),
+    ("no prompt", {"prompt": None}, "prompt='': required"),
+    ("empty prompt", {"prompt": ""}, "prompt=''"),
+    ("empty token ids", {"prompt_token_ids": []}, "prompt_token_ids=[]"),
+    ("token above vocab", {"prompt_token_ids": [1, 2, 257]}, "prompt_token_ids[2]=257"),
+    ("negative token", {"prompt_token_ids": [-1]}, "prompt_token_ids[0]=-1"),
+    ("prompt fills context", {"prompt": "x" * 100}, "prompt='100 tokens'"),
+    ("max_tokens zero", {"max_tokens": 0}, "max_tokens=0"),
+    ("max_tokens negative", {"max_tokens": -3}, "max_tokens=-3"),
+    ("max_tokens beyond room", {"prompt": "x" * 90, "max_tokens": 11}, "max_tokens=11"),
+    ("negative temperature", {"temperature": -0.5}, "temperature=-0.5"),
+    ("nan temperature", {"temperature": float("nan")}, "temperature=nan"),
+    ("top_p above one", {"top_p": 1.5}, "top_p=1.5"),
+    ("empty stop string", {"stop": ["ok", ""]}, "stop[1]=''"),
+    ("negative deadline", {"deadline_ms": -1}, "deadline_ms=-1"),
+    ("step beyond total", {"step": 4, "total_steps": 3}, "step=4"),
+    ("long request_id", {"request_id": "r" * 129}, "request_id='rrrr"),
+]
+
+
+@pytest.mark.parametrize(("fields", "names"), [r[1:] for r in REJECTIONS], ids=[r[0] for r in REJECTIONS])
+def test_rejection_is_invalid_argument_naming_field_and_value(fields: dict[str, Any], names: str) -> None:
+    error = _refusal(_request(**fields))
+    assert type(error) is InvalidArgument
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(error).startswith(names)
+
+
+def test_unknown_model_is_not_found_naming_it() -> None:
+    error = _refusal(_request(model="nope"))
+    assert type(error) is NotFound
+    assert error.code == grpc.StatusCode.NOT_FOUND
+    assert "model='nope'" in str(error)
+
+
+def test_max_tokens_up_to_the_room_left_is_accepted() -> None:
+    assert _validate(_request(prompt="x" * 90, max_tokens=10)).sampling.max_tokens == 10
+
+
+def test_default_max_tokens_is_capped_by_the_room_left() -> None:
+    assert _validate(_request(prompt="x" * 10)).sampling.max_tokens == DEFAULT_MAX_TOKENS
+    assert _validate(_request(prompt="x" * 90)).sampling.max_tokens == 10
+
+
+def test_prompt_text_is_tokenized_as_utf8_bytes() -> None:
+    valid = _validate(_request(prompt="héllo"))
+    assert valid.prompt_token_ids == [104, 0xC3, 0xA9, 108, 108, 111]
+    assert valid.model is MODEL
+
+
+def test_prompt_token_ids_are_taken_as_given() -> None:
+    assert _validate(_request(prompt_token_ids=[0, 256, 7])).prompt_token_ids == [0, 256, 7]
+
+
+def test_stop_strings_are_tokenized() -> None:
+    stops = _validate(_request(stop=["\n", "é"])).sampling.stop
+    assert [list(s.token_ids) for s in stops] == [[10], [0xC3, 0xA9]]
+
+
+def test_sampled_request_without_seed_gets_one_from_rng() -> None:
+    sampling = _validate(_request(temperature=0.7), rng=random.Random(1)).sampling
+    assert sampling.HasField("seed")
+    assert sampling.seed == random.Random(1).getrandbits(63)
+
+
+def test_client_seed_is_kept() -> None:
+    assert _validate(_request(temperature=0.7, seed=0)).sampling.seed == 0
+
+
+def test_greedy_request_has_no_seed_and_top_p_zero_means_one() -> None:
+    sampling = _validate(_request()).sampling
+    assert not sampling.HasField("seed")
+    assert (sampling.temperature, sampling.top_p) == (0.0, 1.0)
+
+
+def test_request_id_is_generated_when_empty_and_kept_when_given() -> None:
+    first, second = _validate(_request()).request_id, _validate(_request()).request_id
+    assert first and second and first != second
+    assert _validate(_request(request_id="r" * 128)).request_id == "r" * 128
