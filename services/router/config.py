@@ -17,7 +17,6 @@ class RouterConfig:
     lease_ttl_s: int = doc("etcd lease TTL in seconds", 5)
     default_max_tokens: int = doc("max_tokens when a request leaves it unset", 256)
     placement_timeout_s: float = doc("deadline of a placement call to the scheduler", 2.0)
-    node_connect_timeout_s: float = doc("deadline for a node to start answering a stream", 5.0)
     otel_exporter: str = doc("span exporter: none, console or file:PATH", "none")
     log_level: str = doc("logging level", "INFO")
 

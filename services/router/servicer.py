@@ -108,9 +108,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         outcome = "OK"
         try:
             valid = validate(request, self._models, self._config.default_max_tokens, self._rng)
-            placement = await self._place(valid, request)
+            remaining_s = context.time_remaining()
+            placement = await self._place(valid, request, remaining_s)
             decoder = TOKENIZERS[valid.model.tokenizer].decoder()
-            async for chunk in coalesce(self._stream_from_node(valid, placement), merge_chunks):
+            node_stream = self._stream_from_node(valid, placement, context.time_remaining())
+            async for chunk in coalesce(node_stream, merge_chunks):
                 self._relayed_tokens.add(len(chunk.token_ids), {"model": valid.model.name})
                 reply = router_pb2.GenerateChunk(
                     request_id=valid.request_id,
@@ -129,7 +131,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
         finally:
             self._requests.add(1, {"status": outcome})
 
-    async def _place(self, valid: ValidRequest, request: router_pb2.GenerateRequest) -> scheduler_pb2.Placement:
+    async def _place(
+        self, valid: ValidRequest, request: router_pb2.GenerateRequest, remaining_s: float | None
+    ) -> scheduler_pb2.Placement:
+        """A node for the request, within the placement timeout and the client's own deadline."""
+        timeout_s = self._config.placement_timeout_s
+        if remaining_s is not None:
+            timeout_s = min(timeout_s, remaining_s)
         place = scheduler_pb2.PlaceRequest(
             request_id=valid.request_id,
             model=valid.model.name,
@@ -144,14 +152,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
             step=request.step,
             total_steps=request.total_steps,
         )
-        addresses = self._schedulers.addresses() or await self._schedulers.wait_any(
-            self._config.placement_timeout_s
-        )
+        addresses = self._schedulers.addresses() or await self._schedulers.wait_any(timeout_s)
         last_error: BatonError = Unavailable("no scheduler answered")
         for address in addresses:
             stub = scheduler_pb2_grpc.SchedulerStub(self._schedulers.channel(address))
             try:
-                return await stub.Place(place, timeout=self._config.placement_timeout_s)
+                return await stub.Place(place, timeout=timeout_s)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise from_rpc_error(exc) from None
@@ -159,8 +165,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         raise last_error
 
     async def _stream_from_node(
-        self, valid: ValidRequest, placement: scheduler_pb2.Placement
+        self, valid: ValidRequest, placement: scheduler_pb2.Placement, remaining_s: float | None
     ) -> AsyncIterator[node_agent_pb2.NodeGenerateChunk]:
+        """The node's chunks; the node's stream ends when the client's deadline does."""
         stub = node_agent_pb2_grpc.NodeAgentStub(self._node_channels.get(placement.address))
         call = stub.Generate(
             node_agent_pb2.NodeGenerateRequest(
@@ -168,7 +175,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 model=valid.model.name,
                 prompt_token_ids=valid.prompt_token_ids,
                 sampling=valid.sampling,
-            )
+            ),
+            timeout=remaining_s,
         )
         try:
             async for chunk in call:
