@@ -14,7 +14,7 @@ class NodeAgentConfig:
     listen: str = doc("host:port to serve gRPC on", "127.0.0.1:50400")
     etcd: str = doc("etcd endpoint host:port", "127.0.0.1:2379")
     node_id: str = doc("this node's id in the cluster", "node-0")
-    engine: str = doc("engine: sim (simulated, no GPU) or vllm", "sim")
+    engine: str = doc("engine: sim (simulated, no GPU); vllm is not in this build yet", "sim")
     model: str = doc("model to serve warm", "sim-llama-3-8b")
     gpu: str = doc("GPU generation (h100, a100, h200, a40, a10g, l4)", "h100")
     hbm_gb: float = doc("GPU memory in GB; 0: the GPU's own", 0.0)
