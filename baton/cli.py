@@ -52,7 +52,8 @@ def cmd_up(args: argparse.Namespace) -> int:
               f"logs in {cluster.workdir})")
         for node in cluster.nodes:
             print(f"  {node.name}: {node.address}")
-        print(f"Try: baton generate --router {cluster.router.address} 'Hello'   |   baton status")
+        baton = sys.argv[0]
+        print(f"Try: {baton} generate --router {cluster.router.address} 'Hello'   |   {baton} status")
         if args.demo:
             asyncio.run(_demo(cluster.router.address, spec.model))
         print("Ctrl-C stops the cluster.", flush=True)

@@ -7,6 +7,7 @@ import dataclasses
 import os
 import typing
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -72,6 +73,23 @@ def parse_config(cls: type[T], env_prefix: str, argv: Sequence[str] | None = Non
 def doc(text: str, default: Any = dataclasses.MISSING) -> Any:
     """A dataclass field with a one-line help text."""
     return dataclasses.field(default=default, metadata={"help": text})
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Fields every service has; subclasses override `listen`'s default and add their own."""
+
+    listen: str = doc("host:port to serve gRPC on", "127.0.0.1:0")
+    etcd: str = doc("etcd endpoint host:port", "127.0.0.1:2379")
+    lease_ttl_s: int = doc("etcd lease TTL in seconds", 5)
+    otel_exporter: str = doc("span exporter: none, console or file:PATH", "none")
+    log_level: str = doc("logging level", "INFO")
+
+    def __post_init__(self) -> None:
+        check_listen("listen", self.listen)
+        check_listen("etcd", self.etcd)
+        if self.lease_ttl_s < 1:
+            raise ValueError(f"--lease-ttl-s: must be at least 1, got {self.lease_ttl_s}")
 
 
 def check_listen(name: str, value: str) -> None:

@@ -8,10 +8,14 @@ exits the process.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import aetcd
+
+from services.common import etcd_keys
 
 log = logging.getLogger(__name__)
 
@@ -150,3 +154,27 @@ class PrefixView:
         """Wait until predicate(items) holds."""
         async with self._changed:
             await self._changed.wait_for(lambda: self.synced.is_set() and predicate(self.items))
+
+
+class Membership:
+    """This process's etcd client and the keys it holds there under one kept-alive lease."""
+
+    def __init__(self, endpoint: str, ttl_s: int) -> None:
+        self.client = connect(endpoint)
+        self._session = LeaseSession(self.client, ttl_s)
+
+    def hold(self, key: str, value: bytes) -> list[Coroutine[Any, Any, None]]:
+        """Loops that put key=value under the lease and keep the lease alive."""
+        return [self._session.put(key, value), self._session.keep_alive()]
+
+    def hold_service(self, kind: str, instance_id: str, address: str) -> list[Coroutine[Any, Any, None]]:
+        """hold() for a service instance's registration, found by ServiceDirectory."""
+        value = json.dumps({"address": address}).encode()
+        return self.hold(etcd_keys.service_key(kind, instance_id), value)
+
+    async def leave(self) -> None:
+        """Revoke the lease, so every key it holds goes at once."""
+        await self._session.revoke()
+
+    async def close(self) -> None:
+        await self.client.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
@@ -11,7 +10,7 @@ import grpc
 
 from baton.v1 import kvindex_pb2, kvindex_pb2_grpc
 from services.common import etcd_keys
-from services.common.etcd_session import LeaseSession, PrefixView, connect
+from services.common.etcd_session import Membership, PrefixView
 from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from services.kvindex.config import KVIndexConfig
 from services.kvindex.index import KVIndex
@@ -54,19 +53,15 @@ class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
         self._config = config
         self._index = KVIndex()
         self._last_seq: dict[str, int] = {}
-        self._etcd = connect(config.etcd)
-        self._session = LeaseSession(self._etcd, config.lease_ttl_s)
-        self._nodes = PrefixView(self._etcd, etcd_keys.NODES, self._on_nodes_changed)
+        self._member = Membership(config.etcd, config.lease_ttl_s)
+        self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed)
 
     def register(self, server: grpc.aio.Server) -> None:
         kvindex_pb2_grpc.add_KVIndexServicer_to_server(self, server)
 
     def background(self) -> Sequence[Coroutine[Any, Any, None]]:
-        return [self._register(), self._session.keep_alive(), self._nodes.run()]
-
-    async def _register(self) -> None:
-        value = json.dumps({"address": self._config.listen}).encode()
-        await self._session.put(etcd_keys.service_key("kvindex", self._config.instance_id), value)
+        config = self._config
+        return [*self._member.hold_service("kvindex", config.instance_id, config.listen), self._nodes.run()]
 
     def _on_nodes_changed(self, items: dict[str, bytes]) -> None:
         live = {key.removeprefix(etcd_keys.NODES) for key in items}
@@ -77,10 +72,10 @@ class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
                 self._last_seq.pop(node_id, None)
 
     async def before_stop(self) -> None:
-        await self._session.revoke()
+        await self._member.leave()
 
     async def close(self) -> None:
-        await self._etcd.close()
+        await self._member.close()
 
     async def Publish(
         self, request_iterator: AsyncIterator[kvindex_pb2.KVEventBatch], context: grpc.aio.ServicerContext

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.config import check_listen, doc
+from services.common.config import ServiceConfig, doc
 
 
 @dataclass(frozen=True)
-class NodeAgentConfig:
+class NodeAgentConfig(ServiceConfig):
     """One GPU: hosts an engine, registers in etcd, serves Generate streams."""
 
     listen: str = doc("host:port to serve gRPC on", "127.0.0.1:50400")
-    etcd: str = doc("etcd endpoint host:port", "127.0.0.1:2379")
     node_id: str = doc("this node's id in the cluster", "node-0")
     engine: str = doc("engine: sim (simulated, no GPU); vllm is not in this build yet", "sim")
     model: str = doc("model to serve warm", "sim-llama-3-8b")
@@ -24,14 +23,10 @@ class NodeAgentConfig:
     kv_blocks: int = doc("KV cache size in blocks; 0: sized from HBM minus weights", 0)
     max_num_seqs: int = doc("most sequences in one batch", 256)
     max_num_batched_tokens: int = doc("token budget of one engine step (chunked prefill)", 2048)
-    lease_ttl_s: int = doc("etcd lease TTL in seconds", 5)
     load_report_interval_s: float = doc("heartbeat of load reports; changes are reported at once", 0.25)
-    otel_exporter: str = doc("span exporter: none, console or file:PATH", "none")
-    log_level: str = doc("logging level", "INFO")
 
     def __post_init__(self) -> None:
-        check_listen("listen", self.listen)
-        check_listen("etcd", self.etcd)
+        super().__post_init__()
         if self.engine not in ("sim", "vllm"):
             raise ValueError(f"--engine: expected sim or vllm, got {self.engine!r}")
         if self.speed < 0:
@@ -40,5 +35,3 @@ class NodeAgentConfig:
             raise ValueError(f"--kv-blocks: must be 0 or more, got {self.kv_blocks}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-seqs and --max-num-batched-tokens must be positive")
-        if self.lease_ttl_s < 1:
-            raise ValueError(f"--lease-ttl-s: must be at least 1, got {self.lease_ttl_s}")

@@ -11,6 +11,7 @@ import grpc
 
 from baton.v1 import common_pb2, scheduler_pb2_grpc
 from services.common.directory import ServiceDirectory
+from services.common.load import load_to_proto
 from services.node_agent.engines.base import Engine
 
 log = logging.getLogger(__name__)
@@ -19,17 +20,7 @@ _RETRY_S = 0.5
 
 
 def load_message(node_id: str, engine: Engine) -> common_pb2.NodeLoad:
-    load = engine.load()
-    return common_pb2.NodeLoad(
-        node_id=node_id,
-        num_running=load.num_running,
-        num_waiting=load.num_waiting,
-        kv_blocks_used=load.kv_blocks_used,
-        kv_blocks_total=load.kv_blocks_total,
-        active_decode_blocks=load.active_decode_blocks,
-        pending_prefill_tokens=load.pending_prefill_tokens,
-        reported_at_ms=int(time.time() * 1000),
-    )
+    return load_to_proto(node_id, engine.load(), reported_at_ms=int(time.time() * 1000))
 
 
 async def report_load(node_id: str, engine: Engine, schedulers: ServiceDirectory, interval_s: float) -> None:

@@ -13,7 +13,7 @@ from baton.v1 import common_pb2, node_agent_pb2, node_agent_pb2_grpc
 from services.common import etcd_keys
 from services.common.directory import ServiceDirectory
 from services.common.errors import InvalidArgument, NotFound, abort
-from services.common.etcd_session import LeaseSession, connect
+from services.common.etcd_session import Membership
 from services.common.telemetry import Telemetry
 from services.node_agent.config import NodeAgentConfig
 from services.node_agent.engines.base import Engine, EngineInputError
@@ -50,10 +50,9 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         self._config = config
         self._engine = engine
         self._node_info = node_info
-        self._etcd = connect(config.etcd)
-        self._session = LeaseSession(self._etcd, config.lease_ttl_s)
-        self._schedulers = ServiceDirectory(self._etcd, "scheduler", telemetry)
-        self._kvindexes = ServiceDirectory(self._etcd, "kvindex", telemetry)
+        self._member = Membership(config.etcd, config.lease_ttl_s)
+        self._schedulers = ServiceDirectory(self._member.client, "scheduler", telemetry)
+        self._kvindexes = ServiceDirectory(self._member.client, "kvindex", telemetry)
         self._kv_log = KvEventLog(config.node_id, engine.model)
         self._tokens = telemetry.meter.create_counter(
             "baton.node.generated_tokens", description="tokens generated on this node"
@@ -63,10 +62,10 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         node_agent_pb2_grpc.add_NodeAgentServicer_to_server(self, server)
 
     def background(self) -> Sequence[Coroutine[Any, Any, None]]:
+        registration = json_format.MessageToJson(self._node_info, indent=None).encode()
         return [
             self._engine.run(),
-            self._register(),
-            self._session.keep_alive(),
+            *self._member.hold(etcd_keys.node_key(self._config.node_id), registration),
             self._schedulers.run(),
             self._kvindexes.run(),
             self._kv_log.follow(self._engine),
@@ -75,18 +74,14 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
                         self._config.load_report_interval_s),
         ]
 
-    async def _register(self) -> None:
-        value = json_format.MessageToJson(self._node_info, indent=None).encode()
-        await self._session.put(etcd_keys.node_key(self._config.node_id), value)
-
     async def before_stop(self) -> None:
         # Leave the candidate set first; streams already running finish during the grace period.
-        await self._session.revoke()
+        await self._member.leave()
 
     async def close(self) -> None:
         await self._schedulers.close()
         await self._kvindexes.close()
-        await self._etcd.close()
+        await self._member.close()
 
     async def Generate(
         self, request: node_agent_pb2.NodeGenerateRequest, context: grpc.aio.ServicerContext

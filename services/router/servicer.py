@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from collections.abc import AsyncIterator, Coroutine, Sequence
@@ -23,7 +22,7 @@ from services.common.block_hash import block_hashes
 from services.common.coalesce import coalesce
 from services.common.directory import ChannelPool, ServiceDirectory
 from services.common.errors import BatonError, Unavailable, abort, from_rpc_error
-from services.common.etcd_session import LeaseSession, PrefixView, connect
+from services.common.etcd_session import Membership, PrefixView
 from services.common.telemetry import Telemetry
 from services.router.catalogue import models_from_registrations
 from services.router.config import RouterConfig
@@ -54,10 +53,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._telemetry = telemetry
         self._rng = random.Random()
         self._models: dict[str, ModelEntry] = {}
-        self._etcd = connect(config.etcd)
-        self._session = LeaseSession(self._etcd, config.lease_ttl_s)
-        self._nodes = PrefixView(self._etcd, etcd_keys.NODES, self._on_nodes_changed)
-        self._schedulers = ServiceDirectory(self._etcd, "scheduler", telemetry)
+        self._member = Membership(config.etcd, config.lease_ttl_s)
+        self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed)
+        self._schedulers = ServiceDirectory(self._member.client, "scheduler", telemetry)
         self._node_channels = ChannelPool(telemetry)
         self._requests = telemetry.meter.create_counter(
             "baton.router.requests", description="Generate requests, by final status"
@@ -70,22 +68,23 @@ class RouterService(router_pb2_grpc.RouterServicer):
         router_pb2_grpc.add_RouterServicer_to_server(self, server)
 
     def background(self) -> Sequence[Coroutine[Any, Any, None]]:
-        return [self._register(), self._session.keep_alive(), self._nodes.run(), self._schedulers.run()]
-
-    async def _register(self) -> None:
-        value = json.dumps({"address": self._config.listen}).encode()
-        await self._session.put(etcd_keys.service_key("router", self._config.instance_id), value)
+        config = self._config
+        return [
+            *self._member.hold_service("router", config.instance_id, config.listen),
+            self._nodes.run(),
+            self._schedulers.run(),
+        ]
 
     def _on_nodes_changed(self, items: dict[str, bytes]) -> None:
         self._models = models_from_registrations(items)
 
     async def before_stop(self) -> None:
-        await self._session.revoke()
+        await self._member.leave()
 
     async def close(self) -> None:
         await self._schedulers.close()
         await self._node_channels.close()
-        await self._etcd.close()
+        await self._member.close()
 
     async def ListModels(
         self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

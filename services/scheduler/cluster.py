@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.load import Load
+
 
 @dataclass(frozen=True)
 class NodeSpec:
@@ -17,20 +19,10 @@ class NodeSpec:
     kv_block_size: int = 16
 
 
-@dataclass(frozen=True)
-class LoadReport:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    active_decode_blocks: int = 0
-    pending_prefill_tokens: int = 0
-
-
 @dataclass
 class NodeStatus:
     spec: NodeSpec
-    load: LoadReport = field(default_factory=LoadReport)
+    load: Load = field(default_factory=Load)
     # When the last load report arrived (scheduler clock, seconds); None before the first.
     reported_at: float | None = None
     # Prompt blocks placed here since that report: load the node has not told us about yet.
@@ -57,7 +49,7 @@ class ClusterView:
             nodes[spec.node_id] = status
         self._nodes = nodes
 
-    def report_load(self, node_id: str, load: LoadReport, now: float) -> None:
+    def report_load(self, node_id: str, load: Load, now: float) -> None:
         """A fresh report supersedes the placements made before it."""
         status = self._nodes.get(node_id)
         if status is None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
@@ -15,9 +14,10 @@ from baton.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2, s
 from services.common import etcd_keys
 from services.common.directory import ServiceDirectory
 from services.common.errors import BatonError, NotFound, Unavailable, abort
-from services.common.etcd_session import LeaseSession, PrefixView, connect
+from services.common.etcd_session import Membership, PrefixView
+from services.common.load import load_from_proto, load_to_proto
 from services.common.telemetry import Telemetry
-from services.scheduler.cluster import ClusterView, LoadReport, NodeSpec
+from services.scheduler.cluster import ClusterView, NodeSpec
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.policy import KvLoadPolicy, PlacementRequest
 
@@ -36,17 +36,6 @@ def node_spec_from_json(value: bytes) -> NodeSpec:
     )
 
 
-def load_from_proto(load: common_pb2.NodeLoad) -> LoadReport:
-    return LoadReport(
-        num_running=load.num_running,
-        num_waiting=load.num_waiting,
-        kv_blocks_used=load.kv_blocks_used,
-        kv_blocks_total=load.kv_blocks_total,
-        active_decode_blocks=load.active_decode_blocks,
-        pending_prefill_tokens=load.pending_prefill_tokens,
-    )
-
-
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     service_names = ("baton.v1.Scheduler",)
 
@@ -56,10 +45,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._cluster = ClusterView(load_timeout_s=config.load_timeout_s)
         self._policy = KvLoadPolicy(config.prefill_load_scale)
         self._node_infos: dict[str, common_pb2.NodeInfo] = {}
-        self._etcd = connect(config.etcd)
-        self._session = LeaseSession(self._etcd, config.lease_ttl_s)
-        self._nodes = PrefixView(self._etcd, etcd_keys.NODES, self._on_nodes_changed)
-        self._kvindexes = ServiceDirectory(self._etcd, "kvindex", telemetry)
+        self._member = Membership(config.etcd, config.lease_ttl_s)
+        self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed)
+        self._kvindexes = ServiceDirectory(self._member.client, "kvindex", telemetry)
         self._placements = telemetry.meter.create_counter(
             "baton.scheduler.placements", description="placement decisions, by outcome"
         )
@@ -68,11 +56,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(self, server)
 
     def background(self) -> Sequence[Coroutine[Any, Any, None]]:
-        return [self._register(), self._session.keep_alive(), self._nodes.run(), self._kvindexes.run()]
-
-    async def _register(self) -> None:
-        value = json.dumps({"address": self._config.listen}).encode()
-        await self._session.put(etcd_keys.service_key("scheduler", self._config.instance_id), value)
+        config = self._config
+        return [
+            *self._member.hold_service("scheduler", config.instance_id, config.listen),
+            self._nodes.run(),
+            self._kvindexes.run(),
+        ]
 
     def _on_nodes_changed(self, items: dict[str, bytes]) -> None:
         specs, infos = [], {}
@@ -88,11 +77,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._cluster.set_nodes(specs)
 
     async def before_stop(self) -> None:
-        await self._session.revoke()
+        await self._member.leave()
 
     async def close(self) -> None:
         await self._kvindexes.close()
-        await self._etcd.close()
+        await self._member.close()
 
     async def _overlap(self, model: str, block_hashes: Sequence[int]) -> dict[str, int]:
         """Cached leading blocks per node, from any kvindex replica; empty when none answers in time."""
@@ -156,19 +145,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         state = scheduler_pb2.ClusterState(scheduler_id=self._config.instance_id)
         for status in self._cluster.nodes():
             info = self._node_infos.get(status.spec.node_id)
-            load = status.load
             state.nodes.append(
                 scheduler_pb2.NodeState(
                     info=info,
-                    load=common_pb2.NodeLoad(
-                        node_id=status.spec.node_id,
-                        num_running=load.num_running,
-                        num_waiting=load.num_waiting,
-                        kv_blocks_used=load.kv_blocks_used,
-                        kv_blocks_total=load.kv_blocks_total,
-                        active_decode_blocks=load.active_decode_blocks,
-                        pending_prefill_tokens=load.pending_prefill_tokens,
-                    ),
+                    load=load_to_proto(status.spec.node_id, status.load),
                     load_age_ms=int((now - status.reported_at) * 1000) if status.reported_at is not None else -1,
                 )
             )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from services.scheduler.cluster import ClusterView, LoadReport, NodeSpec, NodeStatus
+from services.common.load import Load
+from services.scheduler.cluster import ClusterView, NodeSpec, NodeStatus
 from services.scheduler.policy import KvLoadPolicy, PlacementRequest
 
 M = "m"
@@ -21,7 +22,7 @@ def _spec(node_id: str, models: tuple[str, ...] = (M,), block_size: int = 16) ->
 
 
 def _status(node_id: str, **load: int) -> NodeStatus:
-    return NodeStatus(spec=_spec(node_id), load=LoadReport(**load))
+    return NodeStatus(spec=_spec(node_id), load=Load(**load))
 
 
 def _request(prompt_blocks: int = 10) -> PlacementRequest:
@@ -43,7 +44,7 @@ def _ids(statuses: list[NodeStatus]) -> list[str]:
 def test_cost_is_the_docstring_formula() -> None:
     status = NodeStatus(
         spec=_spec("a", block_size=16),
-        load=LoadReport(pending_prefill_tokens=17, active_decode_blocks=7),
+        load=Load(pending_prefill_tokens=17, active_decode_blocks=7),
         placed_prefill_blocks=3,
     )
     # pending = ceil(17 / 16) + 3 = 5; prefill = max(5 + 10 - 4, 0) = 11; cost = 2 * 11 + 7 + 10
@@ -77,12 +78,12 @@ def test_ties_go_to_fewer_running_then_lower_node_id() -> None:
 
 def test_record_placement_raises_cost_until_next_load_report() -> None:
     view, policy = _view(_spec("a")), KvLoadPolicy()
-    view.report_load("a", LoadReport(), now=0.0)
+    view.report_load("a", Load(), now=0.0)
     (before,) = view.candidates(M, now=0.0)
     assert policy.cost(_request(10), before, matched=0) == 20.0
     view.record_placement("a", num_prompt_blocks=10)
     assert policy.cost(_request(10), before, matched=0) == 30.0
-    view.report_load("a", LoadReport(active_decode_blocks=2), now=1.0)
+    view.report_load("a", Load(active_decode_blocks=2), now=1.0)
     assert policy.cost(_request(10), before, matched=0) == 22.0
 
 
@@ -94,9 +95,9 @@ def test_placements_break_ties_between_otherwise_equal_nodes() -> None:
 
 def test_candidates_are_live_warm_and_not_excluded() -> None:
     view = _view(_spec("a"), _spec("b"), _spec("c"), _spec("d", models=("other",)), _spec("e"))
-    view.report_load("a", LoadReport(), now=100.0)
-    view.report_load("b", LoadReport(), now=100.0 - TIMEOUT_S)
-    view.report_load("c", LoadReport(), now=100.0 - TIMEOUT_S - 0.001)
+    view.report_load("a", Load(), now=100.0)
+    view.report_load("b", Load(), now=100.0 - TIMEOUT_S)
+    view.report_load("c", Load(), now=100.0 - TIMEOUT_S - 0.001)
     # e never reported: still a candidate.
     assert _ids(view.candidates(M, now=100.0)) == ["a", "b", "e"]
     assert _ids(view.candidates(M, now=100.0, exclude=frozenset({"a", "e"}))) == ["b"]
@@ -106,12 +107,12 @@ def test_candidates_are_live_warm_and_not_excluded() -> None:
 
 def test_set_nodes_keeps_load_of_staying_nodes_and_drops_leaving_ones() -> None:
     view = _view(_spec("a"), _spec("b"))
-    view.report_load("a", LoadReport(num_running=3), now=1.0)
-    view.report_load("b", LoadReport(num_running=4), now=1.0)
+    view.report_load("a", Load(num_running=3), now=1.0)
+    view.report_load("b", Load(num_running=4), now=1.0)
     view.set_nodes([_spec("a", models=(M, "new")), _spec("c")])
     (a, c) = view.nodes()
     assert (a.spec.node_id, a.load.num_running, a.reported_at, a.spec.warm_models) == ("a", 3, 1.0, {M, "new"})
-    assert (c.spec.node_id, c.load, c.reported_at) == ("c", LoadReport(), None)
-    view.report_load("b", LoadReport(num_running=9), now=2.0)  # gone: ignored
+    assert (c.spec.node_id, c.load, c.reported_at) == ("c", Load(), None)
+    view.report_load("b", Load(num_running=9), now=2.0)  # gone: ignored
     assert _ids(view.nodes()) == ["a", "c"]
     assert view.has_model("new") and not view.has_model("gone")

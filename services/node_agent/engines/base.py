@@ -6,7 +6,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from services.node_agent.engines.types import EngineLoad, EngineRequest, KVEvent, RequestOutput
+from services.common.load import Load
+from services.node_agent.engines.types import EngineRequest, KVEvent, RequestOutput
 
 
 class EngineInputError(ValueError):
@@ -39,7 +40,7 @@ class Engine(Protocol):
         Closing the iterator early aborts the request and frees its KV blocks.
         """
 
-    def load(self) -> EngineLoad: ...
+    def load(self) -> Load: ...
 
     async def next_kv_events(self) -> list[KVEvent]:
         """Wait for and take the KV events produced since the last call."""

@@ -49,16 +49,6 @@ class RequestOutput:
 
 
 
-@dataclass(frozen=True)
-class EngineLoad:
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    active_decode_blocks: int
-    pending_prefill_tokens: int
-
-
 @dataclass
 class StepResult:
     """One engine step: how long it takes on the modelled GPU, and what it produced."""

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections import deque
 
+from services.common.load import Load
 from services.node_agent.engines.sim.kv_cache import KVCache
 from services.node_agent.engines.sim.models import SimModelSpec
 from services.node_agent.engines.sim.sequence import SimSequence
 from services.node_agent.engines.sim.timing import TimingModel
 from services.node_agent.engines.sim.tokens import next_token
 from services.node_agent.engines.types import (
-    EngineLoad,
     EngineRequest,
     FinishReason,
     KVEvent,
@@ -107,9 +107,9 @@ class SimEngineCore:
         """KV events not yet returned by step() (e.g. a reset while idle)."""
         return self._cache.drain_events()
 
-    def load(self) -> EngineLoad:
+    def load(self) -> Load:
         """Queue depths and KV usage right now."""
-        return EngineLoad(
+        return Load(
             num_running=len(self._running),
             num_waiting=len(self._waiting),
             kv_blocks_used=self._cache.num_used_blocks,

@@ -6,10 +6,10 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
+from services.common.load import Load
 from services.node_agent.engines.base import EngineInputError
 from services.node_agent.engines.sim.core import SimEngineCore
 from services.node_agent.engines.types import (
-    EngineLoad,
     EngineRequest,
     KVEvent,
     RequestOutput,
@@ -107,7 +107,7 @@ class SimEngine:
                 self._wake.set()
                 self.load_changed.set()
 
-    def load(self) -> EngineLoad:
+    def load(self) -> Load:
         return self._core.load()
 
     async def next_kv_events(self) -> list[KVEvent]:
