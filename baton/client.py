@@ -1,21 +1,48 @@
-"""A small Python client for Baton's router, over the generated stubs."""
+"""A Python client for Baton's routers, over the generated stubs.
+
+It holds what it has received of each stream, so when the router serving it dies, it sends the
+same request to another router with those tokens in `resume`, and the stream continues there:
+no token lost, none repeated.
+"""
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from baton.protocol import ORIGIN_KEY
 from baton.v1 import router_pb2, router_pb2_grpc
 
 
-class BatonClient:
-    """Streams completions from a router."""
+def is_router_failure(error: grpc.aio.AioRpcError) -> bool:
+    """The router itself went away (crash, network), rather than answering with a status."""
+    if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+                            grpc.StatusCode.INTERNAL):
+        return False
+    return not any(key == ORIGIN_KEY for key, _ in (error.trailing_metadata() or ()))
 
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self._channel = grpc.aio.insecure_channel(address)
-        self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+class BatonClient:
+    """Streams completions from one of several routers, failing over between them mid-stream."""
+
+    def __init__(self, addresses: str | Sequence[str], max_failovers: int = 3) -> None:
+        self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
+        if not self.addresses:
+            raise ValueError("BatonClient: at least one router address is needed")
+        self.max_failovers = max_failovers
+        self._channels = {address: grpc.aio.insecure_channel(address) for address in self.addresses}
+        self._current = 0
+
+    @property
+    def current_address(self) -> str:
+        """The router new calls go to (it moves on when one dies)."""
+        return self.addresses[self._current]
+
+    def _stub(self) -> router_pb2_grpc.RouterStub:
+        return router_pb2_grpc.RouterStub(self._channels[self.current_address])
 
     async def generate(
         self,
@@ -26,18 +53,37 @@ class BatonClient:
         timeout_s: float | None = None,
         **fields: object,
     ) -> AsyncIterator[router_pb2.GenerateChunk]:
-        """Chunks as the router relays them; other GenerateRequest fields go in **fields."""
+        """Chunks as the routers relay them; other GenerateRequest fields go in **fields."""
         request = router_pb2.GenerateRequest(model=model, **fields)
         if prompt is not None:
             request.prompt = prompt
         if prompt_token_ids is not None:
             request.prompt_token_ids.ids.extend(prompt_token_ids)
-        call = self._stub.Generate(request, timeout=timeout_s)
-        try:
-            async for chunk in call:
-                yield chunk
-        finally:
-            call.cancel()
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex  # the same id on every router it may resume on
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        received: list[int] = []
+        failovers = 0
+        while True:
+            if received:
+                del request.resume.token_ids[:]
+                request.resume.token_ids.extend(received)
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            call = self._stub().Generate(request, timeout=remaining)
+            try:
+                async for chunk in call:
+                    if chunk.HasField("seed"):
+                        request.seed = chunk.seed
+                    received.extend(chunk.token_ids)
+                    yield chunk
+                return
+            except grpc.aio.AioRpcError as error:
+                if not is_router_failure(error) or failovers >= self.max_failovers:
+                    raise
+                failovers += 1
+                self._current = (self._current + 1) % len(self.addresses)
+            finally:
+                call.cancel()
 
     async def complete(self, model: str, prompt: str | None = None, **kwargs: object) -> Completion:
         """The whole completion at once."""
@@ -47,11 +93,12 @@ class BatonClient:
         return result
 
     async def list_models(self) -> list[router_pb2.ServedModel]:
-        reply = await self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=5.0)
+        reply = await self._stub().ListModels(router_pb2.ListModelsRequest(), timeout=5.0)
         return list(reply.models)
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels.values():
+            await channel.close()
 
     async def __aenter__(self) -> BatonClient:
         return self
@@ -70,6 +117,7 @@ class Completion:
         self.finish_reason = 0
         self.usage = router_pb2.GenerateChunk().usage
         self.num_chunks = 0
+        self.is_exact = True
 
     def add(self, chunk: router_pb2.GenerateChunk) -> None:
         if chunk.index != len(self.token_ids):
@@ -77,6 +125,7 @@ class Completion:
         self.token_ids.extend(chunk.token_ids)
         self.text += chunk.text
         self.num_chunks += 1
+        self.is_exact = self.is_exact and not chunk.inexact
         if chunk.node_id and (not self.node_ids or self.node_ids[-1] != chunk.node_id):
             self.node_ids.append(chunk.node_id)
         if chunk.finish_reason:

@@ -139,6 +139,7 @@ class ClusterSpec:
     """What to start."""
 
     num_nodes: int = 3
+    num_routers: int = 1
     gpus: tuple[str, ...] = ("h100",)
     model: str = "sim-llama-3-8b"
     router_port: int = 0
@@ -148,6 +149,8 @@ class ClusterSpec:
     otel_exporter: str = "none"
     log_level: str = "INFO"
     node_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    scheduler_args: tuple[str, ...] = ()
 
 
 class LocalCluster:
@@ -162,13 +165,20 @@ class LocalCluster:
         self.etcd: ManagedProcess | None = None
         self.kvindex: ManagedProcess | None = None
         self.scheduler: ManagedProcess | None = None
-        self.router: ManagedProcess | None = None
+        self.routers: list[ManagedProcess] = []
         self.nodes: list[ManagedProcess] = []
 
-    def _service(self, name: str, module: str, flags: dict[str, object], port: int = 0) -> ManagedProcess:
+    @property
+    def router(self) -> ManagedProcess | None:
+        """The first router (`baton up` prints its address)."""
+        return self.routers[0] if self.routers else None
+
+    def _service(self, name: str, module: str, flags: dict[str, object], port: int = 0,
+                 extra: tuple[str, ...] = ()) -> ManagedProcess:
         address = f"127.0.0.1:{port or free_port()}"
         args = [sys.executable, "-m", module, "--listen", address, "--etcd", self.etcd_endpoint]
         args += [f"--{key}={value}" for key, value in flags.items()]
+        args += list(extra)
         return ManagedProcess(name=name, args=args, log_path=self.workdir / f"{name}.log", address=address)
 
     def start(self, timeout_s: float = 60.0) -> None:
@@ -202,21 +212,28 @@ class LocalCluster:
 
         common = {"lease-ttl-s": spec.lease_ttl_s, "otel-exporter": spec.otel_exporter, "log-level": spec.log_level}
         self.kvindex = self._service("kvindex", "services.kvindex", common)
-        self.scheduler = self._service("scheduler", "services.scheduler", common)
-        self.router = self._service("router", "services.router", common, port=spec.router_port)
+        self.scheduler = self._service("scheduler", "services.scheduler", common, extra=spec.scheduler_args)
+        for i in range(spec.num_routers):
+            flags = {**common, "instance-id": f"router-{i}"}
+            port = spec.router_port if i == 0 else 0
+            self.routers.append(self._service(f"router-{i}", "services.router", flags, port, spec.router_args))
         for i in range(spec.num_nodes):
             gpu = spec.gpus[i % len(spec.gpus)]
             flags = {**common, "node-id": f"node-{i}", "gpu": gpu, "model": spec.model, "speed": spec.speed,
                      "kv-blocks": spec.kv_blocks}
-            node = self._service(f"node-{i}", "services.node_agent", flags)
-            node.args += list(spec.node_args)
-            self.nodes.append(node)
-        services = [self.kvindex, self.scheduler, *self.nodes, self.router]
+            self.nodes.append(self._service(f"node-{i}", "services.node_agent", flags, extra=spec.node_args))
+        services = [self.kvindex, self.scheduler, *self.nodes, *self.routers]
         for process in services:
             process.start()
         for process in services:
             wait_grpc_serving(process, timeout_s)
         self.wait_nodes_visible(spec.num_nodes, timeout_s)
+
+    def restart(self, process: ManagedProcess, timeout_s: float = 30.0) -> None:
+        """Start a stopped or killed service again, same flags and address, and wait until SERVING."""
+        process.stop()
+        process.start()
+        wait_grpc_serving(process, timeout_s)
 
     def cluster_state(self, timeout_s: float = 2.0) -> scheduler_pb2.ClusterState:
         assert self.scheduler is not None
@@ -250,7 +267,7 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Stop what this cluster started, by pid: router first, etcd last."""
-        for process in [self.router, *reversed(self.nodes), self.scheduler, self.kvindex, self.etcd]:
+        for process in [*self.routers, *reversed(self.nodes), self.scheduler, self.kvindex, self.etcd]:
             if process is not None:
                 process.stop()
         if self._own_workdir and os.environ.get("BATON_KEEP_WORKDIR") != "1":

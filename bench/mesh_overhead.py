@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import os
-import platform
-import re
 import statistics
 import sys
 import time
@@ -19,6 +16,7 @@ import grpc
 
 from baton.cluster import ClusterSpec, LocalCluster
 from baton.v1 import common_pb2, node_agent_pb2, node_agent_pb2_grpc, router_pb2, router_pb2_grpc
+from bench.report import machine_line, positive_int, write_section
 
 SECTION = "## Mesh overhead (issue 2)"
 NUM_WARMUP = 20
@@ -142,13 +140,6 @@ def table(results: dict[str, dict[str, float]], args: argparse.Namespace) -> str
     return "\n".join(lines)
 
 
-def cpu_model() -> str:
-    """The CPU model name from /proc/cpuinfo, or the platform's processor string."""
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    match = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
-    return match.group(1).strip() if match else platform.processor() or "unknown"
-
-
 def section(results: dict[str, dict[str, float]], args: argparse.Namespace, command: str) -> str:
     """The docs/benchmarks.md section: command, machine, date, table and what the numbers say."""
     direct, router = results["direct"], results["router"]
@@ -157,7 +148,7 @@ def section(results: dict[str, dict[str, float]], args: argparse.Namespace, comm
 
 Command: `{command}`
 
-Machine: {num_cpus} CPUs ({cpu_model()}), Python {platform.python_version()}; run on {datetime.date.today()}.
+{machine_line()}
 One node, sim engine with `speed=0` (no modelled GPU time), {args.prompt_tokens}-token prompts, \
 `max_tokens={args.max_tokens}`, `ignore_eos`; {NUM_WARMUP} warm-up requests per path, then {args.requests} \
 sequential streams per path and {args.rounds} rounds of {args.concurrency} concurrent streams per path, \
@@ -175,26 +166,6 @@ The router adds {router["ttft_p50"] - direct["ttft_p50"]:.2f} ms to TTFT at p50 
 The client, router, node agent, scheduler, kvindex and etcd all share this {num_cpus}-CPU machine, so these \
 numbers include CPU contention between them; a router on cores of its own would likely relay more.
 """
-
-
-def write_section(path: Path, text: str) -> None:
-    """Replace the mesh-overhead section of path (or append it), leaving other sections as they are."""
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
-    if pattern.search(old):
-        new = pattern.sub(lambda _: text + "\n", old, count=1).rstrip("\n") + "\n"
-    else:
-        new = old.rstrip("\n") + "\n\n" + text
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(new)
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -224,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         cluster.stop()
     print(table(results, args))
     if args.out is not None:
-        write_section(args.out, section(results, args, command.strip()))
+        write_section(args.out, SECTION, section(results, args, command.strip()))
         print(f"wrote {args.out}")
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from baton.v1 import common_pb2 as baton_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x62\x61ton/v1/scheduler.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"\x97\x02\n\x0cPlaceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x04\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0e\n\x06tenant\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x16\n\x0ettft_budget_ms\x18\x08 \x01(\x05\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\t \x01(\x05\x12\x13\n\x0bworkflow_id\x18\n \x01(\t\x12\x0c\n\x04step\x18\x0b \x01(\x05\x12\x13\n\x0btotal_steps\x18\x0c \x01(\x05\x12\x18\n\x10\x65xclude_node_ids\x18\r \x03(\t\"S\n\tPlacement\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\x05\x12\x0c\n\x04\x63ost\x18\x04 \x01(\x01\"\x0f\n\rReportLoadAck\"\x18\n\x16GetClusterStateRequest\"d\n\tNodeState\x12 \n\x04info\x18\x01 \x01(\x0b\x32\x12.baton.v1.NodeInfo\x12 \n\x04load\x18\x02 \x01(\x0b\x32\x12.baton.v1.NodeLoad\x12\x13\n\x0bload_age_ms\x18\x03 \x01(\x03\"H\n\x0c\x43lusterState\x12\x14\n\x0cscheduler_id\x18\x01 \x01(\t\x12\"\n\x05nodes\x18\x02 \x03(\x0b\x32\x13.baton.v1.NodeState2\xcb\x01\n\tScheduler\x12\x34\n\x05Place\x12\x16.baton.v1.PlaceRequest\x1a\x13.baton.v1.Placement\x12;\n\nReportLoad\x12\x12.baton.v1.NodeLoad\x1a\x17.baton.v1.ReportLoadAck(\x01\x12K\n\x0fGetClusterState\x12 .baton.v1.GetClusterStateRequest\x1a\x16.baton.v1.ClusterStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x62\x61ton/v1/scheduler.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"\xac\x02\n\x0cPlaceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x04\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0e\n\x06tenant\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x16\n\x0ettft_budget_ms\x18\x08 \x01(\x05\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\t \x01(\x05\x12\x13\n\x0bworkflow_id\x18\n \x01(\t\x12\x0c\n\x04step\x18\x0b \x01(\x05\x12\x13\n\x0btotal_steps\x18\x0c \x01(\x05\x12\x18\n\x10\x65xclude_node_ids\x18\r \x03(\t\x12\x13\n\x0bretry_cause\x18\x0e \x01(\t\"S\n\tPlacement\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\x05\x12\x0c\n\x04\x63ost\x18\x04 \x01(\x01\"\x0f\n\rReportLoadAck\"\x18\n\x16GetClusterStateRequest\"d\n\tNodeState\x12 \n\x04info\x18\x01 \x01(\x0b\x32\x12.baton.v1.NodeInfo\x12 \n\x04load\x18\x02 \x01(\x0b\x32\x12.baton.v1.NodeLoad\x12\x13\n\x0bload_age_ms\x18\x03 \x01(\x03\"H\n\x0c\x43lusterState\x12\x14\n\x0cscheduler_id\x18\x01 \x01(\t\x12\"\n\x05nodes\x18\x02 \x03(\x0b\x32\x13.baton.v1.NodeState2\xcb\x01\n\tScheduler\x12\x34\n\x05Place\x12\x16.baton.v1.PlaceRequest\x1a\x13.baton.v1.Placement\x12;\n\nReportLoad\x12\x12.baton.v1.NodeLoad\x1a\x17.baton.v1.ReportLoadAck(\x01\x12K\n\x0fGetClusterState\x12 .baton.v1.GetClusterStateRequest\x1a\x16.baton.v1.ClusterStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.v1.scheduler_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PLACEREQUEST']._serialized_start=62
-  _globals['_PLACEREQUEST']._serialized_end=341
-  _globals['_PLACEMENT']._serialized_start=343
-  _globals['_PLACEMENT']._serialized_end=426
-  _globals['_REPORTLOADACK']._serialized_start=428
-  _globals['_REPORTLOADACK']._serialized_end=443
-  _globals['_GETCLUSTERSTATEREQUEST']._serialized_start=445
-  _globals['_GETCLUSTERSTATEREQUEST']._serialized_end=469
-  _globals['_NODESTATE']._serialized_start=471
-  _globals['_NODESTATE']._serialized_end=571
-  _globals['_CLUSTERSTATE']._serialized_start=573
-  _globals['_CLUSTERSTATE']._serialized_end=645
-  _globals['_SCHEDULER']._serialized_start=648
-  _globals['_SCHEDULER']._serialized_end=851
+  _globals['_PLACEREQUEST']._serialized_end=362
+  _globals['_PLACEMENT']._serialized_start=364
+  _globals['_PLACEMENT']._serialized_end=447
+  _globals['_REPORTLOADACK']._serialized_start=449
+  _globals['_REPORTLOADACK']._serialized_end=464
+  _globals['_GETCLUSTERSTATEREQUEST']._serialized_start=466
+  _globals['_GETCLUSTERSTATEREQUEST']._serialized_end=490
+  _globals['_NODESTATE']._serialized_start=492
+  _globals['_NODESTATE']._serialized_end=592
+  _globals['_CLUSTERSTATE']._serialized_start=594
+  _globals['_CLUSTERSTATE']._serialized_end=666
+  _globals['_SCHEDULER']._serialized_start=669
+  _globals['_SCHEDULER']._serialized_end=872
 # @@protoc_insertion_point(module_scope)

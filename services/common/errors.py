@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
+
+from baton.protocol import ORIGIN_KEY, RETRY_AFTER_KEY
 
 
 class BatonError(Exception):
@@ -40,11 +42,13 @@ class ResourceExhausted(BatonError):
         self.retry_after_ms = retry_after_ms
 
 
-async def abort(context: grpc.aio.ServicerContext, error: BatonError) -> None:
+async def abort(context: grpc.aio.ServicerContext, error: BatonError) -> NoReturn:
     """End the RPC with error's status; raises, like context.abort."""
+    metadata = [(ORIGIN_KEY, "baton")]
     if isinstance(error, ResourceExhausted):
-        context.set_trailing_metadata((("retry-after-ms", str(error.retry_after_ms)),))
-    await context.abort(error.code, str(error))
+        metadata.append((RETRY_AFTER_KEY, str(error.retry_after_ms)))
+    await context.abort(error.code, str(error), trailing_metadata=tuple(metadata))
+    raise AssertionError("unreachable: context.abort raises")
 
 
 def from_rpc_error(error: grpc.aio.AioRpcError) -> BatonError:

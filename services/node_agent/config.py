@@ -24,6 +24,7 @@ class NodeAgentConfig(ServiceConfig):
     max_num_seqs: int = doc("most sequences in one batch", 256)
     max_num_batched_tokens: int = doc("token budget of one engine step (chunked prefill)", 2048)
     load_report_interval_s: float = doc("heartbeat of load reports; changes are reported at once", 0.25)
+    heartbeat_interval_s: float = doc("a Generate stream with nothing new sends a heartbeat this often", 0.1)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -33,5 +34,7 @@ class NodeAgentConfig(ServiceConfig):
             raise ValueError(f"--speed: must be 0 or more, got {self.speed}")
         if self.kv_blocks < 0:
             raise ValueError(f"--kv-blocks: must be 0 or more, got {self.kv_blocks}")
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError(f"--heartbeat-interval-s: must be positive, got {self.heartbeat_interval_s}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-seqs and --max-num-batched-tokens must be positive")

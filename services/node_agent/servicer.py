@@ -88,23 +88,30 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     ) -> AsyncIterator[node_agent_pb2.NodeGenerateChunk]:
         if request.model != self._engine.model:
             await abort(context, NotFound(f"model={request.model!r}: not served by node {self._config.node_id}"))
-        sampling = sampling_from_proto(request.sampling)
         engine_request = EngineRequest(
             request_id=request.request_id,
             prompt_token_ids=tuple(request.prompt_token_ids),
-            sampling=sampling,
+            sampling=sampling_from_proto(request.sampling),
+            num_resumed_tokens=request.num_resumed_tokens,
         )
-        index = 0
         try:
-            async for output in self._engine.generate(engine_request):
-                chunk = node_agent_pb2.NodeGenerateChunk(
-                    request_id=request.request_id,
-                    token_ids=output.new_token_ids,
-                    index=index,
-                    finish_reason=FINISH_REASONS[output.finish_reason],
-                    node_id=self._config.node_id,
-                )
+            outputs = self._engine.generate(engine_request, self._config.heartbeat_interval_s)
+        except EngineInputError as exc:
+            await abort(context, InvalidArgument(exc.field, exc.value, exc.reason))
+        try:
+            yield self._chunk(request, 0,
+                              started=node_agent_pb2.StreamStarted(
+                                  heartbeat_interval_ms=int(self._config.heartbeat_interval_s * 1000),
+                                  expected_step_ms=self._engine.expected_step_ms()))
+            index = 0
+            async for output in outputs:
+                if output is None:
+                    yield self._chunk(request, index)  # heartbeat
+                    continue
+                chunk = self._chunk(request, index, token_ids=output.new_token_ids,
+                                    finish_reason=FINISH_REASONS[output.finish_reason])
                 index += len(output.new_token_ids)
+                chunk.checkpoint.CopyFrom(self._checkpoint(request, index))
                 self._tokens.add(len(output.new_token_ids), {"model": request.model})
                 if output.finish_reason is not None:
                     chunk.usage.CopyFrom(
@@ -115,8 +122,25 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
                         )
                     )
                 yield chunk
-        except EngineInputError as exc:
-            await abort(context, InvalidArgument(exc.field, exc.value, exc.reason))
+        finally:
+            # The client went away or the stream broke: the engine must not go on for nobody.
+            self._engine.abort(request.request_id)
+
+    def _chunk(self, request: node_agent_pb2.NodeGenerateRequest, index: int,
+               **fields: Any) -> node_agent_pb2.NodeGenerateChunk:
+        return node_agent_pb2.NodeGenerateChunk(
+            request_id=request.request_id, index=index, node_id=self._config.node_id, **fields
+        )
+
+    def _checkpoint(self, request: node_agent_pb2.NodeGenerateRequest, num_generated: int) -> node_agent_pb2.Checkpoint:
+        checkpoint = node_agent_pb2.Checkpoint(
+            num_context_tokens=len(request.prompt_token_ids) + num_generated,
+            num_completion_tokens=num_generated,
+            exact=self._engine.exact_resume,
+        )
+        if request.sampling.HasField("seed"):
+            checkpoint.seed = request.sampling.seed
+        return checkpoint
 
     async def GetLoad(
         self, request: node_agent_pb2.GetLoadRequest, context: grpc.aio.ServicerContext

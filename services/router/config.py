@@ -15,10 +15,19 @@ class RouterConfig(ServiceConfig):
     instance_id: str = doc("this router's id in etcd", "router-0")
     default_max_tokens: int = doc("max_tokens when a request leaves it unset", 256)
     placement_timeout_s: float = doc("deadline of a placement call to the scheduler", 2.0)
+    max_migrations: int = doc("how often one generation may move to another node after failures", 3)
+    stall_floor_s: float = doc("shortest silence after which a node stream counts as stalled", 1.0)
+    suspect_s: float = doc("after a node fails a stream, new placements avoid it this long", 5.0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.default_max_tokens < 1:
             raise ValueError(f"--default-max-tokens: must be positive, got {self.default_max_tokens}")
+        if self.max_migrations < 0:
+            raise ValueError(f"--max-migrations: must be 0 or more, got {self.max_migrations}")
+        if self.stall_floor_s <= 0:
+            raise ValueError(f"--stall-floor-s: must be positive, got {self.stall_floor_s}")
+        if self.suspect_s < 0:
+            raise ValueError(f"--suspect-s: must be 0 or more, got {self.suspect_s}")
         if self.placement_timeout_s <= 0:
             raise ValueError(f"--placement-timeout-s: must be positive, got {self.placement_timeout_s}")

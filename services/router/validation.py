@@ -31,7 +31,10 @@ class ValidRequest:
     request_id: str
     model: ModelEntry
     prompt_token_ids: list[int]
+    # Whole-request sampling: max_tokens counts the resumed tokens too.
     sampling: common_pb2.SamplingParams
+    # Completion tokens the client already has (a resumed request).
+    resume_token_ids: list[int]
 
 
 def validate(
@@ -64,11 +67,9 @@ def validate(
         prompt = list(request.prompt_token_ids.ids)
         if not prompt:
             raise InvalidArgument("prompt_token_ids", [], "must not be empty")
-        for i, token in enumerate(prompt):
-            if not 0 <= token < model.vocab_size:
-                raise InvalidArgument(
-                    f"prompt_token_ids[{i}]", token, f"outside the vocabulary [0, {model.vocab_size})"
-                )
+        _check_vocabulary("prompt_token_ids", prompt, model.vocab_size)
+    resumed = list(request.resume.token_ids)
+    _check_vocabulary("resume.token_ids", resumed, model.vocab_size)
 
     context = model.max_context_tokens
     if len(prompt) >= context:
@@ -100,6 +101,10 @@ def validate(
             raise InvalidArgument(field, getattr(request, field), "must not be negative")
     if request.total_steps and request.step > request.total_steps:
         raise InvalidArgument("step", request.step, f"beyond total_steps={request.total_steps}")
+    if len(resumed) > max_tokens:
+        raise InvalidArgument("resume.token_ids", f"{len(resumed)} tokens", f"more than max_tokens={max_tokens}")
+    if resumed and request.temperature > 0 and not request.HasField("seed"):
+        raise InvalidArgument("seed", None, "required to resume a sampled request (the first chunk carried it)")
 
     sampling = common_pb2.SamplingParams(
         temperature=request.temperature,
@@ -118,4 +123,11 @@ def validate(
         model=model,
         prompt_token_ids=prompt,
         sampling=sampling,
+        resume_token_ids=resumed,
     )
+
+
+def _check_vocabulary(field: str, token_ids: list[int], vocab_size: int) -> None:
+    for i, token in enumerate(token_ids):
+        if not 0 <= token < vocab_size:
+            raise InvalidArgument(f"{field}[{i}]", token, f"outside the vocabulary [0, {vocab_size})")

@@ -13,13 +13,14 @@ from google.protobuf import json_format
 from baton.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common import etcd_keys
 from services.common.directory import ServiceDirectory
-from services.common.errors import BatonError, NotFound, Unavailable, abort
+from services.common.errors import BatonError, NotFound, ResourceExhausted, Unavailable, abort
 from services.common.etcd_session import Membership, PrefixView
 from services.common.load import load_from_proto, load_to_proto
 from services.common.telemetry import Telemetry
 from services.scheduler.cluster import ClusterView, NodeSpec
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.policy import KvLoadPolicy, PlacementRequest
+from services.scheduler.retry_budget import RetryBudget
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._telemetry = telemetry
         self._cluster = ClusterView(load_timeout_s=config.load_timeout_s)
         self._policy = KvLoadPolicy(config.prefill_load_scale)
+        self._retry_budget = RetryBudget(config.retry_ratio, config.retry_min_per_s)
         self._node_infos: dict[str, common_pb2.NodeInfo] = {}
         self._member = Membership(config.etcd, config.lease_ttl_s)
         self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed)
@@ -102,6 +104,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     ) -> scheduler_pb2.Placement:
         try:
             now = time.monotonic()
+            if request.retry_cause:
+                if not self._retry_budget.try_retry(now):
+                    budget = self._retry_budget
+                    raise ResourceExhausted(
+                        f"cluster retry budget exhausted: {budget.num_retries(now)} retries in the last "
+                        f"{budget.window_s:.0f} s against {budget.num_requests(now)} requests (allowed: "
+                        f"{budget.min_retries_per_s:g}/s + {budget.ratio:.0%} of requests)",
+                        retry_after_ms=int(budget.window_s * 1000),
+                    )
+            else:
+                self._retry_budget.record_request(now)
             if not self._cluster.has_model(request.model):
                 raise NotFound(f"model={request.model!r}: no registered node serves it")
             candidates = self._cluster.candidates(request.model, now, frozenset(request.exclude_node_ids))
@@ -117,11 +130,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             )
             decision = self._policy.choose(placement, candidates, matched)
         except BatonError as error:
-            self._placements.add(1, {"outcome": error.code.name})
+            self._placements.add(1, {"outcome": error.code.name, "retry": request.retry_cause})
             await abort(context, error)
-            raise  # unreachable: abort raises
         self._cluster.record_placement(decision.node_id, placement.num_prompt_blocks)
-        self._placements.add(1, {"outcome": "OK"})
+        self._placements.add(1, {"outcome": "OK", "retry": request.retry_cause})
         log.debug("placed %s on %s (cost %.1f, %d cached blocks)", request.request_id, decision.node_id,
                   decision.cost, decision.matched_blocks)
         return scheduler_pb2.Placement(

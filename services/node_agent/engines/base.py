@@ -30,15 +30,25 @@ class Engine(Protocol):
     kv_block_size: int
     #: Set when a request arrives, finishes or is aborted, so load is reported at once.
     load_changed: asyncio.Event
+    #: Whether re-running prompt + generated tokens with the same sampling continues identically.
+    exact_resume: bool
 
     async def run(self) -> None:
         """The engine loop; runs until cancelled."""
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """Outputs as they are produced, several steps merged when the reader is slow.
+    def generate(self, request: EngineRequest, heartbeat_s: float) -> AsyncIterator[RequestOutput | None]:
+        """Admit request at once (EngineInputError if it cannot be served); return its outputs.
 
+        Outputs come as they are produced, several steps merged when the reader is slow; None
+        when nothing came for heartbeat_s (the engine is alive, e.g. still prefilling).
         Closing the iterator early aborts the request and frees its KV blocks.
         """
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks; a no-op once it has finished."""
+
+    def expected_step_ms(self) -> float:
+        """Wall-clock time of the next decode step."""
 
     def load(self) -> Load: ...
 

@@ -67,6 +67,11 @@ class SimEngineCore:
             raise ValueError(
                 f"request {rid!r}: token id {bad} is outside the vocabulary 0..{self.model.vocab_size - 1}"
             )
+        if not 0 <= request.num_resumed_tokens < len(prompt):
+            raise ValueError(
+                f"request {rid!r}: num_resumed_tokens={request.num_resumed_tokens} must be below the "
+                f"prompt length {len(prompt)}"
+            )
         if len(prompt) + max_tokens > self.model.max_context_tokens:
             raise ValueError(
                 f"request {rid!r}: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds "
@@ -120,6 +125,11 @@ class SimEngineCore:
             pending_prefill_tokens=sum(seq.num_uncomputed_tokens for seq in self._waiting)
             + sum(seq.num_uncomputed_tokens for seq in self._running if seq.is_prefilling),
         )
+
+    def expected_decode_step_ms(self) -> float:
+        """Modelled time of a decode step with the running batch plus one more sequence."""
+        context = sum(seq.num_tokens for seq in self._running)
+        return self.timing.decode_step_ms(len(self._running) + 1, context)
 
     def step(self) -> StepResult:
         """Schedule one batch, produce its tokens and return its modelled duration."""

@@ -32,8 +32,13 @@ class _OutputBuffer:
         self._pending.append(output)
         self._ready.set()
 
-    async def take(self) -> RequestOutput:
-        await self._ready.wait()
+    async def take(self, timeout_s: float) -> RequestOutput | None:
+        """Everything pending, merged; None if nothing came within timeout_s."""
+        if not self._ready.is_set():
+            try:
+                await asyncio.wait_for(self._ready.wait(), timeout_s)
+            except TimeoutError:
+                return None
         self._ready.clear()
         pending, self._pending = self._pending, []
         merged = pending[-1]
@@ -46,6 +51,8 @@ class SimEngine:
     """Runs the simulated engine core in real time, scaled by `speed` (0: no waiting at all)."""
 
     tokenizer = "byte"
+    # Tokens are a pure function of (seed, position, context): a resumed run is identical.
+    exact_resume = True
 
     def __init__(self, core: SimEngineCore, model: str, speed: float) -> None:
         self._core = core
@@ -85,7 +92,12 @@ class SimEngine:
                 self._kv_events.extend(result.kv_events)
                 self._kv_ready.set()
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    def expected_step_ms(self) -> float:
+        """Wall-clock time of the next decode step (0 when timing is off)."""
+        return self._core.expected_decode_step_ms() / self._speed if self._speed > 0 else 0.0
+
+    def generate(self, request: EngineRequest, heartbeat_s: float) -> AsyncIterator[RequestOutput | None]:
+        """Admit request now (EngineInputError if it cannot be served) and return its outputs."""
         try:
             self._core.add_request(request)
         except ValueError as exc:
@@ -93,19 +105,28 @@ class SimEngine:
         buffer = self._buffers[request.request_id] = _OutputBuffer()
         self._wake.set()
         self.load_changed.set()
+        return self._outputs(request.request_id, buffer, heartbeat_s)
+
+    async def _outputs(
+        self, request_id: str, buffer: _OutputBuffer, heartbeat_s: float
+    ) -> AsyncIterator[RequestOutput | None]:
         finished = False
         try:
             while not finished:
-                output = await buffer.take()
-                finished = output.finish_reason is not None
+                output = await buffer.take(heartbeat_s)
+                finished = output is not None and output.finish_reason is not None
                 yield output
         finally:
-            del self._buffers[request.request_id]
             if not finished:
                 # Reader went away (client cancelled, stream closed): free the KV blocks now.
-                self._core.abort_request(request.request_id)
-                self._wake.set()
-                self.load_changed.set()
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop request_id and free its KV blocks; nothing happens if it already finished."""
+        self._buffers.pop(request_id, None)
+        if self._core.abort_request(request_id) is not None:
+            self._wake.set()
+            self.load_changed.set()
 
     def load(self) -> Load:
         return self._core.load()

@@ -47,6 +47,14 @@ SIM_MODELS: dict[str, SimModelSpec] = {
             kv_bytes_per_token=131072,
             max_context_tokens=8192,
         ),
+        # Llama-3.1-8B: Llama-3-8B's shapes and timing with a 128k context, for long-context work.
+        SimModelSpec(
+            name="sim-llama-3.1-8b",
+            perf_model="Meta-Llama-3-8B",
+            weights_bytes=16.1e9,
+            kv_bytes_per_token=131072,
+            max_context_tokens=131072,
+        ),
         SimModelSpec(
             name="sim-llama-2-7b",
             perf_model="Llama-2-7b-hf",

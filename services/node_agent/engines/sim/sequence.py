@@ -15,6 +15,8 @@ class SimSequence:
         self.sampling: SamplingParams = request.sampling
         self.token_ids: list[int] = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
+        # Where the completion began, counting tokens a resumed request generated before.
+        self._completion_start = self.num_prompt_tokens - request.num_resumed_tokens
         self.block_size = block_size
         self.hasher = ContextHasher.from_tokens(self.token_ids)
         # Chained keys of every full block of token_ids, kept current as tokens arrive.
@@ -43,8 +45,12 @@ class SimSequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     def ends_with(self, stop: tuple[int, ...]) -> bool:
-        """Whether the completion ends with stop (a stop sequence never reaches into the prompt)."""
-        return 0 < len(stop) <= self.num_completion_tokens and tuple(self.token_ids[-len(stop) :]) == stop
+        """Whether the completion ends with stop (a stop sequence never reaches into the prompt).
+
+        For a resumed request the completion includes what it generated before it moved here.
+        """
+        num_completion = len(self.token_ids) - self._completion_start
+        return 0 < len(stop) <= num_completion and tuple(self.token_ids[-len(stop) :]) == stop
 
     def append_token(self, token_id: int) -> None:
         """Add a generated token to the context."""

@@ -1,0 +1,100 @@
+"""A generation as the router holds it: everything needed to resume it on another node. Pure."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from baton.v1 import common_pb2, node_agent_pb2
+from services.common.block_hash import block_hashes
+from services.common.errors import Unavailable
+
+
+class FailureCause(enum.Enum):
+    """Why a node stream was given up, and so why the generation moved."""
+
+    CONNECT_FAILED = "connect_failed"  # the stream broke before the node sent anything
+    STREAM_BROKEN = "stream_broken"  # the stream broke or ended without a finish
+    STALLED = "stalled"  # no token or heartbeat within the stall deadline
+    LEASE_EXPIRED = "lease_expired"  # the node's etcd registration went away
+
+
+class NodeFailure(Exception):
+    """A node stopped serving this generation; it may continue elsewhere."""
+
+    def __init__(self, node_id: str, cause: FailureCause, detail: str = "") -> None:
+        super().__init__(f"node {node_id}: {cause.value}{': ' + detail if detail else ''}")
+        self.node_id = node_id
+        self.cause = cause
+
+
+@dataclass
+class Generation:
+    """One request's prompt, sampling and every completion token received so far."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: common_pb2.SamplingParams
+    generated: list[int] = field(default_factory=list)
+    failures: list[NodeFailure] = field(default_factory=list)
+    # Context tokens prefilled again on the nodes this generation moved to.
+    recomputed_tokens: int = 0
+    # False once any node said its resumed run may differ from an uninterrupted one.
+    is_exact: bool = True
+
+    @property
+    def context(self) -> list[int]:
+        """What a node prefills to continue: the prompt and the completion so far."""
+        return self.prompt_token_ids + self.generated
+
+    @property
+    def num_remaining(self) -> int:
+        return self.sampling.max_tokens - len(self.generated)
+
+    @property
+    def num_migrations(self) -> int:
+        return len(self.failures)
+
+    def excluded_nodes(self) -> list[str]:
+        return sorted({failure.node_id for failure in self.failures})
+
+    def context_block_hashes(self) -> list[int]:
+        return block_hashes(self.context)
+
+    def node_request(self) -> node_agent_pb2.NodeGenerateRequest:
+        """The request a node runs to continue from here (the whole request when nothing came yet)."""
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(self.sampling)
+        sampling.max_tokens = self.num_remaining
+        return node_agent_pb2.NodeGenerateRequest(
+            request_id=self.request_id,
+            model=self.model,
+            prompt_token_ids=self.context,
+            sampling=sampling,
+            num_resumed_tokens=len(self.generated),
+        )
+
+    def record_failure(self, failure: NodeFailure, max_migrations: int) -> None:
+        """Note a failed node; Unavailable, saying why, once the request may not move again."""
+        self.failures.append(failure)
+        if self.num_migrations > max_migrations:
+            history = "; ".join(str(f) for f in self.failures)
+            raise Unavailable(
+                f"request {self.request_id}: migration limit of {max_migrations} reached ({history})"
+            )
+
+    def usage(self, node_usage: common_pb2.Usage) -> common_pb2.Usage:
+        """The whole request's usage, given the finishing node's view of its part.
+
+        cached_tokens is what that node found cached of the original prompt; recomputed_tokens
+        what it prefilled again of the context it resumed from.
+        """
+        num_prompt = len(self.prompt_token_ids)
+        return common_pb2.Usage(
+            prompt_tokens=num_prompt,
+            cached_tokens=min(node_usage.cached_tokens, num_prompt),
+            completion_tokens=len(self.generated),
+            num_migrations=self.num_migrations,
+            recomputed_tokens=self.recomputed_tokens,
+        )
