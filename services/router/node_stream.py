@@ -37,8 +37,8 @@ class NodeLiveness:
 
         def cancel() -> None:
             callbacks.discard(callback)
-            if not callbacks:
-                self._on_gone.pop(node_id, None)
+            if not callbacks and self._on_gone.get(node_id) is callbacks:
+                del self._on_gone[node_id]
 
         return cancel
 

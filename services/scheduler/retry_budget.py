@@ -39,7 +39,8 @@ class RetryBudget:
 
     def try_retry(self, now: float) -> bool:
         """Spend one retry if the budget allows it."""
-        if len(self._retries) + 1 > self.allowance(now):
+        allowance = self.allowance(now)  # expires old retries too, before they are counted
+        if len(self._retries) + 1 > allowance:
             return False
         self._retries.append(now)
         return True

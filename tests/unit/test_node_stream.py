@@ -99,11 +99,6 @@ def test_callback_fires_once_per_departure() -> None:
     assert len(calls) == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cancel() pops self._on_gone[node_id] whenever its own (old) set is empty, so a second "
-    "call drops a later registration (services/router/node_stream.py NodeLiveness.on_gone.cancel)",
-)
 def test_cancelling_twice_leaves_later_registrations_alone() -> None:
     liveness = NodeLiveness()
     liveness.update({"a"})
@@ -308,9 +303,7 @@ async def test_the_node_leaving_etcd_mid_stream_is_lease_expired() -> None:
     liveness = NodeLiveness()
     liveness.update({NODE, "node-b"})
     async with _node(generate) as channel:
-        failure = await _node_failure(
-            _collect(channel, liveness, on_chunk=lambda chunk: liveness.update({"node-b"}))
-        )
+        failure = await _node_failure(_collect(channel, liveness, on_chunk=lambda chunk: liveness.update({"node-b"})))
     assert failure.cause is FailureCause.LEASE_EXPIRED
 
 

@@ -81,11 +81,6 @@ def test_retries_older_than_the_window_stop_counting_once_counted() -> None:
     assert budget.try_retry(11.0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="try_retry reads len(self._retries) before allowance() expires old retries "
-    "(services/scheduler/retry_budget.py try_retry), so the first try after the window is refused",
-)
 def test_a_retry_older_than_the_window_does_not_block_the_next_one() -> None:
     budget = RetryBudget(ratio=0.0, min_retries_per_s=0.1, window_s=10.0)
     assert budget.try_retry(0.0)
