@@ -1,0 +1,148 @@
+"""The router's side of a generation: place it, stream it, and move it when its node fails."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from opentelemetry.metrics import Meter
+
+from baton.v1 import common_pb2, node_agent_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.common.directory import ChannelPool, ServiceDirectory
+from services.common.errors import BatonError, Unavailable, from_rpc_error
+from services.router.config import RouterConfig
+from services.router.generation import FailureCause, Generation, NodeFailure
+from services.router.node_stream import NodeLiveness, watched_stream
+
+log = logging.getLogger(__name__)
+
+
+class Relay:
+    """Streams generations from nodes, resuming each on another node when its node fails."""
+
+    def __init__(self, config: RouterConfig, schedulers: ServiceDirectory, node_channels: ChannelPool,
+                 liveness: NodeLiveness, meter: Meter) -> None:
+        self._config = config
+        self._schedulers = schedulers
+        self._node_channels = node_channels
+        self._liveness = liveness
+        # Nodes that failed a stream lately, avoided by every placement until the time given.
+        self._suspects: dict[str, float] = {}
+        self._migrations = meter.create_counter(
+            "baton.router.migrations", description="generations moved to another node, by cause"
+        )
+        self._resume_stall = meter.create_histogram(
+            "baton.router.resume_stall", unit="ms",
+            description="from the last token before a node failure to the first token after",
+        )
+        self._recomputed = meter.create_counter(
+            "baton.router.recomputed_tokens", description="context tokens prefilled again on resume"
+        )
+
+    async def stream(
+        self, generation: Generation, request: router_pb2.GenerateRequest,
+        time_remaining: Callable[[], float | None],
+    ) -> AsyncIterator[node_agent_pb2.NodeGenerateChunk]:
+        """The generation's chunks, indexed from its start, moving to another node when one fails."""
+        loop = asyncio.get_running_loop()
+        if generation.num_remaining == 0:  # a resumed request that already has every token
+            yield node_agent_pb2.NodeGenerateChunk(index=len(generation.generated),
+                                                   finish_reason=common_pb2.FINISH_REASON_LENGTH)
+            return
+        retry_cause = ""
+        last_token_at: float | None = None
+        failed_at: float | None = None
+        while True:
+            placement = await self._place(generation, request, retry_cause, time_remaining())
+            base = len(generation.generated)
+            node_chunks = watched_stream(
+                self._node_channels.get(placement.address), placement.node_id, generation.node_request(),
+                self._liveness, self._config.stall_floor_s, time_remaining(),
+            )
+            try:
+                async for chunk in node_chunks:
+                    if chunk.index != len(generation.generated) - base:
+                        raise NodeFailure(placement.node_id, FailureCause.STREAM_BROKEN,
+                                          f"chunk index {chunk.index}, expected {len(generation.generated) - base}")
+                    generation.generated.extend(chunk.token_ids)
+                    if base and not chunk.checkpoint.exact:
+                        generation.is_exact = False
+                    if chunk.token_ids:
+                        last_token_at = loop.time()
+                        if failed_at is not None:
+                            self._resume_stall.record((last_token_at - failed_at) * 1000)
+                            failed_at = None
+                    if chunk.finish_reason and retry_cause:
+                        recomputed = chunk.usage.prompt_tokens - chunk.usage.cached_tokens
+                        generation.recomputed_tokens += recomputed
+                        self._recomputed.add(recomputed, {"model": generation.model})
+                    chunk.index += base
+                    yield chunk
+                    if chunk.finish_reason:
+                        return
+            except NodeFailure as failure:
+                log.warning("request %s: %s after %d tokens; resuming elsewhere", generation.request_id,
+                            failure, len(generation.generated))
+                self._migrations.add(1, {"cause": failure.cause.value})
+                self._suspects[failure.node_id] = loop.time() + self._config.suspect_s
+                generation.record_failure(failure, self._config.max_migrations)
+                retry_cause = failure.cause.value
+                if failed_at is None:
+                    failed_at = last_token_at if last_token_at is not None else loop.time()
+
+    async def _place(
+        self, generation: Generation, request: router_pb2.GenerateRequest, retry_cause: str,
+        remaining_s: float | None,
+    ) -> scheduler_pb2.Placement:
+        """A node for the generation's next attempt, avoiding nodes that failed recently."""
+        now = asyncio.get_running_loop().time()
+        self._suspects = {node: until for node, until in self._suspects.items() if until > now}
+        place = scheduler_pb2.PlaceRequest(
+            request_id=generation.request_id,
+            model=generation.model,
+            num_prompt_tokens=len(generation.context),
+            block_hashes=generation.context_block_hashes(),
+            max_tokens=generation.num_remaining,
+            tenant=request.tenant,
+            priority=request.priority,
+            ttft_budget_ms=request.ttft_budget_ms,
+            deadline_ms=request.deadline_ms,
+            workflow_id=request.workflow_id,
+            step=request.step,
+            total_steps=request.total_steps,
+            exclude_node_ids=sorted(set(generation.excluded_nodes()) | set(self._suspects)),
+            retry_cause=retry_cause,
+        )
+        try:
+            return await self._call_scheduler(place, remaining_s)
+        except BatonError as error:
+            if error.code == grpc.StatusCode.UNAVAILABLE and self._suspects:
+                # Every node this router avoids may be all there is; try them again.
+                del place.exclude_node_ids[:]
+                place.exclude_node_ids.extend(generation.excluded_nodes())
+                return await self._call_scheduler(place, remaining_s)
+            if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and retry_cause:
+                raise Unavailable(f"request {generation.request_id} cannot move after {retry_cause}: "
+                                  f"{error}") from None
+            raise
+
+    async def _call_scheduler(
+        self, place: scheduler_pb2.PlaceRequest, remaining_s: float | None
+    ) -> scheduler_pb2.Placement:
+        """Place on the first scheduler that answers, within the placement timeout and the client's deadline."""
+        timeout_s = self._config.placement_timeout_s
+        if remaining_s is not None:
+            timeout_s = min(timeout_s, remaining_s)
+        addresses = self._schedulers.addresses() or await self._schedulers.wait_any(timeout_s)
+        last_error: BatonError = Unavailable("no scheduler answered")
+        for address in addresses:
+            stub = scheduler_pb2_grpc.SchedulerStub(self._schedulers.channel(address))
+            try:
+                return await stub.Place(place, timeout=timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise from_rpc_error(exc) from None
+                last_error = from_rpc_error(exc)
+        raise last_error
