@@ -29,6 +29,8 @@ def _load_state(args: argparse.Namespace) -> dict[str, str]:
 def cmd_up(args: argparse.Namespace) -> int:
     spec = ClusterSpec(
         num_nodes=args.nodes,
+        num_schedulers=args.schedulers,
+        num_kvindexes=args.kvindexes,
         gpus=tuple(g.strip() for g in args.gpus.split(",") if g.strip()),
         model=args.model,
         router_port=args.router_port,
@@ -50,8 +52,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         assert cluster.router is not None and cluster.scheduler is not None
         print(f"Baton is up: router {cluster.router.address}  (etcd {cluster.etcd_endpoint}, "
               f"logs in {cluster.workdir})")
-        for node in cluster.nodes:
-            print(f"  {node.name}: {node.address}")
+        for process in [*cluster.schedulers, *cluster.kvindexes, *cluster.nodes]:
+            print(f"  {process.name}: {process.address}")
         baton = sys.argv[0]
         print(f"Try: {baton} generate --router {cluster.router.address} 'Hello'   |   {baton} status")
         if args.demo:
@@ -112,19 +114,26 @@ async def _generate(router: str, args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    scheduler = args.scheduler or _load_state(args).get("scheduler")
-    if not scheduler:
+    state_file = _load_state(args)
+    addresses = [args.scheduler] if args.scheduler else state_file.get("schedulers", [])
+    if not addresses:
         print("baton status: no --scheduler given and no running `baton up` found", file=sys.stderr)
         return 2
-    try:
-        with grpc.insecure_channel(scheduler) as channel:
-            state = scheduler_pb2_grpc.SchedulerStub(channel).GetClusterState(
-                scheduler_pb2.GetClusterStateRequest(), timeout=3.0
-            )
-    except grpc.RpcError as exc:
-        print(f"baton status: scheduler {scheduler}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    state, errors = None, []
+    for address in addresses:  # any replica answers: each keeps the whole view
+        try:
+            with grpc.insecure_channel(address) as channel:
+                state = scheduler_pb2_grpc.SchedulerStub(channel).GetClusterState(
+                    scheduler_pb2.GetClusterStateRequest(), timeout=3.0
+                )
+            break
+        except grpc.RpcError as exc:
+            errors.append(f"{address}: {exc.code().name}")
+    if state is None:
+        print(f"baton status: no scheduler answered ({'; '.join(errors)})", file=sys.stderr)
         return 1
-    print(f"scheduler {state.scheduler_id} at {scheduler}: {len(state.nodes)} nodes")
+    leader = f"{state.leader_id} at {state.leader_address}" if state.leader_id else "none elected"
+    print(f"scheduler leader: {leader} (asked {state.scheduler_id}); {len(state.nodes)} nodes")
     print(f"{'node':<10} {'gpu':<6} {'address':<22} {'models':<18} {'run':>4} {'wait':>4} "
           f"{'kv used/total':>16} {'kv%':>5} {'$/h':>6} {'seen':>7}")
     for node in state.nodes:
@@ -146,11 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="start etcd and the whole mesh on 127.0.0.1")
     up.add_argument("--nodes", type=int, default=3, help="number of node agents")
+    up.add_argument("--schedulers", type=int, default=1, help="scheduler replicas (one leads, elected in etcd)")
+    up.add_argument("--kvindexes", type=int, default=1, help="kvindex replicas (all active)")
     up.add_argument("--gpus", default="h100", help="GPU generations, cycled over the nodes: h100,a100,l4")
     up.add_argument("--model", default="sim-llama-3-8b", help="simulated model every node serves")
     up.add_argument("--router-port", type=int, default=50051, help="router port (0: any free port)")
     up.add_argument("--speed", type=float, default=1.0, help="sim engine time scale (0: no timing)")
-    up.add_argument("--lease-ttl-s", type=int, default=5, help="etcd lease TTL of every service")
+    up.add_argument("--lease-ttl-s", type=int, default=3, help="etcd lease TTL of every service")
     up.add_argument("--otel-exporter", default="none", help="span exporter: none, console or file:PATH")
     up.add_argument("--workdir", default="", help="where logs and etcd data go (default: a temp dir)")
     up.add_argument("--timeout-s", type=float, default=60.0, help="how long to wait for readiness")

@@ -13,16 +13,8 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from baton.protocol import ORIGIN_KEY
+from baton.protocol import is_transport_failure
 from baton.v1 import router_pb2, router_pb2_grpc
-
-
-def is_router_failure(error: grpc.aio.AioRpcError) -> bool:
-    """The router itself went away (crash, network), rather than answering with a status."""
-    if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
-                            grpc.StatusCode.INTERNAL):
-        return False
-    return not any(key == ORIGIN_KEY for key, _ in (error.trailing_metadata() or ()))
 
 
 class BatonClient:
@@ -78,7 +70,7 @@ class BatonClient:
                     yield chunk
                 return
             except grpc.aio.AioRpcError as error:
-                if not is_router_failure(error) or failovers >= self.max_failovers:
+                if not is_transport_failure(error) or failovers >= self.max_failovers:
                     raise
                 failovers += 1
                 self._current = (self._current + 1) % len(self.addresses)

@@ -121,11 +121,11 @@ def wait_grpc_serving(process: ManagedProcess, timeout_s: float) -> None:
     )
 
 
-def wait_etcd_healthy(process: ManagedProcess, client_url: str, timeout_s: float) -> None:
+def wait_etcd_healthy(process: ManagedProcess, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and process.is_running():
         try:
-            with urllib.request.urlopen(client_url + "/health", timeout=1.0) as reply:
+            with urllib.request.urlopen(f"http://{process.address}/health", timeout=1.0) as reply:
                 if json.loads(reply.read()).get("health") == "true":
                     return
         except OSError:
@@ -134,17 +134,43 @@ def wait_etcd_healthy(process: ManagedProcess, client_url: str, timeout_s: float
     raise StartError(f"etcd not healthy within {timeout_s:.0f}s; log {process.log_path}:\n{process.log_tail()}")
 
 
+def start_etcd(workdir: Path, timeout_s: float = 30.0) -> ManagedProcess:
+    """A single-member etcd on free loopback ports with its data under workdir, once healthy."""
+    client_port, peer_port = free_port(), free_port()
+    client_url, peer_url = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
+    etcd = ManagedProcess(
+        name="etcd",
+        args=[
+            etcd_binary(), "--name", "baton-local", "--data-dir", str(workdir / "etcd"),
+            "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"baton-local={peer_url}", "--log-level", "warn",
+        ],
+        log_path=workdir / "etcd.log",
+        address=f"127.0.0.1:{client_port}",
+    )
+    etcd.start()
+    try:
+        wait_etcd_healthy(etcd, timeout_s)
+    except BaseException:
+        etcd.stop()
+        raise
+    return etcd
+
+
 @dataclass
 class ClusterSpec:
     """What to start."""
 
     num_nodes: int = 3
     num_routers: int = 1
+    num_schedulers: int = 1
+    num_kvindexes: int = 1
     gpus: tuple[str, ...] = ("h100",)
     model: str = "sim-llama-3-8b"
     router_port: int = 0
     speed: float = 1.0
-    lease_ttl_s: int = 5
+    lease_ttl_s: int = 3
     kv_blocks: int = 0
     otel_exporter: str = "none"
     log_level: str = "INFO"
@@ -163,8 +189,8 @@ class LocalCluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.etcd_endpoint = ""
         self.etcd: ManagedProcess | None = None
-        self.kvindex: ManagedProcess | None = None
-        self.scheduler: ManagedProcess | None = None
+        self.kvindexes: list[ManagedProcess] = []
+        self.schedulers: list[ManagedProcess] = []
         self.routers: list[ManagedProcess] = []
         self.nodes: list[ManagedProcess] = []
 
@@ -172,6 +198,14 @@ class LocalCluster:
     def router(self) -> ManagedProcess | None:
         """The first router (`baton up` prints its address)."""
         return self.routers[0] if self.routers else None
+
+    @property
+    def scheduler(self) -> ManagedProcess | None:
+        return self.schedulers[0] if self.schedulers else None
+
+    @property
+    def kvindex(self) -> ManagedProcess | None:
+        return self.kvindexes[0] if self.kvindexes else None
 
     def _service(self, name: str, module: str, flags: dict[str, object], port: int = 0,
                  extra: tuple[str, ...] = ()) -> ManagedProcess:
@@ -191,28 +225,17 @@ class LocalCluster:
 
     def _start(self, timeout_s: float) -> None:
         spec = self.spec
-        client_port, peer_port = free_port(), free_port()
-        self.etcd_endpoint = f"127.0.0.1:{client_port}"
-        client_url = f"http://{self.etcd_endpoint}"
-        self.etcd = ManagedProcess(
-            name="etcd",
-            args=[
-                etcd_binary(), "--name", "baton-local", "--data-dir", str(self.workdir / "etcd"),
-                "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
-                "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
-                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
-                "--initial-cluster", f"baton-local=http://127.0.0.1:{peer_port}",
-                "--log-level", "warn",
-            ],
-            log_path=self.workdir / "etcd.log",
-            address=self.etcd_endpoint,
-        )
-        self.etcd.start()
-        wait_etcd_healthy(self.etcd, client_url, timeout_s)
+        self.etcd = start_etcd(self.workdir, timeout_s)
+        self.etcd_endpoint = self.etcd.address
 
-        common = {"lease-ttl-s": spec.lease_ttl_s, "otel-exporter": spec.otel_exporter, "log-level": spec.log_level}
-        self.kvindex = self._service("kvindex", "services.kvindex", common)
-        self.scheduler = self._service("scheduler", "services.scheduler", common, extra=spec.scheduler_args)
+        common = self._common_flags()
+        for i in range(spec.num_kvindexes):
+            flags = {**common, "instance-id": f"kvindex-{i}"}
+            self.kvindexes.append(self._service(f"kvindex-{i}", "services.kvindex", flags))
+        for i in range(spec.num_schedulers):
+            flags = {**common, "instance-id": f"scheduler-{i}"}
+            self.schedulers.append(self._service(f"scheduler-{i}", "services.scheduler", flags,
+                                                 extra=spec.scheduler_args))
         for i in range(spec.num_routers):
             flags = {**common, "instance-id": f"router-{i}"}
             port = spec.router_port if i == 0 else 0
@@ -222,36 +245,62 @@ class LocalCluster:
             flags = {**common, "node-id": f"node-{i}", "gpu": gpu, "model": spec.model, "speed": spec.speed,
                      "kv-blocks": spec.kv_blocks}
             self.nodes.append(self._service(f"node-{i}", "services.node_agent", flags, extra=spec.node_args))
-        services = [self.kvindex, self.scheduler, *self.nodes, *self.routers]
+        services = [*self.kvindexes, *self.schedulers, *self.nodes, *self.routers]
         for process in services:
             process.start()
         for process in services:
             wait_grpc_serving(process, timeout_s)
         self.wait_nodes_visible(spec.num_nodes, timeout_s)
 
-    def restart(self, process: ManagedProcess, timeout_s: float = 30.0) -> None:
-        """Start a stopped or killed service again, same flags and address, and wait until SERVING."""
-        process.stop()
+    def _common_flags(self) -> dict[str, object]:
+        spec = self.spec
+        return {"lease-ttl-s": spec.lease_ttl_s, "otel-exporter": spec.otel_exporter, "log-level": spec.log_level}
+
+    def add_scheduler(self, timeout_s: float = 30.0) -> ManagedProcess:
+        """Start one more scheduler replica and wait until it is SERVING."""
+        spec = self.spec
+        index = len(self.schedulers)
+        flags = {**self._common_flags(), "instance-id": f"scheduler-{index}"}
+        process = self._service(f"scheduler-{index}", "services.scheduler", flags, extra=spec.scheduler_args)
+        self.schedulers.append(process)
         process.start()
         wait_grpc_serving(process, timeout_s)
+        return process
+
+    def restart(self, process: ManagedProcess, timeout_s: float = 30.0) -> None:
+        """Start a stopped or killed process again, same flags and address, and wait until it is ready."""
+        process.stop()
+        process.start()
+        if process is self.etcd:
+            wait_etcd_healthy(process, timeout_s)
+        else:
+            wait_grpc_serving(process, timeout_s)
 
     def cluster_state(self, timeout_s: float = 2.0) -> scheduler_pb2.ClusterState:
-        assert self.scheduler is not None
-        with grpc.insecure_channel(self.scheduler.address) as channel:
-            stub = scheduler_pb2_grpc.SchedulerStub(channel)
-            return stub.GetClusterState(scheduler_pb2.GetClusterStateRequest(), timeout=timeout_s)
+        """The fleet as the first scheduler replica that answers sees it."""
+        error: grpc.RpcError | None = None
+        for scheduler in self.schedulers:
+            if not scheduler.is_running():
+                continue
+            with grpc.insecure_channel(scheduler.address) as channel:
+                stub = scheduler_pb2_grpc.SchedulerStub(channel)
+                try:
+                    return stub.GetClusterState(scheduler_pb2.GetClusterStateRequest(), timeout=timeout_s)
+                except grpc.RpcError as exc:
+                    error = exc
+        raise StartError(f"no scheduler answered GetClusterState: {error}")
 
     def wait_nodes_visible(self, num_nodes: int, timeout_s: float) -> scheduler_pb2.ClusterState:
-        """Until the scheduler lists num_nodes nodes that have reported load."""
+        """Until a scheduler leader is elected and sees num_nodes nodes that have reported load."""
         deadline = time.monotonic() + timeout_s
         while True:
             state = self.cluster_state()
             reporting = [n for n in state.nodes if n.load_age_ms >= 0]
-            if len(state.nodes) == num_nodes and len(reporting) == num_nodes:
+            if len(state.nodes) == num_nodes and len(reporting) == num_nodes and state.leader_id:
                 return state
             if time.monotonic() > deadline:
                 raise StartError(f"scheduler sees {len(state.nodes)} nodes ({len(reporting)} reporting), "
-                                 f"expected {num_nodes}")
+                                 f"expected {num_nodes}; leader {state.leader_id or 'none'}")
             time.sleep(0.05)  # membership arrives through etcd watches; poll the view with a deadline
 
     def write_state(self, path: Path) -> None:
@@ -260,14 +309,16 @@ class LocalCluster:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({
             "router": self.router.address,
+            "routers": [p.address for p in self.routers],
             "scheduler": self.scheduler.address,
+            "schedulers": [p.address for p in self.schedulers],
             "etcd": self.etcd_endpoint,
             "workdir": str(self.workdir),
         }))
 
     def stop(self) -> None:
         """Stop what this cluster started, by pid: router first, etcd last."""
-        for process in [*self.routers, *reversed(self.nodes), self.scheduler, self.kvindex, self.etcd]:
+        for process in [*self.routers, *reversed(self.nodes), *self.schedulers, *self.kvindexes, self.etcd]:
             if process is not None:
                 process.stop()
         if self._own_workdir and os.environ.get("BATON_KEEP_WORKDIR") != "1":

@@ -1,7 +1,19 @@
 """Conventions of Baton's wire contract beyond the protos: metadata keys clients rely on."""
 
+import grpc
+
 # Trailing metadata on every status a Baton service returns on purpose. A client that gets a
 # failure without it knows the failure came from the transport (e.g. a router that died).
 ORIGIN_KEY = "baton-origin"
 # Trailing metadata on RESOURCE_EXHAUSTED: milliseconds after which a retry may succeed.
 RETRY_AFTER_KEY = "retry-after-ms"
+# Trailing metadata on a standby scheduler's refusal: the leader's address.
+LEADER_KEY = "baton-leader"
+
+
+def is_transport_failure(error: grpc.aio.AioRpcError) -> bool:
+    """The peer went away (crash, network) rather than answering with a status of its own."""
+    if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+                            grpc.StatusCode.INTERNAL):
+        return False
+    return not any(key == ORIGIN_KEY for key, _ in (error.trailing_metadata() or ()))

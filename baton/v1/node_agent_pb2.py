@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from baton.v1 import common_pb2 as baton_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61ton/v1/node_agent.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"\x9a\x01\n\x13NodeGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x1a\n\x12num_resumed_tokens\x18\x05 \x01(\x05\"\xfd\x01\n\x11NodeGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05index\x18\x03 \x01(\x05\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\x0f\n\x07node_id\x18\x06 \x01(\t\x12(\n\ncheckpoint\x18\x07 \x01(\x0b\x32\x14.baton.v1.Checkpoint\x12(\n\x07started\x18\x08 \x01(\x0b\x32\x17.baton.v1.StreamStarted\"r\n\nCheckpoint\x12\x1a\n\x12num_context_tokens\x18\x01 \x01(\x05\x12\x1d\n\x15num_completion_tokens\x18\x02 \x01(\x05\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05\x65xact\x18\x04 \x01(\x08\x42\x07\n\x05_seed\"H\n\rStreamStarted\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\x05\x12\x18\n\x10\x65xpected_step_ms\x18\x02 \x01(\x01\"\x10\n\x0eGetLoadRequest2\x8e\x01\n\tNodeAgent\x12H\n\x08Generate\x12\x1d.baton.v1.NodeGenerateRequest\x1a\x1b.baton.v1.NodeGenerateChunk0\x01\x12\x37\n\x07GetLoad\x12\x18.baton.v1.GetLoadRequest\x1a\x12.baton.v1.NodeLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61ton/v1/node_agent.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"\x9a\x01\n\x13NodeGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x1a\n\x12num_resumed_tokens\x18\x05 \x01(\x05\"\xfd\x01\n\x11NodeGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05index\x18\x03 \x01(\x05\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\x0f\n\x07node_id\x18\x06 \x01(\t\x12(\n\ncheckpoint\x18\x07 \x01(\x0b\x32\x14.baton.v1.Checkpoint\x12(\n\x07started\x18\x08 \x01(\x0b\x32\x17.baton.v1.StreamStarted\"r\n\nCheckpoint\x12\x1a\n\x12num_context_tokens\x18\x01 \x01(\x05\x12\x1d\n\x15num_completion_tokens\x18\x02 \x01(\x05\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05\x65xact\x18\x04 \x01(\x08\x42\x07\n\x05_seed\"H\n\rStreamStarted\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\x05\x12\x18\n\x10\x65xpected_step_ms\x18\x02 \x01(\x01\"\x10\n\x0eGetLoadRequest\"\x16\n\x14GetKVSnapshotRequest\"O\n\nKVSnapshot\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x04\x32\xd5\x01\n\tNodeAgent\x12H\n\x08Generate\x12\x1d.baton.v1.NodeGenerateRequest\x1a\x1b.baton.v1.NodeGenerateChunk0\x01\x12\x37\n\x07GetLoad\x12\x18.baton.v1.GetLoadRequest\x1a\x12.baton.v1.NodeLoad\x12\x45\n\rGetKVSnapshot\x12\x1e.baton.v1.GetKVSnapshotRequest\x1a\x14.baton.v1.KVSnapshotb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,6 +42,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMSTARTED']._serialized_end=663
   _globals['_GETLOADREQUEST']._serialized_start=665
   _globals['_GETLOADREQUEST']._serialized_end=681
-  _globals['_NODEAGENT']._serialized_start=684
-  _globals['_NODEAGENT']._serialized_end=826
+  _globals['_GETKVSNAPSHOTREQUEST']._serialized_start=683
+  _globals['_GETKVSNAPSHOTREQUEST']._serialized_end=705
+  _globals['_KVSNAPSHOT']._serialized_start=707
+  _globals['_KVSNAPSHOT']._serialized_end=786
+  _globals['_NODEAGENT']._serialized_start=789
+  _globals['_NODEAGENT']._serialized_end=1002
 # @@protoc_insertion_point(module_scope)

@@ -64,3 +64,19 @@ class StreamStarted(_message.Message):
 class GetLoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GetKVSnapshotRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVSnapshot(_message.Message):
+    __slots__ = ("node_id", "model", "seq", "block_hashes")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    model: str
+    seq: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, node_id: _Optional[str] = ..., model: _Optional[str] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...

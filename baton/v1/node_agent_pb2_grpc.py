@@ -46,6 +46,11 @@ class NodeAgentStub:
                 request_serializer=baton_dot_v1_dot_node__agent__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_common__pb2.NodeLoad.FromString,
                 _registered_method=True)
+        self.GetKVSnapshot = channel.unary_unary(
+                '/baton.v1.NodeAgent/GetKVSnapshot',
+                request_serializer=baton_dot_v1_dot_node__agent__pb2.GetKVSnapshotRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_node__agent__pb2.KVSnapshot.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer:
@@ -65,6 +70,13 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetKVSnapshot(self, request, context):
+        """Every KV block the node caches now, as of a KV event sequence number (for kvindex catch-up).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +89,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=baton_dot_v1_dot_node__agent__pb2.GetLoadRequest.FromString,
                     response_serializer=baton_dot_v1_dot_common__pb2.NodeLoad.SerializeToString,
+            ),
+            'GetKVSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetKVSnapshot,
+                    request_deserializer=baton_dot_v1_dot_node__agent__pb2.GetKVSnapshotRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_node__agent__pb2.KVSnapshot.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +151,33 @@ class NodeAgent:
             '/baton.v1.NodeAgent/GetLoad',
             baton_dot_v1_dot_node__agent__pb2.GetLoadRequest.SerializeToString,
             baton_dot_v1_dot_common__pb2.NodeLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetKVSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.NodeAgent/GetKVSnapshot',
+            baton_dot_v1_dot_node__agent__pb2.GetKVSnapshotRequest.SerializeToString,
+            baton_dot_v1_dot_node__agent__pb2.KVSnapshot.FromString,
             options,
             channel_credentials,
             insecure,

@@ -70,9 +70,13 @@ class NodeState(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.NodeLoad, _Mapping]] = ..., load_age_ms: _Optional[int] = ...) -> None: ...
 
 class ClusterState(_message.Message):
-    __slots__ = ("scheduler_id", "nodes")
+    __slots__ = ("scheduler_id", "nodes", "leader_id", "leader_address")
     SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     scheduler_id: str
     nodes: _containers.RepeatedCompositeFieldContainer[NodeState]
-    def __init__(self, scheduler_id: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ...) -> None: ...
+    leader_id: str
+    leader_address: str
+    def __init__(self, scheduler_id: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ..., leader_id: _Optional[str] = ..., leader_address: _Optional[str] = ...) -> None: ...

@@ -58,7 +58,9 @@ class SchedulerServicer:
     """
 
     def Place(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Only the leader places; a standby answers FAILED_PRECONDITION naming the leader (its
+        address also in the "baton-leader" trailing metadata).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

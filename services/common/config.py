@@ -81,7 +81,7 @@ class ServiceConfig:
 
     listen: str = doc("host:port to serve gRPC on", "127.0.0.1:0")
     etcd: str = doc("etcd endpoint host:port", "127.0.0.1:2379")
-    lease_ttl_s: int = doc("etcd lease TTL in seconds", 5)
+    lease_ttl_s: int = doc("etcd lease TTL in seconds; a dead process leaves the cluster within it", 3)
     otel_exporter: str = doc("span exporter: none, console or file:PATH", "none")
     log_level: str = doc("logging level", "INFO")
 

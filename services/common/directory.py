@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import aetcd
 import grpc
@@ -59,6 +61,10 @@ class ServiceDirectory:
     def channel(self, address: str) -> grpc.aio.Channel:
         return self._channels.get(address)
 
+    async def wait_changed(self, addresses: set[str]) -> None:
+        """Until the registered addresses differ from addresses."""
+        await self._view.wait_for(lambda _: set(self.addresses()) != addresses)
+
     async def wait_any(self, timeout_s: float) -> list[str]:
         """Addresses once at least one instance is registered; Unavailable after timeout_s."""
         try:
@@ -69,3 +75,62 @@ class ServiceDirectory:
 
     async def close(self) -> None:
         await self._channels.close()
+
+
+class LeaderDirectory:
+    """The elected leader of a service kind, as its election prefix in etcd shows it."""
+
+    def __init__(self, client: aetcd.Client, election_prefix: str, telemetry: Telemetry) -> None:
+        self._view = PrefixView(client, election_prefix)
+        self._channels = ChannelPool(telemetry)
+
+    async def run(self) -> None:
+        await self._view.run()
+
+    def address(self) -> str | None:
+        first = self._view.first()
+        return None if first is None else json.loads(first[1])["address"]
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        return self._channels.get(address)
+
+    async def wait_for_other(self, address: str | None, timeout_s: float) -> str | None:
+        """A leader other than address, once etcd shows one; None after timeout_s."""
+
+        def has_other(_: dict[str, bytes]) -> bool:
+            current = self.address()
+            return current is not None and current != address
+
+        try:
+            await asyncio.wait_for(self._view.wait_for(has_other), timeout_s)
+        except TimeoutError:
+            return None
+        return self.address()
+
+    async def close(self) -> None:
+        await self._channels.close()
+
+
+async def for_each_instance(directory: ServiceDirectory, run: Callable[[str], Coroutine[Any, Any, None]]) -> None:
+    """Keep one run(address) task per registered instance, started and cancelled as they come and go.
+
+    run should loop until cancelled; if it ends or raises, it is started again when the
+    instances next change.
+    """
+    tasks: dict[str, asyncio.Task[None]] = {}
+    try:
+        while True:
+            addresses = set(directory.addresses())
+            for address in [a for a in tasks if a not in addresses or tasks[a].done()]:
+                task = tasks.pop(address)
+                task.cancel()
+                if not task.cancelled() and task.done() and task.exception() is not None:
+                    log.error("%s loop for %s failed: %r", directory.kind, address, task.exception())
+            for address in addresses - tasks.keys():
+                tasks[address] = asyncio.create_task(run(address))
+            await directory.wait_changed(addresses)
+    finally:
+        for task in tasks.values():
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks.values())

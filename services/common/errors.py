@@ -30,6 +30,14 @@ class NotFound(BatonError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class FailedPrecondition(BatonError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+    def __init__(self, message: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(message)
+        self.metadata = metadata
+
+
 class Unavailable(BatonError):
     code = grpc.StatusCode.UNAVAILABLE
 
@@ -47,6 +55,8 @@ async def abort(context: grpc.aio.ServicerContext, error: BatonError) -> NoRetur
     metadata = [(ORIGIN_KEY, "baton")]
     if isinstance(error, ResourceExhausted):
         metadata.append((RETRY_AFTER_KEY, str(error.retry_after_ms)))
+    if isinstance(error, FailedPrecondition):
+        metadata.extend(error.metadata)
     await context.abort(error.code, str(error), trailing_metadata=tuple(metadata))
     raise AssertionError("unreachable: context.abort raises")
 

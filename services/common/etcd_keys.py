@@ -3,6 +3,10 @@
 PREFIX = "/baton/"
 NODES = PREFIX + "nodes/"
 SERVICES = PREFIX + "services/"
+# Scheduler candidates queue here; the lowest create revision leads.
+SCHEDULER_ELECTION = PREFIX + "election/scheduler/"
+# What a scheduler leader hands its successor; written only under its leadership (fenced).
+SCHEDULER_STATE = PREFIX + "scheduler/state"
 
 
 def node_key(node_id: str) -> str:

@@ -22,10 +22,18 @@ log = logging.getLogger(__name__)
 _RETRY_S = 0.5
 
 
+# Reconnect quickly once etcd is back: gRPC's default backoff grows to two minutes.
+_CHANNEL_OPTIONS = {
+    "grpc.initial_reconnect_backoff_ms": 200,
+    "grpc.min_reconnect_backoff_ms": 200,
+    "grpc.max_reconnect_backoff_ms": 1000,
+}
+
+
 def connect(endpoint: str, timeout_s: float = 2.0) -> aetcd.Client:
     """An etcd client for host:port (connection is lazy)."""
     host, _, port = endpoint.rpartition(":")
-    return aetcd.Client(host=host, port=int(port), timeout=timeout_s)
+    return aetcd.Client(host=host, port=int(port), timeout=timeout_s, options=dict(_CHANNEL_OPTIONS))
 
 
 class LeaseSession:
@@ -107,6 +115,8 @@ class PrefixView:
         self._prefix = prefix
         self._on_change = on_change
         self.items: dict[str, bytes] = {}
+        # Each key's create revision: the order keys were created in (an election's queue).
+        self.create_revisions: dict[str, int] = {}
         self.synced = asyncio.Event()
         self._changed = asyncio.Condition()
 
@@ -123,6 +133,7 @@ class PrefixView:
 
     async def _list_and_watch(self) -> None:
         listing = await self._client.get_prefix(self._prefix.encode())
+        self.create_revisions = {kv.key.decode(): kv.create_revision for kv in listing}
         await self._replace({kv.key.decode(): kv.value for kv in listing})
         watch = await self._client.watch_prefix(
             self._prefix.encode(), start_revision=listing.header.revision + 1
@@ -133,8 +144,10 @@ class PrefixView:
                 items = dict(self.items)
                 if event.kind == "PUT":
                     items[key] = event.kv.value
+                    self.create_revisions[key] = event.kv.create_revision
                 else:
                     items.pop(key, None)
+                    self.create_revisions.pop(key, None)
                 await self._replace(items)
         finally:
             try:
@@ -154,6 +167,13 @@ class PrefixView:
         """Wait until predicate(items) holds."""
         async with self._changed:
             await self._changed.wait_for(lambda: self.synced.is_set() and predicate(self.items))
+
+    def first(self) -> tuple[str, bytes] | None:
+        """The key created earliest (lowest create revision) and its value; None when empty."""
+        if not self.items:
+            return None
+        key = min(self.items, key=lambda k: self.create_revisions.get(k, 0))
+        return key, self.items[key]
 
 
 class Membership:

@@ -14,7 +14,7 @@ async def main() -> int:
     config = parse_config(KVIndexConfig, "BATON_KVINDEX")
     setup_logging(config.log_level)
     telemetry = Telemetry("kvindex", config.otel_exporter)
-    return await serve(KVIndexService(config), config.listen, telemetry)
+    return await serve(KVIndexService(config, telemetry), config.listen, telemetry)
 
 
 if __name__ == "__main__":

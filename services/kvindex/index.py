@@ -50,6 +50,11 @@ class KVIndex:
                 if not holders:
                     del self._holders[key]
 
+    def reset_node(self, node_id: str, model: str, block_hashes: Sequence[int]) -> None:
+        """Replace what node_id holds of model with exactly block_hashes (a snapshot)."""
+        self.apply(node_id, model, AllBlocksCleared())
+        self.apply(node_id, model, BlockStored(tuple(block_hashes), None, (), 0))
+
     def overlap(self, model: str, block_hashes: Sequence[int]) -> dict[str, int]:
         """For each node holding the first block, how many leading blocks it holds."""
         matched: dict[str, int] = {}

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
 import grpc
 
-from baton.v1 import kvindex_pb2, kvindex_pb2_grpc
+from baton.v1 import kvindex_pb2, kvindex_pb2_grpc, node_agent_pb2, node_agent_pb2_grpc
 from services.common import etcd_keys
+from services.common.directory import ChannelPool
+from services.common.errors import BatonError, Unavailable, abort
 from services.common.etcd_session import Membership, PrefixView
 from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from services.common.telemetry import Telemetry
 from services.kvindex.config import KVIndexConfig
 from services.kvindex.index import KVIndex
 
@@ -49,45 +54,104 @@ def event_to_proto(event: KVEvent) -> kvindex_pb2.KVEvent:
 class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
     service_names = ("baton.v1.KVIndex",)
 
-    def __init__(self, config: KVIndexConfig) -> None:
+    def __init__(self, config: KVIndexConfig, telemetry: Telemetry) -> None:
         self._config = config
         self._index = KVIndex()
+        # Per node: the last batch folded into the index.
         self._last_seq: dict[str, int] = {}
+        self._node_addresses: dict[str, str] = {}
+        # Nodes whose registration ended, and those back since, waiting for a re-sync.
+        self._departed: set[str] = set()
+        self._rejoined: asyncio.Queue[str] = asyncio.Queue()
         self._member = Membership(config.etcd, config.lease_ttl_s)
         self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed)
+        self._node_channels = ChannelPool(telemetry)
 
     def register(self, server: grpc.aio.Server) -> None:
         kvindex_pb2_grpc.add_KVIndexServicer_to_server(self, server)
 
     def background(self) -> Sequence[Coroutine[Any, Any, None]]:
         config = self._config
-        return [*self._member.hold_service("kvindex", config.instance_id, config.listen), self._nodes.run()]
+        return [
+            *self._member.hold_service("kvindex", config.instance_id, config.listen),
+            self._nodes.run(),
+            self._resync_rejoined(),
+        ]
 
     def _on_nodes_changed(self, items: dict[str, bytes]) -> None:
-        live = {key.removeprefix(etcd_keys.NODES) for key in items}
-        for node_id in self._index.nodes():
+        addresses = {}
+        for key, value in items.items():
+            try:
+                addresses[key.removeprefix(etcd_keys.NODES)] = json.loads(value)["address"]
+            except (ValueError, KeyError):
+                log.warning("malformed node registration at %s", key)
+        live = set(addresses)
+        for node_id in live - set(self._node_addresses):
+            if node_id in self._departed:
+                # Back after its lease ended: its stream may still be open, so nothing else would
+                # tell this replica what it holds now.
+                self._departed.discard(node_id)
+                self._rejoined.put_nowait(node_id)
+        self._node_addresses = addresses
+        for node_id in set(self._index.nodes()) | set(self._last_seq):
             if node_id not in live:
                 log.info("node %s left; dropping its %d blocks", node_id, self._index.num_blocks(node_id))
                 self._index.remove_node(node_id)
                 self._last_seq.pop(node_id, None)
+                self._departed.add(node_id)
+
+    async def _resync_rejoined(self) -> None:
+        while True:
+            node_id = await self._rejoined.get()
+            try:
+                await self._catch_up(node_id)
+            except BatonError as error:
+                log.warning("could not re-sync node %s: %s", node_id, error)
 
     async def before_stop(self) -> None:
         await self._member.leave()
 
     async def close(self) -> None:
+        await self._node_channels.close()
         await self._member.close()
 
     async def Publish(
         self, request_iterator: AsyncIterator[kvindex_pb2.KVEventBatch], context: grpc.aio.ServicerContext
     ) -> kvindex_pb2.PublishAck:
-        last_seq = 0
+        """Fold a node's event stream in; catch up from a snapshot when the stream opens or skips a batch."""
+        node_id = ""
+        is_synced = False
         async for batch in request_iterator:
-            if last_seq == 0:
-                log.info("kv events from node %s arriving from seq %d", batch.node_id, batch.seq)
+            node_id = batch.node_id
+            last = self._last_seq.get(node_id)
+            if not is_synced or last is None or batch.seq > last + 1:
+                try:
+                    last = await self._catch_up(node_id)
+                except BatonError as error:
+                    await abort(context, error)
+                is_synced = True
+            if batch.seq <= last:
+                continue  # the snapshot already holds it
             for message in batch.events:
-                self._index.apply(batch.node_id, batch.model, event_from_proto(message))
-            self._last_seq[batch.node_id] = last_seq = batch.seq
-        return kvindex_pb2.PublishAck(last_seq=last_seq)
+                self._index.apply(node_id, batch.model, event_from_proto(message))
+            self._last_seq[node_id] = batch.seq
+        return kvindex_pb2.PublishAck(last_seq=self._last_seq.get(node_id, 0))
+
+    async def _catch_up(self, node_id: str) -> int:
+        """Replace node_id's blocks with a snapshot from the node; the snapshot's seq."""
+        address = self._node_addresses.get(node_id)
+        if address is None:
+            raise Unavailable(f"node {node_id} is not registered in etcd; cannot take its KV snapshot")
+        stub = node_agent_pb2_grpc.NodeAgentStub(self._node_channels.get(address))
+        try:
+            snapshot = await stub.GetKVSnapshot(node_agent_pb2.GetKVSnapshotRequest(), timeout=5.0)
+        except grpc.aio.AioRpcError as exc:
+            raise Unavailable(f"KV snapshot of node {node_id} failed: {exc.code().name}") from None
+        self._index.reset_node(node_id, snapshot.model, list(snapshot.block_hashes))
+        self._last_seq[node_id] = snapshot.seq
+        log.info("node %s: caught up from a snapshot of %d blocks at seq %d", node_id,
+                 len(snapshot.block_hashes), snapshot.seq)
+        return snapshot.seq
 
     async def QueryOverlap(
         self, request: kvindex_pb2.OverlapRequest, context: grpc.aio.ServicerContext

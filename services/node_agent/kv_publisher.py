@@ -9,77 +9,83 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from baton.v1 import kvindex_pb2, kvindex_pb2_grpc
-from services.common.directory import ServiceDirectory
+from baton.v1 import kvindex_pb2, kvindex_pb2_grpc, node_agent_pb2
+from services.common.directory import ServiceDirectory, for_each_instance
 from services.kvindex.servicer import event_to_proto
 from services.node_agent.engines.base import Engine
+from services.node_agent.engines.types import KVEvent
 
 log = logging.getLogger(__name__)
 
 _RETRY_S = 0.5
 
 
-class KvEventLog:
-    """The recent batches, numbered from 1, each publisher reading at its own cursor."""
+class LogOverrun(Exception):
+    """A reader fell further behind than the log keeps; it must start over from a snapshot."""
 
-    def __init__(self, node_id: str, model: str, capacity: int = 10_000) -> None:
+
+class KvEventLog:
+    """The engine's KV events in numbered batches (from 1), kept a while for every publisher."""
+
+    def __init__(self, node_id: str, engine: Engine, capacity: int = 10_000) -> None:
         self._node_id = node_id
-        self._model = model
+        self._engine = engine
         self._batches: deque[kvindex_pb2.KVEventBatch] = deque(maxlen=capacity)
         self._last_seq = 0
         self._appended = asyncio.Condition()
 
-    async def follow(self, engine: Engine) -> None:
-        """Move the engine's events into the log, one batch per engine hand-over."""
+    async def follow(self) -> None:
+        """Move the engine's events into the log as they come."""
         while True:
-            events = await engine.next_kv_events()
-            self._last_seq += 1
-            batch = kvindex_pb2.KVEventBatch(
-                node_id=self._node_id,
-                model=self._model,
-                seq=self._last_seq,
-                events=[event_to_proto(event) for event in events],
-            )
-            async with self._appended:
-                self._batches.append(batch)
-                self._appended.notify_all()
+            await self._append(await self._engine.next_kv_events())
 
-    async def batches_after(self, seq: int) -> AsyncIterator[kvindex_pb2.KVEventBatch]:
-        """Every batch numbered above seq, then each new one as it comes."""
+    async def _append(self, events: list[KVEvent]) -> None:
+        async with self._appended:
+            self._last_seq += 1
+            self._batches.append(self._batch(self._last_seq, events))
+            self._appended.notify_all()
+
+    def _batch(self, seq: int, events: list[KVEvent]) -> kvindex_pb2.KVEventBatch:
+        return kvindex_pb2.KVEventBatch(node_id=self._node_id, model=self._engine.model, seq=seq,
+                                        events=[event_to_proto(event) for event in events])
+
+    def snapshot(self) -> node_agent_pb2.KVSnapshot:
+        """Every block cached now, and the last batch the snapshot includes.
+
+        It may include events not yet logged too; they come later in batches above seq, and
+        replaying them is harmless: each event states where its blocks end up.
+        """
+        return node_agent_pb2.KVSnapshot(node_id=self._node_id, model=self._engine.model, seq=self._last_seq,
+                                         block_hashes=self._engine.cached_block_hashes())
+
+    async def stream(self) -> AsyncIterator[kvindex_pb2.KVEventBatch]:
+        """A batch with no events carrying the latest seq, then every batch after it as it comes."""
+        seq = self._last_seq
+        yield self._batch(seq, [])
         while True:
             async with self._appended:
                 await self._appended.wait_for(lambda after=seq: self._last_seq > after)
-                if self._batches and self._batches[0].seq > seq + 1:
-                    log.warning("kv event log overran a slow kvindex; %d batches lost",
-                                self._batches[0].seq - seq - 1)
+                if self._batches[0].seq > seq + 1:
+                    raise LogOverrun(f"needed batch {seq + 1}, the log starts at {self._batches[0].seq}")
                 pending = [batch for batch in self._batches if batch.seq > seq]
             for batch in pending:
                 seq = batch.seq
                 yield batch
 
 
-async def publish_to_kvindex(log_: KvEventLog, kvindexes: ServiceDirectory) -> None:
-    """Stream the log to a kvindex replica, reconnecting (and moving on to another) after errors."""
-    seq = 0
-    while True:
-        addresses = kvindexes.addresses()
-        if not addresses:
-            await kvindexes.wait_any(timeout_s=3600)
-            continue
-        for address in addresses:
-            stub = kvindex_pb2_grpc.KVIndexStub(kvindexes.channel(address))
-            sent = seq
+async def publish(events: KvEventLog, kvindexes: ServiceDirectory) -> None:
+    """Keep one Publish stream open to every registered kvindex replica."""
 
-            async def batches(after: int) -> AsyncIterator[kvindex_pb2.KVEventBatch]:
-                nonlocal sent
-                async for batch in log_.batches_after(after):
-                    sent = batch.seq
-                    yield batch
-
-            log.info("publishing kv events to kvindex %s from seq %d", address, seq)
+    async def publish_to(address: str) -> None:
+        stub = kvindex_pb2_grpc.KVIndexStub(kvindexes.channel(address))
+        while True:
+            log.info("publishing kv events to kvindex %s", address)
             try:
-                await stub.Publish(batches(seq))
+                await stub.Publish(events.stream())
             except grpc.aio.AioRpcError as exc:
                 log.warning("kv event stream to %s broke: %s", address, exc.code().name)
-            seq = sent
-        await asyncio.sleep(_RETRY_S)
+            except LogOverrun as exc:
+                log.warning("kvindex %s fell behind (%s); it will catch up from a snapshot", address, exc)
+            await asyncio.sleep(_RETRY_S)
+
+    await for_each_instance(kvindexes, publish_to)

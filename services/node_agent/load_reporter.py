@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from baton.v1 import common_pb2, scheduler_pb2_grpc
-from services.common.directory import ServiceDirectory
+from services.common.change_signal import wait_or_timeout
+from services.common.directory import ServiceDirectory, for_each_instance
 from services.common.load import load_to_proto
 from services.node_agent.engines.base import Engine
 
@@ -24,24 +25,23 @@ def load_message(node_id: str, engine: Engine) -> common_pb2.NodeLoad:
 
 
 async def report_load(node_id: str, engine: Engine, schedulers: ServiceDirectory, interval_s: float) -> None:
-    """Keep a ReportLoad stream open to a registered scheduler; reconnect after errors."""
+    """Keep a ReportLoad stream open to every scheduler replica, so a standby that takes over
+    already knows the fleet's load."""
 
     async def reports() -> AsyncIterator[common_pb2.NodeLoad]:
         while True:
-            engine.load_changed.clear()
+            changed = engine.load_changed.since_now()
             yield load_message(node_id, engine)
             # A change is reported at once; otherwise a heartbeat every interval.
-            try:
-                await asyncio.wait_for(engine.load_changed.wait(), interval_s)
-            except TimeoutError:
-                pass
+            await wait_or_timeout(changed, interval_s)
 
-    while True:
-        addresses = schedulers.addresses() or await schedulers.wait_any(timeout_s=3600)
-        for address in addresses:
-            stub = scheduler_pb2_grpc.SchedulerStub(schedulers.channel(address))
+    async def report_to(address: str) -> None:
+        stub = scheduler_pb2_grpc.SchedulerStub(schedulers.channel(address))
+        while True:
             try:
                 await stub.ReportLoad(reports())
             except grpc.aio.AioRpcError as exc:
                 log.warning("load stream to %s broke: %s", address, exc.code().name)
-        await asyncio.sleep(_RETRY_S)
+            await asyncio.sleep(_RETRY_S)
+
+    await for_each_instance(schedulers, report_to)

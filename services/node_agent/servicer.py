@@ -18,7 +18,7 @@ from services.common.telemetry import Telemetry
 from services.node_agent.config import NodeAgentConfig
 from services.node_agent.engines.base import Engine, EngineInputError
 from services.node_agent.engines.types import EngineRequest, FinishReason, SamplingParams
-from services.node_agent.kv_publisher import KvEventLog, publish_to_kvindex
+from services.node_agent.kv_publisher import KvEventLog, publish
 from services.node_agent.load_reporter import load_message, report_load
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         self._member = Membership(config.etcd, config.lease_ttl_s)
         self._schedulers = ServiceDirectory(self._member.client, "scheduler", telemetry)
         self._kvindexes = ServiceDirectory(self._member.client, "kvindex", telemetry)
-        self._kv_log = KvEventLog(config.node_id, engine.model)
+        self._kv_log = KvEventLog(config.node_id, engine)
         self._tokens = telemetry.meter.create_counter(
             "baton.node.generated_tokens", description="tokens generated on this node"
         )
@@ -68,8 +68,8 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             *self._member.hold(etcd_keys.node_key(self._config.node_id), registration),
             self._schedulers.run(),
             self._kvindexes.run(),
-            self._kv_log.follow(self._engine),
-            publish_to_kvindex(self._kv_log, self._kvindexes),
+            self._kv_log.follow(),
+            publish(self._kv_log, self._kvindexes),
             report_load(self._config.node_id, self._engine, self._schedulers,
                         self._config.load_report_interval_s),
         ]
@@ -146,3 +146,8 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         self, request: node_agent_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.NodeLoad:
         return load_message(self._config.node_id, self._engine)
+
+    async def GetKVSnapshot(
+        self, request: node_agent_pb2.GetKVSnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> node_agent_pb2.KVSnapshot:
+        return self._kv_log.snapshot()

@@ -15,6 +15,7 @@ class RouterConfig(ServiceConfig):
     instance_id: str = doc("this router's id in etcd", "router-0")
     default_max_tokens: int = doc("max_tokens when a request leaves it unset", 256)
     placement_timeout_s: float = doc("deadline of a placement call to the scheduler", 2.0)
+    leader_wait_s: float = doc("how long a placement waits for a scheduler leader through a failover", 10.0)
     max_migrations: int = doc("how often one generation may move to another node after failures", 3)
     stall_floor_s: float = doc("shortest silence after which a node stream counts as stalled", 1.0)
     suspect_s: float = doc("after a node fails a stream, new placements avoid it this long", 5.0)
@@ -29,5 +30,7 @@ class RouterConfig(ServiceConfig):
             raise ValueError(f"--stall-floor-s: must be positive, got {self.stall_floor_s}")
         if self.suspect_s < 0:
             raise ValueError(f"--suspect-s: must be 0 or more, got {self.suspect_s}")
+        if self.leader_wait_s <= 0:
+            raise ValueError(f"--leader-wait-s: must be positive, got {self.leader_wait_s}")
         if self.placement_timeout_s <= 0:
             raise ValueError(f"--placement-timeout-s: must be positive, got {self.placement_timeout_s}")

@@ -9,8 +9,9 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from opentelemetry.metrics import Meter
 
+from baton.protocol import LEADER_KEY, is_transport_failure
 from baton.v1 import common_pb2, node_agent_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
-from services.common.directory import ChannelPool, ServiceDirectory
+from services.common.directory import ChannelPool, LeaderDirectory
 from services.common.errors import BatonError, Unavailable, from_rpc_error
 from services.router.config import RouterConfig
 from services.router.generation import FailureCause, Generation, NodeFailure
@@ -22,10 +23,10 @@ log = logging.getLogger(__name__)
 class Relay:
     """Streams generations from nodes, resuming each on another node when its node fails."""
 
-    def __init__(self, config: RouterConfig, schedulers: ServiceDirectory, node_channels: ChannelPool,
+    def __init__(self, config: RouterConfig, leader: LeaderDirectory, node_channels: ChannelPool,
                  liveness: NodeLiveness, meter: Meter) -> None:
         self._config = config
-        self._schedulers = schedulers
+        self._leader = leader
         self._node_channels = node_channels
         self._liveness = liveness
         # Nodes that failed a stream lately, avoided by every placement until the time given.
@@ -131,18 +132,24 @@ class Relay:
     async def _call_scheduler(
         self, place: scheduler_pb2.PlaceRequest, remaining_s: float | None
     ) -> scheduler_pb2.Placement:
-        """Place on the first scheduler that answers, within the placement timeout and the client's deadline."""
-        timeout_s = self._config.placement_timeout_s
-        if remaining_s is not None:
-            timeout_s = min(timeout_s, remaining_s)
-        addresses = self._schedulers.addresses() or await self._schedulers.wait_any(timeout_s)
-        last_error: BatonError = Unavailable("no scheduler answered")
-        for address in addresses:
-            stub = scheduler_pb2_grpc.SchedulerStub(self._schedulers.channel(address))
+        """Place on the elected scheduler; through a failover, wait for the next leader and retry there."""
+        loop = asyncio.get_running_loop()
+        wait_s = self._config.leader_wait_s if remaining_s is None else min(self._config.leader_wait_s, remaining_s)
+        deadline = loop.time() + wait_s
+        address = self._leader.address() or await self._leader.wait_for_other(None, wait_s)
+        while address is not None:
+            timeout_s = min(self._config.placement_timeout_s, max(0.0, deadline - loop.time()))
+            stub = scheduler_pb2_grpc.SchedulerStub(self._leader.channel(address))
             try:
                 return await stub.Place(place, timeout=timeout_s)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                hint = dict(exc.trailing_metadata() or ()).get(LEADER_KEY)
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and hint and hint != address:
+                    address = hint  # a standby named the leader our view has not caught up with
+                    continue
+                if not (is_transport_failure(exc) or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                        or exc.code() == grpc.StatusCode.FAILED_PRECONDITION):
                     raise from_rpc_error(exc) from None
-                last_error = from_rpc_error(exc)
-        raise last_error
+                log.warning("scheduler %s did not place (%s); waiting for a leader", address, exc.code().name)
+            address = await self._leader.wait_for_other(address, max(0.0, deadline - loop.time()))
+        raise Unavailable(f"no scheduler leader placed the request within {wait_s:.1f} s")

@@ -16,7 +16,7 @@ from baton.v1 import (
 )
 from services.common import etcd_keys
 from services.common.coalesce import coalesce
-from services.common.directory import ChannelPool, ServiceDirectory
+from services.common.directory import ChannelPool, LeaderDirectory
 from services.common.errors import BatonError, abort
 from services.common.etcd_session import Membership, PrefixView
 from services.common.telemetry import Telemetry
@@ -54,10 +54,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._models: dict[str, ModelEntry] = {}
         self._member = Membership(config.etcd, config.lease_ttl_s)
         self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed)
-        self._schedulers = ServiceDirectory(self._member.client, "scheduler", telemetry)
+        self._leader = LeaderDirectory(self._member.client, etcd_keys.SCHEDULER_ELECTION, telemetry)
         self._node_channels = ChannelPool(telemetry)
         self._liveness = NodeLiveness()
-        self._relay = Relay(config, self._schedulers, self._node_channels, self._liveness, telemetry.meter)
+        self._relay = Relay(config, self._leader, self._node_channels, self._liveness, telemetry.meter)
         self._requests = telemetry.meter.create_counter(
             "baton.router.requests", description="Generate requests, by final status"
         )
@@ -73,7 +73,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return [
             *self._member.hold_service("router", config.instance_id, config.listen),
             self._nodes.run(),
-            self._schedulers.run(),
+            self._leader.run(),
         ]
 
     def _on_nodes_changed(self, items: dict[str, bytes]) -> None:
@@ -84,7 +84,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         await self._member.leave()
 
     async def close(self) -> None:
-        await self._schedulers.close()
+        await self._leader.close()
         await self._node_channels.close()
         await self._member.close()
 

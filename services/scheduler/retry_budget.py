@@ -52,3 +52,8 @@ class RetryBudget:
     def num_requests(self, now: float) -> int:
         self._expire(now)
         return len(self._requests)
+
+    def restore(self, num_requests: int, num_retries: int, now: float) -> None:
+        """Take over a predecessor's window (counts only: they start their window at now)."""
+        self._requests.extend([now] * num_requests)
+        self._retries.extend([now] * num_retries)

@@ -10,15 +10,17 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from baton.protocol import LEADER_KEY
 from baton.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common import etcd_keys
 from services.common.directory import ServiceDirectory
-from services.common.errors import BatonError, NotFound, ResourceExhausted, Unavailable, abort
+from services.common.errors import BatonError, FailedPrecondition, NotFound, ResourceExhausted, Unavailable, abort
 from services.common.etcd_session import Membership, PrefixView
 from services.common.load import load_from_proto, load_to_proto
 from services.common.telemetry import Telemetry
 from services.scheduler.cluster import ClusterView, NodeSpec
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.leadership import LeaderRole
 from services.scheduler.policy import KvLoadPolicy, PlacementRequest
 from services.scheduler.retry_budget import RetryBudget
 
@@ -50,6 +52,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._member = Membership(config.etcd, config.lease_ttl_s)
         self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed)
         self._kvindexes = ServiceDirectory(self._member.client, "kvindex", telemetry)
+        self._role = LeaderRole(self._member.client, config.instance_id, config.listen, config.lease_ttl_s,
+                                self._hand_over_state, self._take_over_state)
         self._placements = telemetry.meter.create_counter(
             "baton.scheduler.placements", description="placement decisions, by outcome"
         )
@@ -61,9 +65,24 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         config = self._config
         return [
             *self._member.hold_service("scheduler", config.instance_id, config.listen),
+            *self._role.loops(),
             self._nodes.run(),
             self._kvindexes.run(),
         ]
+
+    def _hand_over_state(self) -> dict[str, Any]:
+        """What a successor needs that it cannot rebuild from etcd and node reports."""
+        now = time.monotonic()
+        return {
+            "leader": self._config.instance_id,
+            "retry_budget": {"requests": self._retry_budget.num_requests(now),
+                             "retries": self._retry_budget.num_retries(now)},
+        }
+
+    def _take_over_state(self, state: dict[str, Any]) -> None:
+        budget = state["retry_budget"]
+        self._retry_budget.restore(int(budget["requests"]), int(budget["retries"]), time.monotonic())
+        log.info("took over from %s: %s", state.get("leader"), budget)
 
     def _on_nodes_changed(self, items: dict[str, bytes]) -> None:
         specs, infos = [], {}
@@ -79,6 +98,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._cluster.set_nodes(specs)
 
     async def before_stop(self) -> None:
+        await self._role.resign()
         await self._member.leave()
 
     async def close(self) -> None:
@@ -103,6 +123,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.PlaceRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.Placement:
         try:
+            if not self._role.is_leader:
+                raise self._not_leader()
             now = time.monotonic()
             if request.retry_cause:
                 if not self._retry_budget.try_retry(now):
@@ -143,6 +165,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             cost=decision.cost,
         )
 
+    def _not_leader(self) -> FailedPrecondition:
+        leader = self._role.leader()
+        if leader is None:
+            return FailedPrecondition(f"{self._config.instance_id} is a standby and no leader is elected yet")
+        leader_id, address = leader
+        return FailedPrecondition(f"{self._config.instance_id} is a standby; the leader is {leader_id} at {address}",
+                                  metadata=((LEADER_KEY, address),))
+
     async def ReportLoad(
         self, request_iterator: AsyncIterator[common_pb2.NodeLoad], context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ReportLoadAck:
@@ -155,6 +185,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     ) -> scheduler_pb2.ClusterState:
         now = time.monotonic()
         state = scheduler_pb2.ClusterState(scheduler_id=self._config.instance_id)
+        leader = self._role.leader()
+        if leader is not None:
+            state.leader_id, state.leader_address = leader
         for status in self._cluster.nodes():
             info = self._node_infos.get(status.spec.node_id)
             state.nodes.append(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,3 +36,21 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> No
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(0.05)
+
+
+async def eventually(predicate: Callable[[], object], timeout_s: float, what: str) -> None:
+    """wait_until for async tests: predicate may be a coroutine function; blocking ones run in a thread,
+    so the test's own tasks (a steady load) keep running meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if inspect.iscoroutinefunction(predicate):
+            result = await predicate()
+        else:
+            result = await asyncio.to_thread(predicate)
+            if inspect.isawaitable(result):
+                raise TypeError(f"{what}: pass the coroutine function itself (functools.partial), not a lambda")
+        if result:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.05)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from services.common.change_signal import ChangeSignal
 from services.common.load import Load
 from services.node_agent.engines.types import EngineRequest, KVEvent, RequestOutput
 
@@ -29,7 +29,7 @@ class Engine(Protocol):
     tokenizer: str
     kv_block_size: int
     #: Set when a request arrives, finishes or is aborted, so load is reported at once.
-    load_changed: asyncio.Event
+    load_changed: ChangeSignal
     #: Whether re-running prompt + generated tokens with the same sampling continues identically.
     exact_resume: bool
 
@@ -54,3 +54,6 @@ class Engine(Protocol):
 
     async def next_kv_events(self) -> list[KVEvent]:
         """Wait for and take the KV events produced since the last call."""
+
+    def cached_block_hashes(self) -> list[int]:
+        """Every block the engine's prefix cache holds now."""

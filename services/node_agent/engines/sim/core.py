@@ -126,6 +126,10 @@ class SimEngineCore:
             + sum(seq.num_uncomputed_tokens for seq in self._running if seq.is_prefilling),
         )
 
+    def cached_block_hashes(self) -> list[int]:
+        """Every block hash in the prefix cache: what a KV index of this engine should hold."""
+        return self._cache.cached_block_hashes()
+
     def expected_decode_step_ms(self) -> float:
         """Modelled time of a decode step with the running batch plus one more sequence."""
         context = sum(seq.num_tokens for seq in self._running)

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
+from services.common.change_signal import ChangeSignal
 from services.common.load import Load
 from services.node_agent.engines.base import EngineInputError
 from services.node_agent.engines.sim.core import SimEngineCore
@@ -65,7 +66,7 @@ class SimEngine:
         self._wake = asyncio.Event()
         self._kv_events: list[KVEvent] = []
         self._kv_ready = asyncio.Event()
-        self.load_changed = asyncio.Event()
+        self.load_changed = ChangeSignal()
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -84,7 +85,7 @@ class SimEngine:
                 await asyncio.sleep(0)
             for output in result.outputs:
                 if output.finish_reason is not None:
-                    self.load_changed.set()
+                    self.load_changed.notify()
                 buffer = self._buffers.get(output.request_id)
                 if buffer is not None:
                     buffer.put(output)
@@ -104,7 +105,7 @@ class SimEngine:
             raise EngineInputError("request", request.request_id, str(exc)) from exc
         buffer = self._buffers[request.request_id] = _OutputBuffer()
         self._wake.set()
-        self.load_changed.set()
+        self.load_changed.notify()
         return self._outputs(request.request_id, buffer, heartbeat_s)
 
     async def _outputs(
@@ -126,7 +127,7 @@ class SimEngine:
         self._buffers.pop(request_id, None)
         if self._core.abort_request(request_id) is not None:
             self._wake.set()
-            self.load_changed.set()
+            self.load_changed.notify()
 
     def load(self) -> Load:
         return self._core.load()
@@ -136,3 +137,6 @@ class SimEngine:
         self._kv_ready.clear()
         events, self._kv_events = self._kv_events, []
         return events
+
+    def cached_block_hashes(self) -> list[int]:
+        return self._core.cached_block_hashes()

@@ -62,6 +62,10 @@ class KVCache:
         """Blocks findable by hash, referenced or not."""
         return len(self._cached)
 
+    def cached_block_hashes(self) -> list[int]:
+        """Every hash findable in the prefix cache right now."""
+        return list(self._cached)
+
     def is_cached(self, block_hash: int) -> bool:
         """Whether a block with this hash is in the prefix cache."""
         return block_hash in self._cached

@@ -1,0 +1,111 @@
+"""A scheduler replica's part in the election: campaign, lead, hand state over, step down."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import aetcd
+
+from services.common import etcd_keys
+from services.common.election import Election, NotLeader
+from services.common.etcd_session import PrefixView
+
+log = logging.getLogger(__name__)
+
+_RETRY_S = 0.5
+
+
+class LeaderRole:
+    """Campaigns until elected, leads until etcd says otherwise, then campaigns again.
+
+    While leading it writes its hand-over state every persist_interval_s, fenced by its
+    leadership; on election it first restores what its predecessor wrote.
+    """
+
+    def __init__(
+        self,
+        client: aetcd.Client,
+        instance_id: str,
+        address: str,
+        ttl_s: int,
+        save_state: Callable[[], dict[str, Any]],
+        restore_state: Callable[[dict[str, Any]], None],
+        persist_interval_s: float = 1.0,
+    ) -> None:
+        self._client = client
+        self._value = json.dumps({"instance_id": instance_id, "address": address}).encode()
+        self._election = Election(client, etcd_keys.SCHEDULER_ELECTION, ttl_s)
+        self._view = PrefixView(client, etcd_keys.SCHEDULER_ELECTION)
+        self._save_state = save_state
+        self._restore_state = restore_state
+        self._persist_interval_s = persist_interval_s
+        self.elected = asyncio.Event()
+
+    def loops(self) -> list[Coroutine[Any, Any, None]]:
+        return [self._campaign_forever(), self._election.keep_alive(), self._view.run()]
+
+    @property
+    def is_leader(self) -> bool:
+        return self._election.leadership is not None
+
+    def leader(self) -> tuple[str, str] | None:
+        """(instance id, address) of the leader as etcd last showed it; None when there is none."""
+        first = self._view.first()
+        if first is None:
+            return None
+        record = json.loads(first[1])
+        return record["instance_id"], record["address"]
+
+    async def fenced_put(self, key: str, value: bytes) -> None:
+        await self._election.fenced_put(key, value)
+
+    async def resign(self) -> None:
+        await self._election.resign()
+
+    async def _campaign_forever(self) -> None:
+        while True:
+            try:
+                leadership = await self._election.campaign(self._value)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - etcd down: try again
+                log.warning("campaign failed (%s); retrying", exc)
+                await asyncio.sleep(_RETRY_S)
+                continue
+            await self._take_over()
+            self.elected.set()
+            log.info("leading as %s (revision %d)", leadership.key, leadership.revision)
+            await self._lead()
+            self.elected.clear()
+            log.warning("no longer the leader; campaigning again")
+
+    async def _take_over(self) -> None:
+        try:
+            stored = await self._client.get(etcd_keys.SCHEDULER_STATE.encode())
+        except Exception as exc:  # noqa: BLE001 - start from nothing rather than not at all
+            log.warning("could not read the predecessor's state (%s); starting fresh", exc)
+            return
+        if stored is not None:
+            try:
+                self._restore_state(json.loads(stored.value))
+            except (ValueError, KeyError) as exc:
+                log.warning("ignoring unreadable predecessor state: %s", exc)
+
+    async def _lead(self) -> None:
+        """Persist state until leadership is lost."""
+        while not self._election.lost.is_set():
+            try:
+                await asyncio.wait_for(self._election.lost.wait(), self._persist_interval_s)
+                return
+            except TimeoutError:
+                pass
+            try:
+                await self.fenced_put(etcd_keys.SCHEDULER_STATE, json.dumps(self._save_state()).encode())
+            except NotLeader:
+                return
+            except Exception as exc:  # noqa: BLE001 - etcd down: keep leading on the last view
+                log.warning("state write failed (%s)", exc)

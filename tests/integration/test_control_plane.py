@@ -1,0 +1,227 @@
+"""No single point of failure: scheduler failover, kvindex replicas, etcd outages, nodes coming back."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import signal
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from baton.client import BatonClient
+from baton.cluster import ClusterSpec, LocalCluster, ManagedProcess
+from baton.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc
+from services.common import etcd_keys
+from services.common.block_hash import block_hashes
+from services.common.etcd_session import connect
+from tests.integration.conftest import MODEL, eventually
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
+
+TTL_S = 2
+
+
+class SteadyLoad:
+    """Clients streaming requests back to back until stopped; every failure kept."""
+
+    def __init__(self, cluster: LocalCluster, num_workers: int = 4) -> None:
+        self._addresses = [router.address for router in cluster.routers]
+        self._num_workers = num_workers
+        self._stop = asyncio.Event()
+        self.num_completed = 0
+        self.failures: list[str] = []
+        self.prompts: list[str] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _worker(self, worker: int) -> None:
+        async with BatonClient(self._addresses) as client:
+            number = 0
+            while not self._stop.is_set():
+                prompt = f"worker {worker} request {number % 5}: a prompt that repeats now and then"
+                number += 1
+                try:
+                    result = await client.complete(MODEL, prompt, max_tokens=24, ignore_eos=True, timeout_s=30)
+                except grpc.aio.AioRpcError as error:
+                    self.failures.append(f"{error.code().name}: {error.details()}")
+                    continue
+                if result.finish_reason != common_pb2.FINISH_REASON_LENGTH or len(result.token_ids) != 24:
+                    self.failures.append(f"incomplete: {result.finish_reason} {len(result.token_ids)} tokens")
+                self.prompts.append(prompt)
+                self.num_completed += 1
+
+    def start(self) -> None:
+        async def run() -> None:
+            await asyncio.gather(*(self._worker(i) for i in range(self._num_workers)))
+
+        self._task = asyncio.create_task(run())
+
+    async def wait_completed(self, count: int, timeout_s: float = 30) -> None:
+        """Until count more requests have completed."""
+        target = self.num_completed + count
+        async with asyncio.timeout(timeout_s):
+            while self.num_completed < target:
+                assert self._task is not None and not self._task.done(), "the load stopped"
+                await asyncio.sleep(0.02)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        assert self._task is not None
+        await self._task
+
+
+def start(tmp_path_factory: pytest.TempPathFactory, **settings: object) -> LocalCluster:
+    spec = {"num_nodes": 3, "speed": 10.0, "lease_ttl_s": TTL_S, **settings}
+    cluster = LocalCluster(ClusterSpec(**spec), tmp_path_factory.mktemp("cluster"))  # type: ignore[arg-type]
+    cluster.start()
+    return cluster
+
+
+@pytest.fixture
+def three_schedulers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    cluster = start(tmp_path_factory, num_schedulers=3, num_kvindexes=2, num_routers=2)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def leader_process(cluster: LocalCluster) -> ManagedProcess:
+    leader_id = cluster.cluster_state().leader_id
+    return next(p for p in cluster.schedulers if p.name == leader_id)
+
+
+async def test_killing_the_scheduler_leader_fails_no_request(three_schedulers: LocalCluster) -> None:
+    cluster = three_schedulers
+    load = SteadyLoad(cluster)
+    load.start()
+    await load.wait_completed(10)
+    old = leader_process(cluster)
+    old.signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    await eventually(lambda: cluster.cluster_state().leader_id not in ("", old.name), 4 * TTL_S,
+                     "a standby to take over")
+    took_over_s = time.monotonic() - killed_at
+    await load.wait_completed(20)
+    await load.stop()
+    assert load.failures == []
+    assert took_over_s < 4 * TTL_S
+
+
+async def test_a_third_scheduler_joins_and_survives_the_other_two(tmp_path_factory: pytest.TempPathFactory) -> None:
+    cluster = start(tmp_path_factory, num_schedulers=2)
+    try:
+        load = SteadyLoad(cluster)
+        load.start()
+        await load.wait_completed(5)
+        third = cluster.add_scheduler()
+        for process in cluster.schedulers[:2]:
+            process.signal(signal.SIGKILL)
+        await eventually(lambda: cluster.cluster_state().leader_id == third.name, 4 * TTL_S, "the third to lead")
+        await load.wait_completed(15)
+        await load.stop()
+        assert load.failures == []
+    finally:
+        cluster.stop()
+
+
+async def test_an_etcd_outage_under_load_fails_no_request_and_the_cluster_reconverges(
+    three_schedulers: LocalCluster,
+) -> None:
+    cluster = three_schedulers
+    assert cluster.etcd is not None
+    load = SteadyLoad(cluster)
+    load.start()
+    await load.wait_completed(10)
+    leader = cluster.cluster_state().leader_id
+
+    cluster.etcd.signal(signal.SIGKILL)
+    outage_ends = time.monotonic() + 10
+    await load.wait_completed(10)  # requests keep completing on the last known view
+    while time.monotonic() < outage_ends:
+        await load.wait_completed(1)
+    assert all(p.is_running() for p in [*cluster.schedulers, *cluster.kvindexes, *cluster.nodes, *cluster.routers])
+    cluster.restart(cluster.etcd)
+
+    expected = ({f"{etcd_keys.NODES}node-{i}" for i in range(3)}
+                | {etcd_keys.service_key("scheduler", f"scheduler-{i}") for i in range(3)}
+                | {etcd_keys.service_key("kvindex", f"kvindex-{i}") for i in range(2)}
+                | {etcd_keys.service_key("router", f"router-{i}") for i in range(2)})
+    client = connect(cluster.etcd.address)
+    try:
+        async with asyncio.timeout(30):
+            while True:
+                listing = await client.get_prefix(etcd_keys.PREFIX.encode())
+                keys = [kv.key.decode() for kv in listing]
+                candidates = [k for k in keys if k.startswith(etcd_keys.SCHEDULER_ELECTION)]
+                if expected <= set(keys) and len(candidates) == 3:
+                    break
+                await asyncio.sleep(0.1)
+    finally:
+        await client.close()
+    assert len(keys) == len(set(keys))  # no duplicate registrations
+    assert sum(1 for k in keys if k.startswith(etcd_keys.NODES)) == 3
+    await load.wait_completed(10)
+    await load.stop()
+    assert load.failures == []
+    state = cluster.cluster_state()
+    assert len(state.nodes) == 3 and state.leader_id in (leader, *[p.name for p in cluster.schedulers])
+
+
+async def overlaps(address: str, prompts: list[str]) -> list[dict[str, int]]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = kvindex_pb2_grpc.KVIndexStub(channel)
+        replies = [await stub.QueryOverlap(kvindex_pb2.OverlapRequest(
+            model=MODEL, block_hashes=block_hashes(list(p.encode())))) for p in prompts]
+    return [dict(reply.matched_blocks) for reply in replies]
+
+
+async def test_a_restarted_kvindex_replica_catches_up_with_the_other(three_schedulers: LocalCluster) -> None:
+    cluster = three_schedulers
+    first, second = cluster.kvindexes
+    load = SteadyLoad(cluster)
+    load.start()
+    await load.wait_completed(10)
+    second.signal(signal.SIGKILL)
+    await load.wait_completed(20)  # the survivor keeps learning; placements fail over to it
+    cluster.restart(second)
+    await load.wait_completed(5)
+    await load.stop()
+    assert load.failures == []
+
+    prompts = sorted(set(load.prompts))
+    deadline = time.monotonic() + 15
+    while (answers := await overlaps(second.address, prompts)) != await overlaps(first.address, prompts):
+        assert time.monotonic() < deadline, f"replicas disagree: {answers}"
+        await asyncio.sleep(0.1)
+    assert all(answer for answer in answers), "the restarted replica knows where every prompt is cached"
+
+
+async def test_a_node_whose_lease_ended_rejoins_with_its_kv_index_resynced(three_schedulers: LocalCluster) -> None:
+    cluster = three_schedulers
+    prompt = "cached on one node before it froze " * 4
+    assert cluster.router is not None
+    async with BatonClient(cluster.router.address) as client:
+        placed = await client.complete(MODEL, prompt, max_tokens=4)
+    node = next(p for p in cluster.nodes if p.name == placed.node_ids[0])
+
+    async def indexed_on(kvindex: ManagedProcess) -> bool:
+        return node.name in (await overlaps(kvindex.address, [prompt]))[0]
+
+    def listed() -> bool:
+        return node.name in {n.info.node_id for n in cluster.cluster_state().nodes}
+
+    for kvindex in cluster.kvindexes:
+        await eventually(functools.partial(indexed_on, kvindex), 10, f"{kvindex.name} to learn the prompt's blocks")
+
+    node.signal(signal.SIGSTOP)  # silent: its lease ends and it leaves
+    await eventually(lambda: not listed(), 5 * TTL_S, f"{node.name} to leave")
+    for kvindex in cluster.kvindexes:
+        assert not await indexed_on(kvindex), f"{kvindex.name} still places work on a departed node"
+
+    node.signal(signal.SIGCONT)  # back: re-registers, and the replicas re-sync what it caches
+    await eventually(listed, 5 * TTL_S, f"{node.name} to rejoin")
+    for kvindex in cluster.kvindexes:
+        await eventually(functools.partial(indexed_on, kvindex), 10, f"{kvindex.name} to re-sync {node.name}")

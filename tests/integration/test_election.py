@@ -1,0 +1,85 @@
+"""Leader election on a real etcd: who leads, hand-over on resignation and expiry, fenced writes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from baton.cluster import ManagedProcess, start_etcd
+from services.common.election import Election, NotLeader
+from services.common.etcd_session import connect
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+PREFIX = "/test/election/"
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[ManagedProcess]:
+    process = start_etcd(tmp_path)
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+async def test_the_first_candidate_leads_and_the_next_takes_over_when_it_resigns(etcd: ManagedProcess) -> None:
+    first, second = connect(etcd.address), connect(etcd.address)
+    a, b = Election(first, PREFIX, ttl_s=2), Election(second, PREFIX, ttl_s=2)
+    keep_alive = [asyncio.create_task(a.keep_alive()), asyncio.create_task(b.keep_alive())]
+    try:
+        leading = await asyncio.wait_for(a.campaign(b"a"), 5)
+        waiting = asyncio.create_task(b.campaign(b"b"))
+        async with asyncio.timeout(5):
+            while len(await first.get_prefix(PREFIX.encode())) < 2:  # b has queued up behind a
+                await asyncio.sleep(0.02)
+        assert not waiting.done() and b.leadership is None, "only one candidate leads"
+
+        await a.resign()
+        successor = await asyncio.wait_for(waiting, 5)
+        assert successor.revision > leading.revision
+        assert b.leadership == successor and a.leadership is None
+    finally:
+        for task in keep_alive:
+            task.cancel()
+        await b.resign()
+        await first.close()
+        await second.close()
+
+
+async def test_a_deposed_leaders_write_is_rejected(etcd: ManagedProcess) -> None:
+    first, second = connect(etcd.address), connect(etcd.address)
+    old, new = Election(first, PREFIX, ttl_s=2), Election(second, PREFIX, ttl_s=2)
+    try:
+        deposed = await old.campaign(b"old")
+        await old.fenced_put("/test/state", b"written by the old leader")
+        # The old leader's lease ends behind its back (as when it was partitioned from etcd).
+        await second.revoke_lease(deposed.lease_id)
+        await asyncio.wait_for(new.campaign(b"new"), 5)
+        await new.fenced_put("/test/state", b"written by the new leader")
+
+        with pytest.raises(NotLeader):
+            await old.fenced_put("/test/state", b"a stale write")
+        assert (await second.get(b"/test/state")).value == b"written by the new leader"
+        assert old.lost.is_set() and old.leadership is None
+    finally:
+        await new.resign()
+        await first.close()
+        await second.close()
+
+
+async def test_a_leader_whose_lease_expired_learns_it_from_keep_alive(etcd: ManagedProcess) -> None:
+    client = connect(etcd.address)
+    election = Election(client, PREFIX, ttl_s=1)
+    try:
+        leadership = await election.campaign(b"me")
+        await client.revoke_lease(leadership.lease_id)
+        keep_alive = asyncio.create_task(election.keep_alive())
+        await asyncio.wait_for(election.lost.wait(), 5)
+        keep_alive.cancel()
+        assert election.leadership is None
+    finally:
+        await client.close()
