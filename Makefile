@@ -31,6 +31,7 @@ protos: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench.mesh_overhead --out docs/benchmarks.md
 	$(BIN)/python -m bench.resume_stall --out docs/benchmarks.md
+	$(BIN)/python -m bench.leader_failover --out docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache
