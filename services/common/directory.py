@@ -12,7 +12,6 @@ import aetcd
 import grpc
 
 from services.common import etcd_keys
-from services.common.errors import Unavailable
 from services.common.etcd_session import PrefixView
 from services.common.telemetry import Telemetry
 
@@ -64,14 +63,6 @@ class ServiceDirectory:
     async def wait_changed(self, addresses: set[str]) -> None:
         """Until the registered addresses differ from addresses."""
         await self._view.wait_for(lambda _: set(self.addresses()) != addresses)
-
-    async def wait_any(self, timeout_s: float) -> list[str]:
-        """Addresses once at least one instance is registered; Unavailable after timeout_s."""
-        try:
-            await asyncio.wait_for(self._view.wait_for(lambda items: bool(items)), timeout_s)
-        except TimeoutError:
-            raise Unavailable(f"no {self.kind} is registered in etcd") from None
-        return self.addresses()
 
     async def close(self) -> None:
         await self._channels.close()

@@ -45,7 +45,6 @@ class LeaseSession:
         self._lease_id: int | None = None
         self._keys: dict[str, bytes] = {}
         self._lock = asyncio.Lock()
-        self.registered = asyncio.Event()
 
     @property
     def lease_id(self) -> int | None:
@@ -68,7 +67,6 @@ class LeaseSession:
         self._lease_id = lease.id
         for key, value in self._keys.items():
             await self._client.put(key.encode(), value, lease=lease.id)
-        self.registered.set()
         log.info("etcd lease %x granted with %d keys", lease.id, len(self._keys))
 
     async def keep_alive(self) -> None:
