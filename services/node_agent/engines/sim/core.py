@@ -148,9 +148,7 @@ class SimEngineCore:
         for seq, num_new in scheduled:
             seq.num_computed_tokens += num_new
             self._cache.commit_full_blocks(
-                seq.request_id,
-                seq.block_hashes[: seq.num_computed_tokens // self.block_size],
-                seq.token_ids,
+                seq.request_id, seq.block_hashes, seq.token_ids, seq.num_computed_tokens // self.block_size
             )
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a chunk of a longer prefill: no token yet

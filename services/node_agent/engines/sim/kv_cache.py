@@ -123,15 +123,20 @@ class KVCache:
         request_id: str,
         block_hashes: Sequence[int],
         token_ids: Sequence[int],
+        num_blocks: int | None = None,
     ) -> None:
-        """Register the request's computed full blocks (block_hashes[i] is table block i) in the cache."""
+        """Register the request's first num_blocks computed full blocks (default: all of block_hashes).
+
+        block_hashes[i] is table block i.
+        """
         table = self._tables[request_id]
         start = self._num_committed[request_id]
-        if len(block_hashes) <= start:
+        end = len(block_hashes) if num_blocks is None else num_blocks
+        if end <= start:
             return
         run: list[int] = []
         run_start = start
-        for index in range(start, len(block_hashes)):
+        for index in range(start, end):
             block_hash = block_hashes[index]
             existing = self._cached.get(block_hash)
             if existing is not None and existing is not table[index]:
@@ -148,7 +153,7 @@ class KVCache:
             self._cached[block_hash] = table[index]
             run.append(block_hash)
         self._emit_stored(run, run_start, block_hashes, token_ids)
-        self._num_committed[request_id] = len(block_hashes)
+        self._num_committed[request_id] = end
 
     def free(self, request_id: str) -> None:
         """Drop request_id's references; cached blocks become evictable, tail of the chain first."""

@@ -18,10 +18,16 @@ class SimSequence:
         # Where the completion began, counting tokens a resumed request generated before.
         self._completion_start = self.num_prompt_tokens - request.num_resumed_tokens
         self.block_size = block_size
-        self.hasher = ContextHasher.from_tokens(self.token_ids)
         # Chained keys of every full block of token_ids, kept current as tokens arrive.
-        self.block_hashes: list[int] = []
-        self._extend_block_hashes()
+        if request.prompt_block_hashes is not None:
+            self.block_hashes: list[int] = list(request.prompt_block_hashes)
+        else:
+            self.block_hashes = []
+            self._extend_block_hashes()
+        # The context's digest: from the last full block's key, then the tokens after it.
+        self.hasher = self._hasher_from_last_block()
+        for token_id in self.token_ids[len(self.block_hashes) * block_size :]:
+            self.hasher.extend(token_id)
         # Tokens whose KV is in the cache; reset to 0 when the request is preempted.
         self.num_computed_tokens = 0
         # True from (re)admission until the step that computes its last token.
@@ -55,8 +61,14 @@ class SimSequence:
     def append_token(self, token_id: int) -> None:
         """Add a generated token to the context."""
         self.token_ids.append(token_id)
-        self.hasher.extend(token_id)
-        self._extend_block_hashes()
+        if len(self.token_ids) % self.block_size == 0:
+            self._extend_block_hashes()
+            self.hasher = self._hasher_from_last_block()
+        else:
+            self.hasher.extend(token_id)
+
+    def _hasher_from_last_block(self) -> ContextHasher:
+        return ContextHasher.after_block(self.block_hashes[-1] if self.block_hashes else ROOT_PARENT_HASH)
 
     def _extend_block_hashes(self) -> None:
         """Hash any newly completed full blocks, chaining from the last known key."""

@@ -65,6 +65,15 @@ class ContextHasher:
         """An independent hasher at the same state."""
         return ContextHasher(self.state)
 
+    @classmethod
+    def after_block(cls, block_hash: int) -> ContextHasher:
+        """Digest of a context that ends with the full block keyed block_hash.
+
+        The block key already chains every earlier token, so a sequence's digest can restart
+        from its last full block: O(block) work per token instead of O(context) per request.
+        """
+        return cls(_mix64(block_hash ^ _INITIAL_STATE))
+
 
 def next_token(
     context_state: int,
