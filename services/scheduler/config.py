@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import ServiceConfig, doc
+from services.scheduler.policies import POLICIES
 
 
 @dataclass(frozen=True)
@@ -15,7 +16,8 @@ class SchedulerConfig(ServiceConfig):
     instance_id: str = doc("this replica's id in etcd", "scheduler-0")
     load_timeout_s: float = doc("a node silent for longer than this is no candidate", 10.0)
     kvindex_timeout_s: float = doc("deadline of an overlap query; past it, place without cache info", 0.25)
-    prefill_load_scale: float = doc("weight of prefill blocks in the KV/load cost", 1.0)
+    policy: str = doc("placement policy: dynamo, llm_d, sglang, least_loaded or round_robin", "dynamo")
+    prefill_load_scale: float = doc("weight of prefill blocks in the KV/load cost (dynamo policy)", 1.0)
     retry_ratio: float = doc("retries (migrations) allowed as a fraction of requests, over 10 s", 0.2)
     retry_min_per_s: float = doc("retries allowed per second whatever the request rate", 5.0)
 
@@ -23,6 +25,8 @@ class SchedulerConfig(ServiceConfig):
         super().__post_init__()
         if self.load_timeout_s <= 0:
             raise ValueError(f"--load-timeout-s: must be positive, got {self.load_timeout_s}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"--policy: unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
         if self.retry_ratio < 0 or self.retry_min_per_s < 0:
             raise ValueError("--retry-ratio and --retry-min-per-s must be 0 or more")
         if self.kvindex_timeout_s <= 0:

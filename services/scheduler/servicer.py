@@ -21,7 +21,7 @@ from services.common.telemetry import Telemetry
 from services.scheduler.cluster import ClusterView, NodeSpec
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.leadership import LeaderRole
-from services.scheduler.policy import KvLoadPolicy, PlacementRequest
+from services.scheduler.policies import PlacementRequest, make_policy
 from services.scheduler.retry_budget import RetryBudget
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._config = config
         self._telemetry = telemetry
         self._cluster = ClusterView(load_timeout_s=config.load_timeout_s)
-        self._policy = KvLoadPolicy(config.prefill_load_scale)
+        self._policy = make_policy(config.policy, config.prefill_load_scale)
         self._retry_budget = RetryBudget(config.retry_ratio, config.retry_min_per_s)
         self._node_infos: dict[str, common_pb2.NodeInfo] = {}
         self._member = Membership(config.etcd, config.lease_ttl_s)
@@ -149,8 +149,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_prompt_blocks=len(request.block_hashes),
                 max_tokens=request.max_tokens,
+                block_hashes=tuple(request.block_hashes),
             )
-            decision = self._policy.choose(placement, candidates, matched)
+            decision = self._policy.choose(placement, candidates, matched, now)
         except BatonError as error:
             self._placements.add(1, {"outcome": error.code.name, "retry": request.retry_cause})
             await abort(context, error)

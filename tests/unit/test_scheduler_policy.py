@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from services.common.load import Load
 from services.scheduler.cluster import ClusterView, NodeSpec, NodeStatus
-from services.scheduler.policy import KvLoadPolicy, PlacementRequest
+from services.scheduler.policies import PlacementRequest
+from services.scheduler.policies.kv_load import KvLoadPolicy
 
 M = "m"
 TIMEOUT_S = 5.0
@@ -55,7 +56,7 @@ def test_cost_is_the_docstring_formula() -> None:
 
 def test_cached_prefix_wins_when_loads_are_equal() -> None:
     nodes = [_status("a", active_decode_blocks=5), _status("b", active_decode_blocks=5)]
-    decision = KvLoadPolicy().choose(_request(10), nodes, {"b": 6})
+    decision = KvLoadPolicy().choose(_request(10), nodes, {"b": 6}, 0.0)
     assert (decision.node_id, decision.address, decision.matched_blocks) == ("b", "b:1", 6)
     assert decision.cost == 4 + 5 + 10
 
@@ -63,17 +64,18 @@ def test_cached_prefix_wins_when_loads_are_equal() -> None:
 def test_loaded_node_with_prefix_loses_to_idle_node_when_decode_exceeds_saving() -> None:
     # Full hit saves 10 prefill blocks: a(prefix) = 0 + decode + 10, b(idle) = 10 + 0 + 10.
     policy = KvLoadPolicy()
-    assert policy.choose(_request(10), [_status("a", active_decode_blocks=9), _status("b")], {"a": 10}).node_id == "a"
-    decision = policy.choose(_request(10), [_status("a", active_decode_blocks=11), _status("b")], {"a": 10})
+    nodes = [_status("a", active_decode_blocks=9), _status("b")]
+    assert policy.choose(_request(10), nodes, {"a": 10}, 0.0).node_id == "a"
+    decision = policy.choose(_request(10), [_status("a", active_decode_blocks=11), _status("b")], {"a": 10}, 0.0)
     assert (decision.node_id, decision.matched_blocks, decision.cost) == ("b", 0, 20.0)
 
 
 def test_ties_go_to_fewer_running_then_lower_node_id() -> None:
     policy = KvLoadPolicy()
     busy = [_status("a", num_running=2), _status("b", num_running=1), _status("c", num_running=1)]
-    assert policy.choose(_request(), busy, {}).node_id == "b"
+    assert policy.choose(_request(), busy, {}, 0.0).node_id == "b"
     idle = [_status("c"), _status("b"), _status("a")]
-    assert policy.choose(_request(), idle, {}).node_id == "a"
+    assert policy.choose(_request(), idle, {}, 0.0).node_id == "a"
 
 
 def test_record_placement_raises_cost_until_next_load_report() -> None:
@@ -90,7 +92,7 @@ def test_record_placement_raises_cost_until_next_load_report() -> None:
 def test_placements_break_ties_between_otherwise_equal_nodes() -> None:
     view = _view(_spec("a"), _spec("b"))
     view.record_placement("a", num_prompt_blocks=0)
-    assert KvLoadPolicy().choose(_request(), view.candidates(M, now=0.0), {}).node_id == "b"
+    assert KvLoadPolicy().choose(_request(), view.candidates(M, now=0.0), {}, 0.0).node_id == "b"
 
 
 def test_candidates_are_live_warm_and_not_excluded() -> None:

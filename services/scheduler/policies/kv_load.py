@@ -1,36 +1,11 @@
-"""Placement policies: score candidate nodes for one request. Pure, no I/O."""
+"""Dynamo's KV-router cost: uncached prompt blocks plus load, in blocks. Pure."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Protocol
 
 from services.scheduler.cluster import NodeStatus
-
-
-@dataclass(frozen=True)
-class PlacementRequest:
-    request_id: str
-    model: str
-    num_prompt_tokens: int
-    num_prompt_blocks: int
-    max_tokens: int
-
-
-@dataclass(frozen=True)
-class Decision:
-    node_id: str
-    address: str
-    matched_blocks: int
-    cost: float
-
-
-class Policy(Protocol):
-    def choose(
-        self, request: PlacementRequest, candidates: list[NodeStatus], matched_blocks: dict[str, int]
-    ) -> Decision:
-        """Pick one of candidates (non-empty) for request."""
+from services.scheduler.policies.base import Decision, PlacementRequest, decision, num_in_flight
 
 
 class KvLoadPolicy:
@@ -40,6 +15,8 @@ class KvLoadPolicy:
     cost    = prefill_load_scale * prefill + active decode blocks + prompt blocks
     Ties go to the node with fewer running requests, then to the lower node id.
     """
+
+    name = "dynamo"
 
     def __init__(self, prefill_load_scale: float = 1.0) -> None:
         self._prefill_load_scale = prefill_load_scale
@@ -52,18 +29,11 @@ class KvLoadPolicy:
         return self._prefill_load_scale * prefill + status.load.active_decode_blocks + request.num_prompt_blocks
 
     def choose(
-        self, request: PlacementRequest, candidates: list[NodeStatus], matched_blocks: dict[str, int]
+        self, request: PlacementRequest, candidates: list[NodeStatus], matched_blocks: dict[str, int], now: float
     ) -> Decision:
         def key(status: NodeStatus) -> tuple[float, int, str]:
             matched = matched_blocks.get(status.spec.node_id, 0)
-            running = status.load.num_running + status.load.num_waiting + status.placed_requests
-            return (self.cost(request, status, matched), running, status.spec.node_id)
+            return (self.cost(request, status, matched), num_in_flight(status), status.spec.node_id)
 
         best = min(candidates, key=key)
-        matched = matched_blocks.get(best.spec.node_id, 0)
-        return Decision(
-            node_id=best.spec.node_id,
-            address=best.spec.address,
-            matched_blocks=matched,
-            cost=self.cost(request, best, matched),
-        )
+        return decision(best, matched_blocks, self.cost(request, best, matched_blocks.get(best.spec.node_id, 0)))

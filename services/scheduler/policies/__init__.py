@@ -1,0 +1,28 @@
+"""Placement policies, one per module; `make_policy` builds one by name."""
+
+from __future__ import annotations
+
+from services.scheduler.policies.base import Decision, PlacementRequest, Policy
+from services.scheduler.policies.kv_load import KvLoadPolicy
+from services.scheduler.policies.llmd import LlmdPolicy
+from services.scheduler.policies.sglang import SglangPolicy
+from services.scheduler.policies.simple import LeastLoadedPolicy, RoundRobinPolicy
+
+POLICIES = {
+    "round_robin": RoundRobinPolicy,
+    "least_loaded": LeastLoadedPolicy,
+    "dynamo": KvLoadPolicy,
+    "llm_d": LlmdPolicy,
+    "sglang": SglangPolicy,
+}
+
+__all__ = ["POLICIES", "Decision", "PlacementRequest", "Policy", "make_policy"]
+
+
+def make_policy(name: str, prefill_load_scale: float = 1.0) -> Policy:
+    """A fresh policy called name; ValueError naming the known ones otherwise."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    if name == "dynamo":
+        return KvLoadPolicy(prefill_load_scale)
+    return POLICIES[name]()

@@ -1,0 +1,48 @@
+"""What every placement policy sees and returns. Pure, no I/O; time is passed in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from services.scheduler.cluster import NodeStatus
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    request_id: str
+    model: str
+    num_prompt_tokens: int
+    num_prompt_blocks: int
+    max_tokens: int
+    # Chained keys of the prompt's full blocks (for policies that keep their own prefix index).
+    block_hashes: tuple[int, ...] = field(default=(), repr=False)
+
+
+@dataclass(frozen=True)
+class Decision:
+    node_id: str
+    address: str
+    matched_blocks: int
+    # The policy's own figure of merit for the chosen node (cost or score), for explanations.
+    cost: float
+
+
+class Policy(Protocol):
+    #: The name `--policy` and the simulator know it by.
+    name: str
+
+    def choose(
+        self, request: PlacementRequest, candidates: list[NodeStatus], matched_blocks: dict[str, int], now: float
+    ) -> Decision:
+        """Pick one of candidates (non-empty) for request; matched_blocks is the kvindex's overlap."""
+
+
+def decision(status: NodeStatus, matched_blocks: dict[str, int], cost: float) -> Decision:
+    return Decision(node_id=status.spec.node_id, address=status.spec.address,
+                    matched_blocks=matched_blocks.get(status.spec.node_id, 0), cost=cost)
+
+
+def num_in_flight(status: NodeStatus) -> int:
+    """Requests on the node: running and waiting at its last report, plus those placed since."""
+    return status.load.num_running + status.load.num_waiting + status.placed_requests
