@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/baton/v1/*.proto)
 
-.PHONY: run test unit integration protos check-protos bench clean
+.PHONY: run test unit integration protos check-protos bench bench-sim clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.mesh_overhead --out docs/benchmarks.md
 	$(BIN)/python -m bench.resume_stall --out docs/benchmarks.md
 	$(BIN)/python -m bench.leader_failover --out docs/benchmarks.md
+
+bench-sim: $(STAMP)
+	$(BIN)/baton sim --workload mooncake-conversation --fleet 4xh100,4xa100,4xl4 --loads 0.5,1,2 --out results/sim
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,4 +1,4 @@
-"""The `baton` command: up (a local cluster), generate (stream a completion), status."""
+"""The `baton` command: up (a local cluster), generate (stream a completion), status, sim (the simulator)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import grpc
 from baton.client import BatonClient
 from baton.cluster import ClusterSpec, LocalCluster, StartError, default_state_path
 from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from simulator.report import main as simulator_main
 
 DEMO_PROMPT = "Explain in one paragraph why a generation should survive the death of the GPU serving it."
 
@@ -177,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(func=cmd_generate)
 
+    # `baton sim ...` is handed whole to the simulator's own parser (see main).
+    commands.add_parser("sim", help="replay a trace in the discrete-event simulator (baton sim --help)")
+
     status = commands.add_parser("status", help="nodes, models, load and KV usage")
     status.add_argument("--scheduler", default="", help="scheduler host:port (default: the running `baton up`)")
     status.set_defaults(func=cmd_status)
@@ -184,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sim"]:
+        return simulator_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

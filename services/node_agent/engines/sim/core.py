@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from services.common.load import Load
-from services.node_agent.engines.sim.kv_cache import KVCache
+from services.node_agent.engines.sim.kv_cache import KVBlock, KVCache
 from services.node_agent.engines.sim.models import SimModelSpec
 from services.node_agent.engines.sim.sequence import SimSequence
 from services.node_agent.engines.sim.timing import TimingModel
@@ -62,7 +63,9 @@ class SimEngineCore:
             raise ValueError(f"request {rid!r}: prompt_token_ids is empty")
         if max_tokens < 1:
             raise ValueError(f"request {rid!r}: max_tokens={max_tokens} must be >= 1")
-        bad = next((t for t in prompt if not 0 <= t < self.model.vocab_size), None)
+        bad = None
+        if min(prompt) < 0 or max(prompt) >= self.model.vocab_size:  # C-speed check first: prompts are long
+            bad = next(t for t in prompt if not 0 <= t < self.model.vocab_size)
         if bad is not None:
             raise ValueError(
                 f"request {rid!r}: token id {bad} is outside the vocabulary 0..{self.model.vocab_size - 1}"
@@ -135,8 +138,19 @@ class SimEngineCore:
         context = sum(seq.num_tokens for seq in self._running)
         return self.timing.decode_step_ms(len(self._running) + 1, context)
 
-    def step(self) -> StepResult:
-        """Schedule one batch, produce its tokens and return its modelled duration."""
+    def step(self, max_decode_steps: int = 1, max_duration_s: float = math.inf) -> StepResult:
+        """Schedule one batch, produce its tokens and return its modelled duration.
+
+        With max_decode_steps > 1 a batch that only decodes (nothing waiting or prefilling) runs
+        up to that many steps in one call — exactly the steps single calls would run, merged —
+        stopping after a step that finishes a request, before one that would need memory it
+        lacks, and once max_duration_s is reached. A simulator uses it to skip the event-loop
+        round trip per token; the real-time driver runs one step at a time.
+        """
+        if max_decode_steps > 1:
+            merged = self._decode_steps(max_decode_steps, max_duration_s)
+            if merged is not None:
+                return merged
         scheduled = self._schedule()
         decode = [(seq, n) for seq, n in scheduled if not seq.is_prefilling]
         duration_ms = self.timing.step_ms(
@@ -153,9 +167,9 @@ class SimEngineCore:
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a chunk of a longer prefill: no token yet
             seq.is_prefilling = False
-            output = self._sample(seq)
-            outputs.append(output)
-            if output.finish_reason is not None:
+            new_token_ids, finish = self._sample(seq)
+            outputs.append(self._output(seq, new_token_ids, finish))
+            if finish is not None:
                 self._finish(seq)
         return StepResult(
             duration_s=duration_ms / 1000.0, outputs=outputs, kv_events=self._cache.drain_events()
@@ -183,8 +197,7 @@ class SimEngineCore:
         # Like vLLM, admit nobody in a step that had to preempt: memory is the bottleneck.
         while not has_preempted and self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
             seq = self._waiting[0]
-            # Full blocks only, and never the last token: something must be computed to sample from.
-            hits = self._cache.match_prefix(seq.block_hashes[: (seq.num_tokens - 1) // self.block_size])
+            hits = self._prefix_hits(seq)
             num_computed = len(hits) * self.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
             if not self._cache.allocate(seq.request_id, num_computed + num_new, hits):
@@ -199,6 +212,16 @@ class SimEngineCore:
             budget -= num_new
         return scheduled
 
+    def _prefix_hits(self, seq: SimSequence) -> list[KVBlock]:
+        """The cached blocks of seq's prefix; reused while the cache's findable set is unchanged
+        (a request waiting for memory is matched again every step otherwise)."""
+        if seq.prefix_match is not None and seq.prefix_match[0] == self._cache.version:
+            return seq.prefix_match[1]
+        # Full blocks only, and never the last token: something must be computed to sample from.
+        hits = self._cache.match_prefix(seq.block_hashes[: (seq.num_tokens - 1) // self.block_size])
+        seq.prefix_match = (self._cache.version, hits)
+        return hits
+
     def _preempt(self, seq: SimSequence) -> None:
         """Free a running request's blocks and requeue it first; it recomputes, keeping its tokens."""
         self._cache.free(seq.request_id)
@@ -206,21 +229,63 @@ class SimEngineCore:
         seq.is_prefilling = True
         self._waiting.appendleft(seq)
 
-    def _sample(self, seq: SimSequence) -> RequestOutput:
+    def _decode_steps(self, max_steps: int, max_duration_s: float) -> StepResult | None:
+        """Several decode-only steps merged into one result; None when the batch is not decode-only
+        or its first step needs memory (the general path preempts)."""
+        running = self._running
+        if self._waiting or not running or any(seq.is_prefilling for seq in running):
+            return None
+        block_size = self.block_size
+        tokens: dict[str, list[int]] = {seq.request_id: [] for seq in running}
+        finished: dict[str, FinishReason] = {}
+        context = sum(seq.num_computed_tokens + 1 for seq in running)
+        duration_ms = 0.0
+        for step in range(max_steps):
+            # The same allocations, in the same order, as _schedule would make for this step (a
+            # sequence whose block table already covers its next token needs none).
+            if not all(seq.num_computed_tokens < self._cache.num_blocks_held(seq.request_id) * block_size
+                       or self._cache.allocate(seq.request_id, seq.num_computed_tokens + 1) for seq in running):
+                if step == 0:
+                    return None
+                break
+            step_ms = self.timing.step_ms(decode_seqs=len(running), decode_context_tokens=context,
+                                          prefill_chunks=[])
+            if step > 0 and (duration_ms + step_ms) / 1000.0 > max_duration_s:
+                break
+            duration_ms += step_ms
+            context += len(running)
+            for seq in running:
+                seq.num_computed_tokens += 1
+                if seq.num_computed_tokens % block_size == 0:
+                    self._cache.commit_full_blocks(seq.request_id, seq.block_hashes, seq.token_ids,
+                                                   seq.num_computed_tokens // block_size)
+                new_token_ids, finish = self._sample(seq)
+                tokens[seq.request_id].extend(new_token_ids)
+                if finish is not None:
+                    finished[seq.request_id] = finish
+            if finished:
+                break
+        outputs = [self._output(seq, tokens[seq.request_id], finished.get(seq.request_id)) for seq in running]
+        for seq in list(running):
+            if seq.request_id in finished:
+                self._finish(seq)
+        return StepResult(duration_s=duration_ms / 1000.0, outputs=outputs, kv_events=self._cache.drain_events())
+
+    def _sample(self, seq: SimSequence) -> tuple[list[int], FinishReason | None]:
         """Choose the next token of a request whose whole context is computed, and check stops."""
         sampling = seq.sampling
         eos = self.model.eos_token_id
         token = next_token(seq.hasher.state, seq.num_tokens, sampling, eos)
         # EOS ends the request but is not emitted: consumers only ever see byte tokens.
         if token == eos and not sampling.ignore_eos:
-            return self._output(seq, [], FinishReason.STOP)
+            return [], FinishReason.STOP
         seq.append_token(token)
         finish: FinishReason | None = None
         if any(seq.ends_with(stop) for stop in sampling.stop):
             finish = FinishReason.STOP
         elif seq.num_completion_tokens >= sampling.max_tokens:
             finish = FinishReason.LENGTH
-        return self._output(seq, [token], finish)
+        return [token], finish
 
     def _finish(self, seq: SimSequence) -> None:
         """Retire a finished request; its full blocks stay cached until evicted."""

@@ -41,6 +41,8 @@ class KVCache:
         self._num_committed: dict[str, int] = {}
         self._num_used = 0
         self._events: list[KVEvent] = []
+        # Bumped whenever the set of findable hashes changes, so a prefix match can be reused.
+        self.version = 0
 
     @property
     def num_total_blocks(self) -> int:
@@ -151,6 +153,7 @@ class KVCache:
                 continue
             table[index].block_hash = block_hash
             self._cached[block_hash] = table[index]
+            self.version += 1
             run.append(block_hash)
         self._emit_stored(run, run_start, block_hashes, token_ids)
         self._num_committed[request_id] = end
@@ -172,6 +175,7 @@ class KVCache:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        self.version += 1
         self._events.append(AllBlocksCleared())
 
     def drain_events(self) -> list[KVEvent]:
@@ -225,6 +229,7 @@ class KVCache:
             _, block = self._lru.popitem(last=False)
             assert block.block_hash is not None
             del self._cached[block.block_hash]
+            self.version += 1
             evicted.append(block.block_hash)
             block.block_hash = None
         block.ref_count = 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from services.common.block_hash import ROOT_PARENT_HASH, hash_block
+from services.node_agent.engines.sim.kv_cache import KVBlock
 from services.node_agent.engines.sim.tokens import ContextHasher
 from services.node_agent.engines.types import EngineRequest, SamplingParams
 
@@ -34,6 +35,8 @@ class SimSequence:
         self.is_prefilling = True
         # Prefix-cache hit on first admission; a preempted request keeps its first value.
         self.num_cached_tokens: int | None = None
+        # The last prefix match while waiting: (cache version, matched blocks).
+        self.prefix_match: tuple[int, list[KVBlock]] | None = None
 
     @property
     def num_tokens(self) -> int:

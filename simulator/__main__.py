@@ -1,0 +1,7 @@
+"""python -m simulator: the same as `baton sim`."""
+
+import sys
+
+from simulator.report import main
+
+sys.exit(main())

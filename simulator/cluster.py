@@ -1,0 +1,291 @@
+"""A Baton cluster in virtual time: the services' own pure cores driven by a discrete-event loop.
+
+Node engines are SimEngineCore (batching, KV cache, timing per GPU generation); placement is the
+scheduler's ClusterView and a Policy with the kvindex's KVIndex; migration after a node failure
+uses the router's Generation and the scheduler's RetryBudget. Nothing here re-implements them:
+this module only moves events between them in time order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from baton.v1 import common_pb2
+from services.common.errors import Unavailable
+from services.kvindex.index import KVIndex
+from services.node_agent.engines.sim.core import SimEngineCore
+from services.node_agent.engines.sim.models import GPU_SPECS, SimModelSpec, get_model, kv_capacity_blocks
+from services.node_agent.engines.sim.timing import load_coefficients
+from services.node_agent.engines.types import EngineRequest, SamplingParams, StepResult
+from services.router.generation import FailureCause, Generation, NodeFailure
+from services.scheduler.cluster import ClusterView, NodeSpec
+from services.scheduler.policies import PlacementRequest, Policy
+from services.scheduler.retry_budget import RetryBudget
+from simulator.workload import KV_BLOCK, SimRequest, TokenBook, Workload
+
+_MAX_MERGED_STEPS = 256
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    node_id: str
+    gpu: str
+    price_per_hour: float
+
+
+def fleet(spec: str) -> list[NodeConfig]:
+    """'4xh100,4xa100,4xl4' -> node configs with catalogue prices."""
+    nodes = []
+    for part in spec.split(","):
+        count, _, gpu = part.strip().partition("x")
+        if gpu not in GPU_SPECS:
+            raise ValueError(f"fleet {spec!r}: unknown GPU {gpu!r}; known: {', '.join(GPU_SPECS)}")
+        for _ in range(int(count)):
+            nodes.append(NodeConfig(f"{gpu}-{len(nodes)}", gpu, GPU_SPECS[gpu].price_per_hour))
+    return nodes
+
+
+@dataclass
+class RequestRecord:
+    """What happened to one request, for the metrics."""
+
+    request: SimRequest
+    arrival_s: float
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    num_generated: int = 0
+    cached_tokens: int = 0
+    num_migrations: int = 0
+    failed: str = ""  # why, when it could not complete
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.finish_s is None or self.first_token_s is None or self.num_generated < 2:
+            return None
+        return (self.finish_s - self.first_token_s) / (self.num_generated - 1)
+
+
+@dataclass
+class _Node:
+    config: NodeConfig
+    core: SimEngineCore
+    is_alive: bool = True
+    is_stepping: bool = False
+    busy_s: float = 0.0
+    # requests on this node now: request id -> generation
+    flights: dict[str, Generation] = field(default_factory=dict)
+
+
+@dataclass
+class RunResult:
+    records: list[RequestRecord]
+    busy_s: dict[str, float]
+    price_per_hour: dict[str, float]
+    makespan_s: float
+    num_steps: int
+
+    @property
+    def gpu_cost(self) -> float:
+        return sum(self.busy_s[n] * self.price_per_hour[n] / 3600.0 for n in self.busy_s)
+
+
+class Simulation:
+    """One run of a workload on a fleet under a policy, with optional node failures."""
+
+    def __init__(self, nodes: list[NodeConfig], policy: Policy, model: str = "sim-llama-3.1-8b",
+                 failures: tuple[tuple[float, str], ...] = (), lease_ttl_s: float = 3.0, max_migrations: int = 3,
+                 suspect_s: float = 5.0,
+                 max_num_batched_tokens: int = 2048) -> None:
+        self._model: SimModelSpec = get_model(model)
+        self._policy = policy
+        self._nodes: dict[str, _Node] = {}
+        for config in nodes:
+            gpu = GPU_SPECS[config.gpu]
+            core = SimEngineCore(self._model, load_coefficients(config.gpu, self._model.perf_model),
+                                 num_kv_blocks=kv_capacity_blocks(gpu.hbm_bytes, self._model),
+                                 max_num_batched_tokens=max_num_batched_tokens)
+            self._nodes[config.node_id] = _Node(config, core)
+        self._view = ClusterView(load_timeout_s=float("inf"))
+        self._view.set_nodes([NodeSpec(c.node_id, c.node_id, c.gpu, c.price_per_hour, frozenset({model}))
+                              for c in nodes])
+        for node in self._nodes.values():
+            self._view.report_load(node.config.node_id, node.core.load(), 0.0)
+        self._index = KVIndex()
+        self._budget = RetryBudget(ratio=0.2, min_retries_per_s=5.0)
+        self._failures = failures
+        self._lease_ttl_s = lease_ttl_s
+        self._max_migrations = max_migrations
+        self._suspect_s = suspect_s
+        self._suspects: dict[str, float] = {}
+        self._book = TokenBook()
+        # Two queues: what can bring new work to a node (arrivals, failures), and step completions.
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._step_events: list[tuple[float, int, Callable[[], None]]] = []
+        self._min_think_s = math.inf
+        self._order = itertools.count()
+        self._now = 0.0
+        self._records: dict[str, RequestRecord] = {}
+        self._num_steps = 0
+
+    # -- the event loop ------------------------------------------------------------------------
+
+    def _at(self, when: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (when, next(self._order), action))
+
+    def _horizon_s(self) -> float:
+        """How long from now until anything could add a request to some node's batch."""
+        horizon = self._events[0][0] if self._events else math.inf
+        if self._step_events and self._min_think_s < math.inf:
+            # A step finishing elsewhere may send a task's next step after its think time.
+            horizon = min(horizon, self._step_events[0][0] + self._min_think_s)
+        return horizon - self._now
+
+    def run(self, workload: Workload) -> RunResult:
+        for steps in workload.tasks.values():
+            first = steps[0]
+            self._at(first.arrival_s, lambda r=first: self._arrive(r))
+        self._next_step_of = {r.request_id: nxt for steps in workload.tasks.values()
+                              for r, nxt in zip(steps, steps[1:], strict=False)}
+        for when, node_id in self._failures:
+            self._at(when, lambda n=node_id: self._kill(n))
+        self._min_think_s = min((r.think_s for r in workload.requests if r.think_s is not None), default=math.inf)
+        while self._events or self._step_events:
+            if self._step_events and (not self._events or self._step_events[0] < self._events[0]):
+                self._now, _, action = heapq.heappop(self._step_events)
+            else:
+                self._now, _, action = heapq.heappop(self._events)
+            action()
+        return RunResult(
+            records=list(self._records.values()),
+            busy_s={n: node.busy_s for n, node in self._nodes.items()},
+            price_per_hour={n: node.config.price_per_hour for n, node in self._nodes.items()},
+            makespan_s=self._now,
+            num_steps=self._num_steps,
+        )
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def _arrive(self, request: SimRequest) -> None:
+        record = self._records[request.request_id] = RequestRecord(request, self._now)
+        tokens = self._book.tokens(request)
+        generation = Generation(request_id=request.request_id, model=self._model.name, prompt_token_ids=tokens,
+                                sampling=common_pb2.SamplingParams(max_tokens=request.output_len, ignore_eos=True))
+        self._budget.record_request(self._now)
+        self._place(generation, record, self._book.block_hashes(request, tokens))
+        # Open loop: a task's next step arrives at its own time, whatever happened to this one.
+        following = self._next_step_of.get(request.request_id)
+        if following is not None and following.think_s is None:
+            self._at(max(self._now, following.arrival_s), lambda r=following: self._arrive(r))
+
+    def _place(self, generation: Generation, record: RequestRecord, block_hashes: tuple[int, ...]) -> None:
+        # As the router does: skip the nodes that failed this request, and any that failed lately.
+        self._suspects = {n: until for n, until in self._suspects.items() if until > self._now}
+        exclude = frozenset(generation.excluded_nodes()) | frozenset(self._suspects)
+        candidates = self._view.candidates(self._model.name, self._now, exclude)
+        needed = -(-(len(generation.context) + generation.num_remaining) // KV_BLOCK)
+        feasible = [s for s in candidates if needed <= s.load.kv_blocks_total]
+        if not feasible:
+            self._fail(record, "no node can hold it" if candidates else "no live node")
+            return
+        matched = self._index.overlap(self._model.name, block_hashes)
+        placement = PlacementRequest(request_id=generation.request_id, model=self._model.name,
+                                     num_prompt_tokens=len(generation.context), num_prompt_blocks=len(block_hashes),
+                                     max_tokens=generation.num_remaining, block_hashes=block_hashes)
+        chosen = self._policy.choose(placement, feasible, matched, self._now)
+        self._view.record_placement(chosen.node_id, len(block_hashes))
+        node = self._nodes[chosen.node_id]
+        if not node.is_alive:  # placed on a dead node the fleet view still lists: the stream breaks at once
+            self._migrate(generation, record, NodeFailure(chosen.node_id, FailureCause.CONNECT_FAILED))
+            return
+        node.flights[generation.request_id] = generation
+        node.core.add_request(EngineRequest(
+            request_id=generation.request_id, prompt_token_ids=tuple(generation.context),
+            sampling=SamplingParams(max_tokens=generation.num_remaining, ignore_eos=True),
+            num_resumed_tokens=len(generation.generated), prompt_block_hashes=block_hashes))
+        self._kick(node)
+
+    def _fail(self, record: RequestRecord, why: str) -> None:
+        record.failed = why
+        record.finish_s = None
+
+    # -- nodes ---------------------------------------------------------------------------------
+
+    def _kick(self, node: _Node) -> None:
+        """Start the node's next step if it is idle and has work."""
+        if node.is_stepping or not node.is_alive or not node.core.has_unfinished_requests():
+            return
+        # Until the next event nothing can join this node's batch, so a decode-only batch may run
+        # that many steps in one call (the core merges exactly the steps it would run one by one).
+        result = node.core.step(max_decode_steps=_MAX_MERGED_STEPS, max_duration_s=self._horizon_s())
+        self._num_steps += 1
+        node.is_stepping = True
+        node.busy_s += result.duration_s
+        heapq.heappush(self._step_events, (self._now + result.duration_s, next(self._order),
+                                           lambda: self._step_done(node, result)))
+
+    def _step_done(self, node: _Node, result: StepResult) -> None:
+        node.is_stepping = False
+        if not node.is_alive:
+            return
+        node_id = node.config.node_id
+        for event in result.kv_events:
+            self._index.apply(node_id, self._model.name, event)
+        for output in result.outputs:
+            generation = node.flights.get(output.request_id)
+            if generation is None:
+                continue
+            record = self._records[output.request_id]
+            if output.new_token_ids and record.first_token_s is None:
+                record.first_token_s = self._now
+                record.cached_tokens = output.num_cached_tokens
+            generation.generated.extend(output.new_token_ids)
+            record.num_generated = len(generation.generated)
+            if output.finish_reason is not None:
+                del node.flights[output.request_id]
+                record.finish_s = self._now
+                self._follow_up(record.request)
+        self._view.report_load(node_id, node.core.load(), self._now)
+        self._kick(node)
+
+    def _follow_up(self, request: SimRequest) -> None:
+        """Closed loop: the task's next step leaves think_s after this one finished."""
+        following = self._next_step_of.get(request.request_id)
+        if following is not None and following.think_s is not None:
+            self._at(self._now + following.think_s, lambda: self._arrive(following))
+
+    # -- failures ------------------------------------------------------------------------------
+
+    def _kill(self, node_id: str) -> None:
+        node = self._nodes[node_id]
+        node.is_alive = False
+        flights, node.flights = node.flights, {}
+        for generation in flights.values():
+            self._migrate(generation, self._records[generation.request_id],
+                          NodeFailure(node_id, FailureCause.STREAM_BROKEN))
+        # Its lease ends later: until then the fleet view lists it (and the index its blocks).
+        self._at(self._now + self._lease_ttl_s, lambda: self._lease_end(node_id))
+
+    def _lease_end(self, node_id: str) -> None:
+        self._view.set_nodes([s.spec for s in self._view.nodes() if s.spec.node_id != node_id])
+        self._index.remove_node(node_id)
+
+    def _migrate(self, generation: Generation, record: RequestRecord, failure: NodeFailure) -> None:
+        self._suspects[failure.node_id] = self._now + self._suspect_s
+        try:
+            generation.record_failure(failure, self._max_migrations)
+        except Unavailable as error:
+            self._fail(record, str(error))
+            return
+        record.num_migrations = generation.num_migrations
+        if not self._budget.try_retry(self._now):
+            self._fail(record, "retry budget exhausted")
+            return
+        self._place(generation, record, tuple(generation.context_block_hashes()))

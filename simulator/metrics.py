@@ -1,0 +1,88 @@
+"""What a run achieved: latency percentiles, SLO attainment, goodput, cache hits, cost per successful task."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from simulator.cluster import RequestRecord, RunResult
+from simulator.workload import Workload
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Per request: time to first token and time per output token (Dynamo's goodput definition)."""
+
+    ttft_s: float = 5.0
+    tpot_s: float = 0.1
+
+    def is_met(self, record: RequestRecord) -> bool:
+        if record.finish_s is None or record.ttft_s is None:
+            return False
+        tpot = record.tpot_s
+        return record.ttft_s <= self.ttft_s and (tpot is None or tpot <= self.tpot_s)
+
+
+@dataclass(frozen=True)
+class Summary:
+    num_requests: int
+    num_completed: int
+    ttft_p50: float
+    ttft_p90: float
+    ttft_p99: float
+    tpot_p50: float
+    tpot_p99: float
+    slo_attainment: float
+    goodput_rps: float
+    kv_hit_rate: float
+    gpu_hours: float
+    gpu_cost: float
+    num_tasks: int
+    num_tasks_ok: int
+    # The cost of all GPU time spent, failed work included, per task whose every step met its SLO.
+    cost_per_successful_task: float
+    num_migrations: int
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summarize(result: RunResult, workload: Workload, slo: Slo) -> Summary:
+    records = {r.request.request_id: r for r in result.records}
+    done = [r for r in result.records if r.finish_s is not None]
+    ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
+    tpots = [t for r in done if (t := r.tpot_s) is not None]
+    met = [r for r in result.records if slo.is_met(r)]
+    prompt_tokens = sum(r.request.prompt_len for r in done)
+    tasks_ok = sum(
+        1 for steps in workload.tasks.values()
+        if all(s.request_id in records and slo.is_met(records[s.request_id]) for s in steps)
+    )
+    gpu_cost = result.gpu_cost
+    return Summary(
+        num_requests=len(result.records),
+        num_completed=len(done),
+        ttft_p50=_pct(ttfts, 0.5),
+        ttft_p90=_pct(ttfts, 0.9),
+        ttft_p99=_pct(ttfts, 0.99),
+        tpot_p50=_pct(tpots, 0.5),
+        tpot_p99=_pct(tpots, 0.99),
+        slo_attainment=len(met) / len(result.records) if result.records else 0.0,
+        goodput_rps=len(met) / result.makespan_s if result.makespan_s else 0.0,
+        kv_hit_rate=sum(r.cached_tokens for r in done) / prompt_tokens if prompt_tokens else 0.0,
+        gpu_hours=sum(result.busy_s.values()) / 3600.0,
+        gpu_cost=gpu_cost,
+        num_tasks=len(workload.tasks),
+        num_tasks_ok=tasks_ok,
+        cost_per_successful_task=gpu_cost / tasks_ok if tasks_ok else float("inf"),
+        num_migrations=sum(r.num_migrations for r in result.records),
+    )
+
+
+def ttft_values(result: RunResult) -> list[float]:
+    return sorted(r.ttft_s for r in result.records if r.ttft_s is not None)
+
+

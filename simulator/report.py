@@ -1,0 +1,149 @@
+"""`baton sim`: replay a workload on a fleet under every policy and load level; write a table and plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+
+from services.scheduler.policies import POLICIES, make_policy
+from simulator.cluster import Simulation, fleet
+from simulator.metrics import Slo, summarize, ttft_values
+from simulator.workload import Workload, agentic_workflows, load_azure, load_mooncake
+
+TRACES = {
+    "mooncake-conversation": "conversation_trace.jsonl",
+    "mooncake-synthetic": "synthetic_trace.jsonl",
+    "azure-conv": "AzureLLMInferenceTrace_conv.csv",
+    "azure-code": "AzureLLMInferenceTrace_code.csv",
+}
+
+
+def build_workload(args: argparse.Namespace, load: float) -> Workload:
+    """The workload at a load level: trace arrivals sped up by `load` (a closed-loop agent rate scaled)."""
+    if args.workload == "agentic":
+        return agentic_workflows(num_tasks=args.limit or 200, steps=5, system_len=2048, step_len=512,
+                                 output_len=256, think_s=2.0, rate_per_s=load)
+    path = Path(args.traces) / TRACES[args.workload]
+    loader = load_mooncake if args.workload.startswith("mooncake") else load_azure
+    return loader(path, speedup=load, prompt_scale=args.prompt_scale, limit=args.limit)
+
+
+def run_one(job: tuple[argparse.Namespace, str, float]) -> tuple[str, float, dict, list[float], float]:
+    """One (policy, load) run in its own process: its summary, its TTFTs, and its wall time."""
+    args, policy, load = job
+    workload = build_workload(args, load)
+    failures = tuple((float(at), node) for at, node in (k.split(":") for k in args.kill)) if args.kill else ()
+    started = time.perf_counter()
+    result = Simulation(fleet(args.fleet), make_policy(policy), model=args.model, failures=failures).run(workload)
+    wall_s = time.perf_counter() - started
+    summary = summarize(result, workload, Slo(args.ttft_slo, args.tpot_slo))
+    return policy, load, asdict(summary), ttft_values(result), wall_s
+
+
+def table(rows: list[tuple[str, float, dict]]) -> str:
+    header = ("| load | policy | TTFT p50 / p90 / p99 (s) | TPOT p50 / p99 (ms) | SLO attainment | goodput (req/s) "
+              "| KV hit rate | GPU-hours | tasks ok | cost per successful task ($) |")
+    lines = [header, "|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for policy, load, s in rows:
+        lines.append(
+            f"| {load:g}x | {policy} | {s['ttft_p50']:.2f} / {s['ttft_p90']:.2f} / {s['ttft_p99']:.2f} "
+            f"| {s['tpot_p50'] * 1000:.0f} / {s['tpot_p99'] * 1000:.0f} | {s['slo_attainment']:.1%} "
+            f"| {s['goodput_rps']:.2f} | {s['kv_hit_rate']:.1%} | {s['gpu_hours']:.2f} "
+            f"| {s['num_tasks_ok']}/{s['num_tasks']} | {s['cost_per_successful_task']:.4f} |")
+    return "\n".join(lines)
+
+
+def plot(out: Path, rows: list[tuple[str, float, dict]], ttfts: dict[tuple[str, float], list[float]]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    policies = sorted({p for p, _, _ in rows})
+    loads = sorted({load for _, load, _ in rows})
+    for load in loads:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for policy in policies:
+            values = ttfts.get((policy, load), [])
+            if values:
+                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=policy)
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (s)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"TTFT CDF at {load:g}x load")
+        ax.legend()
+        path = out / f"ttft_cdf_{load:g}x.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    for key, label, name in (("slo_attainment", "SLO attainment", "slo_vs_load.png"),
+                             ("cost_per_successful_task", "cost per successful task ($)", "cost_vs_load.png")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for policy in policies:
+            points = sorted((load, s[key]) for p, load, s in rows if p == policy)
+            ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=policy)
+        ax.set_xlabel("load (trace speed-up)")
+        ax.set_ylabel(label)
+        ax.legend()
+        path = out / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="baton sim", description=__doc__)
+    parser.add_argument("--workload", choices=[*TRACES, "agentic"], default="mooncake-conversation")
+    parser.add_argument("--traces", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces"),
+                        help="folder of the traces (../shared/traces)")
+    parser.add_argument("--fleet", default="4xh100,4xa100,4xl4", help="e.g. 16xh100 or 4xh100,4xa100,4xl4")
+    parser.add_argument("--model", default="sim-llama-3.1-8b")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated; default: all")
+    parser.add_argument("--loads", default="1", help="comma-separated trace speed-ups, e.g. 0.5,1,2")
+    parser.add_argument("--prompt-scale", type=float, default=1.0, help="multiply every prompt length")
+    parser.add_argument("--limit", type=int, default=None, help="first N requests (or N agent tasks)")
+    parser.add_argument("--ttft-slo", type=float, default=5.0, help="seconds")
+    parser.add_argument("--tpot-slo", type=float, default=0.1, help="seconds per output token")
+    parser.add_argument("--kill", action="append", default=[], help="AT_S:NODE_ID, e.g. 600:h100-0 (repeatable)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs in parallel")
+    parser.add_argument("--out", default="results/sim", help="folder for table.md, results.json and plots")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for policy in policies:
+        make_policy(policy)  # a bad name fails here, not in a worker
+    loads = [float(x) for x in args.loads.split(",")]
+    jobs = [(args, policy, load) for load in loads for policy in policies]
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        outcomes = list(pool.map(run_one, jobs))
+    rows = [(policy, load, summary) for policy, load, summary, _, _ in outcomes]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = table(rows)
+    walls = ", ".join(f"{p}@{load:g}x {wall:.0f}s" for p, load, _, _, wall in outcomes)
+    (out / "table.md").write_text(text + "\n")
+    (out / "results.json").write_text(json.dumps(
+        {"args": {k: v for k, v in vars(args).items()}, "runs": [
+            {"policy": p, "load": load, "summary": s, "wall_s": w} for p, load, s, _, w in outcomes]}, indent=1))
+    plots = plot(out, rows, {(p, load): t for p, load, _, t, _ in outcomes})
+    print(text)
+    print(f"wall time per run: {walls}")
+    print(f"wrote {out / 'table.md'}, {out / 'results.json'} and {len(plots)} plots")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
