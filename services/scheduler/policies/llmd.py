@@ -44,6 +44,6 @@ class LlmdPolicy:
     ) -> Decision:
         scores = self.scores(request, candidates, now)
         # Highest score; ties go to the earlier candidate (node-id order).
-        chosen = max(reversed(candidates), key=lambda s: scores[s.spec.node_id])
+        chosen = max(candidates, key=lambda s: scores[s.spec.node_id])
         self._prefixes.record(chosen.spec.node_id, request.block_hashes, now)
         return decision(chosen, matched_blocks, scores[chosen.spec.node_id])

@@ -1,0 +1,163 @@
+"""The simulator: prompts built from trace blocks, trace loading and sessions, placement with a real
+prefix cache, migration after a node failure, closed-loop tasks, and the summary's SLO accounting."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from services.common.block_hash import block_hashes
+from services.scheduler.policies import make_policy
+from simulator.cluster import RunResult, Simulation, fleet
+from simulator.metrics import Slo, summarize
+from simulator.workload import SimRequest, TokenBook, Workload, agentic_workflows, load_mooncake
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def _request(hash_ids: tuple[int, ...], prompt_len: int, request_id: str = "r0", arrival_s: float = 0.0,
+             output_len: int = 32) -> SimRequest:
+    return SimRequest(request_id, arrival_s, hash_ids, prompt_len, output_len, task_id=f"t-{request_id}")
+
+
+# -- TokenBook --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("prompt_len", "num_keys"), [(1536, 96), (1300, 64 + 17), (10, 0)],
+                         ids=["three-trace-blocks", "partial-trace-block", "under-one-kv-block"])
+def test_block_hashes_equal_hashing_the_prompt_tokens(prompt_len: int, num_keys: int) -> None:
+    request = _request((11, 12, 13), prompt_len)
+    book = TokenBook()
+    tokens = book.tokens(request)
+    assert len(tokens) == prompt_len
+    expected = tuple(block_hashes(tokens))
+    assert len(expected) == num_keys
+    assert book.block_hashes(request) == expected
+    # Memoised chains and tokens passed in give the same keys.
+    assert book.block_hashes(request, tokens) == expected
+
+
+def test_shared_hash_ids_share_exactly_their_blocks() -> None:
+    book = TokenBook()
+    first = book.block_hashes(_request((1, 2, 3), 1536))
+    second = book.block_hashes(_request((1, 2, 9), 1536))
+    assert first[:64] == second[:64]
+    assert all(a != b for a, b in zip(first[64:], second[64:], strict=True))
+    # The same hash id after a different parent is a different chain (the memo is keyed by parent).
+    moved = book.block_hashes(_request((5, 2, 3), 1536))
+    assert not set(moved) & set(first)
+    assert moved == tuple(block_hashes(TokenBook().tokens(_request((5, 2, 3), 1536))))
+
+
+# -- load_mooncake ----------------------------------------------------------------------------------
+
+
+def _write_trace(path: Path) -> Path:
+    rows = [
+        {"timestamp": 1000, "input_length": 1024, "output_length": 10, "hash_ids": [1, 2]},
+        {"timestamp": 1500, "input_length": 1536, "output_length": 20, "hash_ids": [1, 2, 3]},  # extends r0
+        {"timestamp": 3000, "input_length": 1536, "output_length": 30, "hash_ids": [1, 5, 6]},  # shares only 1
+        {"timestamp": 4000, "input_length": 600, "output_length": 0, "hash_ids": [7, 8]},
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_mooncake_sessions_arrivals_and_lengths(tmp_path: Path) -> None:
+    workload = load_mooncake(_write_trace(tmp_path / "trace.jsonl"), speedup=2.0)
+    r0, r1, r2, r3 = workload.requests
+    assert [r.arrival_s for r in workload.requests] == [0.0, 0.25, 1.0, 1.5]
+    assert [r.prompt_len for r in workload.requests] == [1024, 1536, 1536, 600]
+    assert [r.output_len for r in workload.requests] == [10, 20, 30, 1]
+    assert r1.hash_ids == (1, 2, 3)
+    # r1 extends r0's two full blocks: the same task, its second of two steps.
+    assert (r1.task_id, r1.step, r1.total_steps) == (r0.task_id, 2, 2)
+    assert (r0.step, r0.total_steps) == (1, 2)
+    # r2 shares only the opening block: a task of its own.
+    assert len({r0.task_id, r2.task_id, r3.task_id}) == 3
+    assert (r2.step, r2.total_steps, r3.step, r3.total_steps) == (1, 1, 1, 1)
+    assert workload.tasks[r0.task_id] == [r0, r1]
+    assert len(workload.tasks) == 3
+
+
+def test_mooncake_prompt_scale_scales_input_lengths(tmp_path: Path) -> None:
+    trace = _write_trace(tmp_path / "trace.jsonl")
+    assert [r.prompt_len for r in load_mooncake(trace, prompt_scale=0.5).requests] == [512, 768, 768, 300]
+    # Never longer than the hash ids describe.
+    assert [r.prompt_len for r in load_mooncake(trace, prompt_scale=2.0).requests] == [1024, 1536, 1536, 1024]
+    assert [r.arrival_s for r in load_mooncake(trace, limit=2).requests] == [0.0, 0.5]
+
+
+# -- Simulation -------------------------------------------------------------------------------------
+
+
+def _repeat_prompt(policy: str) -> list:
+    first = _request((1, 2, 3, 4), 2048, "r0", 0.0)
+    second = SimRequest("r1", 10.0, (1, 2, 3, 4), 2048, 32, task_id="t-r1")
+    result = Simulation(fleet("2xh100"), make_policy(policy)).run(Workload("repeat", [first, second]))
+    records = {r.request.request_id: r for r in result.records}
+    assert all(r.finish_s is not None and r.num_generated == 32 and not r.failed for r in records.values())
+    return [records["r0"].cached_tokens, records["r1"].cached_tokens]
+
+
+def test_kv_aware_policy_sends_a_repeated_prompt_to_its_cache() -> None:
+    first, second = _repeat_prompt("dynamo")
+    assert first == 0
+    assert second >= 2048 - 16
+
+
+def test_round_robin_sends_a_repeated_prompt_to_a_cold_node() -> None:
+    assert _repeat_prompt("round_robin") == [0, 0]
+
+
+def test_request_on_a_failed_node_completes_elsewhere() -> None:
+    migrations = []
+    for node_id in ("h100-0", "h100-1"):
+        workload = Workload("long", [_request((1, 2), 1024, output_len=2000)])
+        result = Simulation(fleet("2xh100"), make_policy("dynamo"), failures=((1.0, node_id),)).run(workload)
+        [record] = result.records
+        assert (record.failed, record.num_generated) == ("", 2000)
+        assert record.finish_s is not None
+        migrations.append(record.num_migrations)
+    # Exactly one of the two kills hit the node it ran on.
+    assert sorted(migrations) == [0, 1]
+
+
+def _agentic_run() -> tuple[Workload, RunResult]:
+    workload = agentic_workflows(num_tasks=2, steps=3, system_len=1024, step_len=256, output_len=16,
+                                 think_s=5.0, rate_per_s=1.0)
+    return workload, Simulation(fleet("1xh100"), make_policy("dynamo")).run(workload)
+
+
+def test_closed_loop_step_leaves_think_time_after_the_previous_finished() -> None:
+    workload, result = _agentic_run()
+    records = {r.request.request_id: r for r in result.records}
+    assert len(records) == 6
+    for steps in workload.tasks.values():
+        assert [s.step for s in steps] == [1, 2, 3]
+        for previous, step in zip(steps, steps[1:], strict=False):
+            done, sent = records[previous.request_id], records[step.request_id]
+            assert done.finish_s is not None and sent.finish_s is not None
+            assert sent.arrival_s - done.finish_s >= 5.0 - 1e-9
+
+
+# -- summarize --------------------------------------------------------------------------------------
+
+
+def test_summary_with_a_huge_slo_counts_every_task() -> None:
+    workload, result = _agentic_run()
+    summary = summarize(result, workload, Slo(ttft_s=1e9, tpot_s=1e9))
+    assert (summary.num_requests, summary.num_completed, summary.slo_attainment) == (6, 6, 1.0)
+    assert (summary.num_tasks, summary.num_tasks_ok) == (2, 2)
+    assert summary.gpu_cost > 0
+    assert summary.cost_per_successful_task == pytest.approx(summary.gpu_cost / summary.num_tasks)
+
+
+def test_summary_with_zero_ttft_slo_has_no_successful_task() -> None:
+    workload, result = _agentic_run()
+    summary = summarize(result, workload, Slo(ttft_s=0.0))
+    assert (summary.slo_attainment, summary.num_tasks_ok, summary.goodput_rps) == (0.0, 0, 0.0)
+    assert math.isinf(summary.cost_per_successful_task)
