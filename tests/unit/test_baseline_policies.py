@@ -151,7 +151,6 @@ def test_llmd_long_queue_loses_to_idle_node_when_prefixes_are_equal() -> None:
     assert _choose(policy, [_status("a", num_waiting=40), _status("b")]) == "b"
 
 
-@pytest.mark.xfail(strict=True, reason="llmd.py choose: max(reversed(candidates)) gives ties to the LAST candidate")
 def test_llmd_ties_go_to_the_first_candidate() -> None:
     assert _choose(LlmdPolicy(), [_status("a"), _status("b")]) == "a"
     assert _choose(LlmdPolicy(), [_status("b"), _status("a")]) == "b"
