@@ -102,7 +102,7 @@ class Simulation:
 
     def __init__(self, nodes: list[NodeConfig], policy: Policy, model: str = "sim-llama-3.1-8b",
                  failures: tuple[tuple[float, str], ...] = (), lease_ttl_s: float = 3.0, max_migrations: int = 3,
-                 suspect_s: float = 5.0,
+                 suspect_s: float = 5.0, ttft_budget_ms: int = 0,
                  max_num_batched_tokens: int = 2048) -> None:
         self._model: SimModelSpec = get_model(model)
         self._policy = policy
@@ -124,6 +124,7 @@ class Simulation:
         self._lease_ttl_s = lease_ttl_s
         self._max_migrations = max_migrations
         self._suspect_s = suspect_s
+        self._ttft_budget_ms = ttft_budget_ms
         self._suspects: dict[str, float] = {}
         self._book = TokenBook()
         # Two queues: what can bring new work to a node (arrivals, failures), and step completions.
@@ -196,9 +197,12 @@ class Simulation:
             self._fail(record, "no node can hold it" if candidates else "no live node")
             return
         matched = self._index.overlap(self._model.name, block_hashes)
+        request = record.request
         placement = PlacementRequest(request_id=generation.request_id, model=self._model.name,
                                      num_prompt_tokens=len(generation.context), num_prompt_blocks=len(block_hashes),
-                                     max_tokens=generation.num_remaining, block_hashes=block_hashes)
+                                     max_tokens=generation.num_remaining, block_hashes=block_hashes,
+                                     ttft_budget_ms=self._ttft_budget_ms, workflow_id=request.task_id,
+                                     step=request.step, total_steps=request.total_steps)
         chosen = self._policy.choose(placement, feasible, matched, self._now)
         self._view.record_placement(chosen.node_id, len(block_hashes))
         node = self._nodes[chosen.node_id]

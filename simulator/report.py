@@ -40,7 +40,8 @@ def run_one(job: tuple[argparse.Namespace, str, float]) -> tuple[str, float, dic
     workload = build_workload(args, load)
     failures = tuple((float(at), node) for at, node in (k.split(":") for k in args.kill)) if args.kill else ()
     started = time.perf_counter()
-    result = Simulation(fleet(args.fleet), make_policy(policy), model=args.model, failures=failures).run(workload)
+    result = Simulation(fleet(args.fleet), make_policy(policy), model=args.model, failures=failures,
+                        ttft_budget_ms=int(args.ttft_slo * 1000)).run(workload)
     wall_s = time.perf_counter() - started
     summary = summarize(result, workload, Slo(args.ttft_slo, args.tpot_slo))
     return policy, load, asdict(summary), ttft_values(result), wall_s

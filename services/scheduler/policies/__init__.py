@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from services.scheduler.policies.base import Decision, PlacementRequest, Policy
+from services.scheduler.policies.baton import BatonPolicy
 from services.scheduler.policies.kv_load import KvLoadPolicy
 from services.scheduler.policies.llmd import LlmdPolicy
 from services.scheduler.policies.sglang import SglangPolicy
@@ -14,6 +15,7 @@ POLICIES = {
     "dynamo": KvLoadPolicy,
     "llm_d": LlmdPolicy,
     "sglang": SglangPolicy,
+    "baton": BatonPolicy,
 }
 
 __all__ = ["POLICIES", "Decision", "PlacementRequest", "Policy", "make_policy"]

@@ -17,6 +17,15 @@ class PlacementRequest:
     max_tokens: int
     # Chained keys of the prompt's full blocks (for policies that keep their own prefix index).
     block_hashes: tuple[int, ...] = field(default=(), repr=False)
+    # Latency budget (0: none): time to first token and end-to-end, in ms from arrival.
+    ttft_budget_ms: int = 0
+    deadline_ms: int = 0
+    tenant: str = ""
+    priority: int = 0
+    # Workflow context: this is step `step` of `total_steps` of workflow `workflow_id`.
+    workflow_id: str = ""
+    step: int = 0
+    total_steps: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,132 @@
+"""Baton's placement: the node that minimises the expected cost per successful task. Pure.
+
+For every candidate it predicts, from that node's GPU generation (the engine's own timing model),
+its load and what it caches of the prompt:
+
+- TTFT: the prefill queued ahead of the request plus its own uncached prefill, chunked as the
+  engine chunks it, with the running batch's decode steps interleaved;
+- TPOT: a decode step of the node's batch with this request in it;
+- the GPU cost of serving the request there: its prefill time plus its share of the decode steps,
+  at the node's price;
+- the chance of meeting the request's budget (TTFT budget and deadline): a smooth function of the
+  predicted slack, so a prediction error of a quarter of the budget is not fatal.
+
+The score is (cost + (1 − p) · spent) / p: the cost of this step per success, plus — weighted by
+the chance of failing — what the workflow has already spent and would lose. A fresh request with
+slack goes to the cheapest node that meets its budget; a tight budget pays for a fast GPU; a late
+step of an expensive workflow buys certainty. Nodes without KV room for the request are avoided.
+Every decision keeps its per-axis terms (`explain`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from services.node_agent.engines.sim.models import SIM_MODELS
+from services.node_agent.engines.sim.timing import TimingModel, load_coefficients
+from services.scheduler.cluster import NodeStatus
+from services.scheduler.policies.base import Decision, PlacementRequest, decision
+from services.scheduler.policies.kv_load import KvLoadPolicy
+
+BLOCK = 16
+CHUNK = 2048  # the engine's per-step token budget
+# Budgets a request without its own is held to: Dynamo's goodput definition (TTFT 5 s, ITL 100 ms).
+DEFAULT_TTFT_BUDGET_MS = 5000.0
+DEFAULT_TPOT_BUDGET_MS = 100.0
+# Spread of the success curve, as a fraction of the budget.
+SLACK_SPREAD = 0.25
+MIN_SUCCESS = 1e-3
+
+
+@dataclass(frozen=True)
+class Terms:
+    """Why a node scored what it did."""
+
+    node_id: str
+    gpu: str
+    cached_tokens: int
+    ttft_ms: float
+    tpot_ms: float
+    cost: float
+    success: float
+    workflow_spent: float
+    has_kv_room: bool
+    score: float
+
+
+def _success(budget_ms: float, predicted_ms: float) -> float:
+    if budget_ms <= 0:
+        return 1.0
+    slack = (budget_ms - predicted_ms) / (SLACK_SPREAD * budget_ms)
+    return 1.0 / (1.0 + math.exp(-4.0 * slack))
+
+
+class BatonPolicy:
+    name = "baton"
+
+    def __init__(self, default_ttft_budget_ms: float = DEFAULT_TTFT_BUDGET_MS,
+                 default_tpot_budget_ms: float = DEFAULT_TPOT_BUDGET_MS) -> None:
+        self._default_ttft_budget_ms = default_ttft_budget_ms
+        self._default_tpot_budget_ms = default_tpot_budget_ms
+        self._timings: dict[tuple[str, str], TimingModel | None] = {}
+        # GPU cost each workflow has spent so far (as placed), by workflow id.
+        self.workflow_spent: dict[str, float] = {}
+        self.last_terms: list[Terms] = []
+        self._fallback = KvLoadPolicy()
+
+    def _timing(self, gpu: str, model: str) -> TimingModel | None:
+        key = (gpu, model)
+        if key not in self._timings:
+            spec = SIM_MODELS.get(model)
+            try:
+                self._timings[key] = load_coefficients(gpu, spec.perf_model) if spec else None
+            except KeyError:
+                self._timings[key] = None
+        return self._timings[key]
+
+    def terms(self, request: PlacementRequest, status: NodeStatus, matched_blocks: int) -> Terms | None:
+        """The per-axis prediction for one node; None when its GPU has no timing model."""
+        timing = self._timing(status.spec.gpu, request.model)
+        if timing is None:
+            return None
+        load = status.load
+        cached = min(matched_blocks * BLOCK, max(0, request.num_prompt_tokens - 1))
+        own = request.num_prompt_tokens - cached
+        ahead = load.pending_prefill_tokens + status.placed_prefill_blocks * BLOCK
+        batch = load.num_running + load.num_waiting + status.placed_requests
+        context = load.active_decode_blocks * BLOCK
+        decode_ms = timing.decode_step_ms(batch, context) if batch else 0.0
+        tokens = ahead + own
+        steps = math.ceil(tokens / CHUNK)
+        chunk = min(tokens, CHUNK)
+        prefill_ms = timing.b_ms_per_tok * tokens + timing.c_ms_per_tok2 * chunk * tokens
+        ttft_ms = max(timing.prefill_floor_ms, timing.a_ms + prefill_ms + steps * decode_ms)
+        tpot_ms = timing.decode_step_ms(batch + 1, context + request.num_prompt_tokens)
+        own_prefill_ms = timing.b_ms_per_tok * own + timing.c_ms_per_tok2 * min(own, CHUNK) * own
+        gpu_ms = own_prefill_ms + request.max_tokens * tpot_ms / (batch + 1)
+        cost = gpu_ms / 3_600_000.0 * status.spec.price_per_hour
+        ttft_budget = request.ttft_budget_ms or self._default_ttft_budget_ms
+        success = _success(ttft_budget, ttft_ms) * _success(self._default_tpot_budget_ms, tpot_ms)
+        if request.deadline_ms:
+            success *= _success(request.deadline_ms, ttft_ms + request.max_tokens * tpot_ms)
+        needed = math.ceil((request.num_prompt_tokens + request.max_tokens) / BLOCK) - matched_blocks
+        free = load.kv_blocks_total - load.kv_blocks_used - status.placed_prefill_blocks
+        spent = self.workflow_spent.get(request.workflow_id, 0.0) if request.workflow_id else 0.0
+        p = max(success, MIN_SUCCESS)
+        return Terms(status.spec.node_id, status.spec.gpu, cached, ttft_ms, tpot_ms, cost, success, spent,
+                     needed <= free, (cost + (1.0 - p) * spent) / p)
+
+    def choose(
+        self, request: PlacementRequest, candidates: list[NodeStatus], matched_blocks: dict[str, int], now: float
+    ) -> Decision:
+        scored = [(t, s) for s in candidates
+                  if (t := self.terms(request, s, matched_blocks.get(s.spec.node_id, 0))) is not None]
+        if not scored:  # no timing model for these GPUs or this model: place by KV overlap and load
+            return self._fallback.choose(request, candidates, matched_blocks, now)
+        roomy = [(t, s) for t, s in scored if t.has_kv_room] or scored
+        best_terms, best = min(roomy, key=lambda pair: (pair[0].score, pair[0].ttft_ms, pair[1].spec.node_id))
+        self.last_terms = [t for t, _ in scored]
+        if request.workflow_id:
+            self.workflow_spent[request.workflow_id] = best_terms.workflow_spent + best_terms.cost
+        return decision(best, matched_blocks, best_terms.score)

@@ -1,0 +1,82 @@
+"""Each axis of Baton's placement moves the decision the way it should."""
+
+from __future__ import annotations
+
+from services.common.load import Load
+from services.scheduler.cluster import NodeSpec, NodeStatus
+from services.scheduler.policies import PlacementRequest
+from services.scheduler.policies.baton import BatonPolicy
+
+MODEL = "sim-llama-3.1-8b"
+PRICE = {"h100": 4.25, "a100": 2.21, "l4": 0.80}
+
+
+def node(node_id: str, gpu: str, **load: int) -> NodeStatus:
+    fields = {"kv_blocks_total": 25_000, **load}
+    return NodeStatus(spec=NodeSpec(node_id, node_id, gpu, PRICE[gpu], frozenset({MODEL})), load=Load(**fields))
+
+
+def request(prompt: int, max_tokens: int = 64, ttft_budget_ms: int = 0, workflow: str = "") -> PlacementRequest:
+    return PlacementRequest(request_id="r", model=MODEL, num_prompt_tokens=prompt, num_prompt_blocks=prompt // 16,
+                            max_tokens=max_tokens, ttft_budget_ms=ttft_budget_ms, workflow_id=workflow)
+
+
+def chosen(policy: BatonPolicy, req: PlacementRequest, nodes: list[NodeStatus], matched: dict | None = None) -> str:
+    return policy.choose(req, nodes, matched or {}, 0.0).node_id
+
+
+def test_a_tight_budget_picks_the_fast_gpu_and_slack_the_cheaper_one() -> None:
+    nodes = [node("h", "h100"), node("a", "a100")]
+    assert chosen(BatonPolicy(), request(8000, ttft_budget_ms=300), nodes) == "h"
+    assert chosen(BatonPolicy(), request(200, ttft_budget_ms=5000), nodes) == "a"
+
+
+def test_the_budget_keeps_long_prompts_off_a_slow_gpu() -> None:
+    nodes = [node("h", "h100"), node("l", "l4")]
+    policy = BatonPolicy()
+    terms = {t.node_id: t for t in (policy.terms(request(12000, ttft_budget_ms=1000), n, 0) for n in nodes) if t}
+    assert terms["l"].ttft_ms > 1000 > terms["h"].ttft_ms
+    assert chosen(policy, request(12000, ttft_budget_ms=1000), nodes) == "h"
+
+
+def test_a_node_without_kv_room_is_skipped() -> None:
+    full = node("a1", "a100", kv_blocks_used=24_990)
+    assert chosen(BatonPolicy(), request(4000, ttft_budget_ms=5000), [full, node("a2", "a100")]) == "a2"
+
+
+def test_a_prefix_hit_wins_when_load_is_equal() -> None:
+    nodes = [node("a1", "a100"), node("a2", "a100")]
+    assert chosen(BatonPolicy(), request(6000, ttft_budget_ms=5000), nodes, {"a2": 300}) == "a2"
+
+
+def test_a_busy_node_loses_to_an_idle_one_of_the_same_kind() -> None:
+    busy = node("a1", "a100", num_running=60, pending_prefill_tokens=40_000, active_decode_blocks=6000)
+    assert chosen(BatonPolicy(), request(2000, ttft_budget_ms=2000), [busy, node("a2", "a100")]) == "a2"
+
+
+def test_a_late_step_of_an_expensive_workflow_buys_certainty() -> None:
+    nodes = [node("h", "h100"), node("a", "a100")]
+    req = request(2500, max_tokens=400, ttft_budget_ms=200, workflow="w")
+    fresh = BatonPolicy()
+    terms = {t.node_id: t for t in (fresh.terms(req, n, 0) for n in nodes) if t}
+    assert terms["a"].cost < terms["h"].cost and terms["a"].success < terms["h"].success
+    assert chosen(fresh, req, nodes) == "a"  # nothing spent yet: the cheaper, riskier node
+
+    late = BatonPolicy()
+    late.workflow_spent["w"] = 0.05  # four earlier steps' worth of GPU time
+    assert chosen(late, req, nodes) == "h"
+
+
+def test_the_workflow_is_charged_what_its_steps_cost() -> None:
+    policy = BatonPolicy()
+    policy.choose(request(1000, workflow="w"), [node("a", "a100")], {}, 0.0)
+    first = policy.workflow_spent["w"]
+    policy.choose(request(2000, workflow="w"), [node("a", "a100")], {}, 0.0)
+    assert 0 < first < policy.workflow_spent["w"]
+
+
+def test_an_unknown_model_falls_back_to_kv_overlap_and_load() -> None:
+    req = PlacementRequest(request_id="r", model="not-simulated", num_prompt_tokens=160, num_prompt_blocks=10,
+                           max_tokens=8)
+    nodes = [node("a1", "a100"), node("a2", "a100")]
+    assert BatonPolicy().choose(req, nodes, {"a2": 10}, 0.0).node_id == "a2"
