@@ -145,7 +145,24 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{info.node_id:<10} {info.gpu:<6} {info.address:<22} {models:<18} {load.num_running:>4} "
               f"{load.num_waiting:>4} {f'{load.kv_blocks_used}/{load.kv_blocks_total}':>16} {pct:>5.1f} "
               f"{info.price_per_hour:>6.2f} {seen:>7}")
+    _print_recent_decisions(address)
     return 0
+
+
+def _print_recent_decisions(scheduler: str, limit: int = 5) -> None:
+    try:
+        with grpc.insecure_channel(scheduler) as channel:
+            recent = scheduler_pb2_grpc.SchedulerStub(channel).GetRecentDecisions(
+                scheduler_pb2.GetRecentDecisionsRequest(limit=limit), timeout=3.0)
+    except grpc.RpcError:
+        return
+    if not recent.decisions:
+        return
+    print(f"recent placements (policy {recent.policy}), newest first:")
+    for d in recent.decisions:
+        why = ", ".join(f"{c.node_id}: ttft {c.predicted_ttft_ms:.0f} ms, p {c.success:.2f}, ${c.cost:.5f}"
+                        for c in d.candidates)
+        print(f"  {d.request_id[:12]:<12} -> {d.node_id:<8} score {d.score:.6g}" + (f"  [{why}]" if why else ""))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,6 +7,60 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GetRecentDecisionsRequest(_message.Message):
+    __slots__ = ("limit",)
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+
+class RecentDecisions(_message.Message):
+    __slots__ = ("policy", "decisions")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    decisions: _containers.RepeatedCompositeFieldContainer[PlacementDecision]
+    def __init__(self, policy: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[PlacementDecision, _Mapping]]] = ...) -> None: ...
+
+class PlacementDecision(_message.Message):
+    __slots__ = ("request_id", "node_id", "score", "workflow_id", "decided_at_ms", "candidates")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    WORKFLOW_ID_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    node_id: str
+    score: float
+    workflow_id: str
+    decided_at_ms: int
+    candidates: _containers.RepeatedCompositeFieldContainer[CandidateTerms]
+    def __init__(self, request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., score: _Optional[float] = ..., workflow_id: _Optional[str] = ..., decided_at_ms: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[CandidateTerms, _Mapping]]] = ...) -> None: ...
+
+class CandidateTerms(_message.Message):
+    __slots__ = ("node_id", "gpu", "cached_tokens", "predicted_ttft_ms", "predicted_tpot_ms", "cost", "success", "workflow_spent", "has_kv_room", "score")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TPOT_MS_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    WORKFLOW_SPENT_FIELD_NUMBER: _ClassVar[int]
+    HAS_KV_ROOM_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    gpu: str
+    cached_tokens: int
+    predicted_ttft_ms: float
+    predicted_tpot_ms: float
+    cost: float
+    success: float
+    workflow_spent: float
+    has_kv_room: bool
+    score: float
+    def __init__(self, node_id: _Optional[str] = ..., gpu: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., predicted_ttft_ms: _Optional[float] = ..., predicted_tpot_ms: _Optional[float] = ..., cost: _Optional[float] = ..., success: _Optional[float] = ..., workflow_spent: _Optional[float] = ..., has_kv_room: _Optional[bool] = ..., score: _Optional[float] = ...) -> None: ...
+
 class PlaceRequest(_message.Message):
     __slots__ = ("request_id", "model", "num_prompt_tokens", "block_hashes", "max_tokens", "tenant", "priority", "ttft_budget_ms", "deadline_ms", "workflow_id", "step", "total_steps", "exclude_node_ids", "retry_cause")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -51,6 +51,11 @@ class SchedulerStub:
                 request_serializer=baton_dot_v1_dot_scheduler__pb2.GetClusterStateRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_scheduler__pb2.ClusterState.FromString,
                 _registered_method=True)
+        self.GetRecentDecisions = channel.unary_unary(
+                '/baton.v1.Scheduler/GetRecentDecisions',
+                request_serializer=baton_dot_v1_dot_scheduler__pb2.GetRecentDecisionsRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_scheduler__pb2.RecentDecisions.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -79,6 +84,13 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetRecentDecisions(self, request, context):
+        """The latest placement decisions with each candidate's per-axis terms (a debugging aid).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +108,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetClusterState,
                     request_deserializer=baton_dot_v1_dot_scheduler__pb2.GetClusterStateRequest.FromString,
                     response_serializer=baton_dot_v1_dot_scheduler__pb2.ClusterState.SerializeToString,
+            ),
+            'GetRecentDecisions': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRecentDecisions,
+                    request_deserializer=baton_dot_v1_dot_scheduler__pb2.GetRecentDecisionsRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_scheduler__pb2.RecentDecisions.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +197,33 @@ class Scheduler:
             '/baton.v1.Scheduler/GetClusterState',
             baton_dot_v1_dot_scheduler__pb2.GetClusterStateRequest.SerializeToString,
             baton_dot_v1_dot_scheduler__pb2.ClusterState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRecentDecisions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Scheduler/GetRecentDecisions',
+            baton_dot_v1_dot_scheduler__pb2.GetRecentDecisionsRequest.SerializeToString,
+            baton_dot_v1_dot_scheduler__pb2.RecentDecisions.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
 import grpc
 from google.protobuf import json_format
+from opentelemetry import trace
 
 from baton.protocol import LEADER_KEY
 from baton.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -21,10 +23,13 @@ from services.common.telemetry import Telemetry
 from services.scheduler.cluster import ClusterView, NodeSpec
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.leadership import LeaderRole
-from services.scheduler.policies import PlacementRequest, make_policy
+from services.scheduler.policies import Decision, PlacementRequest, make_policy
 from services.scheduler.retry_budget import RetryBudget
 
 log = logging.getLogger(__name__)
+
+_DECISIONS_KEPT = 200
+_WORKFLOWS_HANDED_OVER = 10_000
 
 
 def node_spec_from_json(value: bytes) -> NodeSpec:
@@ -48,6 +53,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._cluster = ClusterView(load_timeout_s=config.load_timeout_s)
         self._policy = make_policy(config.policy, config.prefill_load_scale)
         self._retry_budget = RetryBudget(config.retry_ratio, config.retry_min_per_s)
+        self._decisions: deque[scheduler_pb2.PlacementDecision] = deque(maxlen=_DECISIONS_KEPT)
         self._node_infos: dict[str, common_pb2.NodeInfo] = {}
         self._member = Membership(config.etcd, config.lease_ttl_s)
         self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed)
@@ -73,16 +79,23 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _hand_over_state(self) -> dict[str, Any]:
         """What a successor needs that it cannot rebuild from etcd and node reports."""
         now = time.monotonic()
+        spent = getattr(self._policy, "workflow_spent", {})
         return {
             "leader": self._config.instance_id,
             "retry_budget": {"requests": self._retry_budget.num_requests(now),
                              "retries": self._retry_budget.num_retries(now)},
+            # The most recent workflows' GPU spend (dicts keep insertion order).
+            "workflow_spent": dict(list(spent.items())[-_WORKFLOWS_HANDED_OVER:]),
         }
 
     def _take_over_state(self, state: dict[str, Any]) -> None:
         budget = state["retry_budget"]
         self._retry_budget.restore(int(budget["requests"]), int(budget["retries"]), time.monotonic())
-        log.info("took over from %s: %s", state.get("leader"), budget)
+        spent = getattr(self._policy, "workflow_spent", None)
+        if spent is not None:
+            spent.update({k: float(v) for k, v in state.get("workflow_spent", {}).items()})
+        log.info("took over from %s: %s, %d workflows", state.get("leader"), budget,
+                 len(state.get("workflow_spent", {})))
 
     def _on_nodes_changed(self, items: dict[str, bytes]) -> None:
         specs, infos = [], {}
@@ -150,8 +163,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 num_prompt_blocks=len(request.block_hashes),
                 max_tokens=request.max_tokens,
                 block_hashes=tuple(request.block_hashes),
+                ttft_budget_ms=request.ttft_budget_ms,
+                deadline_ms=request.deadline_ms,
+                tenant=request.tenant,
+                priority=request.priority,
+                workflow_id=request.workflow_id,
+                step=request.step,
+                total_steps=request.total_steps,
             )
             decision = self._policy.choose(placement, candidates, matched, now)
+            self._record_decision(placement, decision)
         except BatonError as error:
             self._placements.add(1, {"outcome": error.code.name, "retry": request.retry_cause})
             await abort(context, error)
@@ -165,6 +186,37 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             matched_blocks=decision.matched_blocks,
             cost=decision.cost,
         )
+
+    def _record_decision(self, placement: PlacementRequest, decision: Decision) -> None:
+        """Keep the decision and its per-axis terms for GetRecentDecisions and the trace span."""
+        terms = [
+            scheduler_pb2.CandidateTerms(
+                node_id=t.node_id, gpu=t.gpu, cached_tokens=t.cached_tokens, predicted_ttft_ms=t.ttft_ms,
+                predicted_tpot_ms=t.tpot_ms, cost=t.cost, success=t.success, workflow_spent=t.workflow_spent,
+                has_kv_room=t.has_kv_room, score=t.score)
+            for t in getattr(self._policy, "last_terms", ())
+        ]
+        self._decisions.append(scheduler_pb2.PlacementDecision(
+            request_id=placement.request_id, node_id=decision.node_id, score=decision.cost,
+            workflow_id=placement.workflow_id, decided_at_ms=int(time.time() * 1000), candidates=terms))
+        span = trace.get_current_span()
+        span.set_attribute("baton.placement.node", decision.node_id)
+        span.set_attribute("baton.placement.score", decision.cost)
+        span.set_attribute("baton.placement.cached_blocks", decision.matched_blocks)
+        for t in terms:
+            span.set_attribute(
+                f"baton.candidate.{t.node_id}",
+                f"gpu={t.gpu} ttft_ms={t.predicted_ttft_ms:.0f} tpot_ms={t.predicted_tpot_ms:.1f} "
+                f"cost={t.cost:.6f} success={t.success:.3f} spent={t.workflow_spent:.6f} "
+                f"kv_room={t.has_kv_room} score={t.score:.6f}")
+
+    async def GetRecentDecisions(
+        self, request: scheduler_pb2.GetRecentDecisionsRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.RecentDecisions:
+        newest = list(reversed(self._decisions))
+        if request.limit > 0:
+            newest = newest[: request.limit]
+        return scheduler_pb2.RecentDecisions(policy=self._config.policy, decisions=newest)
 
     def _not_leader(self) -> FailedPrecondition:
         leader = self._role.leader()

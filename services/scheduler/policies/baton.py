@@ -21,6 +21,7 @@ Every decision keeps its per-axis terms (`explain`).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from services.node_agent.engines.sim.models import SIM_MODELS
@@ -37,6 +38,8 @@ DEFAULT_TPOT_BUDGET_MS = 100.0
 # Spread of the success curve, as a fraction of the budget.
 SLACK_SPREAD = 0.25
 MIN_SUCCESS = 1e-3
+# Workflows whose spend is remembered; the least recently active are forgotten first.
+MAX_WORKFLOWS = 100_000
 
 
 @dataclass(frozen=True)
@@ -70,8 +73,8 @@ class BatonPolicy:
         self._default_ttft_budget_ms = default_ttft_budget_ms
         self._default_tpot_budget_ms = default_tpot_budget_ms
         self._timings: dict[tuple[str, str], TimingModel | None] = {}
-        # GPU cost each workflow has spent so far (as placed), by workflow id.
-        self.workflow_spent: dict[str, float] = {}
+        # GPU cost each workflow has spent so far (as placed), by workflow id, least recent first.
+        self.workflow_spent: OrderedDict[str, float] = OrderedDict()
         self.last_terms: list[Terms] = []
         self._fallback = KvLoadPolicy()
 
@@ -129,4 +132,7 @@ class BatonPolicy:
         self.last_terms = [t for t, _ in scored]
         if request.workflow_id:
             self.workflow_spent[request.workflow_id] = best_terms.workflow_spent + best_terms.cost
+            self.workflow_spent.move_to_end(request.workflow_id)
+            if len(self.workflow_spent) > MAX_WORKFLOWS:
+                self.workflow_spent.popitem(last=False)
         return decision(best, matched_blocks, best_terms.score)
