@@ -190,6 +190,11 @@ class Simulation:
         # As the router does: skip the nodes that failed this request, and any that failed lately.
         self._suspects = {n: until for n, until in self._suspects.items() if until > self._now}
         exclude = frozenset(generation.excluded_nodes()) | frozenset(self._suspects)
+        # The scheduler sees each node's load as of now (the live one, as of its last report).
+        for status in self._view.nodes():
+            node = self._nodes[status.spec.node_id]
+            if node.is_alive:
+                self._view.report_load(status.spec.node_id, node.core.load(), self._now)
         candidates = self._view.candidates(self._model.name, self._now, exclude)
         needed = -(-(len(generation.context) + generation.num_remaining) // KV_BLOCK)
         feasible = [s for s in candidates if needed <= s.load.kv_blocks_total]
@@ -256,7 +261,6 @@ class Simulation:
                 del node.flights[output.request_id]
                 record.finish_s = self._now
                 self._follow_up(record.request)
-        self._view.report_load(node_id, node.core.load(), self._now)
         self._kick(node)
 
     def _follow_up(self, request: SimRequest) -> None:

@@ -51,6 +51,8 @@ class SimEngineCore:
         self._waiting: deque[SimSequence] = deque()
         # In admission order: the tail is the first to be preempted.
         self._running: list[SimSequence] = []
+        # The waiting head that last failed to fit, and the cache state it failed against.
+        self._blocked: tuple[SimSequence, int, int, int] | None = None
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request; ValueError if it is a duplicate or could never be served."""
@@ -200,7 +202,11 @@ class SimEngineCore:
             hits = self._prefix_hits(seq)
             num_computed = len(hits) * self.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
+            attempt = (seq, num_new, self._cache.version, self._cache.num_free_blocks)
+            if attempt == self._blocked:
+                break  # the same request and chunk failed against this same cache state: it still would
             if not self._cache.allocate(seq.request_id, num_computed + num_new, hits):
+                self._blocked = attempt
                 break
             self._waiting.popleft()
             self._running.append(seq)
