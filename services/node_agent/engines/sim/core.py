@@ -49,6 +49,8 @@ class SimEngineCore:
         self._cache = KVCache(num_kv_blocks, block_size)
         self._requests: dict[str, SimSequence] = {}
         self._waiting: deque[SimSequence] = deque()
+        # Uncomputed tokens of the waiting requests, kept as they come and go (queues grow long).
+        self._waiting_tokens = 0
         # In admission order: the tail is the first to be preempted.
         self._running: list[SimSequence] = []
         # The waiting head that last failed to fit, and the cache state it failed against.
@@ -92,6 +94,7 @@ class SimEngineCore:
         seq = SimSequence(request, self.block_size)
         self._requests[rid] = seq
         self._waiting.append(seq)
+        self._waiting_tokens += seq.num_uncomputed_tokens
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Drop a request now and free its blocks; its ABORT output is returned here, never by step()."""
@@ -102,6 +105,7 @@ class SimEngineCore:
             self._running.remove(seq)
         else:
             self._waiting.remove(seq)
+            self._waiting_tokens -= seq.num_uncomputed_tokens
         self._cache.free(request_id)
         return self._output(seq, [], FinishReason.ABORT)
 
@@ -127,7 +131,7 @@ class SimEngineCore:
             active_decode_blocks=sum(
                 self._cache.num_blocks_held(seq.request_id) for seq in self._running if not seq.is_prefilling
             ),
-            pending_prefill_tokens=sum(seq.num_uncomputed_tokens for seq in self._waiting)
+            pending_prefill_tokens=self._waiting_tokens
             + sum(seq.num_uncomputed_tokens for seq in self._running if seq.is_prefilling),
         )
 
@@ -209,6 +213,7 @@ class SimEngineCore:
                 self._blocked = attempt
                 break
             self._waiting.popleft()
+            self._waiting_tokens -= seq.num_uncomputed_tokens
             self._running.append(seq)
             seq.num_computed_tokens = num_computed
             seq.is_prefilling = True
@@ -234,6 +239,7 @@ class SimEngineCore:
         seq.num_computed_tokens = 0
         seq.is_prefilling = True
         self._waiting.appendleft(seq)
+        self._waiting_tokens += seq.num_uncomputed_tokens
 
     def _decode_steps(self, max_steps: int, max_duration_s: float) -> StepResult | None:
         """Several decode-only steps merged into one result; None when the batch is not decode-only
