@@ -7,6 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class FinishedRequest(_message.Message):
+    __slots__ = ("request_id", "tenant")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tenant: str
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class FinishedAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class GetRecentDecisionsRequest(_message.Message):
     __slots__ = ("limit",)
     LIMIT_FIELD_NUMBER: _ClassVar[int]

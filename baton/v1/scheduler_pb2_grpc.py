@@ -56,6 +56,11 @@ class SchedulerStub:
                 request_serializer=baton_dot_v1_dot_scheduler__pb2.GetRecentDecisionsRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_scheduler__pb2.RecentDecisions.FromString,
                 _registered_method=True)
+        self.Finished = channel.unary_unary(
+                '/baton.v1.Scheduler/Finished',
+                request_serializer=baton_dot_v1_dot_scheduler__pb2.FinishedRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_scheduler__pb2.FinishedAck.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -91,6 +96,13 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Finished(self, request, context):
+        """A placed request has ended (the router calls it): its tenant's concurrency is released.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +125,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetRecentDecisions,
                     request_deserializer=baton_dot_v1_dot_scheduler__pb2.GetRecentDecisionsRequest.FromString,
                     response_serializer=baton_dot_v1_dot_scheduler__pb2.RecentDecisions.SerializeToString,
+            ),
+            'Finished': grpc.unary_unary_rpc_method_handler(
+                    servicer.Finished,
+                    request_deserializer=baton_dot_v1_dot_scheduler__pb2.FinishedRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_scheduler__pb2.FinishedAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +241,33 @@ class Scheduler:
             '/baton.v1.Scheduler/GetRecentDecisions',
             baton_dot_v1_dot_scheduler__pb2.GetRecentDecisionsRequest.SerializeToString,
             baton_dot_v1_dot_scheduler__pb2.RecentDecisions.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Finished(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Scheduler/Finished',
+            baton_dot_v1_dot_scheduler__pb2.FinishedRequest.SerializeToString,
+            baton_dot_v1_dot_scheduler__pb2.FinishedAck.FromString,
             options,
             channel_credentials,
             insecure,

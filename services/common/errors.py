@@ -62,7 +62,12 @@ async def abort(context: grpc.aio.ServicerContext, error: BatonError) -> NoRetur
 
 
 def from_rpc_error(error: grpc.aio.AioRpcError) -> BatonError:
-    """Carry a downstream status through to our caller, keeping its code and message."""
+    """Carry a downstream status through to our caller, keeping its code, message and retry hint."""
+    metadata = dict(error.trailing_metadata() or ())
+    if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and RETRY_AFTER_KEY in metadata:
+        exhausted = ResourceExhausted("", int(metadata[RETRY_AFTER_KEY]))
+        exhausted.args = (error.details() or "",)
+        return exhausted
     result = BatonError(error.details() or error.code().name)
     result.code = error.code()
     return result

@@ -14,7 +14,8 @@ class RouterConfig(ServiceConfig):
     listen: str = doc("host:port to serve gRPC on", "127.0.0.1:50100")
     instance_id: str = doc("this router's id in etcd", "router-0")
     default_max_tokens: int = doc("max_tokens when a request leaves it unset", 256)
-    placement_timeout_s: float = doc("deadline of a placement call to the scheduler", 2.0)
+    placement_timeout_s: float = doc("longest a placement may take, admission queueing included, when the "
+                                     "client set no deadline", 60.0)
     leader_wait_s: float = doc("how long a placement waits for a scheduler leader through a failover", 10.0)
     max_migrations: int = doc("how often one generation may move to another node after failures", 3)
     stall_floor_s: float = doc("shortest silence after which a node stream counts as stalled", 1.0)

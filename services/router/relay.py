@@ -31,6 +31,8 @@ class Relay:
         self._liveness = liveness
         # Nodes that failed a stream lately, avoided by every placement until the time given.
         self._suspects: dict[str, float] = {}
+        # Finished notices in flight (kept so they are not collected mid-call).
+        self._notices: set[asyncio.Task[scheduler_pb2.FinishedAck]] = set()
         self._migrations = meter.create_counter(
             "baton.router.migrations", description="generations moved to another node, by cause"
         )
@@ -52,46 +54,68 @@ class Relay:
             yield node_agent_pb2.NodeGenerateChunk(index=len(generation.generated),
                                                    finish_reason=common_pb2.FINISH_REASON_LENGTH)
             return
-        retry_cause = ""
-        last_token_at: float | None = None
-        failed_at: float | None = None
-        while True:
-            placement = await self._place(generation, request, retry_cause, time_remaining())
-            base = len(generation.generated)
-            node_chunks = watched_stream(
-                self._node_channels.get(placement.address), placement.node_id, generation.node_request(),
-                self._liveness, self._config.stall_floor_s, time_remaining(),
-            )
-            try:
-                async for chunk in node_chunks:
-                    if chunk.index != len(generation.generated) - base:
-                        raise NodeFailure(placement.node_id, FailureCause.STREAM_BROKEN,
-                                          f"chunk index {chunk.index}, expected {len(generation.generated) - base}")
-                    generation.generated.extend(chunk.token_ids)
-                    if base and not chunk.checkpoint.exact:
-                        generation.is_exact = False
-                    if chunk.token_ids:
-                        last_token_at = loop.time()
-                        if failed_at is not None:
-                            self._resume_stall.record((last_token_at - failed_at) * 1000)
-                            failed_at = None
-                    if chunk.finish_reason and retry_cause:
-                        recomputed = chunk.usage.prompt_tokens - chunk.usage.cached_tokens
-                        generation.recomputed_tokens += recomputed
-                        self._recomputed.add(recomputed, {"model": generation.model})
-                    chunk.index += base
-                    yield chunk
-                    if chunk.finish_reason:
-                        return
-            except NodeFailure as failure:
-                log.warning("request %s: %s after %d tokens; resuming elsewhere", generation.request_id,
-                            failure, len(generation.generated))
-                self._migrations.add(1, {"cause": failure.cause.value})
-                self._suspects[failure.node_id] = loop.time() + self._config.suspect_s
-                generation.record_failure(failure, self._config.max_migrations)
-                retry_cause = failure.cause.value
-                if failed_at is None:
-                    failed_at = last_token_at if last_token_at is not None else loop.time()
+        placed = False
+        try:
+            retry_cause = ""
+            last_token_at: float | None = None
+            failed_at: float | None = None
+            while True:
+                placement = await self._place(generation, request, retry_cause, time_remaining())
+                placed = True
+                base = len(generation.generated)
+                node_chunks = watched_stream(
+                    self._node_channels.get(placement.address), placement.node_id, generation.node_request(),
+                    self._liveness, self._config.stall_floor_s, time_remaining(),
+                )
+                try:
+                    async for chunk in node_chunks:
+                        if chunk.index != len(generation.generated) - base:
+                            raise NodeFailure(placement.node_id, FailureCause.STREAM_BROKEN,
+                                              f"chunk index {chunk.index}, expected {len(generation.generated) - base}")
+                        generation.generated.extend(chunk.token_ids)
+                        if base and not chunk.checkpoint.exact:
+                            generation.is_exact = False
+                        if chunk.token_ids:
+                            last_token_at = loop.time()
+                            if failed_at is not None:
+                                self._resume_stall.record((last_token_at - failed_at) * 1000)
+                                failed_at = None
+                        if chunk.finish_reason and retry_cause:
+                            recomputed = chunk.usage.prompt_tokens - chunk.usage.cached_tokens
+                            generation.recomputed_tokens += recomputed
+                            self._recomputed.add(recomputed, {"model": generation.model})
+                        chunk.index += base
+                        yield chunk
+                        if chunk.finish_reason:
+                            return
+                except NodeFailure as failure:
+                    log.warning("request %s: %s after %d tokens; resuming elsewhere", generation.request_id,
+                                failure, len(generation.generated))
+                    self._migrations.add(1, {"cause": failure.cause.value})
+                    self._suspects[failure.node_id] = loop.time() + self._config.suspect_s
+                    generation.record_failure(failure, self._config.max_migrations)
+                    retry_cause = failure.cause.value
+                    if failed_at is None:
+                        failed_at = last_token_at if last_token_at is not None else loop.time()
+        finally:
+            if placed:
+                self._tell_finished(generation.request_id, request.tenant)
+
+    def _tell_finished(self, request_id: str, tenant: str) -> None:
+        """Release the request's admission slot at the leader; best effort, in the background."""
+        address = self._leader.address()
+        if address is None:
+            return
+        stub = scheduler_pb2_grpc.SchedulerStub(self._leader.channel(address))
+        task = asyncio.get_running_loop().create_task(
+            stub.Finished(scheduler_pb2.FinishedRequest(request_id=request_id, tenant=tenant), timeout=2.0))
+        self._notices.add(task)
+        task.add_done_callback(self._finished_notice_done)
+
+    def _finished_notice_done(self, task: asyncio.Task[scheduler_pb2.FinishedAck]) -> None:
+        self._notices.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("Finished notice failed: %s", task.exception())
 
     async def _place(
         self, generation: Generation, request: router_pb2.GenerateRequest, retry_cause: str,
@@ -138,7 +162,8 @@ class Relay:
         deadline = loop.time() + wait_s
         address = self._leader.address() or await self._leader.wait_for_other(None, wait_s)
         while address is not None:
-            timeout_s = min(self._config.placement_timeout_s, max(0.0, deadline - loop.time()))
+            # Admission may hold a placement while the fleet is saturated: wait up to the client's deadline.
+            timeout_s = self._config.placement_timeout_s if remaining_s is None else remaining_s
             stub = scheduler_pb2_grpc.SchedulerStub(self._leader.channel(address))
             try:
                 return await stub.Place(place, timeout=timeout_s)

@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from services.common.config import ServiceConfig, doc
+from services.scheduler.admission import TenantLimits
 from services.scheduler.policies import POLICIES
+
+
+def parse_tenant_limits(text: str) -> dict[str, TenantLimits]:
+    """--tenant-limits as TenantLimits by tenant; ValueError naming what is wrong."""
+    try:
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise TypeError("expected an object of tenants")
+        return {tenant: TenantLimits(**fields) for tenant, fields in raw.items()}
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"--tenant-limits={text!r}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -20,6 +33,9 @@ class SchedulerConfig(ServiceConfig):
     prefill_load_scale: float = doc("weight of prefill blocks in the KV/load cost (dynamo policy)", 1.0)
     retry_ratio: float = doc("retries (migrations) allowed as a fraction of requests, over 10 s", 0.2)
     retry_min_per_s: float = doc("retries allowed per second whatever the request rate", 5.0)
+    max_queued: int = doc("most requests the admission queue holds (memory bound)", 10_000)
+    tenant_limits: str = doc('per tenant, JSON: {"acme": {"weight": 2, "max_concurrency": 64, '
+                             '"tokens_per_minute": 1000000}}', "{}")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -27,6 +43,9 @@ class SchedulerConfig(ServiceConfig):
             raise ValueError(f"--load-timeout-s: must be positive, got {self.load_timeout_s}")
         if self.policy not in POLICIES:
             raise ValueError(f"--policy: unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
+        if self.max_queued < 1:
+            raise ValueError(f"--max-queued: must be positive, got {self.max_queued}")
+        parse_tenant_limits(self.tenant_limits)
         if self.retry_ratio < 0 or self.retry_min_per_s < 0:
             raise ValueError("--retry-ratio and --retry-min-per-s must be 0 or more")
         if self.kvindex_timeout_s <= 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Coroutine, Sequence
@@ -20,10 +21,13 @@ from services.common.errors import BatonError, FailedPrecondition, NotFound, Res
 from services.common.etcd_session import Membership, PrefixView
 from services.common.load import load_from_proto, load_to_proto
 from services.common.telemetry import Telemetry
+from services.scheduler.admission import Admission, Ticket, pool_saturation
 from services.scheduler.cluster import ClusterView, NodeSpec
-from services.scheduler.config import SchedulerConfig
+from services.scheduler.config import SchedulerConfig, parse_tenant_limits
+from services.scheduler.gate import AdmissionGate
 from services.scheduler.leadership import LeaderRole
 from services.scheduler.policies import Decision, PlacementRequest, make_policy
+from services.scheduler.policies.baton import BatonPolicy
 from services.scheduler.retry_budget import RetryBudget
 
 log = logging.getLogger(__name__)
@@ -54,6 +58,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._policy = make_policy(config.policy, config.prefill_load_scale)
         self._retry_budget = RetryBudget(config.retry_ratio, config.retry_min_per_s)
         self._decisions: deque[scheduler_pb2.PlacementDecision] = deque(maxlen=_DECISIONS_KEPT)
+        self._predictor = BatonPolicy()
+        self._gate = AdmissionGate(
+            Admission(max_queued=config.max_queued, limits=parse_tenant_limits(config.tenant_limits)),
+            self._is_saturated, telemetry.meter)
         self._node_infos: dict[str, common_pb2.NodeInfo] = {}
         self._member = Membership(config.etcd, config.lease_ttl_s)
         self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed)
@@ -72,6 +80,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return [
             *self._member.hold_service("scheduler", config.instance_id, config.listen),
             *self._role.loops(),
+            self._gate.run(),
             self._nodes.run(),
             self._kvindexes.run(),
         ]
@@ -152,7 +161,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 self._retry_budget.record_request(now)
             if not self._cluster.has_model(request.model):
                 raise NotFound(f"model={request.model!r}: no registered node serves it")
-            candidates = self._cluster.candidates(request.model, now, frozenset(request.exclude_node_ids))
+            exclude = frozenset(request.exclude_node_ids)
+            candidates = self._cluster.candidates(request.model, now, exclude)
             if not candidates:
                 raise Unavailable(f"model={request.model!r}: no live node has it warm")
             matched = await self._overlap(request.model, request.block_hashes)
@@ -171,6 +181,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 step=request.step,
                 total_steps=request.total_steps,
             )
+            if not request.retry_cause:  # a migrating stream is already admitted: never shed it
+                ticket = Ticket(request_id=request.request_id, tenant=request.tenant or "default",
+                                priority=request.priority, num_tokens=request.num_prompt_tokens + request.max_tokens,
+                                arrived_at=now, deadline_at=now + request.ttft_budget_ms / 1000
+                                if request.ttft_budget_ms else math.inf)
+                if await self._gate.enter(ticket, self._predicted_ttft_s(placement, candidates, matched)):
+                    # It waited: place it on the fleet as it is now, with no await from here on.
+                    now = time.monotonic()
+                    candidates = self._cluster.candidates(request.model, now, exclude) or candidates
             decision = self._policy.choose(placement, candidates, matched, now)
             self._record_decision(placement, decision)
         except BatonError as error:
@@ -186,6 +205,24 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             matched_blocks=decision.matched_blocks,
             cost=decision.cost,
         )
+
+    def _predicted_ttft_s(self, placement: PlacementRequest, candidates: list, matched: dict[str, int]) -> float:
+        """The best time to first token any candidate offers (0 when no timing model applies)."""
+        terms = [t for s in candidates if (t := self._predictor.terms(placement, s, matched.get(s.spec.node_id, 0)))]
+        return min(t.ttft_ms for t in terms) / 1000 if terms else 0.0
+
+    def _is_saturated(self) -> bool:
+        """From live signals: queue depth and KV use reported by every node (llm-d's saturation)."""
+        nodes = [s for s in self._cluster.nodes() if s.reported_at is not None]
+        loads = [(s.load.num_waiting + s.placed_requests, s.load.kv_blocks_used, s.load.kv_blocks_total)
+                 for s in nodes]
+        return pool_saturation(loads) >= 1.0
+
+    async def Finished(
+        self, request: scheduler_pb2.FinishedRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.FinishedAck:
+        self._gate.finished(request.request_id)
+        return scheduler_pb2.FinishedAck()
 
     def _record_decision(self, placement: PlacementRequest, decision: Decision) -> None:
         """Keep the decision and its per-axis terms for GetRecentDecisions and the trace span."""
@@ -231,6 +268,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     ) -> scheduler_pb2.ReportLoadAck:
         async for load in request_iterator:
             self._cluster.report_load(load.node_id, load_from_proto(load), time.monotonic())
+            self._gate.capacity_changed()
         return scheduler_pb2.ReportLoadAck()
 
     async def GetClusterState(

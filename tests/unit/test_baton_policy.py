@@ -80,3 +80,10 @@ def test_an_unknown_model_falls_back_to_kv_overlap_and_load() -> None:
                            max_tokens=8)
     nodes = [node("a1", "a100"), node("a2", "a100")]
     assert BatonPolicy().choose(req, nodes, {"a2": 10}, 0.0).node_id == "a2"
+
+
+def test_a_prediction_far_beyond_the_budget_scores_without_overflow() -> None:
+    policy = BatonPolicy()
+    terms = policy.terms(request(100_000, ttft_budget_ms=1), node("l", "l4"), 0)
+    assert terms is not None and terms.success < 1e-9
+    assert chosen(policy, request(100_000, ttft_budget_ms=1), [node("l", "l4"), node("h", "h100")]) == "h"

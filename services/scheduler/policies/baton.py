@@ -62,7 +62,7 @@ def _success(budget_ms: float, predicted_ms: float) -> float:
     if budget_ms <= 0:
         return 1.0
     slack = (budget_ms - predicted_ms) / (SLACK_SPREAD * budget_ms)
-    return 1.0 / (1.0 + math.exp(-4.0 * slack))
+    return 1.0 / (1.0 + math.exp(min(-4.0 * slack, 700.0)))  # far past the budget: 0, without overflow
 
 
 class BatonPolicy:

@@ -1,0 +1,189 @@
+"""Admission control: priority bands, weighted fair share between tenants, earliest deadline first. Pure.
+
+A request offered to the leader is admitted at once, queued, or refused:
+
+- refused at once when its tenant is over a limit (concurrency, tokens per minute), when its
+  deadline cannot be met given the predicted time to serve it, or when the fleet is saturated and
+  it is sheddable (priority < 0);
+- queued while the fleet is saturated or others of its band (or a higher one) wait; a full queue
+  sheds its lowest-band, latest-deadline entry to make room for a more important one;
+- dispatched from the queue, as capacity frees, by strict priority band; within a band to the
+  tenant that has been served the fewest tokens for its weight over the last minute; within a
+  tenant by earliest deadline, then arrival.
+
+Requests already admitted are never shed. Time is passed in.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+WINDOW_S = 60.0
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """A tenant's share and limits (None: unlimited)."""
+
+    weight: float = 1.0
+    max_concurrency: int | None = None
+    tokens_per_minute: int | None = None
+
+
+@dataclass
+class Ticket:
+    request_id: str
+    tenant: str
+    priority: int
+    # Prompt plus completion tokens: what the request will cost its tenant's share.
+    num_tokens: int
+    arrived_at: float
+    # When it must have its first token by (inf: no budget).
+    deadline_at: float = math.inf
+
+
+class Verdict(enum.Enum):
+    ADMIT = "admit"
+    QUEUE = "queue"
+    REJECT = "reject"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    verdict: Verdict
+    reason: str = ""
+    retry_after_s: float = 0.0
+    # A queued ticket pushed out to make room (it is refused with `reason`).
+    shed: Ticket | None = None
+
+
+@dataclass
+class _Tenant:
+    in_flight: int = 0
+    served: deque[tuple[float, int]] = field(default_factory=deque)
+    served_tokens: int = 0
+
+    def expire(self, now: float) -> None:
+        while self.served and self.served[0][0] <= now - WINDOW_S:
+            self.served_tokens -= self.served.popleft()[1]
+
+
+class Admission:
+    def __init__(self, max_queued: int = 10_000, limits: dict[str, TenantLimits] | None = None,
+                 default_limits: TenantLimits = TenantLimits()) -> None:
+        self.max_queued = max_queued
+        self._limits = dict(limits or {})
+        self._default = default_limits
+        self._tenants: dict[str, _Tenant] = defaultdict(_Tenant)
+        self._queued: dict[str, Ticket] = {}
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queued)
+
+    def queued_by_band(self) -> dict[int, int]:
+        bands: dict[int, int] = defaultdict(int)
+        for ticket in self._queued.values():
+            bands[ticket.priority] += 1
+        return dict(bands)
+
+    def limits(self, tenant: str) -> TenantLimits:
+        return self._limits.get(tenant, self._default)
+
+    def offer(self, ticket: Ticket, now: float, is_saturated: bool, predicted_ttft_s: float) -> Outcome:
+        """Admit, queue or refuse a new request."""
+        limits = self.limits(ticket.tenant)
+        tenant = self._tenants[ticket.tenant]
+        tenant.expire(now)
+        if limits.max_concurrency is not None and tenant.in_flight >= limits.max_concurrency:
+            return Outcome(Verdict.REJECT, f"tenant {ticket.tenant!r} is at its concurrency limit of "
+                                           f"{limits.max_concurrency}", retry_after_s=1.0)
+        if limits.tokens_per_minute is not None and tenant.served_tokens + ticket.num_tokens > limits.tokens_per_minute:
+            wait = tenant.served[0][0] + WINDOW_S - now if tenant.served else WINDOW_S
+            return Outcome(Verdict.REJECT, f"tenant {ticket.tenant!r} is over its limit of "
+                                           f"{limits.tokens_per_minute} tokens per minute", retry_after_s=wait)
+        ahead = self._wait_ahead_s(ticket, predicted_ttft_s)
+        if now + predicted_ttft_s + ahead > ticket.deadline_at:
+            return Outcome(Verdict.REJECT, f"deadline cannot be met: needs about {predicted_ttft_s + ahead:.2f} s "
+                                           f"to the first token, has {max(0.0, ticket.deadline_at - now):.2f} s",
+                           retry_after_s=max(1.0, ahead))
+        if is_saturated and ticket.priority < 0:
+            return Outcome(Verdict.REJECT, f"fleet saturated: sheddable request (priority {ticket.priority}) "
+                                           "refused", retry_after_s=1.0)
+        if not is_saturated and not any(t.priority >= ticket.priority for t in self._queued.values()):
+            return Outcome(Verdict.ADMIT)
+        shed = None
+        if len(self._queued) >= self.max_queued:
+            # Make room by dropping the least important entry: lowest band first, then the tenant
+            # with the most waiting (a flood gives way to a newcomer), then the latest deadline.
+            waiting = defaultdict(int)
+            for queued in self._queued.values():
+                waiting[queued.tenant] += 1
+            victim = min(self._queued.values(),
+                         key=lambda t: (t.priority, -waiting[t.tenant], -t.deadline_at, -t.arrived_at))
+            outranks = victim.priority < ticket.priority or (
+                victim.priority == ticket.priority and waiting[victim.tenant] > waiting[ticket.tenant] + 1)
+            if not outranks:
+                return Outcome(Verdict.REJECT, f"admission queue full ({self.max_queued} waiting)",
+                               retry_after_s=1.0)
+            del self._queued[victim.request_id]
+            shed = victim
+        self._queued[ticket.request_id] = ticket
+        return Outcome(Verdict.QUEUE, shed=shed, reason="shed for a more important request" if shed else "")
+
+    def _wait_ahead_s(self, ticket: Ticket, predicted_ttft_s: float) -> float:
+        """A rough wait behind the queued requests that would go first (each about as long as this one)."""
+        ahead = sum(1 for t in self._queued.values() if t.priority > ticket.priority
+                    or (t.priority == ticket.priority and t.deadline_at <= ticket.deadline_at))
+        return ahead * predicted_ttft_s
+
+    def pop_next(self, now: float) -> Ticket | None:
+        """The queued ticket to dispatch now, if any."""
+        if not self._queued:
+            return None
+        band = max(t.priority for t in self._queued.values())
+        in_band = [t for t in self._queued.values() if t.priority == band]
+
+        def share(tenant: str) -> float:
+            state = self._tenants[tenant]
+            state.expire(now)
+            return state.served_tokens / self.limits(tenant).weight
+
+        tenant = min({t.tenant for t in in_band}, key=lambda name: (share(name), name))
+        ticket = min((t for t in in_band if t.tenant == tenant), key=lambda t: (t.deadline_at, t.arrived_at))
+        del self._queued[ticket.request_id]
+        return ticket
+
+    def expired(self, now: float) -> list[Ticket]:
+        """Queued tickets whose deadline has passed: they are refused, not served late."""
+        late = [t for t in self._queued.values() if t.deadline_at < now]
+        for ticket in late:
+            del self._queued[ticket.request_id]
+        return late
+
+    def cancel(self, request_id: str) -> bool:
+        return self._queued.pop(request_id, None) is not None
+
+    def on_admitted(self, ticket: Ticket, now: float) -> None:
+        tenant = self._tenants[ticket.tenant]
+        tenant.in_flight += 1
+        tenant.served.append((now, ticket.num_tokens))
+        tenant.served_tokens += ticket.num_tokens
+
+    def on_finished(self, tenant: str) -> None:
+        state = self._tenants[tenant]
+        state.in_flight = max(0, state.in_flight - 1)
+
+
+def pool_saturation(loads: list[tuple[int, int, int]]) -> float:
+    """llm-d's saturation of a pool: mean over nodes of max(waiting / 5, KV used / (0.8 · KV total)).
+
+    loads: (num_waiting, kv_blocks_used, kv_blocks_total) per node. 1.0 or more is saturated.
+    """
+    if not loads:
+        return math.inf
+    per_node = [max(waiting / 5.0, (used / (0.8 * total)) if total else 1.0) for waiting, used, total in loads]
+    return sum(per_node) / len(per_node)

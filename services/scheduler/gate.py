@@ -1,0 +1,110 @@
+"""The leader's admission gate: Place calls wait here while the fleet is saturated."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from opentelemetry.metrics import Meter
+
+from services.common.change_signal import ChangeSignal, wait_or_timeout
+from services.common.errors import ResourceExhausted
+from services.scheduler.admission import Admission, Ticket, Verdict
+
+log = logging.getLogger(__name__)
+
+# How often queued deadlines are checked even when nothing else happens.
+_TICK_S = 0.05
+
+
+class AdmissionGate:
+    """Admits, queues or refuses each new request; dispatches the queue as capacity frees."""
+
+    def __init__(self, admission: Admission, is_saturated: Callable[[], bool], meter: Meter) -> None:
+        self._admission = admission
+        self._is_saturated = is_saturated
+        self._waiting: dict[str, asyncio.Future[asyncio.Event]] = {}
+        self._tenants: dict[str, str] = {}
+        self._capacity = ChangeSignal()
+        self._decisions = meter.create_counter("baton.scheduler.admissions",
+                                               description="admission verdicts, by verdict, reason and band")
+        self._queue_wait = meter.create_histogram("baton.scheduler.queue_wait", unit="ms",
+                                                  description="time requests waited for admission, by band and tenant")
+        self._depth = meter.create_up_down_counter("baton.scheduler.queue_depth",
+                                                   description="requests waiting for admission, by band")
+
+    def capacity_changed(self) -> None:
+        self._capacity.notify()
+
+    async def enter(self, ticket: Ticket, predicted_ttft_s: float) -> bool:
+        """Return once ticket is admitted (True if it had to wait); ResourceExhausted if refused.
+
+        A caller that waited must place the request before its next await: the dispatcher looks
+        at saturation again as soon as it runs, and the placement must count by then.
+        """
+        outcome = self._admission.offer(ticket, time.monotonic(), self._is_saturated(), predicted_ttft_s)
+        band = {"band": ticket.priority}
+        if outcome.shed is not None:
+            self._refuse_queued(outcome.shed, outcome.reason)
+        if outcome.verdict == Verdict.REJECT:
+            self._decisions.add(1, {"verdict": "reject", "reason": outcome.reason.split(":")[0], **band})
+            raise ResourceExhausted(outcome.reason, retry_after_ms=int(outcome.retry_after_s * 1000))
+        if outcome.verdict == Verdict.QUEUE:
+            self._decisions.add(1, {"verdict": "queue", **band})
+            self._depth.add(1, band)
+            future: asyncio.Future[asyncio.Event] = asyncio.get_running_loop().create_future()
+            self._waiting[ticket.request_id] = future
+            self.capacity_changed()
+            try:
+                placed = await future
+            except asyncio.CancelledError:
+                # The client went away (or the router's deadline passed): leave the queue.
+                if self._admission.cancel(ticket.request_id):
+                    self._depth.add(-1, band)
+                self._waiting.pop(ticket.request_id, None)
+                raise
+            self._queue_wait.record((time.monotonic() - ticket.arrived_at) * 1000,
+                                    {"band": ticket.priority, "tenant": ticket.tenant})
+            self._admit(ticket)
+            placed.set()  # the dispatcher resumes only after our caller's next await
+            return True
+        self._decisions.add(1, {"verdict": "admit", **band})
+        self._admit(ticket)
+        return False
+
+    def _admit(self, ticket: Ticket) -> None:
+        self._admission.on_admitted(ticket, time.monotonic())
+        self._tenants[ticket.request_id] = ticket.tenant
+
+    def finished(self, request_id: str) -> None:
+        tenant = self._tenants.pop(request_id, None)
+        if tenant is not None:
+            self._admission.on_finished(tenant)
+            self.capacity_changed()
+
+    def _refuse_queued(self, ticket: Ticket, reason: str) -> None:
+        self._depth.add(-1, {"band": ticket.priority})
+        future = self._waiting.pop(ticket.request_id, None)
+        if future is not None and not future.done():
+            future.set_exception(ResourceExhausted(f"request {ticket.request_id}: {reason}", retry_after_ms=1000))
+
+    async def run(self) -> None:
+        """Dispatch queued requests while the fleet has room; refuse those whose deadline passed."""
+        while True:
+            await wait_or_timeout(self._capacity.since_now(), _TICK_S)
+            for ticket in self._admission.expired(time.monotonic()):
+                self._refuse_queued(ticket, "its deadline passed while it waited for admission")
+            while self._admission.num_queued and not self._is_saturated():
+                ticket = self._admission.pop_next(time.monotonic())
+                if ticket is None:
+                    break
+                self._depth.add(-1, {"band": ticket.priority})
+                future = self._waiting.pop(ticket.request_id, None)
+                if future is None or future.done():
+                    continue
+                placed = asyncio.Event()
+                future.set_result(placed)
+                # Let its placement register before judging saturation again.
+                await wait_or_timeout(placed, 1.0)

@@ -1,0 +1,115 @@
+"""Admission: limits, feasibility, shedding, bands, fair share between tenants, EDF."""
+
+from __future__ import annotations
+
+import math
+
+from services.scheduler.admission import Admission, TenantLimits, Ticket, Verdict, pool_saturation
+
+
+def ticket(rid: str, tenant: str = "t", priority: int = 0, tokens: int = 100, at: float = 0.0,
+           deadline: float = math.inf) -> Ticket:
+    return Ticket(request_id=rid, tenant=tenant, priority=priority, num_tokens=tokens, arrived_at=at,
+                  deadline_at=deadline)
+
+
+def test_an_idle_fleet_admits_at_once() -> None:
+    assert Admission().offer(ticket("a"), 0.0, is_saturated=False, predicted_ttft_s=0.1).verdict == Verdict.ADMIT
+
+
+def test_an_impossible_deadline_is_refused_at_once_with_a_hint() -> None:
+    outcome = Admission().offer(ticket("a", deadline=0.5), 0.0, is_saturated=False, predicted_ttft_s=2.0)
+    assert outcome.verdict == Verdict.REJECT
+    assert "deadline cannot be met" in outcome.reason and outcome.retry_after_s > 0
+
+
+def test_a_saturated_fleet_queues_and_sheds_the_sheddable() -> None:
+    admission = Admission()
+    assert admission.offer(ticket("a"), 0.0, True, 0.1).verdict == Verdict.QUEUE
+    refused = admission.offer(ticket("b", priority=-1), 0.0, True, 0.1)
+    assert refused.verdict == Verdict.REJECT and "sheddable" in refused.reason
+
+
+def test_tenant_limits_name_the_limit() -> None:
+    admission = Admission(limits={"t": TenantLimits(max_concurrency=1, tokens_per_minute=150)})
+    first = ticket("a")
+    assert admission.offer(first, 0.0, False, 0.1).verdict == Verdict.ADMIT
+    admission.on_admitted(first, 0.0)
+    busy = admission.offer(ticket("b"), 1.0, False, 0.1)
+    assert busy.verdict == Verdict.REJECT and "concurrency limit of 1" in busy.reason
+    admission.on_finished("t")
+    over = admission.offer(ticket("c"), 2.0, False, 0.1)
+    assert over.verdict == Verdict.REJECT and "150 tokens per minute" in over.reason
+    assert over.retry_after_s == 58.0
+    assert admission.offer(ticket("d"), 61.0, False, 0.1).verdict == Verdict.ADMIT  # the window moved on
+
+
+def test_dispatch_takes_the_highest_band_first_then_earliest_deadline() -> None:
+    admission = Admission()
+    for t in (ticket("low", priority=0, deadline=5), ticket("high-late", priority=1, deadline=9),
+              ticket("high-soon", priority=1, deadline=3)):
+        assert admission.offer(t, 0.0, True, 0.1).verdict == Verdict.QUEUE
+    assert [admission.pop_next(0.0).request_id for _ in range(3)] == ["high-soon", "high-late", "low"]
+    assert admission.pop_next(0.0) is None
+
+
+def test_a_flooding_tenant_cannot_starve_another() -> None:
+    admission = Admission()
+    for i in range(50):
+        admission.offer(ticket(f"flood{i}", tenant="flood", at=i * 0.01), 0.0, True, 0.01)
+    for i in range(5):
+        admission.offer(ticket(f"calm{i}", tenant="calm", at=1 + i), 0.0, True, 0.01)
+    order = []
+    for _ in range(10):
+        chosen = admission.pop_next(0.0)
+        admission.on_admitted(chosen, 0.0)
+        order.append(chosen.tenant)
+    assert order.count("calm") == 5  # served turn about, not after the flood's 50
+
+
+def test_weights_tilt_the_share() -> None:
+    admission = Admission(limits={"gold": TenantLimits(weight=3.0)})
+    for i in range(40):
+        admission.offer(ticket(f"g{i}", tenant="gold"), 0.0, True, 0.01)
+        admission.offer(ticket(f"s{i}", tenant="silver"), 0.0, True, 0.01)
+    served = []
+    for _ in range(20):
+        chosen = admission.pop_next(0.0)
+        admission.on_admitted(chosen, 0.0)
+        served.append(chosen.tenant)
+    assert served.count("gold") == 15 and served.count("silver") == 5
+
+
+def test_a_full_queue_sheds_its_least_important_entry_for_a_more_important_one() -> None:
+    admission = Admission(max_queued=2)
+    admission.offer(ticket("a", priority=0), 0.0, True, 0.1)
+    admission.offer(ticket("b", priority=0), 0.0, True, 0.1)
+    same = admission.offer(ticket("c", priority=0), 0.0, True, 0.1)
+    assert same.verdict == Verdict.REJECT and "queue full" in same.reason
+    higher = admission.offer(ticket("d", priority=2), 0.0, True, 0.1)
+    assert higher.verdict == Verdict.QUEUE and higher.shed is not None and higher.shed.priority == 0
+    assert admission.num_queued == 2
+
+
+def test_cancelled_and_expired_tickets_leave_the_queue() -> None:
+    admission = Admission()
+    admission.offer(ticket("gone"), 0.0, True, 0.1)
+    admission.offer(ticket("late", deadline=1.0), 0.0, True, 0.1)
+    assert admission.cancel("gone") and not admission.cancel("gone")
+    assert [t.request_id for t in admission.expired(2.0)] == ["late"]
+    assert admission.num_queued == 0
+
+
+def test_pool_saturation_follows_queue_depth_and_kv_use() -> None:
+    assert pool_saturation([(0, 0, 100), (0, 10, 100)]) < 1
+    assert pool_saturation([(10, 0, 100), (0, 90, 100)]) >= 1
+
+
+def test_a_full_queue_makes_room_for_a_newcomer_by_shedding_the_flood() -> None:
+    admission = Admission(max_queued=3)
+    for i in range(3):
+        admission.offer(ticket(f"flood{i}", tenant="flood"), 0.0, True, 0.1)
+    outcome = admission.offer(ticket("calm", tenant="calm"), 0.0, True, 0.1)
+    assert outcome.verdict == Verdict.QUEUE and outcome.shed is not None and outcome.shed.tenant == "flood"
+    again = admission.offer(ticket("flood9", tenant="flood"), 0.0, True, 0.1)
+    assert again.verdict == Verdict.REJECT  # the flood cannot push the newcomer out in turn
