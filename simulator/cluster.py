@@ -22,12 +22,15 @@ from services.node_agent.engines.sim.models import GPU_SPECS, SimModelSpec, get_
 from services.node_agent.engines.sim.timing import load_coefficients
 from services.node_agent.engines.types import EngineRequest, SamplingParams, StepResult
 from services.router.generation import FailureCause, Generation, NodeFailure
+from services.scheduler.admission import Admission, Ticket, Verdict, pool_saturation
 from services.scheduler.cluster import ClusterView, NodeSpec
 from services.scheduler.policies import PlacementRequest, Policy
+from services.scheduler.policies.baton import BatonPolicy
 from services.scheduler.retry_budget import RetryBudget
 from simulator.workload import KV_BLOCK, SimRequest, TokenBook, Workload
 
 _MAX_MERGED_STEPS = 256
+ADMISSIONS = ("none", "baton", "gie")
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,8 @@ class Simulation:
 
     def __init__(self, nodes: list[NodeConfig], policy: Policy, model: str = "sim-llama-3.1-8b",
                  failures: tuple[tuple[float, str], ...] = (), lease_ttl_s: float = 3.0, max_migrations: int = 3,
-                 suspect_s: float = 5.0, ttft_budget_ms: int = 0,
+                 suspect_s: float = 5.0, ttft_budget_ms: int = 0, admission: str = "none",
+                 max_queued: int = 2000,
                  max_num_batched_tokens: int = 2048) -> None:
         self._model: SimModelSpec = get_model(model)
         self._policy = policy
@@ -125,6 +129,14 @@ class Simulation:
         self._max_migrations = max_migrations
         self._suspect_s = suspect_s
         self._ttft_budget_ms = ttft_budget_ms
+        # Admission at the leader: none (place at once, nodes queue FIFO), baton, or gie.
+        if admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}, got {admission!r}")
+        self._admission = None if admission == "none" else Admission(
+            max_queued=max_queued, fair_share="tokens" if admission == "baton" else "round_robin",
+            check_deadlines=admission == "baton")
+        self._predictor = BatonPolicy()
+        self._held: dict[str, tuple[Generation, RequestRecord, tuple[int, ...]]] = {}
         self._suspects: dict[str, float] = {}
         self._book = TokenBook()
         # Two queues: what can bring new work to a node (arrivals, failures), and step completions.
@@ -180,7 +192,11 @@ class Simulation:
         generation = Generation(request_id=request.request_id, model=self._model.name, prompt_token_ids=tokens,
                                 sampling=common_pb2.SamplingParams(max_tokens=request.output_len, ignore_eos=True))
         self._budget.record_request(self._now)
-        self._place(generation, record, self._book.block_hashes(request, tokens))
+        block_hashes = self._book.block_hashes(request, tokens)
+        if self._admission is None:
+            self._place(generation, record, block_hashes)
+        else:
+            self._admit(generation, record, block_hashes)
         # Open loop: a task's next step arrives at its own time, whatever happened to this one.
         following = self._next_step_of.get(request.request_id)
         if following is not None and following.think_s is None:
@@ -191,10 +207,7 @@ class Simulation:
         self._suspects = {n: until for n, until in self._suspects.items() if until > self._now}
         exclude = frozenset(generation.excluded_nodes()) | frozenset(self._suspects)
         # The scheduler sees each node's load as of now (the live one, as of its last report).
-        for status in self._view.nodes():
-            node = self._nodes[status.spec.node_id]
-            if node.is_alive:
-                self._view.report_load(status.spec.node_id, node.core.load(), self._now)
+        self._refresh_loads()
         candidates = self._view.candidates(self._model.name, self._now, exclude)
         needed = -(-(len(generation.context) + generation.num_remaining) // KV_BLOCK)
         feasible = [s for s in candidates if needed <= s.load.kv_blocks_total]
@@ -220,6 +233,60 @@ class Simulation:
             sampling=SamplingParams(max_tokens=generation.num_remaining, ignore_eos=True),
             num_resumed_tokens=len(generation.generated), prompt_block_hashes=block_hashes))
         self._kick(node)
+
+    # -- admission (the scheduler's own core) -------------------------------------------------------
+
+    def _refresh_loads(self) -> None:
+        for status in self._view.nodes():
+            node = self._nodes[status.spec.node_id]
+            if node.is_alive:
+                self._view.report_load(status.spec.node_id, node.core.load(), self._now)
+
+    def _is_saturated(self) -> bool:
+        loads = [(load.num_waiting, load.kv_blocks_used, load.kv_blocks_total)
+                 for load in (n.core.load() for n in self._nodes.values() if n.is_alive)]
+        return pool_saturation(loads) >= 1.0
+
+    def _admit(self, generation: Generation, record: RequestRecord, block_hashes: tuple[int, ...]) -> None:
+        assert self._admission is not None
+        request = record.request
+        self._refresh_loads()
+        placement = PlacementRequest(request_id=generation.request_id, model=self._model.name,
+                                     num_prompt_tokens=len(generation.context), num_prompt_blocks=len(block_hashes),
+                                     max_tokens=generation.num_remaining, ttft_budget_ms=self._ttft_budget_ms)
+        matched = self._index.overlap(self._model.name, block_hashes)
+        terms = [t for s in self._view.candidates(self._model.name, self._now)
+                 if (t := self._predictor.terms(placement, s, matched.get(s.spec.node_id, 0)))]
+        predicted_s = min((t.ttft_ms for t in terms), default=0.0) / 1000
+        ticket = Ticket(request.request_id, request.tenant, request.priority,
+                        len(generation.context) + generation.num_remaining, self._now,
+                        self._now + self._ttft_budget_ms / 1000 if self._ttft_budget_ms else math.inf)
+        outcome = self._admission.offer(ticket, self._now, self._is_saturated(), predicted_s)
+        if outcome.shed is not None:
+            _, shed_record, _ = self._held.pop(outcome.shed.request_id)
+            self._fail(shed_record, f"shed: {outcome.reason}")
+        if outcome.verdict == Verdict.REJECT:
+            self._fail(record, f"refused: {outcome.reason}")
+        elif outcome.verdict == Verdict.QUEUE:
+            self._held[request.request_id] = (generation, record, block_hashes)
+        else:
+            self._admission.on_admitted(ticket, self._now)
+            self._place(generation, record, block_hashes)
+
+    def _dispatch(self) -> None:
+        """Release queued requests while the fleet has room, as the leader's gate does."""
+        if self._admission is None or not self._held:
+            return
+        for ticket in self._admission.expired(self._now):
+            _, record, _ = self._held.pop(ticket.request_id)
+            self._fail(record, "deadline passed while queued")
+        while self._held and not self._is_saturated():
+            ticket = self._admission.pop_next(self._now)
+            if ticket is None:
+                break
+            generation, record, block_hashes = self._held.pop(ticket.request_id)
+            self._admission.on_admitted(ticket, self._now)
+            self._place(generation, record, block_hashes)
 
     def _fail(self, record: RequestRecord, why: str) -> None:
         record.failed = why
@@ -260,8 +327,11 @@ class Simulation:
             if output.finish_reason is not None:
                 del node.flights[output.request_id]
                 record.finish_s = self._now
+                if self._admission is not None:
+                    self._admission.on_finished(record.request.tenant)
                 self._follow_up(record.request)
         self._kick(node)
+        self._dispatch()
 
     def _follow_up(self, request: SimRequest) -> None:
         """Closed loop: the task's next step leaves think_s after this one finished."""

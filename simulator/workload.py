@@ -13,7 +13,7 @@ import datetime
 import json
 import random
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from services.common.block_hash import ROOT_PARENT_HASH, hash_block
@@ -37,6 +37,8 @@ class SimRequest:
     total_steps: int = 1
     # Closed loop: this step is sent think_s after the task's previous step finishes.
     think_s: float | None = None
+    tenant: str = "default"
+    priority: int = 0
 
 
 @dataclass
@@ -212,3 +214,17 @@ def agentic_workflows(num_tasks: int, steps: int, system_len: int, step_len: int
                                        step=step, total_steps=steps, think_s=None if step == 1 else think_s))
             length += output_len
     return Workload(name="agentic", requests=requests)
+
+
+def assign_classes(workload: Workload, seed: int = 0) -> Workload:
+    """Tenants and priority bands for an admission study, whole tasks at a time: a tenant sending half
+    the traffic and two sending a quarter each; 20 % interactive (priority 1), 60 % standard (0),
+    20 % batch (-1, sheddable)."""
+    rng = random.Random(seed)
+    classes = {}
+    for task in workload.tasks:
+        tenant = rng.choices(["flood", "acme", "globex"], weights=[2, 1, 1])[0]
+        priority = rng.choices([1, 0, -1], weights=[2, 6, 2])[0]
+        classes[task] = (tenant, priority)
+    requests = [replace(r, tenant=classes[r.task_id][0], priority=classes[r.task_id][1]) for r in workload.requests]
+    return Workload(name=workload.name, requests=requests)

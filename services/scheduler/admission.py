@@ -73,8 +73,16 @@ class _Tenant:
 
 class Admission:
     def __init__(self, max_queued: int = 10_000, limits: dict[str, TenantLimits] | None = None,
-                 default_limits: TenantLimits = TenantLimits()) -> None:
+                 default_limits: TenantLimits = TenantLimits(), fair_share: str = "tokens",
+                 check_deadlines: bool = True) -> None:
+        """fair_share "tokens" (Baton) or "round_robin" (GIE's flow control); check_deadlines refuses
+        what cannot meet its deadline (GIE does not)."""
+        if fair_share not in ("tokens", "round_robin"):
+            raise ValueError(f"fair_share must be tokens or round_robin, got {fair_share!r}")
         self.max_queued = max_queued
+        self._fair_share = fair_share
+        self._check_deadlines = check_deadlines
+        self._last_served: dict[int, str] = {}
         self._limits = dict(limits or {})
         self._default = default_limits
         self._tenants: dict[str, _Tenant] = defaultdict(_Tenant)
@@ -106,7 +114,7 @@ class Admission:
             return Outcome(Verdict.REJECT, f"tenant {ticket.tenant!r} is over its limit of "
                                            f"{limits.tokens_per_minute} tokens per minute", retry_after_s=wait)
         ahead = self._wait_ahead_s(ticket, predicted_ttft_s)
-        if now + predicted_ttft_s + ahead > ticket.deadline_at:
+        if self._check_deadlines and now + predicted_ttft_s + ahead > ticket.deadline_at:
             return Outcome(Verdict.REJECT, f"deadline cannot be met: needs about {predicted_ttft_s + ahead:.2f} s "
                                            f"to the first token, has {max(0.0, ticket.deadline_at - now):.2f} s",
                            retry_after_s=max(1.0, ahead))
@@ -152,7 +160,13 @@ class Admission:
             state.expire(now)
             return state.served_tokens / self.limits(tenant).weight
 
-        tenant = min({t.tenant for t in in_band}, key=lambda name: (share(name), name))
+        tenants = sorted({t.tenant for t in in_band})
+        if self._fair_share == "round_robin":  # the next tenant after the one served last in this band
+            last = self._last_served.get(band)
+            tenant = next((name for name in tenants if last is None or name > last), tenants[0])
+        else:
+            tenant = min(tenants, key=lambda name: (share(name), name))
+        self._last_served[band] = tenant
         ticket = min((t for t in in_band if t.tenant == tenant), key=lambda t: (t.deadline_at, t.arrived_at))
         del self._queued[ticket.request_id]
         return ticket

@@ -161,3 +161,17 @@ def test_summary_with_zero_ttft_slo_has_no_successful_task() -> None:
     summary = summarize(result, workload, Slo(ttft_s=0.0))
     assert (summary.slo_attainment, summary.num_tasks_ok, summary.goodput_rps) == (0.0, 0, 0.0)
     assert math.isinf(summary.cost_per_successful_task)
+
+
+def test_admission_in_the_simulator_refuses_what_cannot_make_its_budget_and_queues_the_rest() -> None:
+    requests = [SimRequest(f"r{i}", 0.0, (7000 + i,), 400, 400, task_id=f"t{i}",
+                           priority=-1 if i % 4 == 0 else 0) for i in range(60)]
+    workload = Workload(name="burst", requests=requests)
+    fifo = Simulation(fleet("1xh100"), make_policy("dynamo"), ttft_budget_ms=500).run(workload)
+    gated = Simulation(fleet("1xh100"), make_policy("dynamo"), ttft_budget_ms=500, admission="baton",
+                       max_queued=20).run(workload)
+    assert all(r.finish_s is not None for r in fifo.records)  # FIFO serves everything, late or not
+    refused = [r for r in gated.records if r.failed]
+    assert refused and all(r.finish_s is None for r in refused)
+    assert all(r.failed.startswith(("refused", "shed", "deadline")) for r in refused)
+    assert len([r for r in gated.records if r.finish_s is not None]) + len(refused) == 60
