@@ -8,12 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class FinishedRequest(_message.Message):
-    __slots__ = ("request_id", "tenant")
+    __slots__ = ("request_id", "tenant", "ttft_ms", "ttft_budget_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    ttft_ms: int
+    ttft_budget_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., ttft_ms: _Optional[int] = ..., ttft_budget_ms: _Optional[int] = ...) -> None: ...
 
 class FinishedAck(_message.Message):
     __slots__ = ()

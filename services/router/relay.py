@@ -55,6 +55,8 @@ class Relay:
                                                    finish_reason=common_pb2.FINISH_REASON_LENGTH)
             return
         placed = False
+        started_at = loop.time()
+        first_token_at: float | None = None
         try:
             retry_cause = ""
             last_token_at: float | None = None
@@ -77,6 +79,8 @@ class Relay:
                             generation.is_exact = False
                         if chunk.token_ids:
                             last_token_at = loop.time()
+                            if first_token_at is None:
+                                first_token_at = last_token_at
                             if failed_at is not None:
                                 self._resume_stall.record((last_token_at - failed_at) * 1000)
                                 failed_at = None
@@ -99,16 +103,22 @@ class Relay:
                         failed_at = last_token_at if last_token_at is not None else loop.time()
         finally:
             if placed:
-                self._tell_finished(generation.request_id, request.tenant)
+                ttft_ms = int((first_token_at - started_at) * 1000) if first_token_at is not None else 0
+                self._tell_finished(generation.request_id, request.tenant, ttft_ms, request.ttft_budget_ms)
 
-    def _tell_finished(self, request_id: str, tenant: str) -> None:
+    def _tell_finished(self, request_id: str, tenant: str, ttft_ms: int, ttft_budget_ms: int) -> None:
         """Release the request's admission slot at the leader; best effort, in the background."""
         address = self._leader.address()
         if address is None:
             return
         stub = scheduler_pb2_grpc.SchedulerStub(self._leader.channel(address))
-        task = asyncio.get_running_loop().create_task(
-            stub.Finished(scheduler_pb2.FinishedRequest(request_id=request_id, tenant=tenant), timeout=2.0))
+        notice = scheduler_pb2.FinishedRequest(request_id=request_id, tenant=tenant, ttft_ms=ttft_ms,
+                                               ttft_budget_ms=ttft_budget_ms)
+
+        async def send() -> scheduler_pb2.FinishedAck:
+            return await stub.Finished(notice, timeout=2.0)
+
+        task = asyncio.get_running_loop().create_task(send())
         self._notices.add(task)
         task.add_done_callback(self._finished_notice_done)
 
