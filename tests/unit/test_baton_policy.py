@@ -56,7 +56,7 @@ def test_a_busy_node_loses_to_an_idle_one_of_the_same_kind() -> None:
 
 def test_a_late_step_of_an_expensive_workflow_buys_certainty() -> None:
     nodes = [node("h", "h100"), node("a", "a100")]
-    req = request(2500, max_tokens=400, ttft_budget_ms=200, workflow="w")
+    req = request(2500, max_tokens=400, ttft_budget_ms=500, workflow="w")
     fresh = BatonPolicy()
     terms = {t.node_id: t for t in (fresh.terms(req, n, 0) for n in nodes) if t}
     assert terms["a"].cost < terms["h"].cost and terms["a"].success < terms["h"].success
