@@ -32,9 +32,11 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.mesh_overhead --out docs/benchmarks.md
 	$(BIN)/python -m bench.resume_stall --out docs/benchmarks.md
 	$(BIN)/python -m bench.leader_failover --out docs/benchmarks.md
+	$(BIN)/python -m bench.sim_fidelity --out docs/evaluation.md
 
 bench-sim: $(STAMP)
 	$(BIN)/baton sim --workload mooncake-conversation --fleet 4xh100,4xa100,4xl4 --loads 0.5,1,2 --out results/sim
+	$(BIN)/baton sim-admission --fleet 4xh100 --loads 0.5,1,2,3 --limit 3000 --out results/admission
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -22,7 +22,7 @@ from simulator.cluster import Simulation, fleet
 from simulator.metrics import Slo, summarize
 from simulator.workload import SimRequest, TokenBook, Workload, shared_prefix_groups
 
-SECTION = "## Simulator fidelity (issue 5)"
+SECTION = "## Simulator fidelity"
 MODEL = "sim-llama-3.1-8b"
 
 

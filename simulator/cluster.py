@@ -137,6 +137,7 @@ class Simulation:
             check_deadlines=admission == "baton")
         self._predictor = BatonPolicy()
         self._ttft_watch = TtftWatch()
+        self._admission_kind = admission
         self._held: dict[str, tuple[Generation, RequestRecord, tuple[int, ...]]] = {}
         self._suspects: dict[str, float] = {}
         self._book = TokenBook()
@@ -246,7 +247,8 @@ class Simulation:
     def _is_saturated(self) -> bool:
         loads = [(load.num_waiting, load.kv_blocks_used, load.kv_blocks_total)
                  for load in (n.core.load() for n in self._nodes.values() if n.is_alive)]
-        return pool_saturation(loads) >= 1.0 or self._ttft_watch.is_over_budget()
+        # Baton's gate also reads observed TTFT against budgets; GIE's flow control does not.
+        return pool_saturation(loads) >= 1.0 or (self._admission_kind == "baton" and self._ttft_watch.is_over_budget())
 
     def _admit(self, generation: Generation, record: RequestRecord, block_hashes: tuple[int, ...]) -> None:
         assert self._admission is not None
