@@ -22,7 +22,7 @@ from services.node_agent.engines.sim.models import GPU_SPECS, SimModelSpec, get_
 from services.node_agent.engines.sim.timing import load_coefficients
 from services.node_agent.engines.types import EngineRequest, SamplingParams, StepResult
 from services.router.generation import FailureCause, Generation, NodeFailure
-from services.scheduler.admission import Admission, Ticket, TtftWatch, Verdict, pool_saturation
+from services.scheduler.admission import Admission, Ticket, Verdict, pool_saturation
 from services.scheduler.cluster import ClusterView, NodeSpec
 from services.scheduler.policies import PlacementRequest, Policy
 from services.scheduler.policies.baton import BatonPolicy
@@ -136,8 +136,6 @@ class Simulation:
             max_queued=max_queued, fair_share="tokens" if admission == "baton" else "round_robin",
             check_deadlines=admission == "baton")
         self._predictor = BatonPolicy()
-        self._ttft_watch = TtftWatch()
-        self._admission_kind = admission
         self._held: dict[str, tuple[Generation, RequestRecord, tuple[int, ...]]] = {}
         self._suspects: dict[str, float] = {}
         self._book = TokenBook()
@@ -247,8 +245,7 @@ class Simulation:
     def _is_saturated(self) -> bool:
         loads = [(load.num_waiting, load.kv_blocks_used, load.kv_blocks_total)
                  for load in (n.core.load() for n in self._nodes.values() if n.is_alive)]
-        # Baton's gate also reads observed TTFT against budgets; GIE's flow control does not.
-        return pool_saturation(loads) >= 1.0 or (self._admission_kind == "baton" and self._ttft_watch.is_over_budget())
+        return pool_saturation(loads) >= 1.0
 
     def _admit(self, generation: Generation, record: RequestRecord, block_hashes: tuple[int, ...]) -> None:
         assert self._admission is not None
@@ -325,7 +322,6 @@ class Simulation:
             if output.new_token_ids and record.first_token_s is None:
                 record.first_token_s = self._now
                 record.cached_tokens = output.num_cached_tokens
-                self._ttft_watch.observe((self._now - record.arrival_s) * 1000, self._ttft_budget_ms)
             generation.generated.extend(output.new_token_ids)
             record.num_generated = len(generation.generated)
             if output.finish_reason is not None:

@@ -192,25 +192,6 @@ class Admission:
         state.in_flight = max(0, state.in_flight - 1)
 
 
-class TtftWatch:
-    """Observed time to first token against budgets, over the most recent requests that had one."""
-
-    def __init__(self, window: int = 50, quantile: float = 0.9) -> None:
-        self._ratios: deque[float] = deque(maxlen=window)
-        self._quantile = quantile
-
-    def observe(self, ttft_ms: float, budget_ms: float) -> None:
-        if budget_ms > 0:
-            self._ratios.append(ttft_ms / budget_ms)
-
-    def is_over_budget(self) -> bool:
-        """Whether the recent requests' 90th-percentile TTFT exceeds their budget."""
-        if len(self._ratios) < 10:
-            return False
-        ordered = sorted(self._ratios)
-        return ordered[min(len(ordered) - 1, int(self._quantile * len(ordered)))] > 1.0
-
-
 def pool_saturation(loads: list[tuple[int, int, int]]) -> float:
     """llm-d's saturation of a pool: mean over nodes of max(waiting / 5, KV used / (0.8 · KV total)).
 

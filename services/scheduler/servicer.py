@@ -21,7 +21,7 @@ from services.common.errors import BatonError, FailedPrecondition, NotFound, Res
 from services.common.etcd_session import Membership, PrefixView
 from services.common.load import load_from_proto, load_to_proto
 from services.common.telemetry import Telemetry
-from services.scheduler.admission import Admission, Ticket, TtftWatch, pool_saturation
+from services.scheduler.admission import Admission, Ticket, pool_saturation
 from services.scheduler.cluster import ClusterView, NodeSpec
 from services.scheduler.config import SchedulerConfig, parse_tenant_limits
 from services.scheduler.gate import AdmissionGate
@@ -59,7 +59,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._retry_budget = RetryBudget(config.retry_ratio, config.retry_min_per_s)
         self._decisions: deque[scheduler_pb2.PlacementDecision] = deque(maxlen=_DECISIONS_KEPT)
         self._predictor = BatonPolicy()
-        self._ttft_watch = TtftWatch()
+        self._ttft_ratio = telemetry.meter.create_histogram(
+            "baton.scheduler.observed_ttft_ratio", description="clients' time to first token over their budget")
         self._gate = AdmissionGate(
             Admission(max_queued=config.max_queued, limits=parse_tenant_limits(config.tenant_limits)),
             self._is_saturated, telemetry.meter)
@@ -213,19 +214,22 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return min(t.ttft_ms for t in terms) / 1000 if terms else 0.0
 
     def _is_saturated(self) -> bool:
-        """From live signals: queue depth and KV use reported by every node (llm-d's saturation), and
-        the time to first token clients have been seeing against their budgets."""
+        """From live signals: queue depth and KV use reported by every node (llm-d's saturation).
+
+        Observed TTFT against budgets is recorded (baton.scheduler.observed_ttft_ratio) but does not
+        halt dispatch: in the simulator that cut goodput at 3x load from 7.0 to 4.5 requests/s.
+        """
         nodes = [s for s in self._cluster.nodes() if s.reported_at is not None]
         loads = [(s.load.num_waiting + s.placed_requests, s.load.kv_blocks_used, s.load.kv_blocks_total)
                  for s in nodes]
-        return pool_saturation(loads) >= 1.0 or self._ttft_watch.is_over_budget()
+        return pool_saturation(loads) >= 1.0
 
     async def Finished(
         self, request: scheduler_pb2.FinishedRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.FinishedAck:
         self._gate.finished(request.request_id)
-        if request.ttft_ms:
-            self._ttft_watch.observe(request.ttft_ms, request.ttft_budget_ms)
+        if request.ttft_ms and request.ttft_budget_ms:
+            self._ttft_ratio.record(request.ttft_ms / request.ttft_budget_ms)
         return scheduler_pb2.FinishedAck()
 
     def _record_decision(self, placement: PlacementRequest, decision: Decision) -> None:

@@ -114,16 +114,3 @@ def test_a_full_queue_makes_room_for_a_newcomer_by_shedding_the_flood() -> None:
     again = admission.offer(ticket("flood9", tenant="flood"), 0.0, True, 0.1)
     assert again.verdict == Verdict.REJECT  # the flood cannot push the newcomer out in turn
 
-
-def test_observed_ttft_over_budget_counts_as_saturation() -> None:
-    from services.scheduler.admission import TtftWatch
-
-    watch = TtftWatch(window=20)
-    for _ in range(20):
-        watch.observe(400, 1000)
-    assert not watch.is_over_budget()
-    for _ in range(4):
-        watch.observe(3000, 1000)  # a fifth of recent requests now miss: the 90th percentile is over
-    assert watch.is_over_budget()
-    watch.observe(100, 0)  # no budget: no signal
-    assert watch.is_over_budget()
