@@ -255,9 +255,8 @@ class Simulation:
                                      num_prompt_tokens=len(generation.context), num_prompt_blocks=len(block_hashes),
                                      max_tokens=generation.num_remaining, ttft_budget_ms=self._ttft_budget_ms)
         matched = self._index.overlap(self._model.name, block_hashes)
-        terms = [t for s in self._view.candidates(self._model.name, self._now)
-                 if (t := self._predictor.terms(placement, s, matched.get(s.spec.node_id, 0)))]
-        predicted_s = min((t.ttft_ms for t in terms), default=0.0) / 1000
+        predicted_s = self._predictor.best_ttft_s(placement, self._view.candidates(self._model.name, self._now),
+                                                  matched)
         ticket = Ticket(request.request_id, request.tenant, request.priority,
                         len(generation.context) + generation.num_remaining, self._now,
                         self._now + self._ttft_budget_ms / 1000 if self._ttft_budget_ms else math.inf)

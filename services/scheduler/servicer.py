@@ -188,7 +188,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                 priority=request.priority, num_tokens=request.num_prompt_tokens + request.max_tokens,
                                 arrived_at=now, deadline_at=now + request.ttft_budget_ms / 1000
                                 if request.ttft_budget_ms else math.inf)
-                if await self._gate.enter(ticket, self._predicted_ttft_s(placement, candidates, matched)):
+                if await self._gate.enter(ticket, self._predictor.best_ttft_s(placement, candidates, matched)):
                     # It waited: place it on the fleet as it is now, with no await from here on.
                     now = time.monotonic()
                     candidates = self._cluster.candidates(request.model, now, exclude) or candidates
@@ -207,11 +207,6 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             matched_blocks=decision.matched_blocks,
             cost=decision.cost,
         )
-
-    def _predicted_ttft_s(self, placement: PlacementRequest, candidates: list, matched: dict[str, int]) -> float:
-        """The best time to first token any candidate offers (0 when no timing model applies)."""
-        terms = [t for s in candidates if (t := self._predictor.terms(placement, s, matched.get(s.spec.node_id, 0)))]
-        return min(t.ttft_ms for t in terms) / 1000 if terms else 0.0
 
     def _is_saturated(self) -> bool:
         """From live signals: queue depth and KV use reported by every node (llm-d's saturation).

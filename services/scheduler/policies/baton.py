@@ -139,3 +139,9 @@ class BatonPolicy:
             if len(self.workflow_spent) > MAX_WORKFLOWS:
                 self.workflow_spent.popitem(last=False)
         return decision(best, matched_blocks, best_terms.score)
+
+    def best_ttft_s(self, request: PlacementRequest, candidates: list[NodeStatus],
+                    matched_blocks: dict[str, int]) -> float:
+        """The shortest predicted time to first token any candidate offers (0 without a timing model)."""
+        terms = [t for s in candidates if (t := self.terms(request, s, matched_blocks.get(s.spec.node_id, 0)))]
+        return min(t.ttft_ms for t in terms) / 1000 if terms else 0.0
