@@ -49,7 +49,6 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     def __init__(self, config: RouterConfig, telemetry: Telemetry) -> None:
         self._config = config
-        self._telemetry = telemetry
         self._rng = random.Random()
         self._models: dict[str, ModelEntry] = {}
         self._member = Membership(config.etcd, config.lease_ttl_s)

@@ -92,12 +92,6 @@ class Admission:
     def num_queued(self) -> int:
         return len(self._queued)
 
-    def queued_by_band(self) -> dict[int, int]:
-        bands: dict[int, int] = defaultdict(int)
-        for ticket in self._queued.values():
-            bands[ticket.priority] += 1
-        return dict(bands)
-
     def limits(self, tenant: str) -> TenantLimits:
         return self._limits.get(tenant, self._default)
 

@@ -53,7 +53,6 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     def __init__(self, config: SchedulerConfig, telemetry: Telemetry) -> None:
         self._config = config
-        self._telemetry = telemetry
         self._cluster = ClusterView(load_timeout_s=config.load_timeout_s)
         self._policy = make_policy(config.policy, config.prefill_load_scale)
         self._retry_budget = RetryBudget(config.retry_ratio, config.retry_min_per_s)

@@ -68,10 +68,6 @@ class KVCache:
         """Every hash findable in the prefix cache right now."""
         return list(self._cached)
 
-    def is_cached(self, block_hash: int) -> bool:
-        """Whether a block with this hash is in the prefix cache."""
-        return block_hash in self._cached
-
     def num_blocks_held(self, request_id: str) -> int:
         """Blocks in request_id's block table."""
         return len(self._tables.get(request_id, ()))

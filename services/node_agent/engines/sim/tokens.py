@@ -61,10 +61,6 @@ class ContextHasher:
         """Fold one more token into the digest."""
         self.state = _mix64(self.state ^ (((token_id + 1) * _GOLDEN) & _MASK64))
 
-    def copy(self) -> ContextHasher:
-        """An independent hasher at the same state."""
-        return ContextHasher(self.state)
-
     @classmethod
     def after_block(cls, block_hash: int) -> ContextHasher:
         """Digest of a context that ends with the full block keyed block_hash.
