@@ -13,10 +13,21 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+
+class ModelState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODEL_STATE_UNSPECIFIED: _ClassVar[ModelState]
+    MODEL_STATE_COLD: _ClassVar[ModelState]
+    MODEL_STATE_LOADING: _ClassVar[ModelState]
+    MODEL_STATE_WARM: _ClassVar[ModelState]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+MODEL_STATE_UNSPECIFIED: ModelState
+MODEL_STATE_COLD: ModelState
+MODEL_STATE_LOADING: ModelState
+MODEL_STATE_WARM: ModelState
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "seed", "max_tokens", "stop", "ignore_eos")
@@ -41,32 +52,40 @@ class TokenSequence(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "num_migrations", "recomputed_tokens")
+    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "num_migrations", "recomputed_tokens", "gpu_ms")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GPU_MS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
     num_migrations: int
     recomputed_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_migrations: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ...) -> None: ...
+    gpu_ms: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_migrations: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., gpu_ms: _Optional[float] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "max_context_tokens", "tokenizer", "vocab_size", "is_warm")
+    __slots__ = ("name", "max_context_tokens", "tokenizer", "vocab_size", "is_warm", "state", "weights_bytes", "load_time_s")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     IS_WARM_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_TIME_S_FIELD_NUMBER: _ClassVar[int]
     name: str
     max_context_tokens: int
     tokenizer: str
     vocab_size: int
     is_warm: bool
-    def __init__(self, name: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., is_warm: _Optional[bool] = ...) -> None: ...
+    state: ModelState
+    weights_bytes: int
+    load_time_s: float
+    def __init__(self, name: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., is_warm: _Optional[bool] = ..., state: _Optional[_Union[ModelState, str]] = ..., weights_bytes: _Optional[int] = ..., load_time_s: _Optional[float] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
     __slots__ = ("node_id", "address", "gpu", "hbm_bytes", "region", "price_per_hour", "models", "kv_block_size", "engine")

@@ -7,6 +7,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LoadModelRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class LoadModelResponse(_message.Message):
+    __slots__ = ("model", "waited_s")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    WAITED_S_FIELD_NUMBER: _ClassVar[int]
+    model: _common_pb2.ModelInfo
+    waited_s: float
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., waited_s: _Optional[float] = ...) -> None: ...
+
+class UnloadModelRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class UnloadModelResponse(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: _common_pb2.ModelInfo
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ...) -> None: ...
+
 class NodeGenerateRequest(_message.Message):
     __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "num_resumed_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -42,16 +68,18 @@ class NodeGenerateChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., node_id: _Optional[str] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., started: _Optional[_Union[StreamStarted, _Mapping]] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
-    __slots__ = ("num_context_tokens", "num_completion_tokens", "seed", "exact")
+    __slots__ = ("num_context_tokens", "num_completion_tokens", "seed", "exact", "gpu_ms")
     NUM_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     EXACT_FIELD_NUMBER: _ClassVar[int]
+    GPU_MS_FIELD_NUMBER: _ClassVar[int]
     num_context_tokens: int
     num_completion_tokens: int
     seed: int
     exact: bool
-    def __init__(self, num_context_tokens: _Optional[int] = ..., num_completion_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., exact: _Optional[bool] = ...) -> None: ...
+    gpu_ms: float
+    def __init__(self, num_context_tokens: _Optional[int] = ..., num_completion_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., exact: _Optional[bool] = ..., gpu_ms: _Optional[float] = ...) -> None: ...
 
 class StreamStarted(_message.Message):
     __slots__ = ("heartbeat_interval_ms", "expected_step_ms")

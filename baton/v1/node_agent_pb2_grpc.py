@@ -51,6 +51,16 @@ class NodeAgentStub:
                 request_serializer=baton_dot_v1_dot_node__agent__pb2.GetKVSnapshotRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_node__agent__pb2.KVSnapshot.FromString,
                 _registered_method=True)
+        self.LoadModel = channel.unary_unary(
+                '/baton.v1.NodeAgent/LoadModel',
+                request_serializer=baton_dot_v1_dot_node__agent__pb2.LoadModelRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_node__agent__pb2.LoadModelResponse.FromString,
+                _registered_method=True)
+        self.UnloadModel = channel.unary_unary(
+                '/baton.v1.NodeAgent/UnloadModel',
+                request_serializer=baton_dot_v1_dot_node__agent__pb2.UnloadModelRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_node__agent__pb2.UnloadModelResponse.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer:
@@ -77,6 +87,22 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadModel(self, request, context):
+        """Load a model from local disk onto the GPU; returns once it is warm (a load already under way
+        is joined). FAILED_PRECONDITION while another model is warm: a GPU holds one model at a time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadModel(self, request, context):
+        """Free the GPU of a warm model that has nothing in flight (FAILED_PRECONDITION otherwise); it
+        stays on local disk, cold.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +120,16 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.GetKVSnapshot,
                     request_deserializer=baton_dot_v1_dot_node__agent__pb2.GetKVSnapshotRequest.FromString,
                     response_serializer=baton_dot_v1_dot_node__agent__pb2.KVSnapshot.SerializeToString,
+            ),
+            'LoadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadModel,
+                    request_deserializer=baton_dot_v1_dot_node__agent__pb2.LoadModelRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_node__agent__pb2.LoadModelResponse.SerializeToString,
+            ),
+            'UnloadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadModel,
+                    request_deserializer=baton_dot_v1_dot_node__agent__pb2.UnloadModelRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_node__agent__pb2.UnloadModelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +214,60 @@ class NodeAgent:
             '/baton.v1.NodeAgent/GetKVSnapshot',
             baton_dot_v1_dot_node__agent__pb2.GetKVSnapshotRequest.SerializeToString,
             baton_dot_v1_dot_node__agent__pb2.KVSnapshot.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.NodeAgent/LoadModel',
+            baton_dot_v1_dot_node__agent__pb2.LoadModelRequest.SerializeToString,
+            baton_dot_v1_dot_node__agent__pb2.LoadModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.NodeAgent/UnloadModel',
+            baton_dot_v1_dot_node__agent__pb2.UnloadModelRequest.SerializeToString,
+            baton_dot_v1_dot_node__agent__pb2.UnloadModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

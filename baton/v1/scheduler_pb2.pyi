@@ -1,5 +1,6 @@
 from baton.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -7,17 +8,77 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RequestOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REQUEST_OUTCOME_UNSPECIFIED: _ClassVar[RequestOutcome]
+    REQUEST_OUTCOME_SUCCEEDED: _ClassVar[RequestOutcome]
+    REQUEST_OUTCOME_LATE: _ClassVar[RequestOutcome]
+    REQUEST_OUTCOME_FAILED: _ClassVar[RequestOutcome]
+    REQUEST_OUTCOME_CANCELLED: _ClassVar[RequestOutcome]
+REQUEST_OUTCOME_UNSPECIFIED: RequestOutcome
+REQUEST_OUTCOME_SUCCEEDED: RequestOutcome
+REQUEST_OUTCOME_LATE: RequestOutcome
+REQUEST_OUTCOME_FAILED: RequestOutcome
+REQUEST_OUTCOME_CANCELLED: RequestOutcome
+
 class FinishedRequest(_message.Message):
-    __slots__ = ("request_id", "tenant", "ttft_ms", "ttft_budget_ms")
+    __slots__ = ("request_id", "tenant", "ttft_ms", "ttft_budget_ms", "workflow_id", "step", "total_steps", "outcome", "gpu_ms_by_node")
+    class GpuMsByNodeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     TTFT_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
+    WORKFLOW_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    GPU_MS_BY_NODE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     ttft_ms: int
     ttft_budget_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., ttft_ms: _Optional[int] = ..., ttft_budget_ms: _Optional[int] = ...) -> None: ...
+    workflow_id: str
+    step: int
+    total_steps: int
+    outcome: RequestOutcome
+    gpu_ms_by_node: _containers.ScalarMap[str, float]
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., ttft_ms: _Optional[int] = ..., ttft_budget_ms: _Optional[int] = ..., workflow_id: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., outcome: _Optional[_Union[RequestOutcome, str]] = ..., gpu_ms_by_node: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class TaskStats(_message.Message):
+    __slots__ = ("tasks_succeeded", "tasks_failed", "tasks_open", "ended_cost_usd", "cost_per_successful_task_usd")
+    TASKS_SUCCEEDED_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    TASKS_OPEN_FIELD_NUMBER: _ClassVar[int]
+    ENDED_COST_USD_FIELD_NUMBER: _ClassVar[int]
+    COST_PER_SUCCESSFUL_TASK_USD_FIELD_NUMBER: _ClassVar[int]
+    tasks_succeeded: int
+    tasks_failed: int
+    tasks_open: int
+    ended_cost_usd: float
+    cost_per_successful_task_usd: float
+    def __init__(self, tasks_succeeded: _Optional[int] = ..., tasks_failed: _Optional[int] = ..., tasks_open: _Optional[int] = ..., ended_cost_usd: _Optional[float] = ..., cost_per_successful_task_usd: _Optional[float] = ...) -> None: ...
+
+class ModelAction(_message.Message):
+    __slots__ = ("node_id", "model", "kind", "reason", "at_ms", "result")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    AT_MS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    model: str
+    kind: str
+    reason: str
+    at_ms: int
+    result: str
+    def __init__(self, node_id: _Optional[str] = ..., model: _Optional[str] = ..., kind: _Optional[str] = ..., reason: _Optional[str] = ..., at_ms: _Optional[int] = ..., result: _Optional[str] = ...) -> None: ...
 
 class FinishedAck(_message.Message):
     __slots__ = ()
@@ -54,7 +115,7 @@ class PlacementDecision(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., score: _Optional[float] = ..., workflow_id: _Optional[str] = ..., decided_at_ms: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[CandidateTerms, _Mapping]]] = ...) -> None: ...
 
 class CandidateTerms(_message.Message):
-    __slots__ = ("node_id", "gpu", "cached_tokens", "predicted_ttft_ms", "predicted_tpot_ms", "cost", "success", "workflow_spent", "has_kv_room", "score")
+    __slots__ = ("node_id", "gpu", "cached_tokens", "predicted_ttft_ms", "predicted_tpot_ms", "cost", "success", "workflow_spent", "has_kv_room", "score", "warm", "load_ms", "kv_free_blocks", "at_risk")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +126,10 @@ class CandidateTerms(_message.Message):
     WORKFLOW_SPENT_FIELD_NUMBER: _ClassVar[int]
     HAS_KV_ROOM_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
+    WARM_FIELD_NUMBER: _ClassVar[int]
+    LOAD_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    AT_RISK_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     gpu: str
     cached_tokens: int
@@ -75,7 +140,11 @@ class CandidateTerms(_message.Message):
     workflow_spent: float
     has_kv_room: bool
     score: float
-    def __init__(self, node_id: _Optional[str] = ..., gpu: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., predicted_ttft_ms: _Optional[float] = ..., predicted_tpot_ms: _Optional[float] = ..., cost: _Optional[float] = ..., success: _Optional[float] = ..., workflow_spent: _Optional[float] = ..., has_kv_room: _Optional[bool] = ..., score: _Optional[float] = ...) -> None: ...
+    warm: bool
+    load_ms: float
+    kv_free_blocks: int
+    at_risk: float
+    def __init__(self, node_id: _Optional[str] = ..., gpu: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., predicted_ttft_ms: _Optional[float] = ..., predicted_tpot_ms: _Optional[float] = ..., cost: _Optional[float] = ..., success: _Optional[float] = ..., workflow_spent: _Optional[float] = ..., has_kv_room: _Optional[bool] = ..., score: _Optional[float] = ..., warm: _Optional[bool] = ..., load_ms: _Optional[float] = ..., kv_free_blocks: _Optional[int] = ..., at_risk: _Optional[float] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
     __slots__ = ("request_id", "model", "num_prompt_tokens", "block_hashes", "max_tokens", "tenant", "priority", "ttft_budget_ms", "deadline_ms", "workflow_id", "step", "total_steps", "exclude_node_ids", "retry_cause")
@@ -140,13 +209,17 @@ class NodeState(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.NodeLoad, _Mapping]] = ..., load_age_ms: _Optional[int] = ...) -> None: ...
 
 class ClusterState(_message.Message):
-    __slots__ = ("scheduler_id", "nodes", "leader_id", "leader_address")
+    __slots__ = ("scheduler_id", "nodes", "leader_id", "leader_address", "tasks", "model_actions")
     SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     LEADER_ID_FIELD_NUMBER: _ClassVar[int]
     LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ACTIONS_FIELD_NUMBER: _ClassVar[int]
     scheduler_id: str
     nodes: _containers.RepeatedCompositeFieldContainer[NodeState]
     leader_id: str
     leader_address: str
-    def __init__(self, scheduler_id: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ..., leader_id: _Optional[str] = ..., leader_address: _Optional[str] = ...) -> None: ...
+    tasks: TaskStats
+    model_actions: _containers.RepeatedCompositeFieldContainer[ModelAction]
+    def __init__(self, scheduler_id: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ..., leader_id: _Optional[str] = ..., leader_address: _Optional[str] = ..., tasks: _Optional[_Union[TaskStats, _Mapping]] = ..., model_actions: _Optional[_Iterable[_Union[ModelAction, _Mapping]]] = ...) -> None: ...

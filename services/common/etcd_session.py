@@ -185,6 +185,10 @@ class Membership:
         """Loops that put key=value under the lease and keep the lease alive."""
         return [self._session.put(key, value), self._session.keep_alive()]
 
+    async def update(self, key: str, value: bytes) -> None:
+        """Replace the value of a key held under the lease."""
+        await self._session.put(key, value)
+
     def hold_service(self, kind: str, instance_id: str, address: str) -> list[Coroutine[Any, Any, None]]:
         """hold() for a service instance's registration, found by ServiceDirectory."""
         value = json.dumps({"address": address}).encode()

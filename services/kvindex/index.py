@@ -51,9 +51,11 @@ class KVIndex:
                     del self._holders[key]
 
     def reset_node(self, node_id: str, model: str, block_hashes: Sequence[int]) -> None:
-        """Replace what node_id holds of model with exactly block_hashes (a snapshot)."""
-        self.apply(node_id, model, AllBlocksCleared())
-        self.apply(node_id, model, BlockStored(tuple(block_hashes), None, (), 0))
+        """Replace everything node_id holds with exactly block_hashes of model (a snapshot: the
+        node's whole cache, of the one model it has warm; none when model is empty)."""
+        self.remove_node(node_id)
+        if model:
+            self.apply(node_id, model, BlockStored(tuple(block_hashes), None, (), 0))
 
     def overlap(self, model: str, block_hashes: Sequence[int]) -> dict[str, int]:
         """For each node holding the first block, how many leading blocks it holds."""

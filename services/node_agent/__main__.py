@@ -7,7 +7,7 @@ from services.common.config import parse_config
 from services.common.server import serve, setup_logging
 from services.common.telemetry import Telemetry
 from services.node_agent.config import NodeAgentConfig
-from services.node_agent.engines.factory import build_engine
+from services.node_agent.engines.factory import build_host
 from services.node_agent.servicer import NodeAgentService
 
 
@@ -15,8 +15,8 @@ async def main() -> int:
     config = parse_config(NodeAgentConfig, "BATON_NODE")
     setup_logging(config.log_level)
     telemetry = Telemetry(f"node_agent/{config.node_id}", config.otel_exporter)
-    engine, node_info = build_engine(config)
-    return await serve(NodeAgentService(config, engine, node_info, telemetry), config.listen, telemetry)
+    host = build_host(config)
+    return await serve(NodeAgentService(config, host, telemetry), config.listen, telemetry)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,10 @@ class NodeAgentConfig(ServiceConfig):
     listen: str = doc("host:port to serve gRPC on", "127.0.0.1:50400")
     node_id: str = doc("this node's id in the cluster", "node-0")
     engine: str = doc("engine: sim (simulated, no GPU); vllm is not in this build yet", "sim")
-    model: str = doc("model to serve warm", "sim-llama-3-8b")
+    model: str = doc("model warm at start (empty: none)", "sim-llama-3-8b")
+    cold_models: str = doc("comma-separated models on local disk, cold: LoadModel makes one warm", "")
+    disk_gbps: float = doc("sim engine: local disk read rate for loading weights, GB/s", 0.55)
+    engine_start_s: float = doc("sim engine: engine start-up after the weights are read, seconds", 20.0)
     gpu: str = doc("GPU generation (h100, a100, h200, a40, a10g, l4)", "h100")
     hbm_gb: float = doc("GPU memory in GB; 0: the GPU's own", 0.0)
     price_per_hour: float = doc("price of this GPU per hour in USD; 0: the catalogue price", 0.0)
@@ -34,6 +37,9 @@ class NodeAgentConfig(ServiceConfig):
             raise ValueError(f"--speed: must be 0 or more, got {self.speed}")
         if self.kv_blocks < 0:
             raise ValueError(f"--kv-blocks: must be 0 or more, got {self.kv_blocks}")
+        if self.disk_gbps <= 0 or self.engine_start_s < 0:
+            raise ValueError(f"--disk-gbps must be positive and --engine-start-s not negative, got "
+                             f"{self.disk_gbps} and {self.engine_start_s}")
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"--heartbeat-interval-s: must be positive, got {self.heartbeat_interval_s}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -12,8 +12,8 @@ import grpc
 from baton.v1 import kvindex_pb2, kvindex_pb2_grpc, node_agent_pb2
 from services.common.directory import ServiceDirectory, for_each_instance
 from services.kvindex.servicer import event_to_proto
-from services.node_agent.engines.base import Engine
 from services.node_agent.engines.types import KVEvent
+from services.node_agent.model_host import ModelHost
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +25,11 @@ class LogOverrun(Exception):
 
 
 class KvEventLog:
-    """The engine's KV events in numbered batches (from 1), kept a while for every publisher."""
+    """The warm engine's KV events in numbered batches (from 1), kept a while for every publisher."""
 
-    def __init__(self, node_id: str, engine: Engine, capacity: int = 10_000) -> None:
+    def __init__(self, node_id: str, host: ModelHost, capacity: int = 10_000) -> None:
         self._node_id = node_id
-        self._engine = engine
+        self._host = host
         self._batches: deque[kvindex_pb2.KVEventBatch] = deque(maxlen=capacity)
         self._last_seq = 0
         self._appended = asyncio.Condition()
@@ -37,16 +37,16 @@ class KvEventLog:
     async def follow(self) -> None:
         """Move the engine's events into the log as they come."""
         while True:
-            await self._append(await self._engine.next_kv_events())
+            await self._append(*await self._host.next_kv_events())
 
-    async def _append(self, events: list[KVEvent]) -> None:
+    async def _append(self, model: str, events: list[KVEvent]) -> None:
         async with self._appended:
             self._last_seq += 1
-            self._batches.append(self._batch(self._last_seq, events))
+            self._batches.append(self._batch(self._last_seq, model, events))
             self._appended.notify_all()
 
-    def _batch(self, seq: int, events: list[KVEvent]) -> kvindex_pb2.KVEventBatch:
-        return kvindex_pb2.KVEventBatch(node_id=self._node_id, model=self._engine.model, seq=seq,
+    def _batch(self, seq: int, model: str, events: list[KVEvent]) -> kvindex_pb2.KVEventBatch:
+        return kvindex_pb2.KVEventBatch(node_id=self._node_id, model=model, seq=seq,
                                         events=[event_to_proto(event) for event in events])
 
     def snapshot(self) -> node_agent_pb2.KVSnapshot:
@@ -55,13 +55,14 @@ class KvEventLog:
         It may include events not yet logged too; they come later in batches above seq, and
         replaying them is harmless: each event states where its blocks end up.
         """
-        return node_agent_pb2.KVSnapshot(node_id=self._node_id, model=self._engine.model, seq=self._last_seq,
-                                         block_hashes=self._engine.cached_block_hashes())
+        model, block_hashes = self._host.cached_blocks()
+        return node_agent_pb2.KVSnapshot(node_id=self._node_id, model=model, seq=self._last_seq,
+                                         block_hashes=block_hashes)
 
     async def stream(self) -> AsyncIterator[kvindex_pb2.KVEventBatch]:
         """A batch with no events carrying the latest seq, then every batch after it as it comes."""
         seq = self._last_seq
-        yield self._batch(seq, [])
+        yield self._batch(seq, self._host.warm_model, [])
         while True:
             async with self._appended:
                 await self._appended.wait_for(lambda after=seq: self._last_seq > after)

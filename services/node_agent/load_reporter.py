@@ -13,25 +13,25 @@ from baton.v1 import common_pb2, scheduler_pb2_grpc
 from services.common.change_signal import wait_or_timeout
 from services.common.directory import ServiceDirectory, for_each_instance
 from services.common.load import load_to_proto
-from services.node_agent.engines.base import Engine
+from services.node_agent.model_host import ModelHost
 
 log = logging.getLogger(__name__)
 
 _RETRY_S = 0.5
 
 
-def load_message(node_id: str, engine: Engine) -> common_pb2.NodeLoad:
-    return load_to_proto(node_id, engine.load(), reported_at_ms=int(time.time() * 1000))
+def load_message(node_id: str, host: ModelHost) -> common_pb2.NodeLoad:
+    return load_to_proto(node_id, host.load(), reported_at_ms=int(time.time() * 1000))
 
 
-async def report_load(node_id: str, engine: Engine, schedulers: ServiceDirectory, interval_s: float) -> None:
+async def report_load(node_id: str, host: ModelHost, schedulers: ServiceDirectory, interval_s: float) -> None:
     """Keep a ReportLoad stream open to every scheduler replica, so a standby that takes over
     already knows the fleet's load."""
 
     async def reports() -> AsyncIterator[common_pb2.NodeLoad]:
         while True:
-            changed = engine.load_changed.since_now()
-            yield load_message(node_id, engine)
+            changed = host.load_changed.since_now()
+            yield load_message(node_id, host)
             # A change is reported at once; otherwise a heartbeat every interval.
             await wait_or_timeout(changed, interval_s)
 

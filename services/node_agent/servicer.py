@@ -12,14 +12,16 @@ from google.protobuf import json_format
 from baton.v1 import common_pb2, node_agent_pb2, node_agent_pb2_grpc
 from services.common import etcd_keys
 from services.common.directory import ServiceDirectory
-from services.common.errors import InvalidArgument, NotFound, abort
+from services.common.errors import BatonError, InvalidArgument, abort
 from services.common.etcd_session import Membership
 from services.common.telemetry import Telemetry
 from services.node_agent.config import NodeAgentConfig
 from services.node_agent.engines.base import Engine, EngineInputError
+from services.node_agent.engines.factory import model_info, node_info
 from services.node_agent.engines.types import EngineRequest, FinishReason, SamplingParams
 from services.node_agent.kv_publisher import KvEventLog, publish
 from services.node_agent.load_reporter import load_message, report_load
+from services.node_agent.model_host import ModelHost
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +47,13 @@ def sampling_from_proto(sampling: common_pb2.SamplingParams) -> SamplingParams:
 class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     service_names = ("baton.v1.NodeAgent",)
 
-    def __init__(self, config: NodeAgentConfig, engine: Engine, node_info: common_pb2.NodeInfo,
-                 telemetry: Telemetry) -> None:
+    def __init__(self, config: NodeAgentConfig, host: ModelHost, telemetry: Telemetry) -> None:
         self._config = config
-        self._engine = engine
-        self._node_info = node_info
+        self._host = host
         self._member = Membership(config.etcd, config.lease_ttl_s)
         self._schedulers = ServiceDirectory(self._member.client, "scheduler", telemetry)
         self._kvindexes = ServiceDirectory(self._member.client, "kvindex", telemetry)
-        self._kv_log = KvEventLog(config.node_id, engine)
+        self._kv_log = KvEventLog(config.node_id, host)
         self._tokens = telemetry.meter.create_counter(
             "baton.node.generated_tokens", description="tokens generated on this node"
         )
@@ -61,16 +61,26 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     def register(self, server: grpc.aio.Server) -> None:
         node_agent_pb2_grpc.add_NodeAgentServicer_to_server(self, server)
 
+    def _registration(self) -> bytes:
+        return json_format.MessageToJson(node_info(self._config, self._host), indent=None).encode()
+
+    async def _keep_registration_current(self) -> None:
+        """Rewrite the etcd registration whenever a model turns warm, loading or cold."""
+        while True:
+            changed = self._host.models_changed.since_now()
+            await changed.wait()
+            await self._member.update(etcd_keys.node_key(self._config.node_id), self._registration())
+
     def background(self) -> Sequence[Coroutine[Any, Any, None]]:
-        registration = json_format.MessageToJson(self._node_info, indent=None).encode()
         return [
-            self._engine.run(),
-            *self._member.hold(etcd_keys.node_key(self._config.node_id), registration),
+            self._host.run(),
+            *self._member.hold(etcd_keys.node_key(self._config.node_id), self._registration()),
+            self._keep_registration_current(),
             self._schedulers.run(),
             self._kvindexes.run(),
             self._kv_log.follow(),
             publish(self._kv_log, self._kvindexes),
-            report_load(self._config.node_id, self._engine, self._schedulers,
+            report_load(self._config.node_id, self._host, self._schedulers,
                         self._config.load_report_interval_s),
         ]
 
@@ -86,8 +96,10 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     async def Generate(
         self, request: node_agent_pb2.NodeGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[node_agent_pb2.NodeGenerateChunk]:
-        if request.model != self._engine.model:
-            await abort(context, NotFound(f"model={request.model!r}: not served by node {self._config.node_id}"))
+        try:
+            engine = self._host.engine_for(request.model)
+        except BatonError as error:
+            await abort(context, error)
         engine_request = EngineRequest(
             request_id=request.request_id,
             prompt_token_ids=tuple(request.prompt_token_ids),
@@ -95,14 +107,14 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             num_resumed_tokens=request.num_resumed_tokens,
         )
         try:
-            outputs = self._engine.generate(engine_request, self._config.heartbeat_interval_s)
+            outputs = engine.generate(engine_request, self._config.heartbeat_interval_s)
         except EngineInputError as exc:
             await abort(context, InvalidArgument(exc.field, exc.value, exc.reason))
         try:
             yield self._chunk(request, 0,
                               started=node_agent_pb2.StreamStarted(
                                   heartbeat_interval_ms=int(self._config.heartbeat_interval_s * 1000),
-                                  expected_step_ms=self._engine.expected_step_ms()))
+                                  expected_step_ms=engine.expected_step_ms()))
             index = 0
             async for output in outputs:
                 if output is None:
@@ -111,7 +123,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
                 chunk = self._chunk(request, index, token_ids=output.new_token_ids,
                                     finish_reason=FINISH_REASONS[output.finish_reason])
                 index += len(output.new_token_ids)
-                chunk.checkpoint.CopyFrom(self._checkpoint(request, index))
+                chunk.checkpoint.CopyFrom(self._checkpoint(request, index, engine, output.gpu_ms))
                 self._tokens.add(len(output.new_token_ids), {"model": request.model})
                 if output.finish_reason is not None:
                     chunk.usage.CopyFrom(
@@ -119,12 +131,13 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
                             prompt_tokens=output.num_prompt_tokens,
                             cached_tokens=output.num_cached_tokens,
                             completion_tokens=output.num_completion_tokens,
+                            gpu_ms=output.gpu_ms,
                         )
                     )
                 yield chunk
         finally:
             # The client went away or the stream broke: the engine must not go on for nobody.
-            self._engine.abort(request.request_id)
+            engine.abort(request.request_id)
 
     def _chunk(self, request: node_agent_pb2.NodeGenerateRequest, index: int,
                **fields: Any) -> node_agent_pb2.NodeGenerateChunk:
@@ -132,11 +145,14 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             request_id=request.request_id, index=index, node_id=self._config.node_id, **fields
         )
 
-    def _checkpoint(self, request: node_agent_pb2.NodeGenerateRequest, num_generated: int) -> node_agent_pb2.Checkpoint:
+    @staticmethod
+    def _checkpoint(request: node_agent_pb2.NodeGenerateRequest, num_generated: int, engine: Engine,
+                    gpu_ms: float) -> node_agent_pb2.Checkpoint:
         checkpoint = node_agent_pb2.Checkpoint(
             num_context_tokens=len(request.prompt_token_ids) + num_generated,
             num_completion_tokens=num_generated,
-            exact=self._engine.exact_resume,
+            exact=engine.exact_resume,
+            gpu_ms=gpu_ms,
         )
         if request.sampling.HasField("seed"):
             checkpoint.seed = request.sampling.seed
@@ -145,9 +161,31 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     async def GetLoad(
         self, request: node_agent_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.NodeLoad:
-        return load_message(self._config.node_id, self._engine)
+        return load_message(self._config.node_id, self._host)
 
     async def GetKVSnapshot(
         self, request: node_agent_pb2.GetKVSnapshotRequest, context: grpc.aio.ServicerContext
     ) -> node_agent_pb2.KVSnapshot:
         return self._kv_log.snapshot()
+
+    async def LoadModel(
+        self, request: node_agent_pb2.LoadModelRequest, context: grpc.aio.ServicerContext
+    ) -> node_agent_pb2.LoadModelResponse:
+        try:
+            waited_s = await self._host.load_model(request.model)
+        except BatonError as error:
+            await abort(context, error)
+        return node_agent_pb2.LoadModelResponse(model=self._model_info(request.model), waited_s=waited_s)
+
+    async def UnloadModel(
+        self, request: node_agent_pb2.UnloadModelRequest, context: grpc.aio.ServicerContext
+    ) -> node_agent_pb2.UnloadModelResponse:
+        try:
+            self._host.unload_model(request.model)
+        except BatonError as error:
+            await abort(context, error)
+        return node_agent_pb2.UnloadModelResponse(model=self._model_info(request.model))
+
+    def _model_info(self, model: str) -> common_pb2.ModelInfo:
+        local = next(m for m in self._host.models if m.name == model)
+        return model_info(local, self._host.state[model])

@@ -42,6 +42,8 @@ class Generation:
     recomputed_tokens: int = 0
     # False once any node said its resumed run may differ from an uninterrupted one.
     is_exact: bool = True
+    # GPU time spent on each node by the attempts that have ended (as of their last checkpoint).
+    gpu_ms_by_node: dict[str, float] = field(default_factory=dict)
 
     @property
     def context(self) -> list[int]:
@@ -88,7 +90,8 @@ class Generation:
         """The whole request's usage, given the finishing node's view of its part.
 
         cached_tokens is what that node found cached of the original prompt; recomputed_tokens
-        what it prefilled again of the context it resumed from.
+        what it prefilled again of the context it resumed from; gpu_ms is the GPU time on every
+        node, failed attempts included (to their last checkpoint).
         """
         num_prompt = len(self.prompt_token_ids)
         return common_pb2.Usage(
@@ -97,4 +100,10 @@ class Generation:
             completion_tokens=len(self.generated),
             num_migrations=self.num_migrations,
             recomputed_tokens=self.recomputed_tokens,
+            gpu_ms=sum(self.gpu_ms_by_node.values()) + node_usage.gpu_ms,
         )
+
+    def add_gpu_ms(self, node_id: str, gpu_ms: float) -> None:
+        """An attempt on node_id ended having used gpu_ms."""
+        if gpu_ms:
+            self.gpu_ms_by_node[node_id] = self.gpu_ms_by_node.get(node_id, 0.0) + gpu_ms

@@ -57,6 +57,7 @@ class Relay:
         placed = False
         started_at = loop.time()
         first_token_at: float | None = None
+        outcome = scheduler_pb2.REQUEST_OUTCOME_FAILED
         try:
             retry_cause = ""
             last_token_at: float | None = None
@@ -69,12 +70,14 @@ class Relay:
                     self._node_channels.get(placement.address), placement.node_id, generation.node_request(),
                     self._liveness, self._config.stall_floor_s, time_remaining(),
                 )
+                attempt_gpu_ms = 0.0
                 try:
                     async for chunk in node_chunks:
                         if chunk.index != len(generation.generated) - base:
                             raise NodeFailure(placement.node_id, FailureCause.STREAM_BROKEN,
                                               f"chunk index {chunk.index}, expected {len(generation.generated) - base}")
                         generation.generated.extend(chunk.token_ids)
+                        attempt_gpu_ms = chunk.checkpoint.gpu_ms
                         if base and not chunk.checkpoint.exact:
                             generation.is_exact = False
                         if chunk.token_ids:
@@ -89,6 +92,8 @@ class Relay:
                             generation.recomputed_tokens += recomputed
                             self._recomputed.add(recomputed, {"model": generation.model})
                         chunk.index += base
+                        if chunk.finish_reason:
+                            outcome = _outcome(chunk.finish_reason, request, started_at, first_token_at, loop.time())
                         yield chunk
                         if chunk.finish_reason:
                             return
@@ -101,19 +106,29 @@ class Relay:
                     retry_cause = failure.cause.value
                     if failed_at is None:
                         failed_at = last_token_at if last_token_at is not None else loop.time()
+                finally:
+                    generation.add_gpu_ms(placement.node_id, attempt_gpu_ms)
+        except (asyncio.CancelledError, GeneratorExit):
+            if outcome == scheduler_pb2.REQUEST_OUTCOME_FAILED:
+                outcome = scheduler_pb2.REQUEST_OUTCOME_CANCELLED  # the client went away
+            raise
         finally:
             if placed:
                 ttft_ms = int((first_token_at - started_at) * 1000) if first_token_at is not None else 0
-                self._tell_finished(generation.request_id, request.tenant, ttft_ms, request.ttft_budget_ms)
+                self._tell_finished(generation, request, ttft_ms, outcome)
 
-    def _tell_finished(self, request_id: str, tenant: str, ttft_ms: int, ttft_budget_ms: int) -> None:
-        """Release the request's admission slot at the leader; best effort, in the background."""
+    def _tell_finished(self, generation: Generation, request: router_pb2.GenerateRequest, ttft_ms: int,
+                       outcome: scheduler_pb2.RequestOutcome.ValueType) -> None:
+        """Tell the leader the request ended: its admission slot is released and its task charged.
+        Best effort, in the background."""
         address = self._leader.address()
         if address is None:
             return
         stub = scheduler_pb2_grpc.SchedulerStub(self._leader.channel(address))
-        notice = scheduler_pb2.FinishedRequest(request_id=request_id, tenant=tenant, ttft_ms=ttft_ms,
-                                               ttft_budget_ms=ttft_budget_ms)
+        notice = scheduler_pb2.FinishedRequest(
+            request_id=generation.request_id, tenant=request.tenant, ttft_ms=ttft_ms,
+            ttft_budget_ms=request.ttft_budget_ms, workflow_id=request.workflow_id, step=request.step,
+            total_steps=request.total_steps, outcome=outcome, gpu_ms_by_node=generation.gpu_ms_by_node)
 
         async def send() -> scheduler_pb2.FinishedAck:
             return await stub.Finished(notice, timeout=2.0)
@@ -188,3 +203,15 @@ class Relay:
                 log.warning("scheduler %s did not place (%s); waiting for a leader", address, exc.code().name)
             address = await self._leader.wait_for_other(address, max(0.0, deadline - loop.time()))
         raise Unavailable(f"no scheduler leader placed the request within {wait_s:.1f} s")
+
+
+def _outcome(finish_reason: common_pb2.FinishReason.ValueType, request: router_pb2.GenerateRequest, started_at: float,
+             first_token_at: float | None, now: float) -> scheduler_pb2.RequestOutcome.ValueType:
+    """How a finished request went against its budget."""
+    if finish_reason == common_pb2.FINISH_REASON_ABORT:
+        return scheduler_pb2.REQUEST_OUTCOME_CANCELLED
+    ttft_ms = ((first_token_at if first_token_at is not None else now) - started_at) * 1000
+    if (request.ttft_budget_ms and ttft_ms > request.ttft_budget_ms) or (
+            request.deadline_ms and (now - started_at) * 1000 > request.deadline_ms):
+        return scheduler_pb2.REQUEST_OUTCOME_LATE
+    return scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED

@@ -17,6 +17,17 @@ class NodeSpec:
     price_per_hour: float
     warm_models: frozenset[str]
     kv_block_size: int = 16
+    # Models on the node's local disk that are not warm, and those of them being loaded.
+    cold_models: frozenset[str] = frozenset()
+    loading_models: frozenset[str] = frozenset()
+    # Seconds to load each local model onto the GPU (the node's own estimate).
+    load_time_s: dict[str, float] = field(default_factory=dict, compare=False)
+    region: str = ""
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing warm and nothing loading: the GPU is free for any of its models."""
+        return not self.warm_models and not self.loading_models
 
 
 @dataclass
@@ -28,6 +39,15 @@ class NodeStatus:
     # Prompt blocks placed here since that report: load the node has not told us about yet.
     placed_prefill_blocks: int = 0
     placed_requests: int = 0
+    # When its models last changed (warm set or loading set) and when it was last given a request.
+    models_since: float = 0.0
+    last_placed_at: float | None = None
+
+    def idle_s(self, now: float) -> float:
+        """How long the node has had nothing in flight and nothing placed (0 while it has)."""
+        if self.load.num_running or self.load.num_waiting or self.placed_requests:
+            return 0.0
+        return now - max(self.models_since, self.last_placed_at or self.models_since)
 
 
 class ClusterView:
@@ -37,14 +57,16 @@ class ClusterView:
         self._load_timeout_s = load_timeout_s
         self._nodes: dict[str, NodeStatus] = {}
 
-    def set_nodes(self, specs: list[NodeSpec]) -> None:
+    def set_nodes(self, specs: list[NodeSpec], now: float = 0.0) -> None:
         """Replace membership with specs (from etcd), keeping what is known of staying nodes."""
         nodes = {}
         for spec in specs:
             status = self._nodes.get(spec.node_id)
             if status is None:
-                status = NodeStatus(spec=spec)
+                status = NodeStatus(spec=spec, models_since=now)
             else:
+                if (status.spec.warm_models, status.spec.loading_models) != (spec.warm_models, spec.loading_models):
+                    status.models_since = now
                 status.spec = spec
             nodes[spec.node_id] = status
         self._nodes = nodes
@@ -59,11 +81,13 @@ class ClusterView:
         status.placed_prefill_blocks = 0
         status.placed_requests = 0
 
-    def record_placement(self, node_id: str, num_prompt_blocks: int) -> None:
+    def record_placement(self, node_id: str, num_prompt_blocks: int, now: float | None = None) -> None:
         status = self._nodes.get(node_id)
         if status is not None:
             status.placed_prefill_blocks += num_prompt_blocks
             status.placed_requests += 1
+            if now is not None:
+                status.last_placed_at = now
 
     def is_live(self, status: NodeStatus, now: float) -> bool:
         """Registered, and not silent for longer than the load timeout once it has reported."""
@@ -77,8 +101,25 @@ class ClusterView:
             if model in status.spec.warm_models and node_id not in exclude and self.is_live(status, now)
         ]
 
+    def cold_candidates(self, model: str, now: float, exclude: frozenset[str] = frozenset()) -> list[NodeStatus]:
+        """Live nodes that could serve model once it is loaded: it is on their disk and their GPU is
+        free (or already loading it). They serve nothing until warm."""
+        return [
+            status
+            for node_id, status in sorted(self._nodes.items())
+            if node_id not in exclude and self.is_live(status, now) and (
+                model in status.spec.loading_models or (model in status.spec.cold_models and status.spec.is_empty))
+        ]
+
     def nodes(self) -> list[NodeStatus]:
         return [self._nodes[node_id] for node_id in sorted(self._nodes)]
 
+    def get(self, node_id: str) -> NodeStatus | None:
+        return self._nodes.get(node_id)
+
     def has_model(self, model: str) -> bool:
-        return any(model in status.spec.warm_models for status in self._nodes.values())
+        """Some node has model, warm or on its disk."""
+        return any(model in s.spec.warm_models or model in s.spec.cold_models for s in self._nodes.values())
+
+    def models(self) -> list[str]:
+        return sorted({m for s in self._nodes.values() for m in s.spec.warm_models | s.spec.cold_models})

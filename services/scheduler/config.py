@@ -29,11 +29,17 @@ class SchedulerConfig(ServiceConfig):
     instance_id: str = doc("this replica's id in etcd", "scheduler-0")
     load_timeout_s: float = doc("a node silent for longer than this is no candidate", 10.0)
     kvindex_timeout_s: float = doc("deadline of an overlap query; past it, place without cache info", 0.25)
-    policy: str = doc("placement policy: dynamo, llm_d, sglang, least_loaded or round_robin", "dynamo")
+    policy: str = doc("placement policy: baton, dynamo, llm_d, sglang, least_loaded or round_robin", "dynamo")
     prefill_load_scale: float = doc("weight of prefill blocks in the KV/load cost (dynamo policy)", 1.0)
     retry_ratio: float = doc("retries (migrations) allowed as a fraction of requests, over 10 s", 0.2)
     retry_min_per_s: float = doc("retries allowed per second whatever the request rate", 5.0)
     max_queued: int = doc("most requests the admission queue holds (memory bound)", 10_000)
+    model_plan_interval_s: float = doc("how often the leader plans model loads and unloads", 1.0)
+    model_swap_idle_s: float = doc("a node idle this long may have its model swapped for one in demand", 10.0)
+    model_idle_unload_s: float = doc("unload a model idle this long on a node if another keeps it warm; 0: never",
+                                     0.0)
+    model_load_timeout_s: float = doc("deadline of one LoadModel call", 300.0)
+    task_timeout_s: float = doc("a task with no request for this long has ended (failed unless complete)", 300.0)
     tenant_limits: str = doc('per tenant, JSON: {"acme": {"weight": 2, "max_concurrency": 64, '
                              '"tokens_per_minute": 1000000}}', "{}")
 
@@ -48,5 +54,10 @@ class SchedulerConfig(ServiceConfig):
         parse_tenant_limits(self.tenant_limits)
         if self.retry_ratio < 0 or self.retry_min_per_s < 0:
             raise ValueError("--retry-ratio and --retry-min-per-s must be 0 or more")
+        for name in ("model_plan_interval_s", "model_load_timeout_s", "task_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')}: must be positive, got {getattr(self, name)}")
+        if self.model_swap_idle_s < 0 or self.model_idle_unload_s < 0:
+            raise ValueError("--model-swap-idle-s and --model-idle-unload-s must be 0 or more")
         if self.kvindex_timeout_s <= 0:
             raise ValueError(f"--kvindex-timeout-s: must be positive, got {self.kvindex_timeout_s}")

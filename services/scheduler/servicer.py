@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -12,28 +13,33 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 from opentelemetry import trace
+from opentelemetry.metrics import CallbackOptions, Observation
 
 from baton.protocol import LEADER_KEY
 from baton.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common import etcd_keys
-from services.common.directory import ServiceDirectory
+from services.common.directory import ChannelPool, ServiceDirectory
 from services.common.errors import BatonError, FailedPrecondition, NotFound, ResourceExhausted, Unavailable, abort
 from services.common.etcd_session import Membership, PrefixView
 from services.common.load import load_from_proto, load_to_proto
 from services.common.telemetry import Telemetry
 from services.scheduler.admission import Admission, Ticket, pool_saturation
-from services.scheduler.cluster import ClusterView, NodeSpec
+from services.scheduler.cluster import ClusterView, NodeSpec, NodeStatus
 from services.scheduler.config import SchedulerConfig, parse_tenant_limits
 from services.scheduler.gate import AdmissionGate
 from services.scheduler.leadership import LeaderRole
+from services.scheduler.model_loader import ModelLoader
+from services.scheduler.model_planner import ModelAction, ModelPlanner
 from services.scheduler.policies import Decision, PlacementRequest, make_policy
 from services.scheduler.policies.baton import BatonPolicy
 from services.scheduler.retry_budget import RetryBudget
+from services.scheduler.tasks import TaskLedger
 
 log = logging.getLogger(__name__)
 
 _DECISIONS_KEPT = 200
 _WORKFLOWS_HANDED_OVER = 10_000
+_SUCCEEDED = scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
 
 
 def node_spec_from_json(value: bytes) -> NodeSpec:
@@ -45,6 +51,10 @@ def node_spec_from_json(value: bytes) -> NodeSpec:
         price_per_hour=info.price_per_hour,
         warm_models=frozenset(m.name for m in info.models if m.is_warm),
         kv_block_size=info.kv_block_size or 16,
+        cold_models=frozenset(m.name for m in info.models if not m.is_warm),
+        loading_models=frozenset(m.name for m in info.models if m.state == common_pb2.MODEL_STATE_LOADING),
+        load_time_s={m.name: m.load_time_s for m in info.models},
+        region=info.region,
     )
 
 
@@ -72,6 +82,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._placements = telemetry.meter.create_counter(
             "baton.scheduler.placements", description="placement decisions, by outcome"
         )
+        self._planner = ModelPlanner(idle_swap_s=config.model_swap_idle_s, idle_unload_s=config.model_idle_unload_s)
+        self._node_channels = ChannelPool(telemetry)
+        self._loader = ModelLoader(self._node_channels, config.model_load_timeout_s)
+        self._tasks = TaskLedger(timeout_s=config.task_timeout_s)
+        # Price per hour of every node seen, kept after it leaves (its requests' ends come later).
+        self._prices: dict[str, float] = {}
+        meter = telemetry.meter
+        meter.create_observable_gauge("baton.scheduler.cost_per_successful_task", [self._observe_kpi], unit="USD",
+                                      description="GPU cost of every ended task over the tasks that succeeded")
+        meter.create_observable_gauge("baton.scheduler.tasks", [self._observe_tasks],
+                                      description="tasks ended, by outcome, and open")
 
     def register(self, server: grpc.aio.Server) -> None:
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(self, server)
@@ -82,6 +103,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             *self._member.hold_service("scheduler", config.instance_id, config.listen),
             *self._role.loops(),
             self._gate.run(),
+            self._plan_models(),
             self._nodes.run(),
             self._kvindexes.run(),
         ]
@@ -96,6 +118,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                              "retries": self._retry_budget.num_retries(now)},
             # The most recent workflows' GPU spend (dicts keep insertion order).
             "workflow_spent": dict(list(spent.items())[-_WORKFLOWS_HANDED_OVER:]),
+            "tasks": self._tasks.to_state(_WORKFLOWS_HANDED_OVER, now),
         }
 
     def _take_over_state(self, state: dict[str, Any]) -> None:
@@ -104,6 +127,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         spent = getattr(self._policy, "workflow_spent", None)
         if spent is not None:
             spent.update({k: float(v) for k, v in state.get("workflow_spent", {}).items()})
+        if "tasks" in state:
+            self._tasks.restore(state["tasks"], time.monotonic())
         log.info("took over from %s: %s, %d workflows", state.get("leader"), budget,
                  len(state.get("workflow_spent", {})))
 
@@ -118,7 +143,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 continue
             specs.append(spec)
         self._node_infos = infos
-        self._cluster.set_nodes(specs)
+        self._cluster.set_nodes(specs, time.monotonic())
+        self._prices.update((spec.node_id, spec.price_per_hour) for spec in specs)
+        self._gate.capacity_changed()  # a model may have turned warm
 
     async def before_stop(self) -> None:
         await self._role.resign()
@@ -126,6 +153,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def close(self) -> None:
         await self._kvindexes.close()
+        await self._node_channels.close()
         await self._member.close()
 
     async def _overlap(self, model: str, block_hashes: Sequence[int]) -> dict[str, int]:
@@ -161,11 +189,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             else:
                 self._retry_budget.record_request(now)
             if not self._cluster.has_model(request.model):
-                raise NotFound(f"model={request.model!r}: no registered node serves it")
+                raise NotFound(f"model={request.model!r}: no registered node has it")
+            self._planner.note_demand(request.model, now)
             exclude = frozenset(request.exclude_node_ids)
-            candidates = self._cluster.candidates(request.model, now, exclude)
+            candidates = self._candidates(request.model, now, exclude)
             if not candidates:
-                raise Unavailable(f"model={request.model!r}: no live node has it warm")
+                raise Unavailable(f"model={request.model!r}: no live node has it warm or can load it")
             matched = await self._overlap(request.model, request.block_hashes)
             placement = PlacementRequest(
                 request_id=request.request_id,
@@ -187,16 +216,21 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                 priority=request.priority, num_tokens=request.num_prompt_tokens + request.max_tokens,
                                 arrived_at=now, deadline_at=now + request.ttft_budget_ms / 1000
                                 if request.ttft_budget_ms else math.inf)
-                if await self._gate.enter(ticket, self._predictor.best_ttft_s(placement, candidates, matched)):
+                if await self._gate.enter(ticket, self._predictor.best_ttft_s(placement, candidates, matched, now)):
                     # It waited: place it on the fleet as it is now, with no await from here on.
                     now = time.monotonic()
-                    candidates = self._cluster.candidates(request.model, now, exclude) or candidates
+                    candidates = self._candidates(request.model, now, exclude) or candidates
             decision = self._policy.choose(placement, candidates, matched, now)
             self._record_decision(placement, decision)
+            self._cluster.record_placement(decision.node_id, placement.num_prompt_blocks, now)
+            chosen = self._cluster.get(decision.node_id)
+            if chosen is not None and request.model not in chosen.spec.warm_models:
+                # A cold node serves nothing until warm: load the model there and wait for it.
+                await self._loader.ensure_warm(decision.node_id, decision.address, request.model,
+                                               f"placed {request.request_id} there")
         except BatonError as error:
             self._placements.add(1, {"outcome": error.code.name, "retry": request.retry_cause})
             await abort(context, error)
-        self._cluster.record_placement(decision.node_id, placement.num_prompt_blocks)
         self._placements.add(1, {"outcome": "OK", "retry": request.retry_cause})
         log.debug("placed %s on %s (cost %.1f, %d cached blocks)", request.request_id, decision.node_id,
                   decision.cost, decision.matched_blocks)
@@ -206,6 +240,31 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             matched_blocks=decision.matched_blocks,
             cost=decision.cost,
         )
+
+    def _candidates(self, model: str, now: float, exclude: frozenset[str]) -> list[NodeStatus]:
+        """Nodes with model warm; with those whose free GPU could load it, when the policy weighs
+        load time or no node has it warm."""
+        warm = self._cluster.candidates(model, now, exclude)
+        if warm and not getattr(self._policy, "weighs_cold_nodes", False):
+            return warm
+        return warm + self._cluster.cold_candidates(model, now, exclude)
+
+    async def _plan_models(self) -> None:
+        """While leading: load models short of warm capacity, unload idle ones; end silent tasks."""
+        while True:
+            await asyncio.sleep(self._config.model_plan_interval_s)
+            now = time.monotonic()
+            self._tasks.expire(now)
+            if not self._role.is_leader:
+                continue
+            actions = self._planner.plan(self._cluster, now, self._loader.busy_nodes(), self._loader.loading_models())
+            by_node: dict[str, list[ModelAction]] = {}
+            for action in actions:
+                by_node.setdefault(action.node_id, []).append(action)
+            for node_id, node_actions in by_node.items():
+                status = self._cluster.get(node_id)
+                if status is not None:
+                    self._loader.start(status.spec.address, node_actions)
 
     def _is_saturated(self) -> bool:
         """From live signals: queue depth and KV use reported by every node (llm-d's saturation).
@@ -224,7 +283,32 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._gate.finished(request.request_id)
         if request.ttft_ms and request.ttft_budget_ms:
             self._ttft_ratio.record(request.ttft_ms / request.ttft_budget_ms)
+        if request.outcome:
+            cost = sum(ms / 3_600_000 * self._prices.get(node, 0.0) for node, ms in request.gpu_ms_by_node.items())
+            if request.workflow_id:
+                self._tasks.record(request.workflow_id, request.step, request.total_steps, cost,
+                                   request.outcome == _SUCCEEDED, time.monotonic())
+            else:
+                self._tasks.record(request.request_id, 1, 1, cost, request.outcome == _SUCCEEDED, time.monotonic())
         return scheduler_pb2.FinishedAck()
+
+    def _task_stats(self) -> scheduler_pb2.TaskStats:
+        stats = self._tasks.stats()
+        return scheduler_pb2.TaskStats(tasks_succeeded=stats.succeeded, tasks_failed=stats.failed,
+                                       tasks_open=stats.open, ended_cost_usd=stats.ended_cost_usd,
+                                       cost_per_successful_task_usd=stats.cost_per_successful_task)
+
+    def _observe_kpi(self, options: CallbackOptions) -> list[Observation]:
+        if not self._role.is_leader or not self._tasks.succeeded:
+            return []
+        return [Observation(self._tasks.stats().cost_per_successful_task)]
+
+    def _observe_tasks(self, options: CallbackOptions) -> list[Observation]:
+        if not self._role.is_leader:
+            return []
+        stats = self._tasks.stats()
+        return [Observation(stats.succeeded, {"outcome": "succeeded"}),
+                Observation(stats.failed, {"outcome": "failed"}), Observation(stats.open, {"outcome": "open"})]
 
     def _record_decision(self, placement: PlacementRequest, decision: Decision) -> None:
         """Keep the decision and its per-axis terms for GetRecentDecisions and the trace span."""
@@ -232,7 +316,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             scheduler_pb2.CandidateTerms(
                 node_id=t.node_id, gpu=t.gpu, cached_tokens=t.cached_tokens, predicted_ttft_ms=t.ttft_ms,
                 predicted_tpot_ms=t.tpot_ms, cost=t.cost, success=t.success, workflow_spent=t.workflow_spent,
-                has_kv_room=t.has_kv_room, score=t.score)
+                has_kv_room=t.has_kv_room, score=t.score,
+                warm=t.warm, load_ms=t.load_ms, kv_free_blocks=t.kv_free_blocks, at_risk=t.at_risk)
             for t in getattr(self._policy, "last_terms", ())
         ]
         self._decisions.append(scheduler_pb2.PlacementDecision(
@@ -247,6 +332,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 f"baton.candidate.{t.node_id}",
                 f"gpu={t.gpu} ttft_ms={t.predicted_ttft_ms:.0f} tpot_ms={t.predicted_tpot_ms:.1f} "
                 f"cost={t.cost:.6f} success={t.success:.3f} spent={t.workflow_spent:.6f} "
+                f"at_risk={t.at_risk:.6f} warm={t.warm} load_ms={t.load_ms:.0f} kv_free={t.kv_free_blocks} "
                 f"kv_room={t.has_kv_room} score={t.score:.6f}")
 
     async def GetRecentDecisions(
@@ -281,6 +367,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         leader = self._role.leader()
         if leader is not None:
             state.leader_id, state.leader_address = leader
+        if self._role.is_leader:
+            state.tasks.CopyFrom(self._task_stats())
+            state.model_actions.extend(reversed(self._loader.log))
         for status in self._cluster.nodes():
             info = self._node_infos.get(status.spec.node_id)
             state.nodes.append(

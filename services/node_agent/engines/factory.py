@@ -1,4 +1,4 @@
-"""Build the engine a node agent hosts, and the NodeInfo it registers."""
+"""Build the models a node agent hosts (their engines made on load), and its NodeInfo."""
 
 from __future__ import annotations
 
@@ -7,51 +7,79 @@ from services.node_agent.config import NodeAgentConfig
 from services.node_agent.engines.base import Engine
 from services.node_agent.engines.sim.core import SimEngineCore
 from services.node_agent.engines.sim.engine import SimEngine
-from services.node_agent.engines.sim.models import GPU_SPECS, get_model, kv_capacity_blocks
+from services.node_agent.engines.sim.models import (
+    BYTE_VOCAB_SIZE,
+    GPU_SPECS,
+    get_model,
+    kv_capacity_blocks,
+    load_time_s,
+)
 from services.node_agent.engines.sim.timing import load_coefficients
+from services.node_agent.model_host import LocalModel, ModelHost, ModelState
+
+_PROTO_STATES = {
+    ModelState.COLD: common_pb2.MODEL_STATE_COLD,
+    ModelState.LOADING: common_pb2.MODEL_STATE_LOADING,
+    ModelState.WARM: common_pb2.MODEL_STATE_WARM,
+}
 
 
-def build_engine(config: NodeAgentConfig) -> tuple[Engine, common_pb2.NodeInfo]:
-    """The configured engine and this node's registration."""
+def build_host(config: NodeAgentConfig) -> ModelHost:
+    """The node's models: --model warm, --cold-models on local disk; SystemExit naming a bad flag."""
     if config.engine != "sim":
         raise SystemExit("--engine vllm: not available in this build (needs a GPU and vllm); use --engine sim")
     if config.gpu not in GPU_SPECS:
         raise SystemExit(f"--gpu: unknown GPU {config.gpu!r}; known: {', '.join(sorted(GPU_SPECS))}")
-    gpu = GPU_SPECS[config.gpu]
-    try:
-        model = get_model(config.model)
-        timing = load_coefficients(config.gpu, model.perf_model)
-    except KeyError as exc:
-        raise SystemExit(f"--model/--gpu: {exc.args[0]}") from None
-    hbm_bytes = int(config.hbm_gb * 1e9) if config.hbm_gb > 0 else gpu.hbm_bytes
-    num_blocks = config.kv_blocks or kv_capacity_blocks(hbm_bytes, model)
-    if num_blocks <= 0:
-        raise SystemExit(f"--hbm-gb: {hbm_bytes / 1e9:.0f} GB leaves no room for KV cache of {model.name}")
-    core = SimEngineCore(
-        model,
-        timing,
-        num_kv_blocks=num_blocks,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-    )
-    engine = SimEngine(core, model.name, config.speed)
-    node_info = common_pb2.NodeInfo(
+    hbm_bytes = hbm_bytes_of(config)
+    names = ([config.model] if config.model else []) + [m for m in config.cold_models.split(",") if m]
+    if not names:
+        raise SystemExit("--model/--cold-models: the node has no model at all")
+    local, engines = [], {}
+    for name in dict.fromkeys(names):
+        try:
+            spec = get_model(name)
+            timing = load_coefficients(config.gpu, spec.perf_model)
+        except KeyError as exc:
+            raise SystemExit(f"--model/--cold-models/--gpu: {exc.args[0]}") from None
+        num_blocks = config.kv_blocks or kv_capacity_blocks(hbm_bytes, spec)
+        if num_blocks <= 0:
+            raise SystemExit(f"--model/--cold-models: {hbm_bytes / 1e9:.0f} GB of {config.gpu} leaves no room for "
+                             f"the KV cache of {name}")
+        local.append(LocalModel(name=name, max_context_tokens=spec.max_context_tokens, vocab_size=spec.vocab_size,
+                                tokenizer=SimEngine.tokenizer, weights_bytes=int(spec.weights_bytes),
+                                load_time_s=load_time_s(spec, config.disk_gbps * 1e9, config.engine_start_s)))
+        engines[name] = (spec, timing, num_blocks)
+
+    def make_engine(name: str) -> Engine:
+        spec, timing, num_blocks = engines[name]
+        core = SimEngineCore(spec, timing, num_kv_blocks=num_blocks, max_num_seqs=config.max_num_seqs,
+                             max_num_batched_tokens=config.max_num_batched_tokens)
+        return SimEngine(core, name, config.speed)
+
+    return ModelHost(config.node_id, local, make_engine, warm=config.model, speed=config.speed)
+
+
+def hbm_bytes_of(config: NodeAgentConfig) -> int:
+    return int(config.hbm_gb * 1e9) if config.hbm_gb > 0 else GPU_SPECS[config.gpu].hbm_bytes
+
+
+def node_info(config: NodeAgentConfig, host: ModelHost) -> common_pb2.NodeInfo:
+    """This node's registration as of now: which models are warm, loading or cold."""
+    return common_pb2.NodeInfo(
         node_id=config.node_id,
         address=config.listen,
         gpu=config.gpu,
-        hbm_bytes=hbm_bytes,
+        hbm_bytes=hbm_bytes_of(config),
         region=config.region,
-        price_per_hour=config.price_per_hour or gpu.price_per_hour,
-        models=[
-            common_pb2.ModelInfo(
-                name=model.name,
-                max_context_tokens=model.max_context_tokens,
-                tokenizer=engine.tokenizer,
-                vocab_size=model.vocab_size,
-                is_warm=True,
-            )
-        ],
-        kv_block_size=engine.kv_block_size,
-        engine="sim",
+        price_per_hour=config.price_per_hour or GPU_SPECS[config.gpu].price_per_hour,
+        models=[model_info(m, host.state[m.name]) for m in host.models],
+        kv_block_size=host.kv_block_size,
+        engine=config.engine,
     )
-    return engine, node_info
+
+
+def model_info(model: LocalModel, state: ModelState) -> common_pb2.ModelInfo:
+    return common_pb2.ModelInfo(
+        name=model.name, max_context_tokens=model.max_context_tokens, tokenizer=model.tokenizer,
+        vocab_size=model.vocab_size or BYTE_VOCAB_SIZE, is_warm=state is ModelState.WARM,
+        state=_PROTO_STATES[state], weights_bytes=model.weights_bytes, load_time_s=model.load_time_s)

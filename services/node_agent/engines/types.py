@@ -51,8 +51,8 @@ class RequestOutput:
     # Prompt tokens found in the prefix cache when the request was first scheduled.
     num_cached_tokens: int = 0
     num_completion_tokens: int = 0
-
-
+    # GPU time the request has used so far, in ms: each step's time shared by tokens computed.
+    gpu_ms: float = 0.0
 
 
 @dataclass

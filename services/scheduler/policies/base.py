@@ -52,6 +52,15 @@ def decision(status: NodeStatus, matched_blocks: dict[str, int], cost: float) ->
                     matched_blocks=matched_blocks.get(status.spec.node_id, 0), cost=cost)
 
 
+def warm_first(request: PlacementRequest, candidates: list[NodeStatus]) -> list[NodeStatus]:
+    """The candidates with request's model warm; all of them when none is (then one must load it).
+
+    Policies that do not weigh load time choose among these: they never pick a cold node over a
+    warm one.
+    """
+    return [s for s in candidates if request.model in s.spec.warm_models] or candidates
+
+
 def num_in_flight(status: NodeStatus) -> int:
     """Requests on the node: running and waiting at its last report, plus those placed since."""
     return status.load.num_running + status.load.num_waiting + status.placed_requests

@@ -9,13 +9,17 @@ its load and what it caches of the prompt:
 - the GPU cost of serving the request there: its prefill time plus its share of the decode steps,
   at the node's price;
 - the chance of meeting the request's budget (TTFT budget and deadline): a smooth function of the
-  predicted slack, so a prediction error of a quarter of the budget is not fatal.
+  predicted slack, so a prediction error of a quarter of the budget is not fatal;
+- on a node where the model is not warm (its GPU free, the model on its disk): the time left to
+  load it, added to the TTFT, and the GPU time the load takes, added to the cost.
 
-The score is (cost + (1 − p) · spent) / p: the cost of this step per success, plus — weighted by
-the chance of failing — what the workflow has already spent and would lose. A fresh request with
-slack goes to the cheapest node that meets its budget; a tight budget pays for a fast GPU; a late
-step of an expensive workflow buys certainty. Nodes without KV room for the request are avoided.
-Every decision keeps its per-axis terms (`explain`).
+The score is (cost + (1 − p) · at_risk) / p: the cost of this step per success, plus — weighted by
+the chance of failing — what a failure would forfeit: what the workflow has already spent, and the
+request's priority as a stake of priority × its own cost. A fresh request with slack goes to the
+cheapest node that meets its budget; a tight budget pays for a fast GPU; a late step of an
+expensive workflow, or a high-priority request, buys certainty; a cold node wins only when the
+warm ones would likely miss a budget that allows the load. Nodes without KV room are avoided.
+Every decision keeps its per-axis terms (`last_terms`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 from services.node_agent.engines.sim.models import SIM_MODELS
 from services.node_agent.engines.sim.timing import TimingModel, load_coefficients
 from services.scheduler.cluster import NodeStatus
-from services.scheduler.policies.base import Decision, PlacementRequest, decision
+from services.scheduler.policies.base import Decision, PlacementRequest, decision, warm_first
 from services.scheduler.policies.kv_load import KvLoadPolicy
 
 BLOCK = 16
@@ -41,6 +45,8 @@ MIN_SUCCESS = 1e-3
 # Predictions ignore the requests that will join the batch later, so aim well inside the budgets (0.4 was
 # tuned in the simulator on the first 2,500 requests of the Mooncake conversation trace).
 BUDGET_MARGIN = 0.4
+# A priority-k request's failure forfeits k times its own cost beyond that cost (k ≤ 0: nothing).
+PRIORITY_STAKE = 1.0
 # Workflows whose spend is remembered; the least recently active are forgotten first.
 MAX_WORKFLOWS = 100_000
 
@@ -59,6 +65,10 @@ class Terms:
     workflow_spent: float
     has_kv_room: bool
     score: float
+    warm: bool = True
+    load_ms: float = 0.0
+    kv_free_blocks: int = 0
+    at_risk: float = 0.0
 
 
 def _success(budget_ms: float, predicted_ms: float) -> float:
@@ -70,6 +80,8 @@ def _success(budget_ms: float, predicted_ms: float) -> float:
 
 class BatonPolicy:
     name = "baton"
+    #: It predicts load time, so it may be offered nodes where the model is cold.
+    weighs_cold_nodes = True
 
     def __init__(self, default_ttft_budget_ms: float = DEFAULT_TTFT_BUDGET_MS,
                  default_tpot_budget_ms: float = DEFAULT_TPOT_BUDGET_MS) -> None:
@@ -91,11 +103,19 @@ class BatonPolicy:
                 self._timings[key] = None
         return self._timings[key]
 
-    def terms(self, request: PlacementRequest, status: NodeStatus, matched_blocks: int) -> Terms | None:
+    def terms(self, request: PlacementRequest, status: NodeStatus, matched_blocks: int,
+              now: float = 0.0) -> Terms | None:
         """The per-axis prediction for one node; None when its GPU has no timing model."""
         timing = self._timing(status.spec.gpu, request.model)
         if timing is None:
             return None
+        warm = request.model in status.spec.warm_models
+        load_s = 0.0
+        if not warm:  # a free GPU with the model on disk: it must be loaded (or finish loading) first
+            load_s = status.spec.load_time_s.get(request.model, 0.0)
+            if request.model in status.spec.loading_models:
+                load_s = max(0.0, load_s - (now - status.models_since))
+            matched_blocks = 0
         load = status.load
         cached = min(matched_blocks * BLOCK, max(0, request.num_prompt_tokens - 1))
         own = request.num_prompt_tokens - cached
@@ -107,11 +127,11 @@ class BatonPolicy:
         steps = math.ceil(tokens / CHUNK)
         chunk = min(tokens, CHUNK)
         prefill_ms = timing.b_ms_per_tok * tokens + timing.c_ms_per_tok2 * chunk * tokens
-        ttft_ms = max(timing.prefill_floor_ms, timing.a_ms + prefill_ms + steps * decode_ms)
+        ttft_ms = max(timing.prefill_floor_ms, timing.a_ms + prefill_ms + steps * decode_ms) + load_s * 1000
         tpot_ms = timing.decode_step_ms(batch + 1, context + request.num_prompt_tokens)
         own_prefill_ms = timing.b_ms_per_tok * own + timing.c_ms_per_tok2 * min(own, CHUNK) * own
         gpu_ms = own_prefill_ms + request.max_tokens * tpot_ms / (batch + 1)
-        cost = gpu_ms / 3_600_000.0 * status.spec.price_per_hour
+        cost = (gpu_ms + load_s * 1000) / 3_600_000.0 * status.spec.price_per_hour
         ttft_budget = (request.ttft_budget_ms or self._default_ttft_budget_ms) * BUDGET_MARGIN
         success = _success(ttft_budget, ttft_ms) * _success(self._default_tpot_budget_ms * BUDGET_MARGIN, tpot_ms)
         if request.deadline_ms:
@@ -119,17 +139,19 @@ class BatonPolicy:
         needed = math.ceil((request.num_prompt_tokens + request.max_tokens) / BLOCK) - matched_blocks
         free = load.kv_blocks_total - load.kv_blocks_used - status.placed_prefill_blocks
         spent = self.workflow_spent.get(request.workflow_id, 0.0) if request.workflow_id else 0.0
+        at_risk = spent + PRIORITY_STAKE * max(0, request.priority) * cost
         p = max(success, MIN_SUCCESS)
         return Terms(status.spec.node_id, status.spec.gpu, cached, ttft_ms, tpot_ms, cost, success, spent,
-                     needed <= free, (cost + (1.0 - p) * spent) / p)
+                     needed <= free or not warm,  # a loaded model gets the free GPU's whole KV cache
+                     (cost + (1.0 - p) * at_risk) / p, warm, load_s * 1000, free, at_risk)
 
     def choose(
         self, request: PlacementRequest, candidates: list[NodeStatus], matched_blocks: dict[str, int], now: float
     ) -> Decision:
         scored = [(t, s) for s in candidates
-                  if (t := self.terms(request, s, matched_blocks.get(s.spec.node_id, 0))) is not None]
+                  if (t := self.terms(request, s, matched_blocks.get(s.spec.node_id, 0), now)) is not None]
         if not scored:  # no timing model for these GPUs or this model: place by KV overlap and load
-            return self._fallback.choose(request, candidates, matched_blocks, now)
+            return self._fallback.choose(request, warm_first(request, candidates), matched_blocks, now)
         roomy = [(t, s) for t, s in scored if t.has_kv_room] or scored
         best_terms, best = min(roomy, key=lambda pair: (pair[0].score, pair[0].ttft_ms, pair[1].spec.node_id))
         self.last_terms = [t for t, _ in scored]
@@ -141,7 +163,8 @@ class BatonPolicy:
         return decision(best, matched_blocks, best_terms.score)
 
     def best_ttft_s(self, request: PlacementRequest, candidates: list[NodeStatus],
-                    matched_blocks: dict[str, int]) -> float:
+                    matched_blocks: dict[str, int], now: float = 0.0) -> float:
         """The shortest predicted time to first token any candidate offers (0 without a timing model)."""
-        terms = [t for s in candidates if (t := self.terms(request, s, matched_blocks.get(s.spec.node_id, 0)))]
+        terms = [t for s in candidates
+                 if (t := self.terms(request, s, matched_blocks.get(s.spec.node_id, 0), now))]
         return min(t.ttft_ms for t in terms) / 1000 if terms else 0.0

@@ -165,7 +165,9 @@ class SimEngineCore:
             prefill_chunks=[n for seq, n in scheduled if seq.is_prefilling],
         )
         outputs: list[RequestOutput] = []
+        num_step_tokens = sum(n for _, n in scheduled)
         for seq, num_new in scheduled:
+            seq.gpu_ms += duration_ms * num_new / num_step_tokens
             seq.num_computed_tokens += num_new
             self._cache.commit_full_blocks(
                 seq.request_id, seq.block_hashes, seq.token_ids, seq.num_computed_tokens // self.block_size
@@ -266,7 +268,9 @@ class SimEngineCore:
                 break
             duration_ms += step_ms
             context += len(running)
+            share_ms = step_ms / len(running)
             for seq in running:
+                seq.gpu_ms += share_ms
                 seq.num_computed_tokens += 1
                 if seq.num_computed_tokens % block_size == 0:
                     self._cache.commit_full_blocks(seq.request_id, seq.block_hashes, seq.token_ids,
@@ -316,4 +320,5 @@ class SimEngineCore:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens or 0,
             num_completion_tokens=seq.num_completion_tokens,
+            gpu_ms=seq.gpu_ms,
         )

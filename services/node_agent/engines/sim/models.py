@@ -86,6 +86,19 @@ def get_model(name: str) -> SimModelSpec:
         raise KeyError(f"unknown simulated model {name!r}; known: {', '.join(sorted(SIM_MODELS))}") from None
 
 
+# Cold start (shared/perf/README.md): reading weights is storage bound (12.7 GiB in 25 s from
+# disk: 0.55 GB/s), and engine start-up adds compilation and CUDA-graph capture (4-8 s cached
+# plus about 17 s). An 8B model: 16.1 GB / 0.55 GB/s + 20 s = 49 s, inside the 45-90 s reported.
+DISK_BYTES_PER_S = 0.55e9
+ENGINE_START_S = 20.0
+
+
+def load_time_s(model: SimModelSpec, disk_bytes_per_s: float = DISK_BYTES_PER_S,
+                engine_start_s: float = ENGINE_START_S) -> float:
+    """Time to make model warm on a GPU from local disk: read the weights, then start the engine."""
+    return model.weights_bytes / disk_bytes_per_s + engine_start_s
+
+
 def kv_capacity_blocks(gpu_hbm_bytes: float, model: SimModelSpec, block_size: int = 16) -> int:
     """KV blocks that fit beside the weights: (HBM·0.9 − weights − 2.4 GiB) ÷ bytes per block."""
     free_bytes = gpu_hbm_bytes * _GPU_MEMORY_UTILIZATION - model.weights_bytes - _RUNTIME_RESERVE_BYTES

@@ -31,6 +31,8 @@ class SimSequence:
             self.hasher.extend(token_id)
         # Tokens whose KV is in the cache; reset to 0 when the request is preempted.
         self.num_computed_tokens = 0
+        # Modelled GPU time spent on this request so far (its share of each step).
+        self.gpu_ms = 0.0
         # True from (re)admission until the step that computes its last token.
         self.is_prefilling = True
         # Prefix-cache hit on first admission; a preempted request keeps its first value.

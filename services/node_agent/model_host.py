@@ -1,0 +1,196 @@
+"""The models a node holds: at most one warm on the GPU, the others cold on local disk.
+
+LoadModel reads a cold model's weights and starts its engine (the sim engine waits the modelled
+load time: weights ÷ disk bandwidth + engine start-up); until then the model serves nothing.
+UnloadModel frees the GPU of a warm model with nothing in flight. One model at a time is what
+vLLM does per GPU: its engine takes the HBM left after the weights for KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.common.change_signal import ChangeSignal
+from services.common.errors import FailedPrecondition, NotFound, Unavailable
+from services.common.load import Load
+from services.node_agent.engines.base import Engine
+from services.node_agent.engines.types import AllBlocksCleared, KVEvent
+
+log = logging.getLogger(__name__)
+
+
+class ModelState(enum.Enum):
+    COLD = "cold"
+    LOADING = "loading"
+    WARM = "warm"
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    """A model on this node's local disk."""
+
+    name: str
+    max_context_tokens: int
+    vocab_size: int
+    tokenizer: str
+    weights_bytes: int
+    # Modelled time to make it warm here, in (unscaled) seconds.
+    load_time_s: float
+
+
+class ModelHost:
+    """The node's models and the engine of the warm one; the node agent's one view of its engine."""
+
+    def __init__(self, node_id: str, models: list[LocalModel], make_engine: Callable[[str], Engine],
+                 warm: str = "", speed: float = 1.0, kv_block_size: int = 16) -> None:
+        self._node_id = node_id
+        self._models = {m.name: m for m in models}
+        self._make_engine = make_engine
+        self._speed = speed
+        self.kv_block_size = kv_block_size
+        self.state = {name: ModelState.COLD for name in self._models}
+        self._engine: Engine | None = None
+        self._engine_task: asyncio.Task[None] | None = None
+        self._loading: asyncio.Task[None] | None = None
+        self._kv_batches: list[tuple[str, list[KVEvent]]] = []
+        self._kv_ready = asyncio.Event()
+        #: Requests arrived or ended (the load report goes out at once).
+        self.load_changed = ChangeSignal()
+        #: A model became warm, loading or cold (the etcd registration is rewritten).
+        self.models_changed = ChangeSignal()
+        if warm:  # warm from the start: its engine runs once run() does
+            self._install(warm)
+
+    @property
+    def models(self) -> list[LocalModel]:
+        return [self._models[name] for name in sorted(self._models)]
+
+    @property
+    def warm_model(self) -> str:
+        """The model warm now, or empty."""
+        return next((n for n, s in self.state.items() if s is ModelState.WARM), "")
+
+    async def run(self) -> None:
+        """Drive the engine of the model warm from the start; stop every engine when cancelled."""
+        if self._engine is not None:
+            self._engine_task = asyncio.get_running_loop().create_task(self._drive(self._engine))
+        try:
+            await asyncio.Future()
+        finally:
+            for task in (self._loading, self._engine_task):
+                if task is not None:
+                    task.cancel()
+
+    def engine_for(self, model: str) -> Engine:
+        """The warm engine of model: NOT_FOUND if the node does not have it, UNAVAILABLE if not warm."""
+        self._local(model)
+        if self.state[model] is not ModelState.WARM or self._engine is None:
+            raise Unavailable(f"model={model!r} is {self.state[model].value} on node {self._node_id}, not warm")
+        return self._engine
+
+    async def load_model(self, model: str) -> float:
+        """Make model warm; seconds waited (0 if it already was). Joins a load under way."""
+        self._local(model)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        if self.state[model] is ModelState.WARM:
+            return 0.0
+        if self.state[model] is ModelState.COLD:
+            other = next((n for n, s in self.state.items() if s is not ModelState.COLD), None)
+            if other is not None:
+                raise FailedPrecondition(
+                    f"node {self._node_id} has model {other!r} {self.state[other].value}; unload it first "
+                    f"(a GPU holds one model at a time)")
+            self.state[model] = ModelState.LOADING
+            self.models_changed.notify()
+            self._loading = loop.create_task(self._load(model))
+        assert self._loading is not None
+        await asyncio.shield(self._loading)
+        return loop.time() - started
+
+    async def _load(self, model: str) -> None:
+        seconds = self._models[model].load_time_s
+        log.info("loading %s: %.1f s modelled", model, seconds)
+        try:
+            await asyncio.sleep(seconds / self._speed if self._speed > 0 else 0)
+        except asyncio.CancelledError:
+            self.state[model] = ModelState.COLD
+            raise
+        engine = self._install(model)
+        self._engine_task = asyncio.get_running_loop().create_task(self._drive(engine))
+        self.models_changed.notify()
+        self.load_changed.notify()
+        log.info("model %s is warm", model)
+
+    def _install(self, model: str) -> Engine:
+        engine = self._engine = self._make_engine(model)
+        engine.load_changed = self.load_changed  # its changes are the node's
+        self.state[model] = ModelState.WARM
+        return engine
+
+    async def _drive(self, engine: Engine) -> None:
+        async def forward_kv_events() -> None:
+            while True:
+                events = await engine.next_kv_events()
+                self._kv_batches.append((engine.model, events))
+                self._kv_ready.set()
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(engine.run())
+                group.create_task(forward_kv_events())
+        except Exception:
+            log.exception("engine of %s failed", engine.model)
+            raise
+
+    def unload_model(self, model: str) -> None:
+        """Free the GPU of model: FAILED_PRECONDITION while it loads or has requests in flight."""
+        self._local(model)
+        state = self.state[model]
+        if state is ModelState.COLD:
+            return
+        if state is ModelState.LOADING or self._engine is None:
+            raise FailedPrecondition(f"model={model!r} is still loading on node {self._node_id}")
+        load = self._engine.load()
+        if load.num_running or load.num_waiting:
+            raise FailedPrecondition(f"model={model!r} has {load.num_running + load.num_waiting} requests in flight "
+                                     f"on node {self._node_id}")
+        if self._engine_task is not None:
+            self._engine_task.cancel()
+        self._engine = self._engine_task = None
+        self.state[model] = ModelState.COLD
+        # The freed GPU memory held the KV cache: tell the index it is gone.
+        self._kv_batches.append((model, [AllBlocksCleared()]))
+        self._kv_ready.set()
+        self.models_changed.notify()
+        self.load_changed.notify()
+        log.info("model %s unloaded", model)
+
+    def _local(self, model: str) -> LocalModel:
+        try:
+            return self._models[model]
+        except KeyError:
+            raise NotFound(f"model={model!r}: not on node {self._node_id} (it has: "
+                           f"{', '.join(sorted(self._models)) or 'none'})") from None
+
+    # -- the node's load and KV cache, whichever model is warm ----------------------------------------
+
+    def load(self) -> Load:
+        return self._engine.load() if self._engine is not None else Load()
+
+    async def next_kv_events(self) -> tuple[str, list[KVEvent]]:
+        """Wait for the next batch of KV events: (model, events)."""
+        while not self._kv_batches:
+            self._kv_ready.clear()
+            await self._kv_ready.wait()
+        return self._kv_batches.pop(0)
+
+    def cached_blocks(self) -> tuple[str, list[int]]:
+        """(warm model, every block it caches); ("", []) with nothing warm."""
+        if self._engine is None:
+            return "", []
+        return self._engine.model, self._engine.cached_block_hashes()

@@ -1,0 +1,98 @@
+"""Which models to load where, and which to unload: the scheduler's model placement. Pure.
+
+Every round the leader asks for a plan. A model is short of warm capacity when someone asked for
+it lately and either no live node has it warm or every node that has it is saturated (llm-d's
+saturation: queue depth and KV use). Then, if no load of it is under way, it is loaded on one node
+that has it on local disk: a node with a free GPU first, otherwise one whose warm model has been
+idle for a while and stays warm elsewhere (or nobody asked for it lately) — that one is unloaded
+first. A load under way is not counted as capacity: a cold node serves nothing until warm.
+
+A warm model idle for `idle_unload_s` on a node is unloaded when another node keeps it warm, so
+idle GPUs are free for the models that need them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.scheduler.admission import pool_saturation
+from services.scheduler.cluster import ClusterView, NodeStatus
+
+
+@dataclass(frozen=True)
+class ModelAction:
+    kind: str  # "load" or "unload"
+    node_id: str
+    model: str
+    reason: str
+
+
+class ModelPlanner:
+    def __init__(self, demand_window_s: float = 60.0, idle_swap_s: float = 10.0, idle_unload_s: float = 0.0,
+                 saturation: float = 1.0) -> None:
+        self.demand_window_s = demand_window_s
+        self.idle_swap_s = idle_swap_s
+        self.idle_unload_s = idle_unload_s
+        self.saturation = saturation
+        self._last_demand: dict[str, float] = {}
+
+    def note_demand(self, model: str, now: float) -> None:
+        """A request asked for model (placed or not)."""
+        self._last_demand[model] = now
+
+    def _wanted(self, model: str, now: float) -> bool:
+        last = self._last_demand.get(model)
+        return last is not None and now - last <= self.demand_window_s
+
+    def plan(self, view: ClusterView, now: float, busy_nodes: frozenset[str] = frozenset(),
+             loading: frozenset[str] = frozenset()) -> list[ModelAction]:
+        """Actions for this round. Nodes in busy_nodes have an action under way and are left alone;
+        models in loading are being loaded already (as ordered, before etcd shows it)."""
+        actions: list[ModelAction] = []
+        taken = set(busy_nodes)
+        nodes = [s for s in view.nodes() if view.is_live(s, now)]
+        for model in view.models():
+            if (not self._wanted(model, now) or model in loading
+                    or any(model in s.spec.loading_models for s in nodes)):
+                continue
+            warm = [s for s in nodes if model in s.spec.warm_models]
+            if warm:
+                loads = [(s.load.num_waiting + s.placed_requests, s.load.kv_blocks_used, s.load.kv_blocks_total)
+                         for s in warm]
+                level = pool_saturation(loads)
+                if level < self.saturation:
+                    continue
+                reason = f"{len(warm)} warm node(s) saturated ({level:.2f})"
+            else:
+                reason = "no node has it warm"
+            target = self._target(model, nodes, taken, now)
+            if target is None:
+                continue
+            taken.add(target.spec.node_id)
+            for victim in sorted(target.spec.warm_models):
+                actions.append(ModelAction("unload", target.spec.node_id, victim, f"make room for {model}"))
+            actions.append(ModelAction("load", target.spec.node_id, model, reason))
+        if self.idle_unload_s > 0:
+            for status in nodes:
+                if status.spec.node_id in taken or status.idle_s(now) < self.idle_unload_s:
+                    continue
+                for model in sorted(status.spec.warm_models):
+                    if any(model in s.spec.warm_models for s in nodes if s is not status):
+                        actions.append(ModelAction("unload", status.spec.node_id, model,
+                                                   f"idle {status.idle_s(now):.0f} s; warm elsewhere"))
+        return actions
+
+    def _target(self, model: str, nodes: list[NodeStatus], taken: set[str], now: float) -> NodeStatus | None:
+        """A node to load model on: free GPUs first, then idle ones whose models can go; quickest load first."""
+        def can_give_up(status: NodeStatus) -> bool:
+            if status.spec.loading_models or status.idle_s(now) < self.idle_swap_s:
+                return False
+            return all(not self._wanted(m, now) or sum(m in s.spec.warm_models for s in nodes) > 1
+                       for m in status.spec.warm_models)
+
+        options = [s for s in nodes if model in s.spec.cold_models and s.spec.node_id not in taken
+                   and (s.spec.is_empty or can_give_up(s))]
+        if not options:
+            return None
+        return min(options, key=lambda s: (not s.spec.is_empty, s.spec.load_time_s.get(model, 0.0),
+                                           s.spec.price_per_hour, s.spec.node_id))

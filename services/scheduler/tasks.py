@@ -1,0 +1,116 @@
+"""The KPI's ledger: GPU cost and outcome of every task, for cost per successful task. Pure.
+
+A task is a workflow (its steps share workflow_id; total_steps says how many) or a request
+without one (a task of one step). The router reports every placed request's end with the GPU
+time it used on each node; the ledger prices it and adds it to its task. A task succeeds when
+every one of its steps has succeeded (a step retried after a failure counts once it succeeds);
+it fails when it stays silent for `timeout_s` before that. A workflow that does not say how many
+steps it has ends at the timeout, succeeded if its last step did. Failed tasks' GPU cost stays in
+the numerator: cost per successful task = cost of every ended task ÷ tasks succeeded.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class _Task:
+    total_steps: int
+    spent_usd: float = 0.0
+    succeeded: set[int] = field(default_factory=set)
+    last_ok: bool = False
+    last_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class TaskStats:
+    succeeded: int
+    failed: int
+    open: int
+    ended_cost_usd: float
+
+    @property
+    def cost_per_successful_task(self) -> float:
+        return self.ended_cost_usd / self.succeeded if self.succeeded else 0.0
+
+
+class TaskLedger:
+    def __init__(self, timeout_s: float = 300.0, max_open: int = 100_000) -> None:
+        self.timeout_s = timeout_s
+        self._max_open = max_open
+        # Open tasks, least recently active first.
+        self._open: OrderedDict[str, _Task] = OrderedDict()
+        self.succeeded = 0
+        self.failed = 0
+        self.ended_cost_usd = 0.0
+
+    def record(self, task_id: str, step: int, total_steps: int, cost_usd: float, ok: bool,
+               now: float) -> bool | None:
+        """One request of task_id ended: its GPU cost and whether it succeeded (finished in budget).
+
+        Returns the task's outcome if this ended it (True: succeeded), None while it stays open.
+        """
+        task = self._open.pop(task_id, None) or _Task(total_steps=max(total_steps, 0))
+        task.total_steps = max(task.total_steps, total_steps)
+        task.spent_usd += cost_usd
+        task.last_ok = ok
+        task.last_at = now
+        if ok and step > 0:
+            task.succeeded.add(step)
+        elif not ok and step > 0:
+            task.succeeded.discard(step)
+        if task.total_steps and len(task.succeeded) >= task.total_steps:
+            self._end(task, True)
+            return True
+        self._open[task_id] = task
+        if len(self._open) > self._max_open:  # the least recently active gives way: it failed
+            self._end(self._open.popitem(last=False)[1], False)
+        return None
+
+    def spent(self, task_id: str) -> float:
+        task = self._open.get(task_id)
+        return task.spent_usd if task is not None else 0.0
+
+    def expire(self, now: float) -> int:
+        """End the tasks silent for timeout_s; how many ended."""
+        ended = 0
+        while self._open:
+            task_id, task = next(iter(self._open.items()))
+            if now - task.last_at < self.timeout_s:
+                break
+            del self._open[task_id]
+            self._end(task, not task.total_steps and task.last_ok)
+            ended += 1
+        return ended
+
+    def _end(self, task: _Task, succeeded: bool) -> None:
+        if succeeded:
+            self.succeeded += 1
+        else:
+            self.failed += 1
+        self.ended_cost_usd += task.spent_usd
+
+    def stats(self) -> TaskStats:
+        return TaskStats(self.succeeded, self.failed, len(self._open), self.ended_cost_usd)
+
+    # -- hand-over to the next leader -------------------------------------------------------------
+
+    def to_state(self, max_open: int, now: float) -> dict[str, Any]:
+        """Totals, and the most recently active open tasks with their age (clocks differ between hosts)."""
+        recent = list(self._open.items())[-max_open:]
+        return {
+            "succeeded": self.succeeded, "failed": self.failed, "ended_cost_usd": self.ended_cost_usd,
+            "open": {k: [t.total_steps, t.spent_usd, sorted(t.succeeded), t.last_ok, now - t.last_at]
+                     for k, t in recent},
+        }
+
+    def restore(self, state: dict[str, Any], now: float) -> None:
+        self.succeeded = int(state["succeeded"])
+        self.failed = int(state["failed"])
+        self.ended_cost_usd = float(state["ended_cost_usd"])
+        self._open = OrderedDict(
+            (k, _Task(int(total), float(spent), set(steps), bool(ok), now - float(age)))
+            for k, (total, spent, steps, ok, age) in state["open"].items())
