@@ -39,6 +39,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         speed=args.speed,
         lease_ttl_s=args.lease_ttl_s,
         otel_exporter=args.otel_exporter,
+        node_args=(f"--cold-models={args.cold_models}",) if args.cold_models else (),
+        scheduler_args=(f"--policy={args.policy}",),
     )
     cluster = LocalCluster(spec, Path(args.workdir) if args.workdir else None)
     stop = threading.Event()
@@ -134,20 +136,41 @@ def cmd_status(args: argparse.Namespace) -> int:
     if state is None:
         print(f"baton status: no scheduler answered ({'; '.join(errors)})", file=sys.stderr)
         return 1
+    if state.leader_address and state.leader_address != address:  # the KPI and model actions are the leader's
+        try:
+            with grpc.insecure_channel(state.leader_address) as channel:
+                state = scheduler_pb2_grpc.SchedulerStub(channel).GetClusterState(
+                    scheduler_pb2.GetClusterStateRequest(), timeout=3.0)
+            address = state.leader_address
+        except grpc.RpcError:
+            pass
     leader = f"{state.leader_id} at {state.leader_address}" if state.leader_id else "none elected"
     print(f"scheduler leader: {leader} (asked {state.scheduler_id}); {len(state.nodes)} nodes")
     print(f"{'node':<10} {'gpu':<6} {'address':<22} {'models':<18} {'run':>4} {'wait':>4} "
           f"{'kv used/total':>16} {'kv%':>5} {'$/h':>6} {'seen':>7}")
     for node in state.nodes:
         info, load = node.info, node.load
-        models = ",".join(m.name for m in info.models if m.is_warm)
+        models = ",".join(m.name + _STATE_MARKS.get(m.state, "") for m in info.models
+                          if m.state != common_pb2.MODEL_STATE_COLD) or "-"
+        cold = sum(m.state == common_pb2.MODEL_STATE_COLD for m in info.models)
+        models += f" +{cold} cold" if cold else ""
         pct = 100.0 * load.kv_blocks_used / load.kv_blocks_total if load.kv_blocks_total else 0.0
         seen = f"{node.load_age_ms}ms" if node.load_age_ms >= 0 else "never"
         print(f"{info.node_id:<10} {info.gpu:<6} {info.address:<22} {models:<18} {load.num_running:>4} "
               f"{load.num_waiting:>4} {f'{load.kv_blocks_used}/{load.kv_blocks_total}':>16} {pct:>5.1f} "
               f"{info.price_per_hour:>6.2f} {seen:>7}")
+    if state.HasField("tasks"):
+        tasks = state.tasks
+        kpi = f"${tasks.cost_per_successful_task_usd:.6f}" if tasks.tasks_succeeded else "n/a"
+        print(f"tasks: {tasks.tasks_succeeded} succeeded, {tasks.tasks_failed} failed, {tasks.tasks_open} open; "
+              f"GPU cost ${tasks.ended_cost_usd:.6f}; cost per successful task {kpi}")
+    for action in state.model_actions[:5]:
+        print(f"  model {action.kind} {action.model} on {action.node_id}: {action.result} ({action.reason})")
     _print_recent_decisions(address)
     return 0
+
+
+_STATE_MARKS = {common_pb2.MODEL_STATE_LOADING: " (loading)"}
 
 
 def _print_recent_decisions(scheduler: str, limit: int = 5) -> None:
@@ -178,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--kvindexes", type=int, default=1, help="kvindex replicas (all active)")
     up.add_argument("--gpus", default="h100", help="GPU generations, cycled over the nodes: h100,a100,l4")
     up.add_argument("--model", default="sim-llama-3-8b", help="simulated model every node serves")
+    up.add_argument("--cold-models", default="", help="models every node also has on disk, cold (comma-separated)")
+    up.add_argument("--policy", default="dynamo", help="the scheduler's placement policy (baton, dynamo, ...)")
     up.add_argument("--router-port", type=int, default=50051, help="router port (0: any free port)")
     up.add_argument("--speed", type=float, default=1.0, help="sim engine time scale (0: no timing)")
     up.add_argument("--lease-ttl-s", type=int, default=3, help="etcd lease TTL of every service")

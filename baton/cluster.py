@@ -175,6 +175,8 @@ class ClusterSpec:
     otel_exporter: str = "none"
     log_level: str = "INFO"
     node_args: tuple[str, ...] = ()
+    # More flags for node i (after node_args; a flag given again overrides).
+    per_node_args: tuple[tuple[str, ...], ...] = ()
     router_args: tuple[str, ...] = ()
     scheduler_args: tuple[str, ...] = ()
 
@@ -244,7 +246,8 @@ class LocalCluster:
             gpu = spec.gpus[i % len(spec.gpus)]
             flags = {**common, "node-id": f"node-{i}", "gpu": gpu, "model": spec.model, "speed": spec.speed,
                      "kv-blocks": spec.kv_blocks}
-            self.nodes.append(self._service(f"node-{i}", "services.node_agent", flags, extra=spec.node_args))
+            extra = spec.node_args + (spec.per_node_args[i] if i < len(spec.per_node_args) else ())
+            self.nodes.append(self._service(f"node-{i}", "services.node_agent", flags, extra=extra))
         services = [*self.kvindexes, *self.schedulers, *self.nodes, *self.routers]
         for process in services:
             process.start()

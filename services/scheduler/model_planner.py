@@ -73,11 +73,13 @@ class ModelPlanner:
                 actions.append(ModelAction("unload", target.spec.node_id, victim, f"make room for {model}"))
             actions.append(ModelAction("load", target.spec.node_id, model, reason))
         if self.idle_unload_s > 0:
+            copies = {m: sum(m in s.spec.warm_models for s in nodes) for m in view.models()}
             for status in nodes:
                 if status.spec.node_id in taken or status.idle_s(now) < self.idle_unload_s:
                     continue
                 for model in sorted(status.spec.warm_models):
-                    if any(model in s.spec.warm_models for s in nodes if s is not status):
+                    if copies[model] > 1:  # never the last warm copy
+                        copies[model] -= 1
                         actions.append(ModelAction("unload", status.spec.node_id, model,
                                                    f"idle {status.idle_s(now):.0f} s; warm elsewhere"))
         return actions

@@ -18,6 +18,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from baton.protocol import LEADER_KEY
 from baton.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common import etcd_keys
+from services.common.change_signal import ChangeSignal, wait_or_timeout
 from services.common.directory import ChannelPool, ServiceDirectory
 from services.common.errors import BatonError, FailedPrecondition, NotFound, ResourceExhausted, Unavailable, abort
 from services.common.etcd_session import Membership, PrefixView
@@ -88,6 +89,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._tasks = TaskLedger(timeout_s=config.task_timeout_s)
         # Price per hour of every node seen, kept after it leaves (its requests' ends come later).
         self._prices: dict[str, float] = {}
+        self._nodes_changed = ChangeSignal()
         meter = telemetry.meter
         meter.create_observable_gauge("baton.scheduler.cost_per_successful_task", [self._observe_kpi], unit="USD",
                                       description="GPU cost of every ended task over the tasks that succeeded")
@@ -146,6 +148,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._cluster.set_nodes(specs, time.monotonic())
         self._prices.update((spec.node_id, spec.price_per_hour) for spec in specs)
         self._gate.capacity_changed()  # a model may have turned warm
+        self._nodes_changed.notify()
 
     async def before_stop(self) -> None:
         await self._role.resign()
@@ -193,8 +196,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self._planner.note_demand(request.model, now)
             exclude = frozenset(request.exclude_node_ids)
             candidates = self._candidates(request.model, now, exclude)
+            if not candidates and not request.retry_cause:
+                # The model is only on busy nodes' disks: the planner makes room; wait for it.
+                candidates = await self._wait_for_candidates(request.model, exclude, context.time_remaining())
             if not candidates:
-                raise Unavailable(f"model={request.model!r}: no live node has it warm or can load it")
+                raise Unavailable(f"model={request.model!r}: no live node has it warm or a free GPU to load it")
+            now = time.monotonic()
             matched = await self._overlap(request.model, request.block_hashes)
             placement = PlacementRequest(
                 request_id=request.request_id,
@@ -248,6 +255,23 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if warm and not getattr(self._policy, "weighs_cold_nodes", False):
             return warm
         return warm + self._cluster.cold_candidates(model, now, exclude)
+
+    async def _wait_for_candidates(self, model: str, exclude: frozenset[str],
+                                   time_remaining: float | None) -> list[NodeStatus]:
+        """Nodes for model once one has it warm or loading, within the request's time and the load
+        timeout; none if no live node even has it on disk."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(time_remaining or math.inf, self._config.model_load_timeout_s)
+        while True:
+            now = time.monotonic()
+            if not any(model in s.spec.cold_models for s in self._cluster.nodes() if self._cluster.is_live(s, now)):
+                return []
+            changed = self._nodes_changed.since_now()
+            if not await wait_or_timeout(changed, max(0.0, deadline - loop.time())):
+                return []
+            candidates = self._candidates(model, time.monotonic(), exclude)
+            if candidates:
+                return candidates
 
     async def _plan_models(self) -> None:
         """While leading: load models short of warm capacity, unload idle ones; end silent tasks."""

@@ -87,3 +87,49 @@ def test_a_prediction_far_beyond_the_budget_scores_without_overflow() -> None:
     terms = policy.terms(request(100_000, ttft_budget_ms=1), node("l", "l4"), 0)
     assert terms is not None and terms.success < 1e-9
     assert chosen(policy, request(100_000, ttft_budget_ms=1), [node("l", "l4"), node("h", "h100")]) == "h"
+
+
+def cold(node_id: str, gpu: str, load_s: float = 49.0, loading: bool = False, since: float = 0.0) -> NodeStatus:
+    """A free GPU with MODEL on its disk (or already loading it since `since`)."""
+    spec = NodeSpec(node_id, node_id, gpu, PRICE[gpu], frozenset(), cold_models=frozenset({MODEL}),
+                    loading_models=frozenset({MODEL}) if loading else frozenset(), load_time_s={MODEL: load_s})
+    return NodeStatus(spec=spec, models_since=since)
+
+
+def test_a_warm_node_beats_a_cold_one_that_would_serve_faster() -> None:
+    req = request(4000, max_tokens=256, ttft_budget_ms=600_000)
+    assert chosen(BatonPolicy(), req, [cold("h", "h100"), node("a", "a100")]) == "a"
+
+
+def test_a_cold_fast_node_wins_when_the_warm_one_would_miss_and_the_budget_allows_the_load() -> None:
+    busy_l4 = node("l", "l4", num_running=40, pending_prefill_tokens=30_000, active_decode_blocks=3000)
+    nodes = [busy_l4, cold("h", "h100")]
+    assert chosen(BatonPolicy(), request(4000, max_tokens=256, ttft_budget_ms=600_000), nodes) == "h"
+    # A budget shorter than the 49 s load: the cold node cannot make it either, and the load costs.
+    assert chosen(BatonPolicy(), request(4000, max_tokens=256, ttft_budget_ms=10_000), nodes) == "l"
+
+
+def test_a_cold_node_is_predicted_with_its_load_time_and_cost() -> None:
+    policy = BatonPolicy()
+    req = request(1000, ttft_budget_ms=120_000)
+    warm, fresh, half_loaded = (policy.terms(req, n, 0, now=20.0) for n in
+                                (node("h", "h100"), cold("h", "h100"), cold("h", "h100", loading=True, since=0.0)))
+    assert warm is not None and fresh is not None and half_loaded is not None
+    assert (warm.warm, warm.load_ms) == (True, 0.0)
+    assert not fresh.warm and fresh.load_ms == 49_000 and fresh.ttft_ms > 49_000
+    assert half_loaded.load_ms == 29_000  # loading for 20 s already
+    assert fresh.cost > warm.cost + 49 / 3600 * PRICE["h100"] * 0.99  # the load's GPU time is paid for
+
+
+def test_priority_breaks_a_near_tie_toward_certainty() -> None:
+    nodes = [node("h", "h100"), node("a", "a100")]
+
+    def prioritised(priority: int) -> PlacementRequest:
+        return PlacementRequest(request_id="r", model=MODEL, num_prompt_tokens=3000, num_prompt_blocks=187,
+                                max_tokens=128, ttft_budget_ms=650, priority=priority)
+
+    policy = BatonPolicy()
+    assert chosen(policy, prioritised(0), nodes) == "a"  # cheaper; 94% sure to meet the budget
+    assert chosen(policy, prioritised(2), nodes) == "h"  # a failure would forfeit more: certainty is worth it
+    terms = {t.node_id: t for t in policy.last_terms}
+    assert terms["a"].at_risk == 2 * terms["a"].cost

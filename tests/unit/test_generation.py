@@ -132,11 +132,12 @@ def test_usage_counts_the_original_prompt_and_every_generated_token() -> None:
     generation = _generation([97, 98, 99, 100])
     generation.record_failure(NodeFailure("n1", FailureCause.STALLED), max_migrations=3)
     generation.recomputed_tokens = 6
+    generation.add_gpu_ms("n1", 30.0)  # the failed attempt, to its last checkpoint
     # The finishing node saw the context as its prompt and only its own part of the completion.
-    node_usage = common_pb2.Usage(prompt_tokens=8, cached_tokens=4, completion_tokens=1)
+    node_usage = common_pb2.Usage(prompt_tokens=8, cached_tokens=4, completion_tokens=1, gpu_ms=12.5)
     usage = generation.usage(node_usage)
     assert usage == common_pb2.Usage(
-        prompt_tokens=5, cached_tokens=4, completion_tokens=4, num_migrations=1, recomputed_tokens=6
+        prompt_tokens=5, cached_tokens=4, completion_tokens=4, num_migrations=1, recomputed_tokens=6, gpu_ms=42.5
     )
 
 

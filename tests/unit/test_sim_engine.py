@@ -428,3 +428,18 @@ def test_timing_model_is_used_as_given() -> None:
     core = SimEngineCore(MODEL, flat, 100)
     core.add_request(request("r", prompt(10), max_tokens=2))
     assert [step.duration_s for step in run_until_idle(core).steps] == [0.001, 0.002]
+
+
+@pytest.mark.parametrize("max_decode_steps", [1, 64])
+def test_every_step_is_charged_to_its_requests_by_the_tokens_they_computed(max_decode_steps: int) -> None:
+    core = make_core()
+    core.add_request(request("long", prompt(3000), max_tokens=20))
+    core.add_request(request("short", prompt(100, salt=1), max_tokens=20))
+    total_s, last = 0.0, {}
+    while core.has_unfinished_requests():
+        result = core.step(max_decode_steps)
+        total_s += result.duration_s
+        last.update({o.request_id: o.gpu_ms for o in result.outputs})
+    assert last["long"] + last["short"] == pytest.approx(total_s * 1000)
+    # Decode steps are shared equally; the long prompt's prefill is charged to it alone.
+    assert last["long"] > 1.5 * last["short"]

@@ -1,0 +1,86 @@
+"""A node's models: one warm at a time, loads that take their time, unloads that lose no work."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+
+from services.common.errors import FailedPrecondition, NotFound, Unavailable
+from services.node_agent.engines.sim.core import SimEngineCore
+from services.node_agent.engines.sim.engine import SimEngine
+from services.node_agent.engines.sim.models import get_model, load_time_s
+from services.node_agent.engines.sim.timing import load_coefficients
+from services.node_agent.engines.types import AllBlocksCleared, EngineRequest, SamplingParams
+from services.node_agent.model_host import LocalModel, ModelHost, ModelState
+
+A, B = "sim-llama-3-8b", "sim-llama-2-7b"
+
+
+def local(name: str) -> LocalModel:
+    spec = get_model(name)
+    return LocalModel(name, spec.max_context_tokens, spec.vocab_size, "byte", int(spec.weights_bytes),
+                      load_time_s(spec))
+
+
+def make_engine(name: str) -> SimEngine:
+    spec = get_model(name)
+    return SimEngine(SimEngineCore(spec, load_coefficients("h100", spec.perf_model), num_kv_blocks=512), name, 0)
+
+
+@contextlib.asynccontextmanager
+async def hosting(warm: str = "", speed: float = 0.0) -> AsyncIterator[ModelHost]:
+    host = ModelHost("n0", [local(A), local(B)], make_engine, warm=warm, speed=speed)
+    task = asyncio.get_running_loop().create_task(host.run())
+    try:
+        yield host
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_a_cold_model_serves_nothing_until_loaded() -> None:
+    async with hosting(warm=A) as host:
+        assert host.state == {A: ModelState.WARM, B: ModelState.COLD}
+        with pytest.raises(Unavailable, match="cold"):
+            host.engine_for(B)
+        with pytest.raises(NotFound, match="sim-llama-3.1-8b"):
+            host.engine_for("sim-llama-3.1-8b")
+        with pytest.raises(FailedPrecondition, match="unload it first"):
+            await host.load_model(B)
+
+
+async def test_a_load_takes_the_modelled_time_and_a_second_caller_joins_it() -> None:
+    # 49 s of modelled load at speed 1000: 49 ms.
+    async with hosting(speed=1000.0) as host:
+        changed = host.models_changed.since_now()
+        first = asyncio.get_running_loop().create_task(host.load_model(A))
+        await changed.wait()
+        assert host.state[A] is ModelState.LOADING
+        with pytest.raises(Unavailable, match="loading"):
+            host.engine_for(A)
+        waited = await host.load_model(A)
+        assert await first == pytest.approx(waited, abs=0.02)
+        assert waited >= local(A).load_time_s / 1000 * 0.9
+        assert host.state[A] is ModelState.WARM and host.engine_for(A).model == A
+
+
+async def test_unload_refuses_while_requests_run_and_clears_the_kv_index_after() -> None:
+    async with hosting(warm=A) as host:
+        engine = host.engine_for(A)
+        outputs = engine.generate(EngineRequest("r1", tuple(range(40)), SamplingParams(max_tokens=200)), 1.0)
+        with pytest.raises(FailedPrecondition, match="1 requests in flight"):
+            host.unload_model(A)
+        async for output in outputs:
+            if output is not None and output.finish_reason is not None:
+                break
+        host.unload_model(A)
+        assert host.state[A] is ModelState.COLD and host.load().kv_blocks_total == 0
+        batches = []
+        while not batches or batches[-1] != (A, [AllBlocksCleared()]):
+            batches.append(await asyncio.wait_for(host.next_kv_events(), 5))
+        await host.load_model(B)
+        assert host.warm_model == B

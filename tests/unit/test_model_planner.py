@@ -1,0 +1,95 @@
+"""The leader's model placement: load what is short of warm capacity, where it costs least to do so."""
+
+from __future__ import annotations
+
+from services.common.load import Load
+from services.scheduler.cluster import ClusterView, NodeSpec
+from services.scheduler.model_planner import ModelAction, ModelPlanner
+
+A, B = "sim-llama-3-8b", "sim-llama-2-7b"
+
+
+def spec(node_id: str, warm: set[str] = frozenset(), cold: set[str] = frozenset(), loading: set[str] = frozenset(),
+         load_s: float = 49.0, price: float = 2.0) -> NodeSpec:
+    return NodeSpec(node_id, node_id, "a100", price, frozenset(warm), cold_models=frozenset(cold | loading),
+                    loading_models=frozenset(loading), load_time_s={m: load_s for m in {*warm, *cold, *loading}})
+
+
+def view(*specs: NodeSpec, loads: dict[str, Load] | None = None, now: float = 0.0) -> ClusterView:
+    cluster = ClusterView(load_timeout_s=10.0)
+    cluster.set_nodes(list(specs), now=0.0)
+    for node_id, load in (loads or {}).items():
+        cluster.report_load(node_id, load, now)
+    return cluster
+
+
+SATURATED = Load(num_waiting=8, kv_blocks_used=10, kv_blocks_total=1000)
+CALM = Load(num_running=1, kv_blocks_used=10, kv_blocks_total=1000)
+
+
+def test_nothing_is_loaded_without_demand() -> None:
+    planner = ModelPlanner()
+    assert planner.plan(view(spec("n0", cold={A})), now=100.0) == []
+
+
+def test_a_model_nobody_has_warm_is_loaded_on_a_free_gpu() -> None:
+    planner = ModelPlanner()
+    planner.note_demand(A, 99.0)
+    cluster = view(spec("n0", warm={B}, cold={A}), spec("n1", cold={A, B}))
+    assert planner.plan(cluster, now=100.0) == [ModelAction("load", "n1", A, "no node has it warm")]
+
+
+def test_saturated_warm_capacity_gets_another_node_and_calm_capacity_does_not() -> None:
+    planner = ModelPlanner()
+    planner.note_demand(A, 99.0)
+    nodes = (spec("n0", warm={A}), spec("n1", cold={A}))
+    assert planner.plan(view(*nodes, loads={"n0": CALM}, now=99.0), now=100.0) == []
+    actions = planner.plan(view(*nodes, loads={"n0": SATURATED}, now=99.0), now=100.0)
+    assert [(a.kind, a.node_id) for a in actions] == [("load", "n1")]
+    assert "saturated" in actions[0].reason
+
+
+def test_a_load_under_way_is_not_capacity_and_is_not_repeated() -> None:
+    planner = ModelPlanner()
+    planner.note_demand(A, 99.0)
+    loading_in_etcd = view(spec("n0", loading={A}), spec("n1", cold={A}))
+    assert planner.plan(loading_in_etcd, now=100.0) == []
+    ordered_not_yet_seen = view(spec("n0", cold={A}), spec("n1", cold={A}))
+    assert planner.plan(ordered_not_yet_seen, now=100.0, busy_nodes=frozenset({"n0"}), loading=frozenset({A})) == []
+
+
+def test_an_idle_node_is_swapped_only_when_its_model_stays_warm_elsewhere() -> None:
+    planner = ModelPlanner(idle_swap_s=10.0)
+    planner.note_demand(A, 99.0)
+    planner.note_demand(B, 99.0)
+    only_b = view(spec("n0", warm={B}, cold={A}))
+    assert planner.plan(only_b, now=100.0) == []  # B is wanted and n0 is its only warm node
+    two_b = view(spec("n0", warm={B}, cold={A}), spec("n1", warm={B}))
+    assert planner.plan(two_b, now=100.0) == [ModelAction("unload", "n0", B, f"make room for {A}"),
+                                              ModelAction("load", "n0", A, "no node has it warm")]
+
+
+def test_a_node_in_use_is_not_swapped() -> None:
+    planner = ModelPlanner(idle_swap_s=10.0)
+    planner.note_demand(A, 99.0)
+    busy = view(spec("n0", warm={B}, cold={A}), loads={"n0": CALM}, now=99.0)
+    assert planner.plan(busy, now=100.0) == []
+    just_changed = ClusterView(load_timeout_s=10.0)
+    just_changed.set_nodes([spec("n0", warm={B}, cold={A})], now=95.0)
+    assert planner.plan(just_changed, now=100.0) == []  # idle for 5 s only
+
+
+def test_a_free_gpu_is_preferred_to_a_swap_and_the_quicker_load_among_free_ones() -> None:
+    planner = ModelPlanner(idle_swap_s=0.0)
+    planner.note_demand(A, 99.0)
+    cluster = view(spec("n0", warm={B}, cold={A}, load_s=5), spec("n1", cold={A}, load_s=60),
+                   spec("n2", cold={A}, load_s=30), spec("n3", warm={B}))
+    assert planner.plan(cluster, now=100.0) == [ModelAction("load", "n2", A, "no node has it warm")]
+
+
+def test_idle_models_are_unloaded_but_never_the_last_warm_copy() -> None:
+    planner = ModelPlanner(idle_unload_s=60.0)
+    cluster = view(spec("n0", warm={A}), spec("n1", warm={A}), spec("n2", warm={B}))
+    actions = planner.plan(cluster, now=100.0)
+    assert [(a.kind, a.node_id, a.model) for a in actions] == [("unload", "n0", A)]
+    assert planner.plan(cluster, now=30.0) == []  # not idle long enough

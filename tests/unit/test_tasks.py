@@ -1,0 +1,57 @@
+"""Cost per successful task: every task's GPU cost, failed ones included, over the tasks that succeeded."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.scheduler.tasks import TaskLedger
+
+
+def test_a_request_without_a_workflow_is_a_task_of_one_step() -> None:
+    ledger = TaskLedger()
+    assert ledger.record("r1", 1, 1, 0.002, ok=True, now=0.0) is True
+    assert ledger.stats().cost_per_successful_task == pytest.approx(0.002)
+
+
+def test_a_workflow_succeeds_when_every_step_has_and_failed_work_stays_in_the_cost() -> None:
+    ledger = TaskLedger()
+    assert ledger.record("wf", 1, 3, 0.01, ok=True, now=0.0) is None
+    assert ledger.record("wf", 2, 3, 0.01, ok=False, now=1.0) is None  # step 2 failed ...
+    assert ledger.spent("wf") == pytest.approx(0.02)
+    assert ledger.record("wf", 2, 3, 0.01, ok=True, now=2.0) is None  # ... and was retried
+    assert ledger.record("wf", 3, 3, 0.01, ok=True, now=3.0) is True
+    stats = ledger.stats()
+    assert (stats.succeeded, stats.failed, stats.open) == (1, 0, 0)
+    assert stats.cost_per_successful_task == pytest.approx(0.04)
+
+
+def test_an_abandoned_workflow_fails_at_the_timeout_and_its_cost_burdens_the_successes() -> None:
+    ledger = TaskLedger(timeout_s=60.0)
+    ledger.record("abandoned", 1, 5, 0.03, ok=True, now=0.0)
+    ledger.record("abandoned", 2, 5, 0.03, ok=False, now=1.0)
+    ledger.record("done", 1, 1, 0.01, ok=True, now=2.0)
+    assert ledger.expire(now=60.5) == 0
+    assert ledger.expire(now=61.0) == 1
+    stats = ledger.stats()
+    assert (stats.succeeded, stats.failed, stats.open) == (1, 1, 0)
+    assert stats.cost_per_successful_task == pytest.approx(0.07)
+
+
+def test_a_workflow_of_unknown_length_ends_at_the_timeout_as_its_last_step_went() -> None:
+    ledger = TaskLedger(timeout_s=10.0)
+    ledger.record("ok", 0, 0, 0.01, ok=True, now=0.0)
+    ledger.record("bad", 0, 0, 0.01, ok=False, now=0.0)
+    ledger.expire(now=10.0)
+    assert (ledger.stats().succeeded, ledger.stats().failed) == (1, 1)
+
+
+def test_the_next_leader_continues_the_ledger() -> None:
+    ledger = TaskLedger(timeout_s=60.0)
+    ledger.record("done", 1, 1, 0.01, ok=True, now=0.0)
+    ledger.record("wf", 1, 2, 0.02, ok=True, now=95.0)
+    successor = TaskLedger(timeout_s=60.0)
+    successor.restore(ledger.to_state(max_open=100, now=100.0), now=5000.0)  # another host's clock
+    assert successor.spent("wf") == pytest.approx(0.02)
+    assert successor.record("wf", 2, 2, 0.02, ok=True, now=5001.0) is True
+    assert successor.stats().cost_per_successful_task == pytest.approx(0.05 / 2)
+    assert successor.expire(now=5050.0) == 0  # its age (5 s) came across
