@@ -16,6 +16,7 @@ from baton.client import BatonClient
 from baton.cluster import ClusterSpec, LocalCluster, StartError, default_state_path
 from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from simulator.admission_study import main as admission_study_main
+from simulator.model_study import main as model_study_main
 from simulator.report import main as simulator_main
 
 DEMO_PROMPT = "Explain in one paragraph why a generation should survive the death of the GPU serving it."
@@ -224,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     # `baton sim ...` is handed whole to the simulator's own parser (see main).
     commands.add_parser("sim", help="replay a trace in the discrete-event simulator (baton sim --help)")
     commands.add_parser("sim-admission", help="admission study in the simulator (baton sim-admission --help)")
+    commands.add_parser("sim-models", help="model placement under a demand shift (baton sim-models --help)")
 
     status = commands.add_parser("status", help="nodes, models, load and KV usage")
     status.add_argument("--scheduler", default="", help="scheduler host:port (default: the running `baton up`)")
@@ -237,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         return simulator_main(argv[1:])
     if argv[:1] == ["sim-admission"]:
         return admission_study_main(argv[1:])
+    if argv[:1] == ["sim-models"]:
+        return model_study_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -16,14 +16,16 @@ from dataclasses import dataclass, field
 
 from baton.v1 import common_pb2
 from services.common.errors import Unavailable
+from services.common.load import Load
 from services.kvindex.index import KVIndex
 from services.node_agent.engines.sim.core import SimEngineCore
-from services.node_agent.engines.sim.models import GPU_SPECS, SimModelSpec, get_model, kv_capacity_blocks
+from services.node_agent.engines.sim.models import GPU_SPECS, SimModelSpec, get_model, kv_capacity_blocks, load_time_s
 from services.node_agent.engines.sim.timing import load_coefficients
 from services.node_agent.engines.types import EngineRequest, SamplingParams, StepResult
 from services.router.generation import FailureCause, Generation, NodeFailure
 from services.scheduler.admission import Admission, Ticket, Verdict, pool_saturation
-from services.scheduler.cluster import ClusterView, NodeSpec
+from services.scheduler.cluster import ClusterView, NodeSpec, NodeStatus
+from services.scheduler.model_planner import ModelAction, ModelPlanner
 from services.scheduler.policies import PlacementRequest, Policy
 from services.scheduler.policies.baton import BatonPolicy
 from services.scheduler.retry_budget import RetryBudget
@@ -38,6 +40,9 @@ class NodeConfig:
     node_id: str
     gpu: str
     price_per_hour: float
+    # The model warm at the start (None: the simulation's model; "": none) and the others on its disk.
+    warm: str | None = None
+    cold: tuple[str, ...] = ()
 
 
 def fleet(spec: str) -> list[NodeConfig]:
@@ -79,12 +84,20 @@ class RequestRecord:
 @dataclass
 class _Node:
     config: NodeConfig
-    core: SimEngineCore
+    # The engine of the warm model (None: nothing warm), and that model.
+    core: SimEngineCore | None
+    model: str
     is_alive: bool = True
     is_stepping: bool = False
     busy_s: float = 0.0
     # requests on this node now: request id -> generation
     flights: dict[str, Generation] = field(default_factory=dict)
+    # The model being loaded, and the requests placed here that wait for it.
+    loading: str = ""
+    waiting_for_load: list[tuple[Generation, RequestRecord, tuple[int, ...]]] = field(default_factory=list)
+
+    def load(self) -> Load:
+        return self.core.load() if self.core is not None else Load()
 
 
 @dataclass
@@ -107,21 +120,27 @@ class Simulation:
                  failures: tuple[tuple[float, str], ...] = (), lease_ttl_s: float = 3.0, max_migrations: int = 3,
                  suspect_s: float = 5.0, ttft_budget_ms: int = 0, admission: str = "none",
                  max_queued: int = 2000,
-                 max_num_batched_tokens: int = 2048) -> None:
+                 max_num_batched_tokens: int = 2048, planner: ModelPlanner | None = None,
+                 plan_interval_s: float = 1.0) -> None:
         self._model: SimModelSpec = get_model(model)
         self._policy = policy
+        self._max_num_batched_tokens = max_num_batched_tokens
         self._nodes: dict[str, _Node] = {}
         for config in nodes:
-            gpu = GPU_SPECS[config.gpu]
-            core = SimEngineCore(self._model, load_coefficients(config.gpu, self._model.perf_model),
-                                 num_kv_blocks=kv_capacity_blocks(gpu.hbm_bytes, self._model),
-                                 max_num_batched_tokens=max_num_batched_tokens)
-            self._nodes[config.node_id] = _Node(config, core)
+            warm = model if config.warm is None else config.warm
+            self._nodes[config.node_id] = _Node(config, self._new_core(config.gpu, warm) if warm else None, warm)
         self._view = ClusterView(load_timeout_s=float("inf"))
-        self._view.set_nodes([NodeSpec(c.node_id, c.node_id, c.gpu, c.price_per_hour, frozenset({model}))
-                              for c in nodes])
+        self._now = 0.0
+        self._registered = set(self._nodes)
+        self._update_view()
         for node in self._nodes.values():
-            self._view.report_load(node.config.node_id, node.core.load(), 0.0)
+            self._view.report_load(node.config.node_id, node.load(), 0.0)
+        # Model placement by the leader's planner (None: models stay where they started).
+        self._planner = planner
+        self._plan_interval_s = plan_interval_s
+        self.model_actions: list[tuple[float, ModelAction]] = []
+        # Fresh requests for a model no node can serve yet, as Place waits for the planner.
+        self._unplaced: list[tuple[Generation, RequestRecord, tuple[int, ...]]] = []
         self._index = KVIndex()
         self._budget = RetryBudget(ratio=0.2, min_retries_per_s=5.0)
         self._failures = failures
@@ -144,9 +163,75 @@ class Simulation:
         self._step_events: list[tuple[float, int, Callable[[], None]]] = []
         self._min_think_s = math.inf
         self._order = itertools.count()
-        self._now = 0.0
         self._records: dict[str, RequestRecord] = {}
         self._num_steps = 0
+
+    # -- models on nodes -----------------------------------------------------------------------
+
+    def _new_core(self, gpu: str, model: str) -> SimEngineCore:
+        spec = get_model(model)
+        return SimEngineCore(spec, load_coefficients(gpu, spec.perf_model),
+                             num_kv_blocks=kv_capacity_blocks(GPU_SPECS[gpu].hbm_bytes, spec),
+                             max_num_batched_tokens=self._max_num_batched_tokens)
+
+    def _spec(self, node: _Node) -> NodeSpec:
+        config = node.config
+        on_disk = {m for m in (config.warm if config.warm is not None else self._model.name, *config.cold) if m}
+        return NodeSpec(config.node_id, config.node_id, config.gpu, config.price_per_hour,
+                        frozenset({node.model} if node.model else ()), cold_models=frozenset(on_disk - {node.model}),
+                        loading_models=frozenset({node.loading} if node.loading else ()),
+                        load_time_s={m: load_time_s(get_model(m)) for m in on_disk})
+
+    def _update_view(self) -> None:
+        """The registrations as etcd would show them now (nodes whose lease ended are gone)."""
+        self._view.set_nodes([self._spec(n) for n in self._nodes.values() if n.config.node_id in self._registered],
+                             self._now)
+
+    def _start_load(self, node: _Node, model: str) -> None:
+        """LoadModel: the GPU is busy (and billed) for the load time, then the model is warm."""
+        seconds = load_time_s(get_model(model))
+        node.loading = model
+        node.busy_s += seconds
+        self.model_actions.append((self._now, ModelAction("load", node.config.node_id, model, "")))
+        self._update_view()
+        self._at(self._now + seconds, lambda: self._loaded(node, model))
+
+    def _loaded(self, node: _Node, model: str) -> None:
+        if not node.is_alive:
+            return
+        node.loading = ""
+        node.core, node.model = self._new_core(node.config.gpu, model), model
+        self._update_view()
+        self._view.report_load(node.config.node_id, node.load(), self._now)
+        waiting, node.waiting_for_load = node.waiting_for_load, []
+        for generation, record, block_hashes in waiting:
+            self._place(generation, record, block_hashes)
+
+    def _unload(self, node: _Node) -> bool:
+        """UnloadModel: refused while requests run or wait there."""
+        if node.flights or node.loading or node.core is None or node.core.has_unfinished_requests():
+            return False
+        self.model_actions.append((self._now, ModelAction("unload", node.config.node_id, node.model, "")))
+        node.core, node.model = None, ""
+        self._index.remove_node(node.config.node_id)
+        self._update_view()
+        self._view.report_load(node.config.node_id, node.load(), self._now)
+        return True
+
+    def _plan(self) -> None:
+        assert self._planner is not None
+        self._refresh_loads()
+        for action in self._planner.plan(self._view, self._now):
+            node = self._nodes[action.node_id]
+            if action.kind == "unload":
+                self._unload(node)
+            elif node.core is None and not node.loading:
+                self._start_load(node, action.model)
+        unplaced, self._unplaced = self._unplaced, []
+        for generation, record, block_hashes in unplaced:
+            self._place(generation, record, block_hashes)
+        if self._events or self._step_events:  # plan again while anything is left to happen
+            self._at(self._now + self._plan_interval_s, self._plan)
 
     # -- the event loop ------------------------------------------------------------------------
 
@@ -169,6 +254,8 @@ class Simulation:
                               for r, nxt in zip(steps, steps[1:], strict=False)}
         for when, node_id in self._failures:
             self._at(when, lambda n=node_id: self._kill(n))
+        if self._planner is not None:
+            self._at(self._plan_interval_s, self._plan)
         self._min_think_s = min((r.think_s for r in workload.requests if r.think_s is not None), default=math.inf)
         while self._events or self._step_events:
             if self._step_events and (not self._events or self._step_events[0] < self._events[0]):
@@ -189,7 +276,8 @@ class Simulation:
     def _arrive(self, request: SimRequest) -> None:
         record = self._records[request.request_id] = RequestRecord(request, self._now)
         tokens = self._book.tokens(request)
-        generation = Generation(request_id=request.request_id, model=self._model.name, prompt_token_ids=tokens,
+        generation = Generation(request_id=request.request_id, model=request.model or self._model.name,
+                                prompt_token_ids=tokens,
                                 sampling=common_pb2.SamplingParams(max_tokens=request.output_len, ignore_eos=True))
         self._budget.record_request(self._now)
         block_hashes = self._book.block_hashes(request, tokens)
@@ -208,15 +296,23 @@ class Simulation:
         exclude = frozenset(generation.excluded_nodes()) | frozenset(self._suspects)
         # The scheduler sees each node's load as of now (the live one, as of its last report).
         self._refresh_loads()
-        candidates = self._view.candidates(self._model.name, self._now, exclude)
+        model = generation.model
+        if self._planner is not None:
+            self._planner.note_demand(model, self._now)
+        candidates = self._view.candidates(model, self._now, exclude)
+        if not candidates or getattr(self._policy, "weighs_cold_nodes", False):
+            candidates = candidates + self._view.cold_candidates(model, self._now, exclude)
         needed = -(-(len(generation.context) + generation.num_remaining) // KV_BLOCK)
-        feasible = [s for s in candidates if needed <= s.load.kv_blocks_total]
+        feasible = [s for s in candidates if needed <= self._kv_capacity(s, model)]
         if not feasible:
+            if not candidates and self._planner is not None and not generation.failures:
+                self._unplaced.append((generation, record, block_hashes))  # as Place waits for the planner
+                return
             self._fail(record, "no node can hold it" if candidates else "no live node")
             return
-        matched = self._index.overlap(self._model.name, block_hashes)
+        matched = self._index.overlap(model, block_hashes)
         request = record.request
-        placement = PlacementRequest(request_id=generation.request_id, model=self._model.name,
+        placement = PlacementRequest(request_id=generation.request_id, model=model,
                                      num_prompt_tokens=len(generation.context), num_prompt_blocks=len(block_hashes),
                                      max_tokens=generation.num_remaining, block_hashes=block_hashes,
                                      ttft_budget_ms=self._ttft_budget_ms, workflow_id=request.task_id,
@@ -227,6 +323,11 @@ class Simulation:
         if not node.is_alive:  # placed on a dead node the fleet view still lists: the stream breaks at once
             self._migrate(generation, record, NodeFailure(chosen.node_id, FailureCause.CONNECT_FAILED))
             return
+        if node.model != model or node.core is None:  # cold: it serves once the load it needs is done
+            node.waiting_for_load.append((generation, record, block_hashes))
+            if not node.loading:
+                self._start_load(node, model)
+            return
         node.flights[generation.request_id] = generation
         node.core.add_request(EngineRequest(
             request_id=generation.request_id, prompt_token_ids=tuple(generation.context),
@@ -234,28 +335,33 @@ class Simulation:
             num_resumed_tokens=len(generation.generated), prompt_block_hashes=block_hashes))
         self._kick(node)
 
+    def _kv_capacity(self, status: NodeStatus, model: str) -> int:
+        if model in status.spec.warm_models:
+            return status.load.kv_blocks_total
+        return kv_capacity_blocks(GPU_SPECS[status.spec.gpu].hbm_bytes, get_model(model))
+
     # -- admission (the scheduler's own core) -------------------------------------------------------
 
     def _refresh_loads(self) -> None:
         for status in self._view.nodes():
             node = self._nodes[status.spec.node_id]
             if node.is_alive:
-                self._view.report_load(status.spec.node_id, node.core.load(), self._now)
+                self._view.report_load(status.spec.node_id, node.load(), self._now)
 
     def _is_saturated(self) -> bool:
         loads = [(load.num_waiting, load.kv_blocks_used, load.kv_blocks_total)
-                 for load in (n.core.load() for n in self._nodes.values() if n.is_alive)]
+                 for load in (n.load() for n in self._nodes.values() if n.is_alive)]
         return pool_saturation(loads) >= 1.0
 
     def _admit(self, generation: Generation, record: RequestRecord, block_hashes: tuple[int, ...]) -> None:
         assert self._admission is not None
         request = record.request
         self._refresh_loads()
-        placement = PlacementRequest(request_id=generation.request_id, model=self._model.name,
+        placement = PlacementRequest(request_id=generation.request_id, model=generation.model,
                                      num_prompt_tokens=len(generation.context), num_prompt_blocks=len(block_hashes),
                                      max_tokens=generation.num_remaining, ttft_budget_ms=self._ttft_budget_ms)
-        matched = self._index.overlap(self._model.name, block_hashes)
-        predicted_s = self._predictor.best_ttft_s(placement, self._view.candidates(self._model.name, self._now),
+        matched = self._index.overlap(generation.model, block_hashes)
+        predicted_s = self._predictor.best_ttft_s(placement, self._view.candidates(generation.model, self._now),
                                                   matched)
         ticket = Ticket(request.request_id, request.tenant, request.priority,
                         len(generation.context) + generation.num_remaining, self._now,
@@ -295,7 +401,7 @@ class Simulation:
 
     def _kick(self, node: _Node) -> None:
         """Start the node's next step if it is idle and has work."""
-        if node.is_stepping or not node.is_alive or not node.core.has_unfinished_requests():
+        if node.is_stepping or not node.is_alive or node.core is None or not node.core.has_unfinished_requests():
             return
         # Until the next event nothing can join this node's batch, so a decode-only batch may run
         # that many steps in one call (the core merges exactly the steps it would run one by one).
@@ -312,7 +418,7 @@ class Simulation:
             return
         node_id = node.config.node_id
         for event in result.kv_events:
-            self._index.apply(node_id, self._model.name, event)
+            self._index.apply(node_id, node.model, event)
         for output in result.outputs:
             generation = node.flights.get(output.request_id)
             if generation is None:
@@ -347,11 +453,15 @@ class Simulation:
         for generation in flights.values():
             self._migrate(generation, self._records[generation.request_id],
                           NodeFailure(node_id, FailureCause.STREAM_BROKEN))
+        waiting, node.waiting_for_load = node.waiting_for_load, []
+        for generation, record, _ in waiting:
+            self._migrate(generation, record, NodeFailure(node_id, FailureCause.CONNECT_FAILED))
         # Its lease ends later: until then the fleet view lists it (and the index its blocks).
         self._at(self._now + self._lease_ttl_s, lambda: self._lease_end(node_id))
 
     def _lease_end(self, node_id: str) -> None:
-        self._view.set_nodes([s.spec for s in self._view.nodes() if s.spec.node_id != node_id])
+        self._registered.discard(node_id)
+        self._update_view()
         self._index.remove_node(node_id)
 
     def _migrate(self, generation: Generation, record: RequestRecord, failure: NodeFailure) -> None:

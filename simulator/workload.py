@@ -39,6 +39,8 @@ class SimRequest:
     think_s: float | None = None
     tenant: str = "default"
     priority: int = 0
+    # The model it asks for ("": the simulation's model).
+    model: str = ""
 
 
 @dataclass

@@ -3,6 +3,7 @@ prefix cache, migration after a node failure, closed-loop tasks, and the summary
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -10,9 +11,12 @@ from pathlib import Path
 import pytest
 
 from services.common.block_hash import block_hashes
+from services.node_agent.engines.sim.models import get_model, load_time_s
+from services.scheduler.model_planner import ModelPlanner
 from services.scheduler.policies import make_policy
 from simulator.cluster import RunResult, Simulation, fleet
 from simulator.metrics import Slo, summarize
+from simulator.model_study import shifted
 from simulator.workload import SimRequest, TokenBook, Workload, agentic_workflows, load_mooncake
 
 pytestmark = pytest.mark.timeout(10)
@@ -175,3 +179,31 @@ def test_admission_in_the_simulator_refuses_what_cannot_make_its_budget_and_queu
     assert refused and all(r.finish_s is None for r in refused)
     assert all(r.failed.startswith(("refused", "shed", "deadline")) for r in refused)
     assert len([r for r in gated.records if r.finish_s is not None]) + len(refused) == 60
+
+
+# -- model placement --------------------------------------------------------------------------------
+
+
+def test_the_planner_loads_a_model_nobody_has_warm_and_requests_wait_for_the_load_not_fail() -> None:
+    a, b = "sim-llama-3.1-8b", "sim-llama-2-7b"
+    nodes = [dataclasses.replace(n, warm=a, cold=(b,)) for n in fleet("2xa100")]
+    requests = [dataclasses.replace(_request((i,), 512, f"r{i}", arrival_s=i * 0.5), model=b) for i in range(20)]
+    workload = Workload("all-b", requests)
+    static = Simulation(nodes, make_policy("baton"), model=a).run(workload)
+    assert all(r.failed == "no live node" for r in static.records)
+    simulation = Simulation(nodes, make_policy("baton"), model=a, planner=ModelPlanner(idle_swap_s=5.0))
+    result = simulation.run(workload)
+    assert all(r.num_generated == 32 for r in result.records)
+    (at, load), *_ = [(t, action) for t, action in simulation.model_actions if action.kind == "load"]
+    assert load.model == b and at >= 5.0  # a node idle 5 s was swapped
+    first = min(r.first_token_s for r in result.records if r.first_token_s is not None)
+    assert first >= at + load_time_s(get_model(b))  # nothing served before the load finished
+    assert sum(result.busy_s.values()) >= load_time_s(get_model(b))  # and the load was paid for
+
+
+def test_a_demand_shift_moves_warm_capacity_to_the_model_in_demand() -> None:
+    workload = Workload("w", [_request((i,), 256, f"r{i}", arrival_s=float(i)) for i in range(1000)])
+    moved = shifted(workload, "sim-llama-3.1-8b", "sim-llama-2-7b", 0.0, 1.0)
+    early = [r.model for r in moved.requests[:200]]
+    late = [r.model for r in moved.requests[-200:]]
+    assert early.count("sim-llama-2-7b") < 60 and late.count("sim-llama-2-7b") > 140

@@ -1,0 +1,121 @@
+"""`baton sim-models`: model placement under a shift of demand between two models, in the simulator.
+
+The Azure conversation trace, each task asking for model A or B: B's share of new tasks grows
+linearly from --start-share to --end-share over the run (requests longer than B's context always
+ask for A). Every node starts with A or B warm, split as --split says, and both on its disk.
+`static` keeps that split; `planner` runs the scheduler leader's model planner, which loads a
+model where demand outgrows its warm nodes and swaps idle nodes over (loads take the modelled
+cold-start time, during which the GPU is billed and serves nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import sys
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from services.node_agent.engines.sim.models import get_model
+from services.scheduler.model_planner import ModelPlanner
+from services.scheduler.policies import make_policy
+from simulator.cluster import RunResult, Simulation, fleet
+from simulator.metrics import Slo, summarize
+from simulator.workload import Workload, load_azure
+
+MODES = ("static", "planner")
+
+
+def shifted(workload: Workload, model_a: str, model_b: str, start_share: float, end_share: float,
+            seed: int = 0) -> Workload:
+    """workload with each task asking for model_a or model_b, B's share growing over time."""
+    rng = random.Random(seed)
+    end_s = max(r.arrival_s for r in workload.requests) or 1.0
+    b_context = get_model(model_b).max_context_tokens
+    models: dict[str, str] = {}
+    for steps in workload.tasks.values():
+        first = steps[0]
+        share = start_share + (end_share - start_share) * first.arrival_s / end_s
+        fits_b = all(r.prompt_len + r.output_len <= b_context for r in steps)
+        models[first.task_id] = model_b if fits_b and rng.random() < share else model_a
+    requests = [dataclasses.replace(r, model=models[r.task_id]) for r in workload.requests]
+    return Workload(name=f"{workload.name}-shift", requests=requests)
+
+
+def run_one(job: tuple[argparse.Namespace, str, float]) -> tuple[str, float, dict]:
+    args, mode, load = job
+    model_a, model_b = args.models.split(",")
+    workload = shifted(load_azure(Path(args.traces) / "AzureLLMInferenceTrace_conv.csv", speedup=load,
+                                  limit=args.limit), model_a, model_b, args.start_share, args.end_share)
+    num_a = int(args.split.split(",")[0])
+    nodes = [dataclasses.replace(n, warm=model_a if i < num_a else model_b, cold=(model_a, model_b))
+             for i, n in enumerate(fleet(args.fleet))]
+    planner = ModelPlanner(idle_swap_s=args.swap_idle_s) if mode == "planner" else None
+    slo = Slo(args.ttft_slo, args.tpot_slo)
+    simulation = Simulation(nodes, make_policy(args.policy), model=model_a, planner=planner,
+                            ttft_budget_ms=int(args.ttft_slo * 1000))
+    result = simulation.run(workload)
+    summary = summarize(result, workload, slo)
+    actions = Counter(action.kind for _, action in simulation.model_actions)
+    return mode, load, {**dataclasses.asdict(summary), "loads": actions["load"], "unloads": actions["unload"],
+                        "by_model": per_model(result, slo)}
+
+
+def per_model(result: RunResult, slo: Slo) -> dict[str, tuple[int, int]]:
+    """(requests meeting the SLO, requests) by model."""
+    counts: dict[str, list[int]] = {}
+    for record in result.records:
+        met_total = counts.setdefault(record.request.model, [0, 0])
+        met_total[0] += int(slo.is_met(record))
+        met_total[1] += 1
+    return {model: (met, total) for model, (met, total) in sorted(counts.items())}
+
+
+def table(rows: list[tuple[str, float, dict]]) -> str:
+    lines = ["| load | placement | SLO attainment | per model (met/requests) | goodput (req/s) | TTFT p50 / p99 (s) "
+             "| GPU-hours | cost per successful task ($) | loads / unloads |",
+             "|---:|---|---:|---|---:|---|---:|---:|---|"]
+    for mode, load, s in rows:
+        models = ", ".join(f"{m}: {met}/{total}" for m, (met, total) in s["by_model"].items())
+        lines.append(f"| {load:g}x | {mode} | {s['slo_attainment']:.1%} | {models} | {s['goodput_rps']:.2f} "
+                     f"| {s['ttft_p50']:.2f} / {s['ttft_p99']:.2f} | {s['gpu_hours']:.2f} "
+                     f"| {s['cost_per_successful_task']:.5f} | {s['loads']} / {s['unloads']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="baton sim-models", description=__doc__)
+    parser.add_argument("--traces", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces"))
+    parser.add_argument("--fleet", default="8xa100")
+    parser.add_argument("--models", default="sim-llama-3.1-8b,sim-llama-2-7b", help="A,B")
+    parser.add_argument("--split", default="6,2", help="nodes starting with A warm, with B warm")
+    parser.add_argument("--start-share", type=float, default=0.1, help="B's share of new tasks at the start")
+    parser.add_argument("--end-share", type=float, default=0.9, help="B's share of new tasks at the end")
+    parser.add_argument("--policy", default="baton")
+    parser.add_argument("--loads", default="1,2", help="trace speed-ups")
+    parser.add_argument("--limit", type=int, default=None, help="first N requests of the trace")
+    parser.add_argument("--swap-idle-s", type=float, default=10.0)
+    parser.add_argument("--ttft-slo", type=float, default=5.0)
+    parser.add_argument("--tpot-slo", type=float, default=0.1)
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--out", default="results/models")
+    args = parser.parse_args(argv)
+    jobs = [(args, mode, float(load)) for load in args.loads.split(",") for mode in MODES]
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        rows = list(pool.map(run_one, jobs))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = table(rows)
+    (out / "table.md").write_text(text + "\n")
+    (out / "results.json").write_text(json.dumps([{"mode": m, "load": x, **s} for m, x, s in rows], indent=1))
+    print(text)
+    print(f"wrote {out / 'table.md'} and {out / 'results.json'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
