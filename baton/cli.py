@@ -186,7 +186,7 @@ def _print_recent_decisions(scheduler: str, limit: int = 5) -> None:
     print(f"recent placements (policy {recent.policy}), newest first:")
     for d in recent.decisions:
         why = ", ".join(f"{c.node_id}: ttft {c.predicted_ttft_ms:.0f} ms, p {c.success:.2f}, ${c.cost:.5f}"
-                        for c in d.candidates)
+                        + ("" if c.warm else f", cold: {c.load_ms / 1000:.0f} s load") for c in d.candidates)
         print(f"  {d.request_id[:12]:<12} -> {d.node_id:<8} score {d.score:.6g}" + (f"  [{why}]" if why else ""))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ import pytest
 
 from baton.client import BatonClient
 from baton.cluster import ClusterSpec, LocalCluster, ManagedProcess
-from baton.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc
+from baton.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common import etcd_keys
 from services.common.block_hash import block_hashes
 from services.common.etcd_session import connect
@@ -93,11 +94,31 @@ def leader_process(cluster: LocalCluster) -> ManagedProcess:
     return next(p for p in cluster.schedulers if p.name == leader_id)
 
 
+def leader_tasks(cluster: LocalCluster) -> scheduler_pb2.TaskStats:
+    """The KPI ledger as the leader reports it."""
+    with grpc.insecure_channel(leader_process(cluster).address) as channel:
+        return scheduler_pb2_grpc.SchedulerStub(channel).GetClusterState(
+            scheduler_pb2.GetClusterStateRequest(), timeout=2).tasks
+
+
+async def handed_over_successes(cluster: LocalCluster) -> int:
+    """Successful tasks in the state the leader last wrote for its successor."""
+    client = connect(cluster.etcd_endpoint)
+    try:
+        stored = await client.get(etcd_keys.SCHEDULER_STATE.encode())
+    finally:
+        await client.close()
+    return json.loads(stored.value)["tasks"]["succeeded"] if stored is not None else 0
+
+
 async def test_killing_the_scheduler_leader_fails_no_request(three_schedulers: LocalCluster) -> None:
     cluster = three_schedulers
     load = SteadyLoad(cluster)
     load.start()
     await load.wait_completed(10)
+    await eventually(lambda: leader_tasks(cluster).tasks_succeeded >= 10, 10, "the leader to count 10 tasks")
+    await eventually(functools.partial(handed_over_successes, cluster), 10, "the ledger in the hand-over state")
+    handed_over = await handed_over_successes(cluster)
     old = leader_process(cluster)
     old.signal(signal.SIGKILL)
     killed_at = time.monotonic()
@@ -108,6 +129,9 @@ async def test_killing_the_scheduler_leader_fails_no_request(three_schedulers: L
     await load.stop()
     assert load.failures == []
     assert took_over_s < 4 * TTL_S
+    # The successor carried the KPI's ledger on (at least what was handed over) and kept counting.
+    await eventually(lambda: leader_tasks(cluster).tasks_succeeded >= handed_over + 20, 10,
+                     "the new leader to count on from the handed-over tasks")
 
 
 async def test_a_third_scheduler_joins_and_survives_the_other_two(tmp_path_factory: pytest.TempPathFactory) -> None:
