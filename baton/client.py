@@ -66,6 +66,9 @@ class BatonClient:
                 async for chunk in call:
                     if chunk.HasField("seed"):
                         request.seed = chunk.seed
+                    if chunk.model and chunk.model != request.model:  # an alternative runs it: resume on that one
+                        request.model = chunk.model
+                        del request.alternative_models[:]
                     received.extend(chunk.token_ids)
                     yield chunk
                 return
@@ -106,6 +109,8 @@ class Completion:
         self.token_ids: list[int] = []
         self.text = ""
         self.node_ids: list[str] = []
+        # The model that generated it (the request's own or an alternative the scheduler chose).
+        self.model = ""
         self.finish_reason = 0
         self.usage = router_pb2.GenerateChunk().usage
         self.num_chunks = 0
@@ -118,6 +123,7 @@ class Completion:
         self.text += chunk.text
         self.num_chunks += 1
         self.is_exact = self.is_exact and not chunk.inexact
+        self.model = chunk.model or self.model
         if chunk.node_id and (not self.node_ids or self.node_ids[-1] != chunk.node_id):
             self.node_ids.append(chunk.node_id)
         if chunk.finish_reason:

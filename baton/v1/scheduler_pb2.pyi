@@ -99,23 +99,25 @@ class RecentDecisions(_message.Message):
     def __init__(self, policy: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[PlacementDecision, _Mapping]]] = ...) -> None: ...
 
 class PlacementDecision(_message.Message):
-    __slots__ = ("request_id", "node_id", "score", "workflow_id", "decided_at_ms", "candidates")
+    __slots__ = ("request_id", "node_id", "score", "workflow_id", "decided_at_ms", "candidates", "model")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     WORKFLOW_ID_FIELD_NUMBER: _ClassVar[int]
     DECIDED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     node_id: str
     score: float
     workflow_id: str
     decided_at_ms: int
     candidates: _containers.RepeatedCompositeFieldContainer[CandidateTerms]
-    def __init__(self, request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., score: _Optional[float] = ..., workflow_id: _Optional[str] = ..., decided_at_ms: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[CandidateTerms, _Mapping]]] = ...) -> None: ...
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., score: _Optional[float] = ..., workflow_id: _Optional[str] = ..., decided_at_ms: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[CandidateTerms, _Mapping]]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class CandidateTerms(_message.Message):
-    __slots__ = ("node_id", "gpu", "cached_tokens", "predicted_ttft_ms", "predicted_tpot_ms", "cost", "success", "workflow_spent", "has_kv_room", "score", "warm", "load_ms", "kv_free_blocks", "at_risk")
+    __slots__ = ("node_id", "gpu", "cached_tokens", "predicted_ttft_ms", "predicted_tpot_ms", "cost", "success", "workflow_spent", "has_kv_room", "score", "warm", "load_ms", "kv_free_blocks", "at_risk", "model")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +132,7 @@ class CandidateTerms(_message.Message):
     LOAD_MS_FIELD_NUMBER: _ClassVar[int]
     KV_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     AT_RISK_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     gpu: str
     cached_tokens: int
@@ -144,10 +147,11 @@ class CandidateTerms(_message.Message):
     load_ms: float
     kv_free_blocks: int
     at_risk: float
-    def __init__(self, node_id: _Optional[str] = ..., gpu: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., predicted_ttft_ms: _Optional[float] = ..., predicted_tpot_ms: _Optional[float] = ..., cost: _Optional[float] = ..., success: _Optional[float] = ..., workflow_spent: _Optional[float] = ..., has_kv_room: _Optional[bool] = ..., score: _Optional[float] = ..., warm: _Optional[bool] = ..., load_ms: _Optional[float] = ..., kv_free_blocks: _Optional[int] = ..., at_risk: _Optional[float] = ...) -> None: ...
+    model: str
+    def __init__(self, node_id: _Optional[str] = ..., gpu: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., predicted_ttft_ms: _Optional[float] = ..., predicted_tpot_ms: _Optional[float] = ..., cost: _Optional[float] = ..., success: _Optional[float] = ..., workflow_spent: _Optional[float] = ..., has_kv_room: _Optional[bool] = ..., score: _Optional[float] = ..., warm: _Optional[bool] = ..., load_ms: _Optional[float] = ..., kv_free_blocks: _Optional[int] = ..., at_risk: _Optional[float] = ..., model: _Optional[str] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("request_id", "model", "num_prompt_tokens", "block_hashes", "max_tokens", "tenant", "priority", "ttft_budget_ms", "deadline_ms", "workflow_id", "step", "total_steps", "exclude_node_ids", "retry_cause")
+    __slots__ = ("request_id", "model", "num_prompt_tokens", "block_hashes", "max_tokens", "tenant", "priority", "ttft_budget_ms", "deadline_ms", "workflow_id", "step", "total_steps", "exclude_node_ids", "retry_cause", "alternative_models")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +166,7 @@ class PlaceRequest(_message.Message):
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     RETRY_CAUSE_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATIVE_MODELS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     num_prompt_tokens: int
@@ -176,19 +181,22 @@ class PlaceRequest(_message.Message):
     total_steps: int
     exclude_node_ids: _containers.RepeatedScalarFieldContainer[str]
     retry_cause: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., ttft_budget_ms: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., workflow_id: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., exclude_node_ids: _Optional[_Iterable[str]] = ..., retry_cause: _Optional[str] = ...) -> None: ...
+    alternative_models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., ttft_budget_ms: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., workflow_id: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., exclude_node_ids: _Optional[_Iterable[str]] = ..., retry_cause: _Optional[str] = ..., alternative_models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("node_id", "address", "matched_blocks", "cost")
+    __slots__ = ("node_id", "address", "matched_blocks", "cost", "model")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     matched_blocks: int
     cost: float
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., cost: _Optional[float] = ...) -> None: ...
+    model: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., cost: _Optional[float] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ReportLoadAck(_message.Message):
     __slots__ = ()

@@ -44,6 +44,14 @@ class Generation:
     is_exact: bool = True
     # GPU time spent on each node by the attempts that have ended (as of their last checkpoint).
     gpu_ms_by_node: dict[str, float] = field(default_factory=dict)
+    # Models accepted instead of `model` until the first placement settles which one runs it.
+    alternative_models: tuple[str, ...] = ()
+
+    def settle_model(self, model: str) -> None:
+        """The scheduler chose model (empty: the request's own); every later attempt keeps to it."""
+        if model:
+            self.model = model
+        self.alternative_models = ()
 
     @property
     def context(self) -> list[int]:

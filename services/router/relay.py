@@ -164,19 +164,23 @@ class Relay:
             total_steps=request.total_steps,
             exclude_node_ids=sorted(set(generation.excluded_nodes()) | set(self._suspects)),
             retry_cause=retry_cause,
+            alternative_models=generation.alternative_models,
         )
         try:
-            return await self._call_scheduler(place, remaining_s)
+            placement = await self._call_scheduler(place, remaining_s)
         except BatonError as error:
             if error.code == grpc.StatusCode.UNAVAILABLE and self._suspects:
                 # Every node this router avoids may be all there is; try them again.
                 del place.exclude_node_ids[:]
                 place.exclude_node_ids.extend(generation.excluded_nodes())
-                return await self._call_scheduler(place, remaining_s)
-            if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and retry_cause:
+                placement = await self._call_scheduler(place, remaining_s)
+            elif error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and retry_cause:
                 raise Unavailable(f"request {generation.request_id} cannot move after {retry_cause}: "
                                   f"{error}") from None
-            raise
+            else:
+                raise
+        generation.settle_model(placement.model)
+        return placement
 
     async def _call_scheduler(
         self, place: scheduler_pb2.PlaceRequest, remaining_s: float | None

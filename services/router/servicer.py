@@ -114,6 +114,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 prompt_token_ids=valid.prompt_token_ids,
                 sampling=valid.sampling,
                 generated=list(valid.resume_token_ids),
+                alternative_models=valid.alternative_models,
             )
             decoder = TOKENIZERS[valid.model.tokenizer].decoder()
             # A resumed stream's text continues where the client's left off, mid-character or not.
@@ -130,6 +131,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     node_id=chunk.node_id,
                     finish_reason=chunk.finish_reason,
                     inexact=not generation.is_exact,
+                    model=generation.model,
                 )
                 if is_first and generation.sampling.HasField("seed"):
                     reply.seed = generation.sampling.seed

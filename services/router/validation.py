@@ -35,6 +35,8 @@ class ValidRequest:
     sampling: common_pb2.SamplingParams
     # Completion tokens the client already has (a resumed request).
     resume_token_ids: list[int]
+    # Models accepted instead of `model` that can hold the request (none for a resumed one).
+    alternative_models: tuple[str, ...] = ()
 
 
 def validate(
@@ -124,7 +126,25 @@ def validate(
         prompt_token_ids=prompt,
         sampling=sampling,
         resume_token_ids=resumed,
+        alternative_models=() if resumed else _alternatives(request, models, model, len(prompt) + max_tokens),
     )
+
+
+def _alternatives(request: router_pb2.GenerateRequest, models: dict[str, ModelEntry], model: ModelEntry,
+                  num_tokens: int) -> tuple[str, ...]:
+    """The alternative models that could serve the request: known, same tokenizer, context large enough."""
+    accepted = []
+    for i, name in enumerate(request.alternative_models):
+        alternative = models.get(name)
+        if alternative is None:
+            raise InvalidArgument(f"alternative_models[{i}]", name, f"not served by this cluster "
+                                  f"(served: {', '.join(sorted(models))})")
+        if alternative.tokenizer != model.tokenizer:
+            raise InvalidArgument(f"alternative_models[{i}]", name, f"tokenizer {alternative.tokenizer!r} differs "
+                                  f"from {model.name}'s {model.tokenizer!r}")
+        if alternative.max_context_tokens >= num_tokens and name != model.name and name not in accepted:
+            accepted.append(name)
+    return tuple(accepted)
 
 
 def _check_vocabulary(field: str, token_ids: list[int], vocab_size: int) -> None:

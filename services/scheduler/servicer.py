@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -31,7 +32,7 @@ from services.scheduler.gate import AdmissionGate
 from services.scheduler.leadership import LeaderRole
 from services.scheduler.model_loader import ModelLoader
 from services.scheduler.model_planner import ModelAction, ModelPlanner
-from services.scheduler.policies import Decision, PlacementRequest, make_policy
+from services.scheduler.policies import Decision, Option, PlacementRequest, choose_among, make_policy
 from services.scheduler.policies.baton import BatonPolicy
 from services.scheduler.retry_budget import RetryBudget
 from services.scheduler.tasks import TaskLedger
@@ -191,18 +192,22 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     )
             else:
                 self._retry_budget.record_request(now)
-            if not self._cluster.has_model(request.model):
-                raise NotFound(f"model={request.model!r}: no registered node has it")
-            self._planner.note_demand(request.model, now)
+            # The request's model first, then the alternatives it accepts that some node has.
+            models = [m for m in dict.fromkeys([request.model, *request.alternative_models])
+                      if self._cluster.has_model(m)]
+            if not models:
+                raise NotFound(f"model={request.model!r}: no registered node has it"
+                               + (f" (nor {', '.join(request.alternative_models)})" if request.alternative_models
+                                  else ""))
+            self._planner.note_demand(models[0], now)
             exclude = frozenset(request.exclude_node_ids)
-            candidates = self._candidates(request.model, now, exclude)
-            if not candidates and not request.retry_cause:
-                # The model is only on busy nodes' disks: the planner makes room; wait for it.
-                candidates = await self._wait_for_candidates(request.model, exclude, context.time_remaining())
-            if not candidates:
+            candidates = {m: self._candidates(m, now, exclude) for m in models}
+            if not any(candidates.values()) and not request.retry_cause:
+                # The models are only on busy nodes' disks: the planner makes room; wait for it.
+                candidates[models[0]] = await self._wait_for_candidates(models[0], exclude, context.time_remaining())
+            if not any(candidates.values()):
                 raise Unavailable(f"model={request.model!r}: no live node has it warm or a free GPU to load it")
             now = time.monotonic()
-            matched = await self._overlap(request.model, request.block_hashes)
             placement = PlacementRequest(
                 request_id=request.request_id,
                 model=request.model,
@@ -218,22 +223,29 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 step=request.step,
                 total_steps=request.total_steps,
             )
+            options = [Option(dataclasses.replace(placement, model=m), nodes,
+                              await self._overlap(m, request.block_hashes))
+                       for m, nodes in candidates.items() if nodes]
             if not request.retry_cause:  # a migrating stream is already admitted: never shed it
                 ticket = Ticket(request_id=request.request_id, tenant=request.tenant or "default",
                                 priority=request.priority, num_tokens=request.num_prompt_tokens + request.max_tokens,
                                 arrived_at=now, deadline_at=now + request.ttft_budget_ms / 1000
                                 if request.ttft_budget_ms else math.inf)
-                if await self._gate.enter(ticket, self._predictor.best_ttft_s(placement, candidates, matched, now)):
+                best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now)
+                                  for o in options)
+                if await self._gate.enter(ticket, best_ttft_s):
                     # It waited: place it on the fleet as it is now, with no await from here on.
                     now = time.monotonic()
-                    candidates = self._candidates(request.model, now, exclude) or candidates
-            decision = self._policy.choose(placement, candidates, matched, now)
-            self._record_decision(placement, decision)
+                    options = [dataclasses.replace(o, candidates=self._candidates(o.request.model, now, exclude)
+                                                   or o.candidates) for o in options]
+            index, decision = choose_among(self._policy, options, now)
+            model = options[index].request.model
+            self._record_decision(options[index].request, decision)
             self._cluster.record_placement(decision.node_id, placement.num_prompt_blocks, now)
             chosen = self._cluster.get(decision.node_id)
-            if chosen is not None and request.model not in chosen.spec.warm_models:
+            if chosen is not None and model not in chosen.spec.warm_models:
                 # A cold node serves nothing until warm: load the model there and wait for it.
-                await self._loader.ensure_warm(decision.node_id, decision.address, request.model,
+                await self._loader.ensure_warm(decision.node_id, decision.address, model,
                                                f"placed {request.request_id} there")
         except BatonError as error:
             self._placements.add(1, {"outcome": error.code.name, "retry": request.retry_cause})
@@ -246,6 +258,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             address=decision.address,
             matched_blocks=decision.matched_blocks,
             cost=decision.cost,
+            model=model,
         )
 
     def _candidates(self, model: str, now: float, exclude: frozenset[str]) -> list[NodeStatus]:
@@ -341,19 +354,21 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 node_id=t.node_id, gpu=t.gpu, cached_tokens=t.cached_tokens, predicted_ttft_ms=t.ttft_ms,
                 predicted_tpot_ms=t.tpot_ms, cost=t.cost, success=t.success, workflow_spent=t.workflow_spent,
                 has_kv_room=t.has_kv_room, score=t.score,
-                warm=t.warm, load_ms=t.load_ms, kv_free_blocks=t.kv_free_blocks, at_risk=t.at_risk)
+                warm=t.warm, load_ms=t.load_ms, kv_free_blocks=t.kv_free_blocks, at_risk=t.at_risk, model=t.model)
             for t in getattr(self._policy, "last_terms", ())
         ]
         self._decisions.append(scheduler_pb2.PlacementDecision(
-            request_id=placement.request_id, node_id=decision.node_id, score=decision.cost,
+            request_id=placement.request_id, node_id=decision.node_id, score=decision.cost, model=placement.model,
             workflow_id=placement.workflow_id, decided_at_ms=int(time.time() * 1000), candidates=terms))
         span = trace.get_current_span()
         span.set_attribute("baton.placement.node", decision.node_id)
+        span.set_attribute("baton.placement.model", placement.model)
         span.set_attribute("baton.placement.score", decision.cost)
         span.set_attribute("baton.placement.cached_blocks", decision.matched_blocks)
+        several_models = len({t.model for t in terms}) > 1
         for t in terms:
             span.set_attribute(
-                f"baton.candidate.{t.node_id}",
+                f"baton.candidate.{t.node_id}" + (f".{t.model}" if several_models else ""),
                 f"gpu={t.gpu} ttft_ms={t.predicted_ttft_ms:.0f} tpot_ms={t.predicted_tpot_ms:.1f} "
                 f"cost={t.cost:.6f} success={t.success:.3f} spent={t.workflow_spent:.6f} "
                 f"at_risk={t.at_risk:.6f} warm={t.warm} load_ms={t.load_ms:.0f} kv_free={t.kv_free_blocks} "

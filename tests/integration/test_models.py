@@ -11,7 +11,7 @@ import pytest
 
 from baton.client import BatonClient
 from baton.cluster import ClusterSpec, LocalCluster
-from baton.v1 import common_pb2, node_agent_pb2, node_agent_pb2_grpc
+from baton.v1 import common_pb2, node_agent_pb2, node_agent_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.integration.conftest import eventually, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -108,3 +108,19 @@ async def test_cost_per_successful_task_counts_a_workflow_once_with_every_steps_
     after = fleet.cluster_state().tasks
     assert after.ended_cost_usd > before.ended_cost_usd
     assert after.cost_per_successful_task_usd == pytest.approx(after.ended_cost_usd / after.tasks_succeeded)
+
+
+async def test_an_accepted_alternative_serves_a_request_its_own_model_would_serve_late(fleet: LocalCluster) -> None:
+    """B is warm only on node-2, an L4; A on the h100, the a100 and node-3, the other L4."""
+    assert fleet.router is not None
+    async with BatonClient(fleet.router.address) as client:
+        tight = await client.complete(B, "a long question that needs a fast answer. " * 70, max_tokens=8,
+                                      ttft_budget_ms=300, alternative_models=[A])
+        own_is_best = await client.complete(A, "a short one", max_tokens=8, alternative_models=[B])
+    assert tight.model == A and tight.node_ids[0] in ("node-0", "node-1")
+    assert own_is_best.model == A  # B only runs on an L4: slower and, per request, dearer than the a100
+    with grpc.insecure_channel(fleet.scheduler.address) as channel:
+        decisions = scheduler_pb2_grpc.SchedulerStub(channel).GetRecentDecisions(
+            scheduler_pb2.GetRecentDecisionsRequest(limit=2), timeout=5).decisions
+    assert fleet.scheduler is not None and [d.model for d in decisions] == [A, A]
+    assert {c.model for c in decisions[1].candidates} == {A, B}

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from services.common.load import Load
 from services.scheduler.cluster import NodeSpec, NodeStatus
-from services.scheduler.policies import PlacementRequest
+from services.scheduler.policies import Option, PlacementRequest, choose_among, make_policy
 from services.scheduler.policies.baton import BatonPolicy
 
 MODEL = "sim-llama-3.1-8b"
@@ -133,3 +135,20 @@ def test_priority_breaks_a_near_tie_toward_certainty() -> None:
     assert chosen(policy, prioritised(2), nodes) == "h"  # a failure would forfeit more: certainty is worth it
     terms = {t.node_id: t for t in policy.last_terms}
     assert terms["a"].at_risk == 2 * terms["a"].cost
+
+
+def test_an_accepted_alternative_model_wins_when_the_requested_one_would_miss_its_budget() -> None:
+    other = "sim-llama-3-8b"
+    busy = node("h", "h100", num_running=60, pending_prefill_tokens=60_000, active_decode_blocks=9000)
+    idle_other = NodeStatus(spec=NodeSpec("h2", "h2", "h100", PRICE["h100"], frozenset({other})),
+                            load=Load(kv_blocks_total=25_000))
+    wanted = request(3000, ttft_budget_ms=1000)
+    options = [Option(wanted, [busy], {}), Option(dataclasses.replace(wanted, model=other), [idle_other], {})]
+    policy = BatonPolicy()
+    index, placed = policy.choose_among(options, 0.0)
+    assert (index, placed.node_id) == (1, "h2")
+    assert {t.model for t in policy.last_terms} == {MODEL, other}
+    # On equal terms the requested model keeps it; a policy that does not weigh models takes the first one.
+    relaxed = [Option(request(300, ttft_budget_ms=60_000), [node("h", "h100")], {}), options[1]]
+    assert policy.choose_among(relaxed, 0.0)[0] == 0
+    assert choose_among(make_policy("dynamo"), options, 0.0)[0] == 0

@@ -118,3 +118,28 @@ def test_request_id_is_generated_when_empty_and_kept_when_given() -> None:
     first, second = _validate(_request()).request_id, _validate(_request()).request_id
     assert first and second and first != second
     assert _validate(_request(request_id="r" * 128)).request_id == "r" * 128
+
+
+# -- alternative models ---------------------------------------------------------------------------
+
+SMALL = ModelEntry(name="small", max_context_tokens=40, tokenizer="byte", vocab_size=257, num_warm_nodes=1)
+OTHER = ModelEntry(name="other", max_context_tokens=100, tokenizer="llama", vocab_size=32000, num_warm_nodes=1)
+BIG = ModelEntry(name="big", max_context_tokens=1000, tokenizer="byte", vocab_size=257, num_warm_nodes=0)
+ALL = {m.name: m for m in (MODEL, SMALL, OTHER, BIG)}
+
+
+def test_alternatives_that_can_hold_the_request_are_kept_in_order_once() -> None:
+    request = _request(max_tokens=50, alternative_models=["big", "small", "m", "big"])
+    assert validate(request, ALL, DEFAULT_MAX_TOKENS, random.Random(0)).alternative_models == ("big",)
+
+
+@pytest.mark.parametrize(("name", "why"), [("nope", "not served"), ("other", "tokenizer 'llama'")])
+def test_an_unusable_alternative_is_invalid_naming_its_position(name: str, why: str) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        validate(_request(alternative_models=["big", name]), ALL, DEFAULT_MAX_TOKENS, random.Random(0))
+    assert "alternative_models[1]" in str(caught.value) and name in str(caught.value) and why in str(caught.value)
+
+
+def test_a_resumed_request_keeps_to_its_model() -> None:
+    request = _request(alternative_models=["big"], resume=router_pb2.Resume(token_ids=[97]))
+    assert validate(request, ALL, DEFAULT_MAX_TOKENS, random.Random(0)).alternative_models == ()

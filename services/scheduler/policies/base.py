@@ -47,6 +47,29 @@ class Policy(Protocol):
         """Pick one of candidates (non-empty) for request; matched_blocks is the kvindex's overlap."""
 
 
+@dataclass(frozen=True)
+class Option:
+    """One model a request accepts, with the nodes that could run it and their cached prompt blocks."""
+
+    request: PlacementRequest
+    candidates: list[NodeStatus]
+    matched_blocks: dict[str, int]
+
+
+def choose_among(policy: Policy, options: list[Option], now: float) -> tuple[int, Decision]:
+    """The option (index) and node for a request that accepts several models, preferred first.
+
+    A policy that weighs models against each other (`choose_among`) decides; any other takes the
+    first model with a candidate.
+    """
+    weigh = getattr(policy, "choose_among", None)
+    if weigh is not None:
+        return weigh(options, now)
+    index = next(i for i, option in enumerate(options) if option.candidates)
+    option = options[index]
+    return index, policy.choose(option.request, option.candidates, option.matched_blocks, now)
+
+
 def decision(status: NodeStatus, matched_blocks: dict[str, int], cost: float) -> Decision:
     return Decision(node_id=status.spec.node_id, address=status.spec.address,
                     matched_blocks=matched_blocks.get(status.spec.node_id, 0), cost=cost)

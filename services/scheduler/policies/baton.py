@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from services.node_agent.engines.sim.models import SIM_MODELS
 from services.node_agent.engines.sim.timing import TimingModel, load_coefficients
 from services.scheduler.cluster import NodeStatus
-from services.scheduler.policies.base import Decision, PlacementRequest, decision, warm_first
+from services.scheduler.policies.base import Decision, Option, PlacementRequest, decision, warm_first
 from services.scheduler.policies.kv_load import KvLoadPolicy
 
 BLOCK = 16
@@ -69,6 +69,7 @@ class Terms:
     load_ms: float = 0.0
     kv_free_blocks: int = 0
     at_risk: float = 0.0
+    model: str = ""
 
 
 def _success(budget_ms: float, predicted_ms: float) -> float:
@@ -143,24 +144,32 @@ class BatonPolicy:
         p = max(success, MIN_SUCCESS)
         return Terms(status.spec.node_id, status.spec.gpu, cached, ttft_ms, tpot_ms, cost, success, spent,
                      needed <= free or not warm,  # a loaded model gets the free GPU's whole KV cache
-                     (cost + (1.0 - p) * at_risk) / p, warm, load_s * 1000, free, at_risk)
+                     (cost + (1.0 - p) * at_risk) / p, warm, load_s * 1000, free, at_risk, request.model)
 
     def choose(
         self, request: PlacementRequest, candidates: list[NodeStatus], matched_blocks: dict[str, int], now: float
     ) -> Decision:
-        scored = [(t, s) for s in candidates
-                  if (t := self.terms(request, s, matched_blocks.get(s.spec.node_id, 0), now)) is not None]
-        if not scored:  # no timing model for these GPUs or this model: place by KV overlap and load
-            return self._fallback.choose(request, warm_first(request, candidates), matched_blocks, now)
-        roomy = [(t, s) for t, s in scored if t.has_kv_room] or scored
-        best_terms, best = min(roomy, key=lambda pair: (pair[0].score, pair[0].ttft_ms, pair[1].spec.node_id))
-        self.last_terms = [t for t, _ in scored]
+        return self.choose_among([Option(request, candidates, matched_blocks)], now)[1]
+
+    def choose_among(self, options: list[Option], now: float) -> tuple[int, Decision]:
+        """The best (model, node) of every model the request accepts: each priced the same way."""
+        scored = [(t, i, s) for i, option in enumerate(options) for s in option.candidates
+                  if (t := self.terms(option.request, s, option.matched_blocks.get(s.spec.node_id, 0), now))]
+        if not scored:  # no timing model for these GPUs or models: place by KV overlap and load
+            index = next(i for i, option in enumerate(options) if option.candidates)
+            option = options[index]
+            return index, self._fallback.choose(option.request, warm_first(option.request, option.candidates),
+                                                option.matched_blocks, now)
+        roomy = [entry for entry in scored if entry[0].has_kv_room] or scored
+        best_terms, index, best = min(roomy, key=lambda e: (e[0].score, e[0].ttft_ms, e[1], e[2].spec.node_id))
+        self.last_terms = [t for t, _, _ in scored]
+        request = options[index].request
         if request.workflow_id:
             self.workflow_spent[request.workflow_id] = best_terms.workflow_spent + best_terms.cost
             self.workflow_spent.move_to_end(request.workflow_id)
             if len(self.workflow_spent) > MAX_WORKFLOWS:
                 self.workflow_spent.popitem(last=False)
-        return decision(best, matched_blocks, best_terms.score)
+        return index, decision(best, options[index].matched_blocks, best_terms.score)
 
     def best_ttft_s(self, request: PlacementRequest, candidates: list[NodeStatus],
                     matched_blocks: dict[str, int], now: float = 0.0) -> float:
