@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from simulator.cluster import RequestRecord, RunResult
@@ -86,3 +87,13 @@ def ttft_values(result: RunResult) -> list[float]:
     return sorted(r.ttft_s for r in result.records if r.ttft_s is not None)
 
 
+
+
+def met_by(result: RunResult, slo: Slo, key: Callable[[RequestRecord], object]) -> dict[str, tuple[int, int]]:
+    """(requests meeting the SLO, requests) for each value of key, in sorted order."""
+    counts: dict[str, list[int]] = {}
+    for record in result.records:
+        met_total = counts.setdefault(str(key(record)), [0, 0])
+        met_total[0] += int(slo.is_met(record))
+        met_total[1] += 1
+    return {k: (met, total) for k, (met, total) in sorted(counts.items())}

@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import random
 import sys
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from services.node_agent.engines.sim.models import get_model
 from services.scheduler.model_planner import ModelPlanner
 from services.scheduler.policies import make_policy
-from simulator.cluster import RunResult, Simulation, fleet
-from simulator.metrics import Slo, summarize
+from simulator.cluster import Simulation, fleet
+from simulator.metrics import Slo, met_by, summarize
+from simulator.study import run_all, study_parser, write_results
 from simulator.workload import Workload, load_azure
 
 MODES = ("static", "planner")
@@ -62,17 +60,7 @@ def run_one(job: tuple[argparse.Namespace, str, float]) -> tuple[str, float, dic
     summary = summarize(result, workload, slo)
     actions = Counter(action.kind for _, action in simulation.model_actions)
     return mode, load, {**dataclasses.asdict(summary), "loads": actions["load"], "unloads": actions["unload"],
-                        "by_model": per_model(result, slo)}
-
-
-def per_model(result: RunResult, slo: Slo) -> dict[str, tuple[int, int]]:
-    """(requests meeting the SLO, requests) by model."""
-    counts: dict[str, list[int]] = {}
-    for record in result.records:
-        met_total = counts.setdefault(record.request.model, [0, 0])
-        met_total[0] += int(slo.is_met(record))
-        met_total[1] += 1
-    return {model: (met, total) for model, (met, total) in sorted(counts.items())}
+                        "by_model": met_by(result, slo, lambda record: record.request.model)}
 
 
 def table(rows: list[tuple[str, float, dict]]) -> str:
@@ -88,32 +76,18 @@ def table(rows: list[tuple[str, float, dict]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="baton sim-models", description=__doc__)
-    parser.add_argument("--traces", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces"))
-    parser.add_argument("--fleet", default="8xa100")
+    parser = study_parser("baton sim-models", __doc__, fleet="8xa100", policy="baton", loads="2,4,6", limit=8000,
+                          out="results/models")
     parser.add_argument("--models", default="sim-llama-3.1-8b,sim-llama-2-7b", help="A,B")
     parser.add_argument("--split", default="6,2", help="nodes starting with A warm, with B warm")
     parser.add_argument("--start-share", type=float, default=0.1, help="B's share of new tasks at the start")
     parser.add_argument("--end-share", type=float, default=0.9, help="B's share of new tasks at the end")
-    parser.add_argument("--policy", default="baton")
-    parser.add_argument("--loads", default="1,2", help="trace speed-ups")
-    parser.add_argument("--limit", type=int, default=None, help="first N requests of the trace")
     parser.add_argument("--swap-idle-s", type=float, default=10.0)
-    parser.add_argument("--ttft-slo", type=float, default=5.0)
-    parser.add_argument("--tpot-slo", type=float, default=0.1)
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--out", default="results/models")
     args = parser.parse_args(argv)
-    jobs = [(args, mode, float(load)) for load in args.loads.split(",") for mode in MODES]
-    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        rows = list(pool.map(run_one, jobs))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    text = table(rows)
-    (out / "table.md").write_text(text + "\n")
-    (out / "results.json").write_text(json.dumps([{"mode": m, "load": x, **s} for m, x, s in rows], indent=1))
-    print(text)
-    print(f"wrote {out / 'table.md'} and {out / 'results.json'}", file=sys.stderr)
+    rows = run_all(run_one, [(args, mode, float(load)) for load in args.loads.split(",") for mode in MODES],
+                   args.jobs)
+    write_results(args.out, table(rows), {"args": vars(args), "runs": [
+        {"mode": m, "load": x, **s} for m, x, s in rows]})
     return 0
 
 

@@ -1,0 +1,48 @@
+"""What the simulator's studies share: their common flags, running jobs on every core, writing results."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+Job = TypeVar("Job")
+Row = TypeVar("Row")
+
+
+def study_parser(prog: str, description: str | None, *, fleet: str, policy: str, loads: str, limit: int | None,
+                 out: str) -> argparse.ArgumentParser:
+    """A parser with the flags every study has; a study adds its own."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--traces", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces"),
+                        help="folder of the traces (../shared/traces)")
+    parser.add_argument("--fleet", default=fleet, help="e.g. 16xh100 or 4xh100,4xa100,4xl4")
+    parser.add_argument("--policy", default=policy, help="placement policy")
+    parser.add_argument("--loads", default=loads, help="comma-separated trace speed-ups")
+    parser.add_argument("--limit", type=int, default=limit, help="first N requests of the trace")
+    parser.add_argument("--ttft-slo", type=float, default=5.0, help="seconds")
+    parser.add_argument("--tpot-slo", type=float, default=0.1, help="seconds per output token")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs in parallel")
+    parser.add_argument("--out", default=out, help="folder for table.md and results.json")
+    return parser
+
+
+def run_all(run_one: Callable[[Job], Row], jobs: Iterable[Job], num_workers: int) -> list[Row]:
+    """Every job, in order, num_workers processes at a time."""
+    with ProcessPoolExecutor(max_workers=max(1, num_workers)) as pool:
+        return list(pool.map(run_one, jobs))
+
+
+def write_results(out: str, table: str, results: Any) -> None:
+    """table.md and results.json under out; the table to stdout."""
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "table.md").write_text(table + "\n")
+    (folder / "results.json").write_text(json.dumps(results, indent=1))
+    print(table)
+    print(f"wrote {folder / 'table.md'} and {folder / 'results.json'}", file=sys.stderr)
