@@ -164,7 +164,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         tasks = state.tasks
         kpi = f"${tasks.cost_per_successful_task_usd:.6f}" if tasks.tasks_succeeded else "n/a"
         print(f"tasks: {tasks.tasks_succeeded} succeeded, {tasks.tasks_failed} failed, {tasks.tasks_open} open; "
-              f"GPU cost ${tasks.ended_cost_usd:.6f}; cost per successful task {kpi}")
+              f"GPU cost ${tasks.ended_cost_usd:.6f} + ${tasks.model_load_cost_usd:.6f} of model loads; "
+              f"cost per successful task {kpi}")
     for action in state.model_actions[:5]:
         print(f"  model {action.kind} {action.model} on {action.node_id}: {action.result} ({action.reason})")
     _print_recent_decisions(address)

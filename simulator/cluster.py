@@ -263,6 +263,8 @@ class Simulation:
             else:
                 self._now, _, action = heapq.heappop(self._events)
             action()
+        for _, record, _ in self._unplaced:  # still waiting when nothing else could happen
+            self._fail(record, "no node could load its model")
         return RunResult(
             records=list(self._records.values()),
             busy_s={n: node.busy_s for n, node in self._nodes.items()},
@@ -305,7 +307,8 @@ class Simulation:
         needed = -(-(len(generation.context) + generation.num_remaining) // KV_BLOCK)
         feasible = [s for s in candidates if needed <= self._kv_capacity(s, model)]
         if not feasible:
-            if not candidates and self._planner is not None and not generation.failures:
+            if (not candidates and self._planner is not None and not generation.failures
+                    and any(model in s.spec.cold_models for s in self._view.nodes())):
                 self._unplaced.append((generation, record, block_hashes))  # as Place waits for the planner
                 return
             self._fail(record, "no node can hold it" if candidates else "no live node")

@@ -44,6 +44,7 @@ class LeaseSession:
         self._ttl_s = ttl_s
         self._lease_id: int | None = None
         self._keys: dict[str, bytes] = {}
+        self._stale = False
         self._lock = asyncio.Lock()
 
     @property
@@ -60,13 +61,16 @@ class LeaseSession:
                 else:
                     await self._client.put(key.encode(), value, lease=self._lease_id)
             except Exception as exc:  # noqa: BLE001 - etcd down: keep serving, retry later
+                self._stale = True  # keep_alive puts every key again
                 log.warning("etcd put %s failed (%s); will retry", key, exc)
 
     async def _grant(self) -> None:
+        self._stale = True  # until every key is put under the new lease
         lease = await self._client.lease(self._ttl_s)
         self._lease_id = lease.id
         for key, value in self._keys.items():
             await self._client.put(key.encode(), value, lease=lease.id)
+        self._stale = False
         log.info("etcd lease %x granted with %d keys", lease.id, len(self._keys))
 
     async def keep_alive(self) -> None:
@@ -83,6 +87,10 @@ class LeaseSession:
                         log.warning("etcd lease %x expired; re-registering", self._lease_id)
                         self._lease_id = None
                         await self._grant()
+                    elif self._stale:  # a put failed while the lease lived on: etcd holds an old value
+                        for key, value in self._keys.items():
+                            await self._client.put(key.encode(), value, lease=self._lease_id)
+                        self._stale = False
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - etcd down: keep serving, retry

@@ -56,6 +56,7 @@ class ModelHost:
         self._engine: Engine | None = None
         self._engine_task: asyncio.Task[None] | None = None
         self._loading: asyncio.Task[None] | None = None
+        self._crashed: asyncio.Future[None] | None = None  # made by run()
         self._kv_batches: list[tuple[str, list[KVEvent]]] = []
         self._kv_ready = asyncio.Event()
         #: Requests arrived or ended (the load report goes out at once).
@@ -75,11 +76,13 @@ class ModelHost:
         return next((n for n, s in self.state.items() if s is ModelState.WARM), "")
 
     async def run(self) -> None:
-        """Drive the engine of the model warm from the start; stop every engine when cancelled."""
+        """Drive the engine of the model warm from the start; stop every engine when cancelled.
+        Raises what an engine raised: a node whose engine failed must not stay registered."""
+        self._crashed = asyncio.get_running_loop().create_future()
         if self._engine is not None:
             self._engine_task = asyncio.get_running_loop().create_task(self._drive(self._engine))
         try:
-            await asyncio.Future()
+            await self._crashed
         finally:
             for task in (self._loading, self._engine_task):
                 if task is not None:
@@ -143,9 +146,10 @@ class ModelHost:
             async with asyncio.TaskGroup() as group:
                 group.create_task(engine.run())
                 group.create_task(forward_kv_events())
-        except Exception:
+        except Exception as exc:
             log.exception("engine of %s failed", engine.model)
-            raise
+            if self._crashed is not None and not self._crashed.done():
+                self._crashed.set_exception(exc)
 
     def unload_model(self, model: str) -> None:
         """Free the GPU of model: FAILED_PRECONDITION while it loads or has requests in flight."""

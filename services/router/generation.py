@@ -95,7 +95,8 @@ class Generation:
             )
 
     def usage(self, node_usage: common_pb2.Usage) -> common_pb2.Usage:
-        """The whole request's usage, given the finishing node's view of its part.
+        """The whole request's usage, given the finishing node's view of its part (every attempt's GPU
+        time, the finishing one's included, already added with add_gpu_ms).
 
         cached_tokens is what that node found cached of the original prompt; recomputed_tokens
         what it prefilled again of the context it resumed from; gpu_ms is the GPU time on every
@@ -108,7 +109,7 @@ class Generation:
             completion_tokens=len(self.generated),
             num_migrations=self.num_migrations,
             recomputed_tokens=self.recomputed_tokens,
-            gpu_ms=sum(self.gpu_ms_by_node.values()) + node_usage.gpu_ms,
+            gpu_ms=sum(self.gpu_ms_by_node.values()),
         )
 
     def add_gpu_ms(self, node_id: str, gpu_ms: float) -> None:

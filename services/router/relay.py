@@ -54,7 +54,6 @@ class Relay:
             yield node_agent_pb2.NodeGenerateChunk(index=len(generation.generated),
                                                    finish_reason=common_pb2.FINISH_REASON_LENGTH)
             return
-        placed = False
         started_at = loop.time()
         first_token_at: float | None = None
         outcome = scheduler_pb2.REQUEST_OUTCOME_FAILED
@@ -64,7 +63,6 @@ class Relay:
             failed_at: float | None = None
             while True:
                 placement = await self._place(generation, request, retry_cause, time_remaining())
-                placed = True
                 base = len(generation.generated)
                 node_chunks = watched_stream(
                     self._node_channels.get(placement.address), placement.node_id, generation.node_request(),
@@ -94,6 +92,9 @@ class Relay:
                         chunk.index += base
                         if chunk.finish_reason:
                             outcome = _outcome(chunk.finish_reason, request, started_at, first_token_at, loop.time())
+                            # Charged before the last chunk goes out: its reader totals the usage from it.
+                            generation.add_gpu_ms(placement.node_id, attempt_gpu_ms)
+                            attempt_gpu_ms = 0.0
                         yield chunk
                         if chunk.finish_reason:
                             return
@@ -113,9 +114,9 @@ class Relay:
                 outcome = scheduler_pb2.REQUEST_OUTCOME_CANCELLED  # the client went away
             raise
         finally:
-            if placed:
-                ttft_ms = int((first_token_at - started_at) * 1000) if first_token_at is not None else 0
-                self._tell_finished(generation, request, ttft_ms, outcome)
+            # Placed or not (a refused request is a failed task too), the leader learns how it ended.
+            ttft_ms = int((first_token_at - started_at) * 1000) if first_token_at is not None else 0
+            self._tell_finished(generation, request, ttft_ms, outcome)
 
     def _tell_finished(self, generation: Generation, request: router_pb2.GenerateRequest, ttft_ms: int,
                        outcome: scheduler_pb2.RequestOutcome.ValueType) -> None:

@@ -101,8 +101,8 @@ def validate(
     for field in ("ttft_budget_ms", "deadline_ms", "step", "total_steps"):
         if getattr(request, field) < 0:
             raise InvalidArgument(field, getattr(request, field), "must not be negative")
-    if request.total_steps and request.step > request.total_steps:
-        raise InvalidArgument("step", request.step, f"beyond total_steps={request.total_steps}")
+    if request.total_steps and not 1 <= request.step <= request.total_steps:
+        raise InvalidArgument("step", request.step, f"must be 1 to total_steps={request.total_steps}")
     if len(resumed) > max_tokens:
         raise InvalidArgument("resume.token_ids", f"{len(resumed)} tokens", f"more than max_tokens={max_tokens}")
     if resumed and request.temperature > 0 and not request.HasField("seed"):

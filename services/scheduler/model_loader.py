@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 import grpc
 
@@ -22,8 +23,10 @@ _ACTIONS_KEPT = 100
 class ModelLoader:
     """At most one sequence of actions per node at a time; a Place may wait on a load."""
 
-    def __init__(self, channels: ChannelPool, load_timeout_s: float) -> None:
+    def __init__(self, channels: ChannelPool, load_timeout_s: float,
+                 on_loaded: Callable[[str, str], None] = lambda node_id, model: None) -> None:
         self._channels = channels
+        self._on_loaded = on_loaded
         self._load_timeout_s = load_timeout_s
         # node id -> (model being loaded, or "" for unloads only; the task doing it)
         self._under_way: dict[str, tuple[str, asyncio.Task[str]]] = {}
@@ -31,6 +34,10 @@ class ModelLoader:
 
     def busy_nodes(self) -> frozenset[str]:
         return frozenset(self._under_way)
+
+    def changing_nodes(self, model: str) -> frozenset[str]:
+        """Nodes with actions under way other than loading model (which a request may wait for)."""
+        return frozenset(node for node, (loading, _) in self._under_way.items() if loading != model)
 
     def loading_models(self) -> frozenset[str]:
         return frozenset(model for model, _ in self._under_way.values() if model)
@@ -69,8 +76,10 @@ class ModelLoader:
             log.info("%s %s on %s: %s", action.kind, action.model, action.node_id, action.reason)
             try:
                 if action.kind == "load":
-                    await stub.LoadModel(node_agent_pb2.LoadModelRequest(model=action.model),
-                                         timeout=self._load_timeout_s)
+                    reply = await stub.LoadModel(node_agent_pb2.LoadModelRequest(model=action.model),
+                                                 timeout=self._load_timeout_s)
+                    if reply.waited_s > 0:  # this call loaded it (or joined a load under way)
+                        self._on_loaded(action.node_id, action.model)
                 else:
                     await stub.UnloadModel(node_agent_pb2.UnloadModelRequest(model=action.model), timeout=5.0)
             except grpc.aio.AioRpcError as exc:

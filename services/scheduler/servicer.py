@@ -86,7 +86,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         )
         self._planner = ModelPlanner(idle_swap_s=config.model_swap_idle_s, idle_unload_s=config.model_idle_unload_s)
         self._node_channels = ChannelPool(telemetry)
-        self._loader = ModelLoader(self._node_channels, config.model_load_timeout_s)
+        self._loader = ModelLoader(self._node_channels, config.model_load_timeout_s, self._charge_load)
         self._tasks = TaskLedger(timeout_s=config.task_timeout_s)
         # Price per hour of every node seen, kept after it leaves (its requests' ends come later).
         self._prices: dict[str, float] = {}
@@ -199,11 +199,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 raise NotFound(f"model={request.model!r}: no registered node has it"
                                + (f" (nor {', '.join(request.alternative_models)})" if request.alternative_models
                                   else ""))
-            self._planner.note_demand(models[0], now)
             exclude = frozenset(request.exclude_node_ids)
             candidates = {m: self._candidates(m, now, exclude) for m in models}
             if not any(candidates.values()) and not request.retry_cause:
                 # The models are only on busy nodes' disks: the planner makes room; wait for it.
+                self._planner.note_demand(models[0], now)
                 candidates[models[0]] = await self._wait_for_candidates(models[0], exclude, context.time_remaining())
             if not any(candidates.values()):
                 raise Unavailable(f"model={request.model!r}: no live node has it warm or a free GPU to load it")
@@ -242,11 +242,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             model = options[index].request.model
             self._record_decision(options[index].request, decision)
             self._cluster.record_placement(decision.node_id, placement.num_prompt_blocks, now)
+            self._planner.note_demand(model, now)
             chosen = self._cluster.get(decision.node_id)
             if chosen is not None and model not in chosen.spec.warm_models:
                 # A cold node serves nothing until warm: load the model there and wait for it.
-                await self._loader.ensure_warm(decision.node_id, decision.address, model,
-                                               f"placed {request.request_id} there")
+                try:
+                    await self._loader.ensure_warm(decision.node_id, decision.address, model,
+                                                   f"placed {request.request_id} there")
+                except BaseException:
+                    self._gate.finished(request.request_id)  # admitted, but it will not run
+                    raise
         except BatonError as error:
             self._placements.add(1, {"outcome": error.code.name, "retry": request.retry_cause})
             await abort(context, error)
@@ -264,10 +269,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _candidates(self, model: str, now: float, exclude: frozenset[str]) -> list[NodeStatus]:
         """Nodes with model warm; with those whose free GPU could load it, when the policy weighs
         load time or no node has it warm."""
-        warm = self._cluster.candidates(model, now, exclude)
+        # A node changing models (an unload or another model's load under way) is no candidate.
+        changing = self._loader.changing_nodes(model)
+        warm = [s for s in self._cluster.candidates(model, now, exclude) if s.spec.node_id not in changing]
         if warm and not getattr(self._policy, "weighs_cold_nodes", False):
             return warm
-        return warm + self._cluster.cold_candidates(model, now, exclude)
+        return warm + [s for s in self._cluster.cold_candidates(model, now, exclude) if s.spec.node_id not in changing]
 
     async def _wait_for_candidates(self, model: str, exclude: frozenset[str],
                                    time_remaining: float | None) -> list[NodeStatus]:
@@ -329,11 +336,19 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 self._tasks.record(request.request_id, 1, 1, cost, request.outcome == _SUCCEEDED, time.monotonic())
         return scheduler_pb2.FinishedAck()
 
+    def _charge_load(self, node_id: str, model: str) -> None:
+        """A model load the leader ordered: its modelled GPU time, at the node's price, is paid for."""
+        status = self._cluster.get(node_id)
+        if status is not None:
+            seconds = status.spec.load_time_s.get(model, 0.0)
+            self._tasks.add_overhead(seconds / 3600 * status.spec.price_per_hour)
+
     def _task_stats(self) -> scheduler_pb2.TaskStats:
         stats = self._tasks.stats()
         return scheduler_pb2.TaskStats(tasks_succeeded=stats.succeeded, tasks_failed=stats.failed,
                                        tasks_open=stats.open, ended_cost_usd=stats.ended_cost_usd,
-                                       cost_per_successful_task_usd=stats.cost_per_successful_task)
+                                       cost_per_successful_task_usd=stats.cost_per_successful_task,
+                                       model_load_cost_usd=stats.overhead_usd)
 
     def _observe_kpi(self, options: CallbackOptions) -> list[Observation]:
         if not self._role.is_leader or not self._tasks.succeeded:

@@ -6,7 +6,8 @@ time it used on each node; the ledger prices it and adds it to its task. A task 
 every one of its steps has succeeded (a step retried after a failure counts once it succeeds);
 it fails when it stays silent for `timeout_s` before that. A workflow that does not say how many
 steps it has ends at the timeout, succeeded if its last step did. Failed tasks' GPU cost stays in
-the numerator: cost per successful task = cost of every ended task ÷ tasks succeeded.
+the numerator, and so does GPU time spent loading models: cost per successful task = (cost of every
+ended task + model loads) ÷ tasks succeeded.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ class TaskStats:
     failed: int
     open: int
     ended_cost_usd: float
+    # GPU time spent loading models: part of what the successes cost, though no task's own.
+    overhead_usd: float = 0.0
 
     @property
     def cost_per_successful_task(self) -> float:
-        return self.ended_cost_usd / self.succeeded if self.succeeded else 0.0
+        return (self.ended_cost_usd + self.overhead_usd) / self.succeeded if self.succeeded else 0.0
 
 
 class TaskLedger:
@@ -46,6 +49,9 @@ class TaskLedger:
         self.succeeded = 0
         self.failed = 0
         self.ended_cost_usd = 0.0
+        self.overhead_usd = 0.0
+        # Ids of the tasks ended most recently, so that a late notice does not open them again.
+        self._ended: OrderedDict[str, None] = OrderedDict()
 
     def record(self, task_id: str, step: int, total_steps: int, cost_usd: float, ok: bool,
                now: float) -> bool | None:
@@ -53,6 +59,9 @@ class TaskLedger:
 
         Returns the task's outcome if this ended it (True: succeeded), None while it stays open.
         """
+        if task_id in self._ended:  # a late notice for a task already counted: its cost still counts
+            self.ended_cost_usd += cost_usd
+            return None
         task = self._open.pop(task_id, None) or _Task(total_steps=max(total_steps, 0))
         task.total_steps = max(task.total_steps, total_steps)
         task.spent_usd += cost_usd
@@ -63,11 +72,11 @@ class TaskLedger:
         elif not ok and step > 0:
             task.succeeded.discard(step)
         if task.total_steps and len(task.succeeded) >= task.total_steps:
-            self._end(task, True)
+            self._end(task_id, task, True)
             return True
         self._open[task_id] = task
         if len(self._open) > self._max_open:  # the least recently active gives way: it failed
-            self._end(self._open.popitem(last=False)[1], False)
+            self._end(*self._open.popitem(last=False), False)
         return None
 
     def spent(self, task_id: str) -> float:
@@ -82,19 +91,26 @@ class TaskLedger:
             if now - task.last_at < self.timeout_s:
                 break
             del self._open[task_id]
-            self._end(task, not task.total_steps and task.last_ok)
+            self._end(task_id, task, not task.total_steps and task.last_ok)
             ended += 1
         return ended
 
-    def _end(self, task: _Task, succeeded: bool) -> None:
+    def _end(self, task_id: str, task: _Task, succeeded: bool) -> None:
+        self._ended[task_id] = None
+        if len(self._ended) > self._max_open:
+            self._ended.popitem(last=False)
         if succeeded:
             self.succeeded += 1
         else:
             self.failed += 1
         self.ended_cost_usd += task.spent_usd
 
+    def add_overhead(self, cost_usd: float) -> None:
+        """GPU cost that belongs to no task (a model load)."""
+        self.overhead_usd += cost_usd
+
     def stats(self) -> TaskStats:
-        return TaskStats(self.succeeded, self.failed, len(self._open), self.ended_cost_usd)
+        return TaskStats(self.succeeded, self.failed, len(self._open), self.ended_cost_usd, self.overhead_usd)
 
     # -- hand-over to the next leader -------------------------------------------------------------
 
@@ -103,6 +119,7 @@ class TaskLedger:
         recent = list(self._open.items())[-max_open:]
         return {
             "succeeded": self.succeeded, "failed": self.failed, "ended_cost_usd": self.ended_cost_usd,
+            "overhead_usd": self.overhead_usd,
             "open": {k: [t.total_steps, t.spent_usd, sorted(t.succeeded), t.last_ok, now - t.last_at]
                      for k, t in recent},
         }
@@ -111,6 +128,7 @@ class TaskLedger:
         self.succeeded = int(state["succeeded"])
         self.failed = int(state["failed"])
         self.ended_cost_usd = float(state["ended_cost_usd"])
+        self.overhead_usd = float(state.get("overhead_usd", 0.0))
         self._open = OrderedDict(
             (k, _Task(int(total), float(spent), set(steps), bool(ok), now - float(age)))
             for k, (total, spent, steps, ok, age) in state["open"].items())

@@ -107,7 +107,10 @@ async def test_cost_per_successful_task_counts_a_workflow_once_with_every_steps_
                "the workflow counted as one successful task")
     after = fleet.cluster_state().tasks
     assert after.ended_cost_usd > before.ended_cost_usd
-    assert after.cost_per_successful_task_usd == pytest.approx(after.ended_cost_usd / after.tasks_succeeded)
+    # The leader's loads (B on node-2, A on node-3, both L4s) are paid for too: 28.5 s + 33.3 s at $0.80/h.
+    assert after.model_load_cost_usd == pytest.approx((29.3 + 4 + 24.5 + 4) / 3600 * 0.80, rel=0.01)
+    assert after.cost_per_successful_task_usd == pytest.approx(
+        (after.ended_cost_usd + after.model_load_cost_usd) / after.tasks_succeeded)
 
 
 async def test_an_accepted_alternative_serves_a_request_its_own_model_would_serve_late(fleet: LocalCluster) -> None:

@@ -133,6 +133,7 @@ def test_usage_counts_the_original_prompt_and_every_generated_token() -> None:
     generation.record_failure(NodeFailure("n1", FailureCause.STALLED), max_migrations=3)
     generation.recomputed_tokens = 6
     generation.add_gpu_ms("n1", 30.0)  # the failed attempt, to its last checkpoint
+    generation.add_gpu_ms("n2", 12.5)  # the finishing one
     # The finishing node saw the context as its prompt and only its own part of the completion.
     node_usage = common_pb2.Usage(prompt_tokens=8, cached_tokens=4, completion_tokens=1, gpu_ms=12.5)
     usage = generation.usage(node_usage)

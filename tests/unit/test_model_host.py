@@ -84,3 +84,22 @@ async def test_unload_refuses_while_requests_run_and_clears_the_kv_index_after()
             batches.append(await asyncio.wait_for(host.next_kv_events(), 5))
         await host.load_model(B)
         assert host.warm_model == B
+
+
+async def test_an_engine_that_fails_takes_the_node_down_with_it() -> None:
+    class Broken(Exception):
+        pass
+
+    def broken_engine(name: str) -> SimEngine:
+        engine = make_engine(name)
+
+        async def run() -> None:
+            raise Broken(name)
+
+        engine.run = run  # type: ignore[method-assign]
+        return engine
+
+    host = ModelHost("n0", [local(A)], broken_engine, warm=A)
+    with pytest.raises(ExceptionGroup) as failed:
+        await asyncio.wait_for(host.run(), 5)
+    assert failed.group_contains(Broken)

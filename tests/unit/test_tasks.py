@@ -55,3 +55,13 @@ def test_the_next_leader_continues_the_ledger() -> None:
     assert successor.record("wf", 2, 2, 0.02, ok=True, now=5001.0) is True
     assert successor.stats().cost_per_successful_task == pytest.approx(0.05 / 2)
     assert successor.expire(now=5050.0) == 0  # its age (5 s) came across
+
+
+def test_a_late_notice_for_an_ended_task_adds_its_cost_but_no_task() -> None:
+    ledger = TaskLedger(timeout_s=10.0)
+    ledger.record("wf", 1, 1, 0.01, ok=True, now=0.0)
+    assert ledger.record("wf", 1, 1, 0.01, ok=False, now=1.0) is None  # a retried attempt's notice, late
+    ledger.expire(now=100.0)
+    stats = ledger.stats()
+    assert (stats.succeeded, stats.failed, stats.open) == (1, 0, 0)
+    assert stats.ended_cost_usd == pytest.approx(0.02)

@@ -55,6 +55,7 @@ REJECTIONS = [
     ("empty stop string", {"stop": ["ok", ""]}, "stop[1]=''"),
     ("negative deadline", {"deadline_ms": -1}, "deadline_ms=-1"),
     ("step beyond total", {"step": 4, "total_steps": 3}, "step=4"),
+    ("step 0 of a workflow with steps", {"step": 0, "total_steps": 3}, "step=0"),
     ("long request_id", {"request_id": "r" * 129}, "request_id='rrrr"),
 ]
 
