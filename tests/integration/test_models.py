@@ -127,3 +127,16 @@ async def test_an_accepted_alternative_serves_a_request_its_own_model_would_serv
             scheduler_pb2.GetRecentDecisionsRequest(limit=2), timeout=5).decisions
     assert fleet.scheduler is not None and [d.model for d in decisions] == [A, A]
     assert {c.model for c in decisions[1].candidates} == {A, B}
+
+
+async def test_the_client_and_the_ledger_see_the_same_gpu_time(fleet: LocalCluster) -> None:
+    assert fleet.router is not None
+    price = {"node-0": 4.25, "node-1": 2.21, "node-2": 0.80, "node-3": 0.80}
+    before = fleet.cluster_state().tasks
+    async with BatonClient(fleet.router.address) as client:
+        result = await client.complete(A, "one request, one task", max_tokens=64, ignore_eos=True)
+    wait_until(lambda: fleet.cluster_state().tasks.tasks_succeeded == before.tasks_succeeded + 1, 10,
+               "the request counted as a successful task")
+    charged = fleet.cluster_state().tasks.ended_cost_usd - before.ended_cost_usd
+    assert result.usage.gpu_ms > 0
+    assert charged == pytest.approx(result.usage.gpu_ms / 3_600_000 * price[result.node_ids[0]], rel=1e-6)
