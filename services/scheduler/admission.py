@@ -9,7 +9,8 @@ A request offered to the leader is admitted at once, queued, or refused:
   sheds its lowest-band, latest-deadline entry to make room for a more important one;
 - dispatched from the queue, as capacity frees, by strict priority band; within a band to the
   tenant that has been served the fewest tokens for its weight over the last minute; within a
-  tenant by earliest deadline, then arrival.
+  tenant by earliest deadline, then the furthest workflow (a late step of a task goes before a
+  fresh request), then arrival.
 
 Requests already admitted are never shed. Time is passed in.
 """
@@ -43,6 +44,9 @@ class Ticket:
     arrived_at: float
     # When it must have its first token by (inf: no budget).
     deadline_at: float = math.inf
+    # How far its workflow has come (step / total steps; 0 for a lone request): among equal
+    # deadlines, a late step of a task goes before a fresh one, whose failure would waste less.
+    progress: float = 0.0
 
 
 class Verdict(enum.Enum):
@@ -161,7 +165,8 @@ class Admission:
         else:
             tenant = min(tenants, key=lambda name: (share(name), name))
         self._last_served[band] = tenant
-        ticket = min((t for t in in_band if t.tenant == tenant), key=lambda t: (t.deadline_at, t.arrived_at))
+        ticket = min((t for t in in_band if t.tenant == tenant),
+                     key=lambda t: (t.deadline_at, -t.progress, t.arrived_at))
         del self._queued[ticket.request_id]
         return ticket
 

@@ -230,7 +230,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 ticket = Ticket(request_id=request.request_id, tenant=request.tenant or "default",
                                 priority=request.priority, num_tokens=request.num_prompt_tokens + request.max_tokens,
                                 arrived_at=now, deadline_at=now + request.ttft_budget_ms / 1000
-                                if request.ttft_budget_ms else math.inf)
+                                if request.ttft_budget_ms else math.inf,
+                                progress=request.step / request.total_steps if request.total_steps else 0.0)
                 best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now)
                                   for o in options)
                 if await self._gate.enter(ticket, best_ttft_s):

@@ -53,6 +53,16 @@ def test_dispatch_takes_the_highest_band_first_then_earliest_deadline() -> None:
     assert admission.pop_next(0.0) is None
 
 
+def test_among_equal_deadlines_a_late_workflow_step_goes_before_a_fresh_request() -> None:
+    admission = Admission()
+    fresh = ticket("fresh", at=0.0)
+    late_step = Ticket(request_id="step-4-of-5", tenant="t", priority=0, num_tokens=100, arrived_at=1.0,
+                       progress=0.8)
+    for t in (fresh, late_step):
+        assert admission.offer(t, 1.0, True, 0.1).verdict == Verdict.QUEUE
+    assert [admission.pop_next(1.0).request_id for _ in range(2)] == ["step-4-of-5", "fresh"]
+
+
 def test_a_flooding_tenant_cannot_starve_another() -> None:
     admission = Admission()
     for i in range(50):
