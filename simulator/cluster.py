@@ -283,7 +283,10 @@ class Simulation:
                                 sampling=common_pb2.SamplingParams(max_tokens=request.output_len, ignore_eos=True))
         self._budget.record_request(self._now)
         block_hashes = self._book.block_hashes(request, tokens)
-        if self._admission is None:
+        context = get_model(generation.model).max_context_tokens
+        if len(tokens) + request.output_len > context:  # the router refuses it (INVALID_ARGUMENT)
+            self._fail(record, f"longer than {generation.model}'s context of {context}")
+        elif self._admission is None:
             self._place(generation, record, block_hashes)
         else:
             self._admit(generation, record, block_hashes)
