@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--gpus", default="h100", help="GPU generations, cycled over the nodes: h100,a100,l4")
     up.add_argument("--model", default="sim-llama-3-8b", help="simulated model every node serves")
     up.add_argument("--cold-models", default="", help="models every node also has on disk, cold (comma-separated)")
-    up.add_argument("--policy", default="dynamo", help="the scheduler's placement policy (baton, dynamo, ...)")
+    up.add_argument("--policy", default="baton", help="the scheduler's placement policy (baton, dynamo, ...)")
     up.add_argument("--router-port", type=int, default=50051, help="router port (0: any free port)")
     up.add_argument("--speed", type=float, default=1.0, help="sim engine time scale (0: no timing)")
     up.add_argument("--lease-ttl-s", type=int, default=3, help="etcd lease TTL of every service")

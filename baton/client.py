@@ -108,6 +108,7 @@ class Completion:
     def __init__(self) -> None:
         self.token_ids: list[int] = []
         self.text = ""
+        self.request_id = ""
         self.node_ids: list[str] = []
         # The model that generated it (the request's own or an alternative the scheduler chose).
         self.model = ""
@@ -124,6 +125,7 @@ class Completion:
         self.num_chunks += 1
         self.is_exact = self.is_exact and not chunk.inexact
         self.model = chunk.model or self.model
+        self.request_id = chunk.request_id or self.request_id
         if chunk.node_id and (not self.node_ids or self.node_ids[-1] != chunk.node_id):
             self.node_ids.append(chunk.node_id)
         if chunk.finish_reason:

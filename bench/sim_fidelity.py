@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     sim_ttft = [r.ttft_s for r in simulated.records if r.ttft_s is not None]
     sim_tpot = [t for r in simulated.records if (t := r.tpot_s) is not None]
 
-    cluster = LocalCluster(ClusterSpec(num_nodes=2, gpus=("h100",), model=MODEL, speed=1.0, log_level="WARNING"))
+    cluster = LocalCluster(ClusterSpec(num_nodes=2, gpus=("h100",), model=MODEL, speed=1.0, log_level="WARNING",
+                                       scheduler_args=("--policy=dynamo",)))  # the policy simulated below
     try:
         cluster.start()
         live_ttft, live_tpot = asyncio.run(run_live(cluster, workload))

@@ -29,7 +29,7 @@ class SchedulerConfig(ServiceConfig):
     instance_id: str = doc("this replica's id in etcd", "scheduler-0")
     load_timeout_s: float = doc("a node silent for longer than this is no candidate", 10.0)
     kvindex_timeout_s: float = doc("deadline of an overlap query; past it, place without cache info", 0.25)
-    policy: str = doc("placement policy: baton, dynamo, llm_d, sglang, least_loaded or round_robin", "dynamo")
+    policy: str = doc("placement policy: baton, dynamo, llm_d, sglang, least_loaded or round_robin", "baton")
     prefill_load_scale: float = doc("weight of prefill blocks in the KV/load cost (dynamo policy)", 1.0)
     retry_ratio: float = doc("retries (migrations) allowed as a fraction of requests, over 10 s", 0.2)
     retry_min_per_s: float = doc("retries allowed per second whatever the request rate", 5.0)

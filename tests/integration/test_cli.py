@@ -71,7 +71,7 @@ def test_up_generate_status_and_stop(tmp_path: Path) -> None:
         assert "2 nodes" in status.stdout and "scheduler leader: scheduler-0" in status.stdout
         rows = {line.split()[0]: line.split()[1] for line in status.stdout.splitlines() if line.startswith("node-")}
         assert rows == {"node-0": "h100", "node-1": "l4"}
-        assert "recent placements (policy dynamo)" in status.stdout  # the generate above
+        assert "recent placements (policy baton)" in status.stdout  # the generate above
 
         bad = subprocess.run([BATON, "--state", str(state), "generate", "x", "--model", "nope"],
                              capture_output=True, text=True, timeout=30)

@@ -13,7 +13,7 @@ import pytest
 
 from baton.client import BatonClient, Completion
 from baton.cluster import LocalCluster
-from baton.v1 import common_pb2, router_pb2, router_pb2_grpc
+from baton.v1 import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.integration.conftest import MODEL, wait_until
 from tests.reference import reference_completion
 
@@ -47,8 +47,18 @@ async def test_twenty_concurrent_streams_all_complete_with_the_right_tokens(clus
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == reference_completion(list(prompt.encode()), 48)[0], prompt
         assert result.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-    # Streams are spread over the fleet, not piled on one node.
-    assert len({r.node_ids[0] for r in results}) >= 2
+    # Each placement is explained: every node's terms, and the chosen node has the lowest score.
+    assert cluster.scheduler is not None
+    with grpc.insecure_channel(cluster.scheduler.address) as channel:
+        recent = scheduler_pb2_grpc.SchedulerStub(channel).GetRecentDecisions(
+            scheduler_pb2.GetRecentDecisionsRequest(limit=20), timeout=5)
+    assert recent.policy == "baton"
+    placed = {d.request_id: d for d in recent.decisions}
+    for result in results:
+        decision = placed[result.request_id]
+        assert decision.node_id == result.node_ids[0]
+        assert {c.node_id for c in decision.candidates} == {"node-0", "node-1", "node-2"}
+        assert decision.node_id == min(decision.candidates, key=lambda c: c.score).node_id
 
 
 async def test_seeded_sampling_is_reproducible(cluster: LocalCluster) -> None:
