@@ -84,8 +84,9 @@ async def _demo(router: str, model: str) -> None:
                     usage = chunk.usage
                     reason = common_pb2.FinishReason.Name(chunk.finish_reason)
                     print(f"\n[node {node}; {reason}; prompt {usage.prompt_tokens}, "
-                          f"cached {usage.cached_tokens}, completion {usage.completion_tokens} tokens]")
-    print()
+                          f"cached {usage.cached_tokens}, completion {usage.completion_tokens} tokens; "
+                          f"GPU time {usage.gpu_ms:.1f} ms]")
+    print("\n(`baton status` shows why each request went where it did, and the cost per successful task.)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -111,7 +112,8 @@ async def _generate(router: str, args: argparse.Namespace) -> int:
                     usage = chunk.usage
                     print(f"\n[{chunk.request_id} on {chunk.node_id}: "
                           f"{common_pb2.FinishReason.Name(chunk.finish_reason)}; prompt {usage.prompt_tokens}, "
-                          f"cached {usage.cached_tokens}, completion {usage.completion_tokens}]", file=sys.stderr)
+                          f"cached {usage.cached_tokens}, completion {usage.completion_tokens}; "
+                          f"GPU time {usage.gpu_ms:.1f} ms]", file=sys.stderr)
         except grpc.aio.AioRpcError as exc:
             print(f"\nbaton generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
