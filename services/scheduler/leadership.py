@@ -37,6 +37,7 @@ class LeaderRole:
         persist_interval_s: float = 1.0,
     ) -> None:
         self._client = client
+        self._instance_id = instance_id
         self._value = json.dumps({"instance_id": instance_id, "address": address}).encode()
         self._election = Election(client, etcd_keys.SCHEDULER_ELECTION, ttl_s)
         self._view = PrefixView(client, etcd_keys.SCHEDULER_ELECTION)
@@ -51,6 +52,18 @@ class LeaderRole:
     @property
     def is_leader(self) -> bool:
         return self._election.leadership is not None
+
+    async def wait_if_taking_over(self, timeout_s: float) -> None:
+        """If etcd already shows this replica as the leader but it has not finished taking over
+        (its campaign has yet to see its predecessor's key go, or it is restoring the hand-over
+        state), wait for that: routers see the new leader in etcd as soon as it does not."""
+        leader = self.leader()
+        if self.elected.is_set() or leader is None or leader[0] != self._instance_id:
+            return
+        try:
+            await asyncio.wait_for(self.elected.wait(), timeout_s)
+        except TimeoutError:
+            pass
 
     def leader(self) -> tuple[str, str] | None:
         """(instance id, address) of the leader as etcd last showed it; None when there is none."""

@@ -178,6 +178,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.PlaceRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.Placement:
         try:
+            await self._role.wait_if_taking_over(self._config.lease_ttl_s)
             if not self._role.is_leader:
                 raise self._not_leader()
             now = time.monotonic()
