@@ -24,7 +24,7 @@ from services.node_agent.engines.sim.timing import load_coefficients
 from services.node_agent.engines.types import EngineRequest, SamplingParams, StepResult
 from services.router.generation import FailureCause, Generation, NodeFailure
 from services.scheduler.admission import Admission, Ticket, Verdict, pool_saturation
-from services.scheduler.cluster import ClusterView, NodeSpec, NodeStatus
+from services.scheduler.cluster import ClusterView, NodeSpec
 from services.scheduler.model_planner import ModelAction, ModelPlanner
 from services.scheduler.policies import PlacementRequest, Policy
 from services.scheduler.policies.baton import BatonPolicy
@@ -177,10 +177,12 @@ class Simulation:
     def _spec(self, node: _Node) -> NodeSpec:
         config = node.config
         on_disk = {m for m in (config.warm if config.warm is not None else self._model.name, *config.cold) if m}
+        hbm = GPU_SPECS[config.gpu].hbm_bytes
         return NodeSpec(config.node_id, config.node_id, config.gpu, config.price_per_hour,
                         frozenset({node.model} if node.model else ()), cold_models=frozenset(on_disk - {node.model}),
                         loading_models=frozenset({node.loading} if node.loading else ()),
-                        load_time_s={m: load_time_s(get_model(m)) for m in on_disk})
+                        load_time_s={m: load_time_s(get_model(m)) for m in on_disk},
+                        kv_blocks={m: kv_capacity_blocks(hbm, get_model(m)) for m in on_disk})
 
     def _update_view(self) -> None:
         """The registrations as etcd would show them now (nodes whose lease ended are gone)."""
@@ -308,7 +310,7 @@ class Simulation:
         if not candidates or getattr(self._policy, "weighs_cold_nodes", False):
             candidates = candidates + self._view.cold_candidates(model, self._now, exclude)
         needed = -(-(len(generation.context) + generation.num_remaining) // KV_BLOCK)
-        feasible = [s for s in candidates if needed <= self._kv_capacity(s, model)]
+        feasible = [s for s in candidates if s.can_hold(model, needed)]
         if not feasible:
             if (not candidates and self._planner is not None and not generation.failures
                     and any(model in s.spec.cold_models for s in self._view.nodes())):
@@ -340,11 +342,6 @@ class Simulation:
             sampling=SamplingParams(max_tokens=generation.num_remaining, ignore_eos=True),
             num_resumed_tokens=len(generation.generated), prompt_block_hashes=block_hashes))
         self._kick(node)
-
-    def _kv_capacity(self, status: NodeStatus, model: str) -> int:
-        if model in status.spec.warm_models:
-            return status.load.kv_blocks_total
-        return kv_capacity_blocks(GPU_SPECS[status.spec.gpu].hbm_bytes, get_model(model))
 
     # -- admission (the scheduler's own core) -------------------------------------------------------
 

@@ -69,7 +69,8 @@ class SchedulerServicer:
 
     def Place(self, request, context):
         """Only the leader places; a standby answers FAILED_PRECONDITION naming the leader (its
-        address also in the "baton-leader" trailing metadata).
+        address also in the "baton-leader" trailing metadata). A replica etcd already shows as the
+        leader waits (up to the lease TTL) until it has taken over.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -97,7 +98,8 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Finished(self, request, context):
-        """A placed request has ended (the router calls it): its tenant's concurrency is released.
+        """A request has ended, placed or refused (the router calls it): its tenant's concurrency is
+        released and its task charged.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -45,6 +45,7 @@ class LeaseSession:
         self._lease_id: int | None = None
         self._keys: dict[str, bytes] = {}
         self._stale = False
+        self._closed = False  # revoked: nothing is put or granted again
         self._lock = asyncio.Lock()
 
     @property
@@ -54,6 +55,8 @@ class LeaseSession:
     async def put(self, key: str, value: bytes) -> None:
         """Hold key=value for as long as this session lives; while etcd is down, keep_alive retries."""
         async with self._lock:
+            if self._closed:
+                return
             self._keys[key] = value
             try:
                 if self._lease_id is None:
@@ -79,6 +82,8 @@ class LeaseSession:
             await asyncio.sleep(self._ttl_s / 3)
             try:
                 async with self._lock:
+                    if self._closed:
+                        return
                     if self._lease_id is None:
                         await self._grant()
                         continue
@@ -101,6 +106,7 @@ class LeaseSession:
         async with self._lock:
             lease_id, self._lease_id = self._lease_id, None
             self._keys.clear()
+            self._closed = True
         if lease_id is not None:
             try:
                 await asyncio.wait_for(self._client.revoke_lease(lease_id), 2.0)

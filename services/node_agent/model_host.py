@@ -40,6 +40,8 @@ class LocalModel:
     weights_bytes: int
     # Modelled time to make it warm here, in (unscaled) seconds.
     load_time_s: float
+    # Its KV cache here when warm, in blocks.
+    kv_blocks: int = 0
 
 
 class ModelHost:
@@ -77,7 +79,8 @@ class ModelHost:
 
     async def run(self) -> None:
         """Drive the engine of the model warm from the start; stop every engine when cancelled.
-        Raises what an engine raised: a node whose engine failed must not stay registered."""
+        Raises what an engine raised, so that the node agent exits (and its lease ends) rather
+        than stay registered with an engine that serves nothing."""
         self._crashed = asyncio.get_running_loop().create_future()
         if self._engine is not None:
             self._engine_task = asyncio.get_running_loop().create_task(self._drive(self._engine))

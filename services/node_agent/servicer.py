@@ -66,9 +66,10 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
 
     async def _keep_registration_current(self) -> None:
         """Rewrite the etcd registration whenever a model turns warm, loading or cold."""
+        changed = self._host.models_changed.since_now()
         while True:
-            changed = self._host.models_changed.since_now()
             await changed.wait()
+            changed = self._host.models_changed.since_now()  # before the put: a change during it is not lost
             await self._member.update(etcd_keys.node_key(self._config.node_id), self._registration())
 
     def background(self) -> Sequence[Coroutine[Any, Any, None]]:

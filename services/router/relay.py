@@ -191,6 +191,7 @@ class Relay:
         wait_s = self._config.leader_wait_s if remaining_s is None else min(self._config.leader_wait_s, remaining_s)
         deadline = loop.time() + wait_s
         address = self._leader.address() or await self._leader.wait_for_other(None, wait_s)
+        timed_out: str | None = None
         while address is not None:
             # Admission may hold a placement while the fleet is saturated: wait up to the client's deadline.
             timeout_s = self._config.placement_timeout_s if remaining_s is None else remaining_s
@@ -205,8 +206,12 @@ class Relay:
                 if not (is_transport_failure(exc) or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                         or exc.code() == grpc.StatusCode.FAILED_PRECONDITION):
                     raise from_rpc_error(exc) from None
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    timed_out = f"scheduler {address} did not place the request within {timeout_s:.1f} s"
                 log.warning("scheduler %s did not place (%s); waiting for a leader", address, exc.code().name)
             address = await self._leader.wait_for_other(address, max(0.0, deadline - loop.time()))
+        if timed_out is not None:  # a leader that holds a placement that long is queueing it or loading a model
+            raise Unavailable(f"{timed_out} (admission queueing or a model load), and no other leader took over")
         raise Unavailable(f"no scheduler leader placed the request within {wait_s:.1f} s")
 
 

@@ -44,7 +44,7 @@ class Ticket:
     arrived_at: float
     # When it must have its first token by (inf: no budget).
     deadline_at: float = math.inf
-    # How far its workflow has come (step / total steps; 0 for a lone request): among equal
+    # How much of its workflow is done ((step - 1) / total steps; 0 for a lone request): among equal
     # deadlines, a late step of a task goes before a fresh one, whose failure would waste less.
     progress: float = 0.0
 

@@ -23,6 +23,8 @@ class NodeSpec:
     # Seconds to load each local model onto the GPU (the node's own estimate).
     load_time_s: dict[str, float] = field(default_factory=dict, compare=False)
     region: str = ""
+    # Each local model's KV cache there when warm, in blocks (0: not registered).
+    kv_blocks: dict[str, int] = field(default_factory=dict, compare=False)
 
     @property
     def is_empty(self) -> bool:
@@ -42,6 +44,20 @@ class NodeStatus:
     # When its models last changed (warm set or loading set) and when it was last given a request.
     models_since: float = 0.0
     last_placed_at: float | None = None
+
+    def kv_capacity(self, model: str) -> int | None:
+        """Blocks of KV cache model has (or would have) here; None when unknown."""
+        registered = self.spec.kv_blocks.get(model, 0)
+        if registered:
+            return registered
+        if model in self.spec.warm_models and self.load.kv_blocks_total:
+            return self.load.kv_blocks_total
+        return None
+
+    def can_hold(self, model: str, needed_blocks: int) -> bool:
+        """Whether model's whole KV cache here (not what is free now) is large enough; True if unknown."""
+        capacity = self.kv_capacity(model)
+        return capacity is None or capacity >= needed_blocks
 
     def idle_s(self, now: float) -> float:
         """How long the node has had nothing in flight and nothing placed (0 while it has)."""
@@ -93,21 +109,25 @@ class ClusterView:
         """Registered, and not silent for longer than the load timeout once it has reported."""
         return status.reported_at is None or now - status.reported_at <= self._load_timeout_s
 
-    def candidates(self, model: str, now: float, exclude: frozenset[str] = frozenset()) -> list[NodeStatus]:
-        """Live nodes with model warm, in node-id order."""
+    def candidates(self, model: str, now: float, exclude: frozenset[str] = frozenset(),
+                   needed_blocks: int = 0) -> list[NodeStatus]:
+        """Live nodes with model warm whose KV cache could hold needed_blocks, in node-id order."""
         return [
             status
             for node_id, status in sorted(self._nodes.items())
             if model in status.spec.warm_models and node_id not in exclude and self.is_live(status, now)
+            and status.can_hold(model, needed_blocks)
         ]
 
-    def cold_candidates(self, model: str, now: float, exclude: frozenset[str] = frozenset()) -> list[NodeStatus]:
+    def cold_candidates(self, model: str, now: float, exclude: frozenset[str] = frozenset(),
+                        needed_blocks: int = 0) -> list[NodeStatus]:
         """Live nodes that could serve model once it is loaded: it is on their disk and their GPU is
-        free (or already loading it). They serve nothing until warm."""
+        free (or already loading it), and its KV cache there could hold needed_blocks. They serve
+        nothing until warm."""
         return [
             status
             for node_id, status in sorted(self._nodes.items())
-            if node_id not in exclude and self.is_live(status, now) and (
+            if node_id not in exclude and self.is_live(status, now) and status.can_hold(model, needed_blocks) and (
                 model in status.spec.loading_models or (model in status.spec.cold_models and status.spec.is_empty))
         ]
 

@@ -19,6 +19,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from baton.protocol import LEADER_KEY
 from baton.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common import etcd_keys
+from services.common.block_hash import DEFAULT_BLOCK_SIZE
 from services.common.change_signal import ChangeSignal, wait_or_timeout
 from services.common.directory import ChannelPool, ServiceDirectory
 from services.common.errors import BatonError, FailedPrecondition, NotFound, ResourceExhausted, Unavailable, abort
@@ -57,6 +58,7 @@ def node_spec_from_json(value: bytes) -> NodeSpec:
         loading_models=frozenset(m.name for m in info.models if m.state == common_pb2.MODEL_STATE_LOADING),
         load_time_s={m.name: m.load_time_s for m in info.models},
         region=info.region,
+        kv_blocks={m.name: m.kv_blocks for m in info.models},
     )
 
 
@@ -201,13 +203,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                + (f" (nor {', '.join(request.alternative_models)})" if request.alternative_models
                                   else ""))
             exclude = frozenset(request.exclude_node_ids)
-            candidates = {m: self._candidates(m, now, exclude) for m in models}
+            needed = math.ceil((request.num_prompt_tokens + request.max_tokens) / DEFAULT_BLOCK_SIZE)
+            candidates = {m: self._candidates(m, now, exclude, needed) for m in models}
             if not any(candidates.values()) and not request.retry_cause:
                 # The models are only on busy nodes' disks: the planner makes room; wait for it.
                 self._planner.note_demand(models[0], now)
-                candidates[models[0]] = await self._wait_for_candidates(models[0], exclude, context.time_remaining())
+                candidates[models[0]] = await self._wait_for_candidates(models[0], exclude, needed,
+                                                                        context.time_remaining())
             if not any(candidates.values()):
-                raise Unavailable(f"model={request.model!r}: no live node has it warm or a free GPU to load it")
+                raise Unavailable(f"model={request.model!r}: no live node has it warm, or a free GPU to load it, "
+                                  f"with KV cache for {needed * DEFAULT_BLOCK_SIZE} tokens")
             now = time.monotonic()
             placement = PlacementRequest(
                 request_id=request.request_id,
@@ -232,14 +237,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                 priority=request.priority, num_tokens=request.num_prompt_tokens + request.max_tokens,
                                 arrived_at=now, deadline_at=now + request.ttft_budget_ms / 1000
                                 if request.ttft_budget_ms else math.inf,
-                                progress=request.step / request.total_steps if request.total_steps else 0.0)
+                                progress=(request.step - 1) / request.total_steps if request.total_steps else 0.0)
                 best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now)
                                   for o in options)
                 if await self._gate.enter(ticket, best_ttft_s):
                     # It waited: place it on the fleet as it is now, with no await from here on.
                     now = time.monotonic()
-                    options = [dataclasses.replace(o, candidates=self._candidates(o.request.model, now, exclude)
-                                                   or o.candidates) for o in options]
+                    options = [fresh for o in options if (fresh := dataclasses.replace(
+                        o, candidates=self._candidates(o.request.model, now, exclude, needed))).candidates]
+                    if not options:
+                        raise Unavailable(f"model={request.model!r}: no live node left for it after queueing")
             index, decision = choose_among(self._policy, options, now)
             model = options[index].request.model
             self._record_decision(options[index].request, decision)
@@ -248,9 +255,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             chosen = self._cluster.get(decision.node_id)
             if chosen is not None and model not in chosen.spec.warm_models:
                 # A cold node serves nothing until warm: load the model there and wait for it.
+                remaining = context.time_remaining()
                 try:
-                    await self._loader.ensure_warm(decision.node_id, decision.address, model,
-                                                   f"placed {request.request_id} there")
+                    await asyncio.wait_for(self._loader.ensure_warm(
+                        decision.node_id, decision.address, model, f"placed {request.request_id} there"), remaining)
+                except TimeoutError:
+                    self._gate.finished(request.request_id)
+                    raise Unavailable(f"loading {model} on node {decision.node_id} takes longer than the request's "
+                                      f"{remaining:.1f} s left; the load goes on") from None
                 except BaseException:
                     self._gate.finished(request.request_id)  # admitted, but it will not run
                     raise
@@ -268,17 +280,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             model=model,
         )
 
-    def _candidates(self, model: str, now: float, exclude: frozenset[str]) -> list[NodeStatus]:
+    def _candidates(self, model: str, now: float, exclude: frozenset[str], needed_blocks: int) -> list[NodeStatus]:
         """Nodes with model warm; with those whose free GPU could load it, when the policy weighs
-        load time or no node has it warm."""
-        # A node changing models (an unload or another model's load under way) is no candidate.
-        changing = self._loader.changing_nodes(model)
-        warm = [s for s in self._cluster.candidates(model, now, exclude) if s.spec.node_id not in changing]
+        load time or no node has it warm. Never a node whose KV cache for model is too small for
+        the request, nor one changing models (an unload or another model's load under way)."""
+        exclude = exclude | self._loader.changing_nodes(model)
+        warm = self._cluster.candidates(model, now, exclude, needed_blocks)
         if warm and not getattr(self._policy, "weighs_cold_nodes", False):
             return warm
-        return warm + [s for s in self._cluster.cold_candidates(model, now, exclude) if s.spec.node_id not in changing]
+        return warm + self._cluster.cold_candidates(model, now, exclude, needed_blocks)
 
-    async def _wait_for_candidates(self, model: str, exclude: frozenset[str],
+    async def _wait_for_candidates(self, model: str, exclude: frozenset[str], needed_blocks: int,
                                    time_remaining: float | None) -> list[NodeStatus]:
         """Nodes for model once one has it warm or loading, within the request's time and the load
         timeout; none if no live node even has it on disk."""
@@ -291,7 +303,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             changed = self._nodes_changed.since_now()
             if not await wait_or_timeout(changed, max(0.0, deadline - loop.time())):
                 return []
-            candidates = self._candidates(model, time.monotonic(), exclude)
+            candidates = self._candidates(model, time.monotonic(), exclude, needed_blocks)
             if candidates:
                 return candidates
 
@@ -326,6 +338,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def Finished(
         self, request: scheduler_pb2.FinishedRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.FinishedAck:
+        await self._role.wait_if_taking_over(self._config.lease_ttl_s)  # not to be overwritten by the hand-over
         self._gate.finished(request.request_id)
         if request.ttft_ms and request.ttft_budget_ms:
             self._ttft_ratio.record(request.ttft_ms / request.ttft_budget_ms)

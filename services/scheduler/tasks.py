@@ -122,6 +122,7 @@ class TaskLedger:
             "overhead_usd": self.overhead_usd,
             "open": {k: [t.total_steps, t.spent_usd, sorted(t.succeeded), t.last_ok, now - t.last_at]
                      for k, t in recent},
+            "ended": list(self._ended)[-max_open:],
         }
 
     def restore(self, state: dict[str, Any], now: float) -> None:
@@ -132,3 +133,4 @@ class TaskLedger:
         self._open = OrderedDict(
             (k, _Task(int(total), float(spent), set(steps), bool(ok), now - float(age)))
             for k, (total, spent, steps, ok, age) in state["open"].items())
+        self._ended = OrderedDict.fromkeys(state.get("ended", ()))

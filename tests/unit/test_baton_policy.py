@@ -152,3 +152,11 @@ def test_an_accepted_alternative_model_wins_when_the_requested_one_would_miss_it
     relaxed = [Option(request(300, ttft_budget_ms=60_000), [node("h", "h100")], {}), options[1]]
     assert policy.choose_among(relaxed, 0.0)[0] == 0
     assert choose_among(make_policy("dynamo"), options, 0.0)[0] == 0
+
+
+def test_a_cold_node_has_kv_room_only_if_the_loaded_models_cache_holds_the_request() -> None:
+    spec = NodeSpec("l", "l", "l4", PRICE["l4"], frozenset(), cold_models=frozenset({MODEL}),
+                    load_time_s={MODEL: 49.0}, kv_blocks={MODEL: 1393})
+    policy = BatonPolicy()
+    assert policy.terms(request(30_000, ttft_budget_ms=600_000), NodeStatus(spec=spec), 0).has_kv_room is False
+    assert policy.terms(request(10_000, ttft_budget_ms=600_000), NodeStatus(spec=spec), 0).has_kv_room is True

@@ -93,3 +93,4 @@ def test_idle_models_are_unloaded_but_never_the_last_warm_copy() -> None:
     actions = planner.plan(cluster, now=100.0)
     assert [(a.kind, a.node_id, a.model) for a in actions] == [("unload", "n0", A)]
     assert planner.plan(cluster, now=30.0) == []  # not idle long enough
+

@@ -118,3 +118,16 @@ def test_set_nodes_keeps_load_of_staying_nodes_and_drops_leaving_ones() -> None:
     view.report_load("b", Load(num_running=9), now=2.0)  # gone: ignored
     assert _ids(view.nodes()) == ["a", "c"]
     assert view.has_model("new") and not view.has_model("gone")
+
+
+def test_a_node_whose_kv_cache_cannot_hold_the_request_is_no_candidate_warm_or_cold() -> None:
+    model = "sim-llama-3.1-8b"
+    small = NodeSpec("small", "small", "l4", 0.8, frozenset({model}), kv_blocks={model: 1393})
+    big = NodeSpec("big", "big", "h100", 4.25, frozenset({model}), kv_blocks={model: 25_426})
+    free_small = NodeSpec("free", "free", "l4", 0.8, frozenset(), cold_models=frozenset({model}),
+                          kv_blocks={model: 1393})
+    cluster = ClusterView(load_timeout_s=10.0)
+    cluster.set_nodes([small, big, free_small])
+    assert [s.spec.node_id for s in cluster.candidates(model, 0.0, needed_blocks=1891)] == ["big"]
+    assert cluster.cold_candidates(model, 0.0, needed_blocks=1891) == []
+    assert [s.spec.node_id for s in cluster.cold_candidates(model, 0.0, needed_blocks=1000)] == ["free"]

@@ -47,7 +47,8 @@ def build_host(config: NodeAgentConfig) -> ModelHost:
                              f"the KV cache of {name}")
         local.append(LocalModel(name=name, max_context_tokens=spec.max_context_tokens, vocab_size=spec.vocab_size,
                                 tokenizer=SimEngine.tokenizer, weights_bytes=int(spec.weights_bytes),
-                                load_time_s=load_time_s(spec, config.disk_gbps * 1e9, config.engine_start_s)))
+                                load_time_s=load_time_s(spec, config.disk_gbps * 1e9, config.engine_start_s),
+                                kv_blocks=num_blocks))
         engines[name] = (spec, timing, num_blocks)
 
     def make_engine(name: str) -> Engine:
@@ -82,4 +83,5 @@ def model_info(model: LocalModel, state: ModelState) -> common_pb2.ModelInfo:
     return common_pb2.ModelInfo(
         name=model.name, max_context_tokens=model.max_context_tokens, tokenizer=model.tokenizer,
         vocab_size=model.vocab_size or BYTE_VOCAB_SIZE, is_warm=state is ModelState.WARM,
-        state=_PROTO_STATES[state], weights_bytes=model.weights_bytes, load_time_s=model.load_time_s)
+        state=_PROTO_STATES[state], weights_bytes=model.weights_bytes, load_time_s=model.load_time_s,
+        kv_blocks=model.kv_blocks)

@@ -138,13 +138,17 @@ class BatonPolicy:
         if request.deadline_ms:
             success *= _success(request.deadline_ms * BUDGET_MARGIN, ttft_ms + request.max_tokens * tpot_ms)
         needed = math.ceil((request.num_prompt_tokens + request.max_tokens) / BLOCK) - matched_blocks
-        free = load.kv_blocks_total - load.kv_blocks_used - status.placed_prefill_blocks
+        if warm:
+            free = load.kv_blocks_total - load.kv_blocks_used - status.placed_prefill_blocks
+        else:  # a loaded model gets the free GPU's whole KV cache
+            capacity = status.kv_capacity(request.model)
+            free = needed if capacity is None else capacity
         spent = self.workflow_spent.get(request.workflow_id, 0.0) if request.workflow_id else 0.0
         at_risk = spent + PRIORITY_STAKE * max(0, request.priority) * cost
         p = max(success, MIN_SUCCESS)
         return Terms(status.spec.node_id, status.spec.gpu, cached, ttft_ms, tpot_ms, cost, success, spent,
-                     needed <= free or not warm,  # a loaded model gets the free GPU's whole KV cache
-                     (cost + (1.0 - p) * at_risk) / p, warm, load_s * 1000, free, at_risk, request.model)
+                     needed <= free, (cost + (1.0 - p) * at_risk) / p, warm, load_s * 1000, free, at_risk,
+                     request.model)
 
     def choose(
         self, request: PlacementRequest, candidates: list[NodeStatus], matched_blocks: dict[str, int], now: float
@@ -156,6 +160,7 @@ class BatonPolicy:
         scored = [(t, i, s) for i, option in enumerate(options) for s in option.candidates
                   if (t := self.terms(option.request, s, option.matched_blocks.get(s.spec.node_id, 0), now))]
         if not scored:  # no timing model for these GPUs or models: place by KV overlap and load
+            self.last_terms = []
             index = next(i for i, option in enumerate(options) if option.candidates)
             option = options[index]
             return index, self._fallback.choose(option.request, warm_first(option.request, option.candidates),
