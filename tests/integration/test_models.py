@@ -140,3 +140,15 @@ async def test_the_client_and_the_ledger_see_the_same_gpu_time(fleet: LocalClust
     charged = fleet.cluster_state().tasks.ended_cost_usd - before.ended_cost_usd
     assert result.usage.gpu_ms > 0
     assert charged == pytest.approx(result.usage.gpu_ms / 3_600_000 * price[result.node_ids[0]], rel=1e-6)
+
+
+def test_an_instant_load_still_reaches_etcd_as_warm(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """With timing off a load is over before its 'loading' registration is written: the 'warm' one
+    that follows must not be lost."""
+    spec = ClusterSpec(num_nodes=1, speed=0.0, per_node_args=(("--model=", f"--cold-models={A}"),))
+    with LocalCluster(spec, tmp_path_factory.mktemp("instant")) as cluster:
+        with grpc.insecure_channel(cluster.nodes[0].address) as channel:
+            reply = node_agent_pb2_grpc.NodeAgentStub(channel).LoadModel(
+                node_agent_pb2.LoadModelRequest(model=A), timeout=10)
+        assert reply.model.state == common_pb2.MODEL_STATE_WARM
+        wait_until(lambda: models_of(cluster, "node-0")[A] == common_pb2.MODEL_STATE_WARM, 10, "A warm in etcd")
