@@ -1,0 +1,43 @@
+"""The leader exports cost per successful task, model loads included, as an OpenTelemetry gauge."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from services.common.telemetry import Telemetry
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.leadership import LeaderRole
+from services.scheduler.servicer import SchedulerService
+
+
+def exported(reader: InMemoryMetricReader) -> dict[str, list[tuple[dict, float]]]:
+    metrics = reader.get_metrics_data()
+    if metrics is None:  # nothing observed at all
+        return {}
+    return {m.name: [(dict(p.attributes), p.value) for p in m.data.data_points]
+            for rm in metrics.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+
+
+@pytest.mark.parametrize("leading", [True, False])
+async def test_the_leader_exports_the_kpi_and_a_standby_does_not(monkeypatch: pytest.MonkeyPatch,
+                                                                  leading: bool) -> None:
+    monkeypatch.setattr(LeaderRole, "is_leader", property(lambda self: leading))
+    reader = InMemoryMetricReader()
+    telemetry = Telemetry("scheduler/test", "none")
+    telemetry.meter = MeterProvider(metric_readers=[reader]).get_meter("test")
+    service = SchedulerService(SchedulerConfig(), telemetry)
+    service._tasks.record("r1", 1, 1, 0.002, ok=True, now=time.monotonic())
+    service._tasks.record("r2", 1, 1, 0.001, ok=False, now=time.monotonic())
+    service._tasks.add_overhead(0.001)
+    metrics = exported(reader)
+    if leading:
+        assert metrics["baton.scheduler.cost_per_successful_task"] == [({}, pytest.approx(0.003))]
+        assert ({"outcome": "succeeded"}, 1) in metrics["baton.scheduler.tasks"]
+        assert ({"outcome": "open"}, 1) in metrics["baton.scheduler.tasks"]  # r2 may still be retried
+    else:
+        assert not metrics.get("baton.scheduler.cost_per_successful_task")
+    await service.close()
