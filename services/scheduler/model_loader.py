@@ -57,7 +57,8 @@ class ModelLoader:
         """Load model on node_id (or join the load under way) and wait until it is warm."""
         under_way = self._under_way.get(node_id)
         if under_way is not None and under_way[0] != model:
-            raise Unavailable(f"node {node_id} is busy loading {under_way[0] or 'nothing'}; retry")
+            doing = f"loading {under_way[0]}" if under_way[0] else "unloading a model"
+            raise Unavailable(f"node {node_id} is busy {doing}; retry")
         task = under_way[1] if under_way is not None else self.start(
             address, [ModelAction("load", node_id, model, reason)])
         assert task is not None
