@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -59,7 +60,7 @@ class ModelHost:
         self._engine_task: asyncio.Task[None] | None = None
         self._loading: asyncio.Task[None] | None = None
         self._crashed: asyncio.Future[None] | None = None  # made by run()
-        self._kv_batches: list[tuple[str, list[KVEvent]]] = []
+        self._kv_batches: deque[tuple[str, list[KVEvent]]] = deque()
         self._kv_ready = asyncio.Event()
         #: Requests arrived or ended (the load report goes out at once).
         self.load_changed = ChangeSignal()
@@ -93,14 +94,14 @@ class ModelHost:
 
     def engine_for(self, model: str) -> Engine:
         """The warm engine of model: NOT_FOUND if the node does not have it, UNAVAILABLE if not warm."""
-        self._local(model)
+        self.local(model)
         if self.state[model] is not ModelState.WARM or self._engine is None:
             raise Unavailable(f"model={model!r} is {self.state[model].value} on node {self._node_id}, not warm")
         return self._engine
 
     async def load_model(self, model: str) -> float:
         """Make model warm; seconds waited (0 if it already was). Joins a load under way."""
-        self._local(model)
+        self.local(model)
         loop = asyncio.get_running_loop()
         started = loop.time()
         if self.state[model] is ModelState.WARM:
@@ -142,8 +143,7 @@ class ModelHost:
         async def forward_kv_events() -> None:
             while True:
                 events = await engine.next_kv_events()
-                self._kv_batches.append((engine.model, events))
-                self._kv_ready.set()
+                self._publish_kv(engine.model, events)
 
         try:
             async with asyncio.TaskGroup() as group:
@@ -156,7 +156,7 @@ class ModelHost:
 
     def unload_model(self, model: str) -> None:
         """Free the GPU of model: FAILED_PRECONDITION while it loads or has requests in flight."""
-        self._local(model)
+        self.local(model)
         state = self.state[model]
         if state is ModelState.COLD:
             return
@@ -171,13 +171,12 @@ class ModelHost:
         self._engine = self._engine_task = None
         self.state[model] = ModelState.COLD
         # The freed GPU memory held the KV cache: tell the index it is gone.
-        self._kv_batches.append((model, [AllBlocksCleared()]))
-        self._kv_ready.set()
+        self._publish_kv(model, [AllBlocksCleared()])
         self.models_changed.notify()
         self.load_changed.notify()
         log.info("model %s unloaded", model)
 
-    def _local(self, model: str) -> LocalModel:
+    def local(self, model: str) -> LocalModel:
         try:
             return self._models[model]
         except KeyError:
@@ -194,7 +193,11 @@ class ModelHost:
         while not self._kv_batches:
             self._kv_ready.clear()
             await self._kv_ready.wait()
-        return self._kv_batches.pop(0)
+        return self._kv_batches.popleft()
+
+    def _publish_kv(self, model: str, events: list[KVEvent]) -> None:
+        self._kv_batches.append((model, events))
+        self._kv_ready.set()
 
     def cached_blocks(self) -> tuple[str, list[int]]:
         """(warm model, every block it caches); ("", []) with nothing warm."""

@@ -188,5 +188,4 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         return node_agent_pb2.UnloadModelResponse(model=self._model_info(request.model))
 
     def _model_info(self, model: str) -> common_pb2.ModelInfo:
-        local = next(m for m in self._host.models if m.name == model)
-        return model_info(local, self._host.state[model])
+        return model_info(self._host.local(model), self._host.state[model])

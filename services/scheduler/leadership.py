@@ -57,8 +57,10 @@ class LeaderRole:
         """If etcd already shows this replica as the leader but it has not finished taking over
         (its campaign has yet to see its predecessor's key go, or it is restoring the hand-over
         state), wait for that: routers see the new leader in etcd as soon as it does not."""
+        if self.elected.is_set():  # the common case, on every Place: no parsing
+            return
         leader = self.leader()
-        if self.elected.is_set() or leader is None or leader[0] != self._instance_id:
+        if leader is None or leader[0] != self._instance_id:
             return
         try:
             await asyncio.wait_for(self.elected.wait(), timeout_s)

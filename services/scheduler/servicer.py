@@ -45,8 +45,7 @@ _WORKFLOWS_HANDED_OVER = 10_000
 _SUCCEEDED = scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
 
 
-def node_spec_from_json(value: bytes) -> NodeSpec:
-    info = json_format.Parse(value, common_pb2.NodeInfo())
+def node_spec(info: common_pb2.NodeInfo) -> NodeSpec:
     return NodeSpec(
         node_id=info.node_id,
         address=info.address,
@@ -141,12 +140,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         specs, infos = [], {}
         for key, value in items.items():
             try:
-                spec = node_spec_from_json(value)
-                infos[spec.node_id] = json_format.Parse(value, common_pb2.NodeInfo())
+                info = json_format.Parse(value, common_pb2.NodeInfo())
             except json_format.ParseError:
                 log.warning("malformed node registration at %s", key)
                 continue
-            specs.append(spec)
+            infos[info.node_id] = info
+            specs.append(node_spec(info))
         self._node_infos = infos
         self._cluster.set_nodes(specs, time.monotonic())
         self._prices.update((spec.node_id, spec.price_per_hour) for spec in specs)
@@ -254,18 +253,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self._planner.note_demand(model, now)
             chosen = self._cluster.get(decision.node_id)
             if chosen is not None and model not in chosen.spec.warm_models:
-                # A cold node serves nothing until warm: load the model there and wait for it.
-                remaining = context.time_remaining()
-                try:
-                    await asyncio.wait_for(self._loader.ensure_warm(
-                        decision.node_id, decision.address, model, f"placed {request.request_id} there"), remaining)
-                except TimeoutError:
-                    self._gate.finished(request.request_id)
-                    raise Unavailable(f"loading {model} on node {decision.node_id} takes longer than the request's "
-                                      f"{remaining:.1f} s left; the load goes on") from None
-                except BaseException:
-                    self._gate.finished(request.request_id)  # admitted, but it will not run
-                    raise
+                await self._load_for(request.request_id, decision, model, context.time_remaining())
         except BatonError as error:
             self._placements.add(1, {"outcome": error.code.name, "retry": request.retry_cause})
             await abort(context, error)
@@ -279,6 +267,19 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             cost=decision.cost,
             model=model,
         )
+
+    async def _load_for(self, request_id: str, decision: Decision, model: str, remaining_s: float | None) -> None:
+        """A cold node serves nothing until warm: load model there and wait for it, within the
+        request's time. If that fails, the admitted request will not run: its slot is freed."""
+        try:
+            await asyncio.wait_for(self._loader.ensure_warm(decision.node_id, decision.address, model,
+                                                            f"placed {request_id} there"), remaining_s)
+        except BaseException as exc:
+            self._gate.finished(request_id)
+            if isinstance(exc, TimeoutError):
+                raise Unavailable(f"loading {model} on node {decision.node_id} takes longer than the request's "
+                                  f"{remaining_s:.1f} s left; the load goes on") from None
+            raise
 
     def _candidates(self, model: str, now: float, exclude: frozenset[str], needed_blocks: int) -> list[NodeStatus]:
         """Nodes with model warm; with those whose free GPU could load it, when the policy weighs

@@ -8,7 +8,6 @@ from services.node_agent.engines.base import Engine
 from services.node_agent.engines.sim.core import SimEngineCore
 from services.node_agent.engines.sim.engine import SimEngine
 from services.node_agent.engines.sim.models import (
-    BYTE_VOCAB_SIZE,
     GPU_SPECS,
     get_model,
     kv_capacity_blocks,
@@ -82,6 +81,6 @@ def node_info(config: NodeAgentConfig, host: ModelHost) -> common_pb2.NodeInfo:
 def model_info(model: LocalModel, state: ModelState) -> common_pb2.ModelInfo:
     return common_pb2.ModelInfo(
         name=model.name, max_context_tokens=model.max_context_tokens, tokenizer=model.tokenizer,
-        vocab_size=model.vocab_size or BYTE_VOCAB_SIZE, is_warm=state is ModelState.WARM,
+        vocab_size=model.vocab_size, is_warm=state is ModelState.WARM,
         state=_PROTO_STATES[state], weights_bytes=model.weights_bytes, load_time_s=model.load_time_s,
         kv_blocks=model.kv_blocks)
