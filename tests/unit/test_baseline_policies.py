@@ -1,5 +1,6 @@
-"""The anchors' placement policies as Baton re-implements them (ANCHORS.md): round robin, least loaded,
-SGLang's cache-aware policy, llm-d's default scoring, and the routed-prefix index both keep."""
+"""The anchors' placement policies as Baton re-implements them (ANCHORS.md): round robin, least loaded
+(plain and weighted by GPU speed), SGLang's cache-aware policy, llm-d's default and precise scoring, and
+the routed-prefix index SGLang and llm-d keep."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from services.common.load import Load
 from services.scheduler.cluster import NodeSpec, NodeStatus
 from services.scheduler.policies import POLICIES, PlacementRequest, make_policy
 from services.scheduler.policies.kv_load import KvLoadPolicy
-from services.scheduler.policies.llmd import LlmdPolicy
+from services.scheduler.policies.llmd import LlmdPolicy, LlmdPrecisePolicy
 from services.scheduler.policies.routed_prefix import RoutedPrefixIndex
-from services.scheduler.policies.sglang import SglangPolicy
-from services.scheduler.policies.simple import LeastLoadedPolicy, RoundRobinPolicy
+from services.scheduler.policies.sglang import EVICTION_INTERVAL_S, SglangPolicy
+from services.scheduler.policies.simple import LeastLoadedPolicy, RoundRobinPolicy, WeightedLeastLoadedPolicy
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -22,20 +23,22 @@ HASHES = tuple(range(1000, 1010))
 OTHER = tuple(range(2000, 2010))
 
 
-def _status(node_id: str, placed_requests: int = 0, **load: int) -> NodeStatus:
-    spec = NodeSpec(node_id=node_id, address=f"{node_id}:1", gpu="h100", price_per_hour=1.0,
-                    warm_models=frozenset({M}))
+def _status(node_id: str, placed_requests: int = 0, gpu: str = "h100", model: str = M, **load: int) -> NodeStatus:
+    spec = NodeSpec(node_id=node_id, address=f"{node_id}:1", gpu=gpu, price_per_hour=1.0,
+                    warm_models=frozenset({model}))
     return NodeStatus(spec=spec, load=Load(**load), placed_requests=placed_requests)
 
 
-def _request(block_hashes: tuple[int, ...] = HASHES, num_prompt_blocks: int | None = None) -> PlacementRequest:
+def _request(block_hashes: tuple[int, ...] = HASHES, num_prompt_blocks: int | None = None,
+             model: str = M) -> PlacementRequest:
     blocks = len(block_hashes) if num_prompt_blocks is None else num_prompt_blocks
-    return PlacementRequest(request_id="r", model=M, num_prompt_tokens=blocks * 16, num_prompt_blocks=blocks,
+    return PlacementRequest(request_id="r", model=model, num_prompt_tokens=blocks * 16, num_prompt_blocks=blocks,
                             max_tokens=8, block_hashes=block_hashes)
 
 
-def _choose(policy, candidates: list[NodeStatus], request: PlacementRequest | None = None, now: float = 0.0) -> str:
-    return policy.choose(request or _request(), candidates, {}, now).node_id
+def _choose(policy, candidates: list[NodeStatus], request: PlacementRequest | None = None, now: float = 0.0,
+            matched_blocks: dict[str, int] | None = None) -> str:
+    return policy.choose(request or _request(), candidates, matched_blocks or {}, now).node_id
 
 
 # -- round robin and least loaded -------------------------------------------------------------------
@@ -57,6 +60,29 @@ def test_least_loaded_counts_running_waiting_and_placed() -> None:
     # a and b tie at 2: the lower node id wins, whatever the candidates' order.
     assert (decision.node_id, decision.matched_blocks, decision.cost) == ("a", 0, 2.0)
     assert _choose(LeastLoadedPolicy(), nodes + [_status("d", num_running=1)]) == "d"
+
+
+SIM_MODEL = "sim-llama-3-8b"
+
+
+def test_weighted_least_loaded_gives_the_faster_gpu_a_larger_share() -> None:
+    policy = WeightedLeastLoadedPolicy()
+    request = _request(model=SIM_MODEL)
+    h100 = lambda n: _status("b-h100", gpu="h100", model=SIM_MODEL, num_running=n)  # noqa: E731
+    l4 = lambda n: _status("a-l4", gpu="l4", model=SIM_MODEL, num_running=n)  # noqa: E731
+    # Both idle: the faster GPU, though plain least-loaded would take the lower node id.
+    assert _choose(policy, [l4(0), h100(0)], request) == "b-h100"
+    assert _choose(LeastLoadedPolicy(), [l4(0), h100(0)], request) == "a-l4"
+    # The H100 keeps winning with more in flight than the idle L4, until its share is used up.
+    assert _choose(policy, [l4(0), h100(3)], request) == "b-h100"
+    assert _choose(policy, [l4(0), h100(40)], request) == "a-l4"
+
+
+def test_weighted_least_loaded_counts_an_unknown_gpu_as_the_slowest_known() -> None:
+    request = _request(model=SIM_MODEL)
+    nodes = [_status("a", gpu="tpu-v9", model=SIM_MODEL), _status("b", gpu="l4", model=SIM_MODEL)]
+    # Equal loads and equal (slowest) speeds: the lower node id.
+    assert _choose(WeightedLeastLoadedPolicy(), nodes, request) == "a"
 
 
 # -- SGLang cache-aware -----------------------------------------------------------------------------
@@ -81,28 +107,43 @@ def test_sglang_fleet_just_inside_balance_keeps_prefix(high: int, low: int) -> N
     assert _choose(policy, [_status("a", num_running=high), _status("b", num_running=low)]) == "a"
 
 
-def test_sglang_balanced_prefix_over_30_percent_wins_else_least_loaded() -> None:
+def test_sglang_balanced_prefix_over_30_percent_wins_else_smallest_tree() -> None:
     nodes = [_status("a"), _status("b", num_running=5)]
     # 4 of 10 blocks routed to b: 0.4 > 0.3, b wins though busier.
     assert _choose(_sglang_with_prefix_on("b", HASHES[:4]), nodes) == "b"
-    # 3 of 10: exactly 0.3 is not enough, the least-loaded a wins.
+    # 3 of 10: exactly 0.3 is not enough, the smallest tree (a's is empty) wins.
     assert _choose(_sglang_with_prefix_on("b", HASHES[:3]), nodes) == "a"
 
 
-def test_sglang_tree_forgets_entries_after_120_s() -> None:
+def test_sglang_short_match_goes_to_the_smallest_tree_not_the_least_loaded() -> None:
+    policy = SglangPolicy()
+    _choose(policy, [_status("a")], _request(OTHER))  # a's tree: 10 blocks
+    _choose(policy, [_status("b")], _request(OTHER[:2]))  # b's tree: 2 blocks
+    # A prompt neither has: b has the smaller tree, though it is the busier one.
+    assert _choose(policy, [_status("a"), _status("b", num_running=5)], _request(HASHES)) == "b"
+
+
+def test_sglang_tree_is_bounded_by_size_evicting_least_recent_on_the_interval_not_by_age() -> None:
+    policy = SglangPolicy(max_tree_blocks=10)
     nodes = [_status("a"), _status("b", num_running=5)]
-    assert _choose(_sglang_with_prefix_on("b", HASHES, now=0.0), nodes, now=119.0) == "b"
-    assert _choose(_sglang_with_prefix_on("b", HASHES, now=0.0), nodes, now=121.0) == "a"
+    assert _choose(policy, [_status("b")], _request(HASHES), now=0.0) == "b"
+    # An old entry is not forgotten by age: an hour later the prompt still follows it to b.
+    assert _choose(policy, nodes, now=3600.0) == "b"
+    # Ten more blocks push b's tree to 20; nothing goes before the next eviction pass...
+    assert _choose(policy, [_status("b")], _request(OTHER), now=3601.0) == "b"
+    assert _choose(policy, nodes, now=3602.0) == "b"  # HASHES used again: OTHER is now the least recent
+    # ...which trims b to 10 blocks, least recently used first: OTHER is forgotten.
+    assert _choose(policy, nodes, _request(OTHER), now=3602.0 + EVICTION_INTERVAL_S) == "a"
 
 
 def test_sglang_records_each_choice_so_a_repeated_prompt_follows() -> None:
     policy = SglangPolicy()
-    # Nothing routed yet: least loaded b.
-    assert _choose(policy, [_status("a", num_running=2), _status("b")]) == "b"
-    # Now b is the busier one, but it has the whole prompt.
-    assert _choose(policy, [_status("a"), _status("b", num_running=3)], now=1.0) == "b"
-    # A different prompt is not drawn there.
-    assert _choose(policy, [_status("a"), _status("b", num_running=3)], _request(OTHER), now=2.0) == "a"
+    # Nothing routed yet: every tree is empty, the first candidate.
+    assert _choose(policy, [_status("a", num_running=2), _status("b")]) == "a"
+    # Now a is much busier (still balanced), but it has the whole prompt.
+    assert _choose(policy, [_status("a", num_running=40), _status("b")], now=1.0) == "a"
+    # A different prompt is not drawn there: b's tree is the smaller.
+    assert _choose(policy, [_status("a"), _status("b", num_running=3)], _request(OTHER), now=2.0) == "b"
 
 
 # -- llm-d ------------------------------------------------------------------------------------------
@@ -122,7 +163,7 @@ def test_llmd_total_is_weighted_queue_kv_and_prefix() -> None:
         _status("c", num_waiting=1, placed_requests=3, kv_blocks_used=10, kv_blocks_total=100),
     ]
     # queue over waiting+placed (2, 6, 4) in [min, max]: 1, 0, 0.5; kv free: 0.5, 0.75, 0.9; prefix 0, 0, 0.5.
-    assert policy.scores(_request(), nodes, 0.0) == pytest.approx({
+    assert policy.scores(_request(), nodes) == pytest.approx({
         "a": 2 * 1.0 + 2 * 0.5,
         "b": 2 * 0.0 + 2 * 0.75,
         "c": 2 * 0.5 + 2 * 0.9 + 3 * 0.5,
@@ -133,7 +174,7 @@ def test_llmd_total_is_weighted_queue_kv_and_prefix() -> None:
 
 def test_llmd_equal_queues_score_one_each() -> None:
     nodes = [_status("a", num_waiting=3), _status("b", num_waiting=3), _status("c", num_waiting=3, num_running=7)]
-    assert LlmdPolicy().scores(_request(), nodes, 0.0) == {"a": 4.0, "b": 4.0, "c": 4.0}
+    assert LlmdPolicy().scores(_request(), nodes) == {"a": 4.0, "b": 4.0, "c": 4.0}
 
 
 def test_llmd_routed_prefix_wins_when_queue_and_kv_are_equal() -> None:
@@ -156,29 +197,50 @@ def test_llmd_ties_go_to_the_first_candidate() -> None:
     assert _choose(LlmdPolicy(), [_status("b"), _status("a")]) == "b"
 
 
+def test_llmd_precise_scores_the_engines_cached_prefix_min_max_normalised() -> None:
+    policy = LlmdPrecisePolicy()
+    nodes = [_status("a", num_waiting=1), _status("b", num_waiting=1), _status("c", num_waiting=1),
+             _status("d", num_waiting=1)]
+    # Cached 2, 6, 4 blocks and none: (x − 2)/(6 − 2) over the holders, 0 for d; weights 1, 1, 2.
+    assert policy.scores(_request(), nodes, {"a": 2, "b": 6, "c": 4}) == pytest.approx(
+        {"a": 2.0, "b": 4.0, "c": 3.0, "d": 2.0})
+    # One holder, or all equal: 1 each.
+    assert policy.scores(_request(), nodes, {"c": 3})["c"] == pytest.approx(4.0)
+
+
+def test_llmd_precise_follows_the_kv_events_not_its_own_routing() -> None:
+    policy = LlmdPrecisePolicy()
+    nodes = [_status("a"), _status("b")]
+    # Routed to a before (the approximate index would follow), but the engines say b caches it.
+    assert _choose(policy, [_status("a")]) == "a"
+    assert _choose(policy, nodes, matched_blocks={"b": 10}) == "b"
+    assert _choose(LlmdPolicy(), [_status("a")]) == "a"
+
+
 # -- the routed-prefix index ------------------------------------------------------------------------
 
 
 def test_routed_prefix_capacity_evicts_least_recently_recorded_blocks() -> None:
     index = RoutedPrefixIndex(capacity_per_node=3)
-    index.record("n", (1, 2, 3), 0.0)
-    index.record("n", (2,), 1.0)  # 2 is now the most recent
-    index.record("n", (4,), 2.0)  # over capacity: 1 goes
-    assert index.matched("n", (1, 2, 3), 3.0) == 0
-    assert index.matched("n", (2, 3, 4), 3.0) == 3
-    index.record("n", (5,), 4.0)  # then 3, the least recently recorded
-    assert index.matched("n", (2, 3), 5.0) == 1
-    assert index.matched("n", (2, 4, 5), 5.0) == 3
+    index.record("n", (1, 2, 3))
+    index.record("n", (2,))  # 2 is now the most recent
+    index.record("n", (4,))  # over capacity: 1 goes
+    assert index.matched("n", (1, 2, 3)) == 0
+    assert index.matched("n", (2, 3, 4)) == 3
+    index.record("n", (5,))  # then 3, the least recently recorded
+    assert index.matched("n", (2, 3)) == 1
+    assert index.matched("n", (2, 4, 5)) == 3
     # Per node: another node's capacity is its own.
-    index.record("m", (1, 2, 3), 6.0)
-    assert (index.matched("m", (1, 2, 3), 7.0), index.matched("n", (2, 4, 5), 7.0)) == (3, 3)
+    index.record("m", (1, 2, 3))
+    assert (index.matched("m", (1, 2, 3)), index.matched("n", (2, 4, 5))) == (3, 3)
+    assert (index.size("m"), index.size("n"), index.size("none")) == (3, 3, 0)
 
 
 def test_routed_prefix_matches_only_leading_blocks() -> None:
     index = RoutedPrefixIndex()
-    index.record("n", (1, 3), 0.0)
-    assert index.matched("n", (1, 2, 3), 0.0) == 1
-    assert index.matched("other", (1,), 0.0) == 0
+    index.record("n", (1, 3))
+    assert index.matched("n", (1, 2, 3)) == 1
+    assert index.matched("other", (1,)) == 0
 
 
 # -- make_policy ------------------------------------------------------------------------------------

@@ -5,15 +5,17 @@ from __future__ import annotations
 from services.scheduler.policies.base import Decision, Option, PlacementRequest, Policy, choose_among
 from services.scheduler.policies.baton import BatonPolicy
 from services.scheduler.policies.kv_load import KvLoadPolicy
-from services.scheduler.policies.llmd import LlmdPolicy
+from services.scheduler.policies.llmd import LlmdPolicy, LlmdPrecisePolicy
 from services.scheduler.policies.sglang import SglangPolicy
-from services.scheduler.policies.simple import LeastLoadedPolicy, RoundRobinPolicy
+from services.scheduler.policies.simple import LeastLoadedPolicy, RoundRobinPolicy, WeightedLeastLoadedPolicy
 
 POLICIES = {
     "round_robin": RoundRobinPolicy,
     "least_loaded": LeastLoadedPolicy,
+    "weighted_least_loaded": WeightedLeastLoadedPolicy,
     "dynamo": KvLoadPolicy,
     "llm_d": LlmdPolicy,
+    "llm_d_precise": LlmdPrecisePolicy,
     "sglang": SglangPolicy,
     "baton": BatonPolicy,
 }

@@ -28,11 +28,10 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from services.node_agent.engines.sim.models import SIM_MODELS
-from services.node_agent.engines.sim.timing import TimingModel, load_coefficients
 from services.scheduler.cluster import NodeStatus
 from services.scheduler.policies.base import Decision, Option, PlacementRequest, decision, warm_first
 from services.scheduler.policies.kv_load import KvLoadPolicy
+from services.scheduler.policies.node_timing import node_timing
 
 BLOCK = 16
 CHUNK = 2048  # the engine's per-step token budget
@@ -88,26 +87,15 @@ class BatonPolicy:
                  default_tpot_budget_ms: float = DEFAULT_TPOT_BUDGET_MS) -> None:
         self._default_ttft_budget_ms = default_ttft_budget_ms
         self._default_tpot_budget_ms = default_tpot_budget_ms
-        self._timings: dict[tuple[str, str], TimingModel | None] = {}
         # GPU cost each workflow has spent so far (as placed), by workflow id, least recent first.
         self.workflow_spent: OrderedDict[str, float] = OrderedDict()
         self.last_terms: list[Terms] = []
         self._fallback = KvLoadPolicy()
 
-    def _timing(self, gpu: str, model: str) -> TimingModel | None:
-        key = (gpu, model)
-        if key not in self._timings:
-            spec = SIM_MODELS.get(model)
-            try:
-                self._timings[key] = load_coefficients(gpu, spec.perf_model) if spec else None
-            except KeyError:
-                self._timings[key] = None
-        return self._timings[key]
-
     def terms(self, request: PlacementRequest, status: NodeStatus, matched_blocks: int,
               now: float = 0.0) -> Terms | None:
         """The per-axis prediction for one node; None when its GPU has no timing model."""
-        timing = self._timing(status.spec.gpu, request.model)
+        timing = node_timing(status.spec.gpu, request.model)
         if timing is None:
             return None
         warm = request.model in status.spec.warm_models

@@ -2,7 +2,8 @@
 
 It is what llm-d's approximate prefix scorer and SGLang's cache-aware policy keep: after each
 placement, the request's prompt blocks are recorded for the chosen node. It never learns of
-evictions, only forgets by age (SGLang) or by per-node capacity (llm-d's LRU).
+evictions; it forgets by per-node capacity, least recently routed first — at once (llm-d's LRU),
+or only when `evict_to` is called (SGLang's periodic eviction pass).
 """
 
 from __future__ import annotations
@@ -12,27 +13,24 @@ from collections.abc import Sequence
 
 
 class RoutedPrefixIndex:
-    def __init__(self, ttl_s: float | None = None, capacity_per_node: int | None = None) -> None:
-        self._ttl_s = ttl_s
+    def __init__(self, capacity_per_node: int | None = None) -> None:
         self._capacity = capacity_per_node
-        # Per node: block hash -> when it was last routed there, least recent first.
-        self._blocks: dict[str, OrderedDict[int, float]] = {}
+        # Per node: the block hashes routed there, least recently routed first.
+        self._blocks: dict[str, OrderedDict[int, None]] = {}
 
-    def record(self, node_id: str, block_hashes: Sequence[int], now: float) -> None:
+    def record(self, node_id: str, block_hashes: Sequence[int]) -> None:
         blocks = self._blocks.setdefault(node_id, OrderedDict())
         for block_hash in block_hashes:
-            blocks[block_hash] = now
+            blocks[block_hash] = None
             blocks.move_to_end(block_hash)
         if self._capacity is not None:
-            while len(blocks) > self._capacity:
-                blocks.popitem(last=False)
+            self._trim(blocks, self._capacity)
 
-    def matched(self, node_id: str, block_hashes: Sequence[int], now: float) -> int:
-        """Leading blocks of block_hashes recorded for node_id and not yet expired."""
+    def matched(self, node_id: str, block_hashes: Sequence[int]) -> int:
+        """Leading blocks of block_hashes recorded for node_id."""
         blocks = self._blocks.get(node_id)
         if not blocks:
             return 0
-        self._expire(blocks, now)
         count = 0
         for block_hash in block_hashes:
             if block_hash not in blocks:
@@ -40,12 +38,16 @@ class RoutedPrefixIndex:
             count += 1
         return count
 
-    def _expire(self, blocks: OrderedDict[int, float], now: float) -> None:
-        if self._ttl_s is None:
-            return
-        horizon = now - self._ttl_s
-        while blocks:
-            oldest = next(iter(blocks.values()))
-            if oldest >= horizon:
-                break
+    def size(self, node_id: str) -> int:
+        """Blocks recorded for node_id: how much of its cache the index believes is taken."""
+        return len(self._blocks.get(node_id, ()))
+
+    def evict_to(self, max_blocks: int) -> None:
+        """Forget each node's least recently routed blocks until it holds at most max_blocks."""
+        for blocks in self._blocks.values():
+            self._trim(blocks, max_blocks)
+
+    @staticmethod
+    def _trim(blocks: OrderedDict[int, None], max_blocks: int) -> None:
+        while len(blocks) > max_blocks:
             blocks.popitem(last=False)

@@ -1,9 +1,10 @@
-"""Cache-blind baselines: round-robin and least-loaded. Pure."""
+"""Cache-blind baselines: round-robin, least-loaded, and least-loaded weighted by GPU speed. Pure."""
 
 from __future__ import annotations
 
 from services.scheduler.cluster import NodeStatus
 from services.scheduler.policies.base import Decision, PlacementRequest, decision, num_in_flight
+from services.scheduler.policies.node_timing import decode_tokens_per_s, node_timing
 
 
 class RoundRobinPolicy:
@@ -32,3 +33,27 @@ class LeastLoadedPolicy:
     ) -> Decision:
         chosen = min(candidates, key=lambda s: (num_in_flight(s), s.spec.node_id))
         return decision(chosen, matched_blocks, float(num_in_flight(chosen)))
+
+
+class WeightedLeastLoadedPolicy:
+    """Least loaded counting each GPU's speed: the candidate where (in flight + 1) / decode throughput
+    is smallest, so an H100 takes about twice an A100's share. GPU-aware but cache-blind and
+    price-blind: the baseline a heterogeneous fleet's operator would set up first. A GPU without a
+    timing model counts as the slowest known one."""
+
+    name = "weighted_least_loaded"
+
+    def choose(
+        self, request: PlacementRequest, candidates: list[NodeStatus], matched_blocks: dict[str, int], now: float
+    ) -> Decision:
+        speeds = {}
+        for status in candidates:
+            timing = node_timing(status.spec.gpu, request.model)
+            speeds[status.spec.node_id] = decode_tokens_per_s(timing) if timing else None
+        slowest = min((s for s in speeds.values() if s), default=1.0)
+
+        def load(status: NodeStatus) -> float:
+            return (num_in_flight(status) + 1) / (speeds[status.spec.node_id] or slowest)
+
+        chosen = min(candidates, key=lambda s: (load(s), s.spec.node_id))
+        return decision(chosen, matched_blocks, load(chosen))
