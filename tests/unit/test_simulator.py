@@ -99,16 +99,20 @@ def test_mooncake_prompt_scale_scales_input_lengths(tmp_path: Path) -> None:
 
 
 def _repeat_prompt(policy: str) -> list:
-    first = _request((1, 2, 3, 4), 2048, "r0", 0.0)
-    second = SimRequest("r1", 10.0, (1, 2, 3, 4), 2048, 32, task_id="t-r1")
-    result = Simulation(fleet("2xh100"), make_policy(policy)).run(Workload("repeat", [first, second]))
+    """r0 lands on h100-1 (h100-0 is busy with another prompt); r1 repeats r0 once both are idle, so
+    every tie-break (lower node id, fewer running) points at h100-0 and only the cache points at h100-1."""
+    other = _request((7, 8, 9, 10), 2048, "busy", 0.0)
+    first = _request((1, 2, 3, 4), 2048, "r0", 0.01)
+    second = _request((1, 2, 3, 4), 2048, "r1", 10.0)
+    result = Simulation(fleet("2xh100"), make_policy(policy)).run(Workload("repeat", [other, first, second]))
     records = {r.request.request_id: r for r in result.records}
     assert all(r.finish_s is not None and r.num_generated == 32 and not r.failed for r in records.values())
     return [records["r0"].cached_tokens, records["r1"].cached_tokens]
 
 
-def test_kv_aware_policy_sends_a_repeated_prompt_to_its_cache() -> None:
-    first, second = _repeat_prompt("dynamo")
+@pytest.mark.parametrize("policy", ["dynamo", "llm_d_precise"])
+def test_kv_aware_policy_sends_a_repeated_prompt_to_its_cache(policy: str) -> None:
+    first, second = _repeat_prompt(policy)
     assert first == 0
     assert second >= 2048 - 16
 
