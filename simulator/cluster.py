@@ -110,7 +110,13 @@ class RunResult:
 
     @property
     def gpu_cost(self) -> float:
+        """Busy GPU time at each node's price: what a fleet that scaled idle GPUs away to nothing would pay."""
         return sum(self.busy_s[n] * self.price_per_hour[n] / 3600.0 for n in self.busy_s)
+
+    @property
+    def fleet_cost(self) -> float:
+        """Every provisioned GPU for the whole run, idle included: what the operator pays."""
+        return sum(price * self.makespan_s / 3600.0 for price in self.price_per_hour.values())
 
 
 class Simulation:

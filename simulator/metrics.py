@@ -35,12 +35,18 @@ class Summary:
     slo_attainment: float
     goodput_rps: float
     kv_hit_rate: float
+    # Busy GPU time, and its cost at each node's price.
     gpu_hours: float
     gpu_cost: float
+    # Every provisioned GPU for the whole run, idle included.
+    fleet_gpu_hours: float
+    fleet_cost: float
     num_tasks: int
     num_tasks_ok: int
-    # The cost of all GPU time spent, failed work included, per task whose every step met its SLO.
+    # The headline: the whole fleet's cost per task whose every step met its SLO (what an operator pays).
     cost_per_successful_task: float
+    # The floor: busy GPU time only, failed work included (what scaling idle GPUs away could reach).
+    busy_cost_per_successful_task: float
     num_migrations: int
 
 
@@ -62,7 +68,7 @@ def summarize(result: RunResult, workload: Workload, slo: Slo) -> Summary:
         1 for steps in workload.tasks.values()
         if all(s.request_id in records and slo.is_met(records[s.request_id]) for s in steps)
     )
-    gpu_cost = result.gpu_cost
+    gpu_cost, fleet_cost = result.gpu_cost, result.fleet_cost
     return Summary(
         num_requests=len(result.records),
         num_completed=len(done),
@@ -76,9 +82,12 @@ def summarize(result: RunResult, workload: Workload, slo: Slo) -> Summary:
         kv_hit_rate=sum(r.cached_tokens for r in done) / prompt_tokens if prompt_tokens else 0.0,
         gpu_hours=sum(result.busy_s.values()) / 3600.0,
         gpu_cost=gpu_cost,
+        fleet_gpu_hours=len(result.price_per_hour) * result.makespan_s / 3600.0,
+        fleet_cost=fleet_cost,
         num_tasks=len(workload.tasks),
         num_tasks_ok=tasks_ok,
-        cost_per_successful_task=gpu_cost / tasks_ok if tasks_ok else float("inf"),
+        cost_per_successful_task=fleet_cost / tasks_ok if tasks_ok else float("inf"),
+        busy_cost_per_successful_task=gpu_cost / tasks_ok if tasks_ok else float("inf"),
         num_migrations=sum(r.num_migrations for r in result.records),
     )
 

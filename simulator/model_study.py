@@ -65,13 +65,14 @@ def run_one(job: tuple[argparse.Namespace, str, float]) -> tuple[str, float, dic
 
 def table(rows: list[tuple[str, float, dict]]) -> str:
     lines = ["| load | placement | SLO attainment | per model (met/requests) | goodput (req/s) | TTFT p50 / p99 (s) "
-             "| GPU-hours | cost per successful task ($) | loads / unloads |",
+             "| GPU-hours busy | cost per successful task, whole fleet / busy ($) | loads / unloads |",
              "|---:|---|---:|---|---:|---|---:|---:|---|"]
     for mode, load, s in rows:
         models = ", ".join(f"{m}: {met}/{total}" for m, (met, total) in s["by_model"].items())
         lines.append(f"| {load:g}x | {mode} | {s['slo_attainment']:.1%} | {models} | {s['goodput_rps']:.2f} "
                      f"| {s['ttft_p50']:.2f} / {s['ttft_p99']:.2f} | {s['gpu_hours']:.2f} "
-                     f"| {s['cost_per_successful_task']:.5f} | {s['loads']} / {s['unloads']} |")
+                     f"| {s['cost_per_successful_task']:.5f} / {s['busy_cost_per_successful_task']:.5f} "
+                     f"| {s['loads']} / {s['unloads']} |")
     return "\n".join(lines)
 
 

@@ -49,14 +49,16 @@ def run_one(job: tuple[argparse.Namespace, str, float]) -> tuple[str, float, dic
 
 def table(rows: list[tuple[str, float, dict]]) -> str:
     header = ("| load | policy | TTFT p50 / p90 / p99 (s) | TPOT p50 / p99 (ms) | SLO attainment | goodput (req/s) "
-              "| KV hit rate | GPU-hours | tasks ok | cost per successful task ($) |")
-    lines = [header, "|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
+              "| KV hit rate | GPU-hours busy / fleet | tasks ok | cost per successful task, whole fleet ($) "
+              "| busy-time floor ($) |")
+    lines = [header, "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for policy, load, s in rows:
         lines.append(
             f"| {load:g}x | {policy} | {s['ttft_p50']:.2f} / {s['ttft_p90']:.2f} / {s['ttft_p99']:.2f} "
             f"| {s['tpot_p50'] * 1000:.0f} / {s['tpot_p99'] * 1000:.0f} | {s['slo_attainment']:.1%} "
-            f"| {s['goodput_rps']:.2f} | {s['kv_hit_rate']:.1%} | {s['gpu_hours']:.2f} "
-            f"| {s['num_tasks_ok']}/{s['num_tasks']} | {s['cost_per_successful_task']:.4f} |")
+            f"| {s['goodput_rps']:.2f} | {s['kv_hit_rate']:.1%} | {s['gpu_hours']:.2f} / {s['fleet_gpu_hours']:.2f} "
+            f"| {s['num_tasks_ok']}/{s['num_tasks']} | {s['cost_per_successful_task']:.5f} "
+            f"| {s['busy_cost_per_successful_task']:.5f} |")
     return "\n".join(lines)
 
 

@@ -160,15 +160,18 @@ def test_summary_with_a_huge_slo_counts_every_task() -> None:
     summary = summarize(result, workload, Slo(ttft_s=1e9, tpot_s=1e9))
     assert (summary.num_requests, summary.num_completed, summary.slo_attainment) == (6, 6, 1.0)
     assert (summary.num_tasks, summary.num_tasks_ok) == (2, 2)
-    assert summary.gpu_cost > 0
-    assert summary.cost_per_successful_task == pytest.approx(summary.gpu_cost / summary.num_tasks)
+    assert 0 < summary.gpu_cost < summary.fleet_cost
+    # The headline counts the GPU for the whole run, idle time included; the floor only its busy time.
+    assert summary.fleet_cost == pytest.approx(fleet("1xh100")[0].price_per_hour * result.makespan_s / 3600)
+    assert summary.cost_per_successful_task == pytest.approx(summary.fleet_cost / summary.num_tasks)
+    assert summary.busy_cost_per_successful_task == pytest.approx(summary.gpu_cost / summary.num_tasks)
 
 
 def test_summary_with_zero_ttft_slo_has_no_successful_task() -> None:
     workload, result = _agentic_run()
     summary = summarize(result, workload, Slo(ttft_s=0.0))
     assert (summary.slo_attainment, summary.num_tasks_ok, summary.goodput_rps) == (0.0, 0, 0.0)
-    assert math.isinf(summary.cost_per_successful_task)
+    assert math.isinf(summary.cost_per_successful_task) and math.isinf(summary.busy_cost_per_successful_task)
 
 
 def test_admission_in_the_simulator_refuses_what_cannot_make_its_budget_and_queues_the_rest() -> None:
