@@ -8,9 +8,11 @@ this module only moves events between them in time order.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -127,9 +129,17 @@ class Simulation:
                  suspect_s: float = 5.0, ttft_budget_ms: int = 0, admission: str = "none",
                  max_queued: int = 2000,
                  max_num_batched_tokens: int = 2048, planner: ModelPlanner | None = None,
-                 plan_interval_s: float = 1.0) -> None:
+                 plan_interval_s: float = 1.0, tpot_budget_ms: int = 0, max_tokens: int = 2048,
+                 timing_error: float = 0.0, seed: int = 0) -> None:
         self._model: SimModelSpec = get_model(model)
         self._policy = policy
+        # What clients ask for (the policy never sees how long an output really is), and each GPU
+        # generation's true speed against the timing model the scheduler reads: the engines run the
+        # fitted coefficients scaled by a factor drawn once per generation from [1 − e, 1 + e].
+        self._max_tokens = max_tokens
+        draw = random.Random(seed)
+        self._timing_scale = {gpu: 1.0 + draw.uniform(-timing_error, timing_error)
+                              for gpu in sorted({config.gpu for config in nodes})}
         self._max_num_batched_tokens = max_num_batched_tokens
         self._nodes: dict[str, _Node] = {}
         for config in nodes:
@@ -154,6 +164,7 @@ class Simulation:
         self._max_migrations = max_migrations
         self._suspect_s = suspect_s
         self._ttft_budget_ms = ttft_budget_ms
+        self._tpot_budget_ms = tpot_budget_ms
         # Admission at the leader: none (place at once, nodes queue FIFO), baton, or gie.
         if admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}, got {admission!r}")
@@ -176,7 +187,11 @@ class Simulation:
 
     def _new_core(self, gpu: str, model: str) -> SimEngineCore:
         spec = get_model(model)
-        return SimEngineCore(spec, load_coefficients(gpu, spec.perf_model),
+        timing = load_coefficients(gpu, spec.perf_model)
+        scale = self._timing_scale.get(gpu, 1.0)
+        timing = dataclasses.replace(timing, **{f.name: getattr(timing, f.name) * scale
+                                                for f in dataclasses.fields(timing)})
+        return SimEngineCore(spec, timing,
                              num_kv_blocks=kv_capacity_blocks(GPU_SPECS[gpu].hbm_bytes, spec),
                              max_num_batched_tokens=self._max_num_batched_tokens)
 
@@ -288,7 +303,9 @@ class Simulation:
         tokens = self._book.tokens(request)
         generation = Generation(request_id=request.request_id, model=request.model or self._model.name,
                                 prompt_token_ids=tokens,
-                                sampling=common_pb2.SamplingParams(max_tokens=request.output_len, ignore_eos=True))
+                                sampling=common_pb2.SamplingParams(max_tokens=min(request.output_len,
+                                                                                  self._max_tokens),
+                                                                   ignore_eos=True))
         self._budget.record_request(self._now)
         block_hashes = self._book.block_hashes(request, tokens)
         context = get_model(generation.model).max_context_tokens
@@ -303,6 +320,12 @@ class Simulation:
         if following is not None and following.think_s is None:
             self._at(max(self._now, following.arrival_s), lambda r=following: self._arrive(r))
 
+    def _asked_tokens(self, generation: Generation) -> int:
+        """The max_tokens the client asked for, less what was generated: all the scheduler knows of
+        the output's length (the engine stops at the trace's true length)."""
+        room = get_model(generation.model).max_context_tokens - len(generation.prompt_token_ids)
+        return max(1, min(self._max_tokens, room) - len(generation.generated))
+
     def _place(self, generation: Generation, record: RequestRecord, block_hashes: tuple[int, ...]) -> None:
         # As the router does: skip the nodes that failed this request, and any that failed lately.
         self._suspects = {n: until for n, until in self._suspects.items() if until > self._now}
@@ -313,9 +336,9 @@ class Simulation:
         if self._planner is not None:
             self._planner.note_demand(model, self._now)
         candidates = self._view.candidates(model, self._now, exclude)
-        if not candidates or getattr(self._policy, "weighs_cold_nodes", False):
+        if not candidates or self._policy.weighs_cold_nodes:
             candidates = candidates + self._view.cold_candidates(model, self._now, exclude)
-        needed = -(-(len(generation.context) + generation.num_remaining) // KV_BLOCK)
+        needed = -(-(len(generation.context) + self._asked_tokens(generation)) // KV_BLOCK)
         feasible = [s for s in candidates if s.can_hold(model, needed)]
         if not feasible:
             if (not candidates and self._planner is not None and not generation.failures
@@ -328,8 +351,9 @@ class Simulation:
         request = record.request
         placement = PlacementRequest(request_id=generation.request_id, model=model,
                                      num_prompt_tokens=len(generation.context), num_prompt_blocks=len(block_hashes),
-                                     max_tokens=generation.num_remaining, block_hashes=block_hashes,
-                                     ttft_budget_ms=self._ttft_budget_ms, workflow_id=request.task_id,
+                                     max_tokens=self._asked_tokens(generation), block_hashes=block_hashes,
+                                     ttft_budget_ms=self._ttft_budget_ms, tpot_budget_ms=self._tpot_budget_ms,
+                                     workflow_id=request.task_id,
                                      step=request.step, total_steps=request.total_steps)
         chosen = self._policy.choose(placement, feasible, matched, self._now)
         self._view.record_placement(chosen.node_id, len(block_hashes))
@@ -368,12 +392,13 @@ class Simulation:
         self._refresh_loads()
         placement = PlacementRequest(request_id=generation.request_id, model=generation.model,
                                      num_prompt_tokens=len(generation.context), num_prompt_blocks=len(block_hashes),
-                                     max_tokens=generation.num_remaining, ttft_budget_ms=self._ttft_budget_ms)
+                                     max_tokens=self._asked_tokens(generation), ttft_budget_ms=self._ttft_budget_ms,
+                                     tpot_budget_ms=self._tpot_budget_ms)
         matched = self._index.overlap(generation.model, block_hashes)
         predicted_s = self._predictor.best_ttft_s(placement, self._view.candidates(generation.model, self._now),
                                                   matched)
         ticket = Ticket(request.request_id, request.tenant, request.priority,
-                        len(generation.context) + generation.num_remaining, self._now,
+                        len(generation.context) + self._asked_tokens(generation), self._now,
                         self._now + self._ttft_budget_ms / 1000 if self._ttft_budget_ms else math.inf)
         outcome = self._admission.offer(ticket, self._now, self._is_saturated(), predicted_s)
         if outcome.shed is not None:
@@ -441,6 +466,7 @@ class Simulation:
             if output.finish_reason is not None:
                 del node.flights[output.request_id]
                 record.finish_s = self._now
+                self._policy.observe_finished(generation.model, record.num_generated)
                 if self._admission is not None:
                     self._admission.on_finished(record.request.tenant)
                 self._follow_up(record.request)

@@ -34,17 +34,44 @@ def build_workload(args: argparse.Namespace, load: float) -> Workload:
     return loader(path, speedup=load, prompt_scale=args.prompt_scale, limit=args.limit)
 
 
-def run_one(job: tuple[argparse.Namespace, str, float]) -> tuple[str, float, dict, list[float], float]:
-    """One (policy, load) run in its own process: its summary, its TTFTs, and its wall time."""
-    args, policy, load = job
+def run_one(job: tuple[argparse.Namespace, str, float, int]) -> tuple[str, float, int, dict, list[float], float]:
+    """One (policy, load, seed) run in its own process: its summary, its TTFTs, and its wall time."""
+    args, policy, load, seed = job
     workload = build_workload(args, load)
     failures = tuple((float(at), node) for at, node in (k.split(":") for k in args.kill)) if args.kill else ()
     started = time.perf_counter()
     result = Simulation(fleet(args.fleet), make_policy(policy), model=args.model, failures=failures,
-                        ttft_budget_ms=int(args.ttft_slo * 1000)).run(workload)
+                        ttft_budget_ms=int(args.ttft_slo * 1000), tpot_budget_ms=int(args.tpot_slo * 1000),
+                        max_tokens=args.max_tokens, timing_error=args.timing_error, seed=seed).run(workload)
     wall_s = time.perf_counter() - started
     summary = summarize(result, workload, Slo(args.ttft_slo, args.tpot_slo))
-    return policy, load, asdict(summary), ttft_values(result), wall_s
+    return policy, load, seed, asdict(summary), ttft_values(result), wall_s
+
+
+def mean_ci(values: list[float]) -> tuple[float, float]:
+    """The mean and the half-width of its 95 % confidence interval (Student's t; 0 for one value)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, 0.0
+    sd = (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5
+    return mean, _T95.get(n - 1, 1.96) * sd / n ** 0.5
+
+
+_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+
+
+def merge_seeds(summaries: list[dict]) -> dict:
+    """One row from several seeds: each figure's mean, and `<key>_ci` for the headline figures."""
+    merged = {k: mean_ci([s[k] for s in summaries])[0] for k in summaries[0]}
+    for key in ("slo_attainment", "cost_per_successful_task", "busy_cost_per_successful_task"):
+        merged[f"{key}_ci"] = mean_ci([s[key] for s in summaries])[1]
+    merged["num_seeds"] = len(summaries)
+    return merged
+
+
+def _pm(value: float, ci: float, fmt: str) -> str:
+    return f"{value:{fmt}}" if not ci else f"{value:{fmt}} ± {ci:{fmt}}"
 
 
 def table(rows: list[tuple[str, float, dict]]) -> str:
@@ -55,10 +82,12 @@ def table(rows: list[tuple[str, float, dict]]) -> str:
     for policy, load, s in rows:
         lines.append(
             f"| {load:g}x | {policy} | {s['ttft_p50']:.2f} / {s['ttft_p90']:.2f} / {s['ttft_p99']:.2f} "
-            f"| {s['tpot_p50'] * 1000:.0f} / {s['tpot_p99'] * 1000:.0f} | {s['slo_attainment']:.1%} "
+            f"| {s['tpot_p50'] * 1000:.0f} / {s['tpot_p99'] * 1000:.0f} "
+            f"| {_pm(s['slo_attainment'] * 100, s.get('slo_attainment_ci', 0.0) * 100, '.1f')}% "
             f"| {s['goodput_rps']:.2f} | {s['kv_hit_rate']:.1%} | {s['gpu_hours']:.2f} / {s['fleet_gpu_hours']:.2f} "
-            f"| {s['num_tasks_ok']}/{s['num_tasks']} | {s['cost_per_successful_task']:.5f} "
-            f"| {s['busy_cost_per_successful_task']:.5f} |")
+            f"| {s['num_tasks_ok']:.0f}/{s['num_tasks']:.0f} "
+            f"| {_pm(s['cost_per_successful_task'], s.get('cost_per_successful_task_ci', 0.0), '.5f')} "
+            f"| {_pm(s['busy_cost_per_successful_task'], s.get('busy_cost_per_successful_task_ci', 0.0), '.5f')} |")
     return "\n".join(lines)
 
 
@@ -117,6 +146,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=None, help="first N requests (or N agent tasks)")
     parser.add_argument("--ttft-slo", type=float, default=5.0, help="seconds")
     parser.add_argument("--tpot-slo", type=float, default=0.1, help="seconds per output token")
+    parser.add_argument("--max-tokens", type=int, default=2048,
+                        help="what every client asks for; the scheduler never sees a request's true output length")
+    parser.add_argument("--timing-error", type=float, default=0.0,
+                        help="each GPU generation runs its timing model scaled by a factor drawn from [1-e, 1+e]")
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds of the timing-error draw; "
+                        "several give each figure a 95%% confidence interval")
     parser.add_argument("--kill", action="append", default=[], help="AT_S:NODE_ID, e.g. 600:h100-0 (repeatable)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs in parallel")
     parser.add_argument("--out", default="results/sim", help="folder for table.md, results.json and plots")
@@ -129,19 +164,22 @@ def main(argv: list[str] | None = None) -> int:
     for policy in policies:
         make_policy(policy)  # a bad name fails here, not in a worker
     loads = [float(x) for x in args.loads.split(",")]
-    jobs = [(args, policy, load) for load in loads for policy in policies]
+    seeds = [int(x) for x in args.seeds.split(",")]
+    jobs = [(args, policy, load, seed) for load in loads for policy in policies for seed in seeds]
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         outcomes = list(pool.map(run_one, jobs))
-    rows = [(policy, load, summary) for policy, load, summary, _, _ in outcomes]
+    rows = [(policy, load, merge_seeds([s for p, lo, _, s, _, _ in outcomes if (p, lo) == (policy, load)]))
+            for load in loads for policy in policies]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     text = table(rows)
-    walls = ", ".join(f"{p}@{load:g}x {wall:.0f}s" for p, load, _, _, wall in outcomes)
+    walls = ", ".join(f"{p}@{load:g}x/{seed} {wall:.0f}s" for p, load, seed, _, _, wall in outcomes)
     (out / "table.md").write_text(text + "\n")
     (out / "results.json").write_text(json.dumps(
         {"args": {k: v for k, v in vars(args).items()}, "runs": [
-            {"policy": p, "load": load, "summary": s, "wall_s": w} for p, load, s, _, w in outcomes]}, indent=1))
-    plots = plot(out, rows, {(p, load): t for p, load, _, t, _ in outcomes})
+            {"policy": p, "load": load, "seed": seed, "summary": s, "wall_s": w}
+            for p, load, seed, s, _, w in outcomes]}, indent=1))
+    plots = plot(out, rows, {(p, load): t for p, load, seed, _, t, _ in outcomes if seed == seeds[0]})
     print(text)
     print(f"wall time per run: {walls}")
     print(f"wrote {out / 'table.md'}, {out / 'results.json'} and {len(plots)} plots")

@@ -17,6 +17,8 @@ class NodeSpec:
     price_per_hour: float
     warm_models: frozenset[str]
     kv_block_size: int = 16
+    # Tokens one engine step computes at most (the chunked-prefill budget).
+    max_num_batched_tokens: int = 2048
     # Models on the node's local disk that are not warm, and those of them being loaded.
     cold_models: frozenset[str] = frozenset()
     loading_models: frozenset[str] = frozenset()

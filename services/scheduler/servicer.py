@@ -33,7 +33,7 @@ from services.scheduler.gate import AdmissionGate
 from services.scheduler.leadership import LeaderRole
 from services.scheduler.model_loader import ModelLoader
 from services.scheduler.model_planner import ModelAction, ModelPlanner
-from services.scheduler.policies import Decision, Option, PlacementRequest, choose_among, make_policy
+from services.scheduler.policies import Decision, Option, PlacementRequest, make_policy
 from services.scheduler.policies.baton import BatonPolicy
 from services.scheduler.retry_budget import RetryBudget
 from services.scheduler.tasks import TaskLedger
@@ -115,7 +115,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _hand_over_state(self) -> dict[str, Any]:
         """What a successor needs that it cannot rebuild from etcd and node reports."""
         now = time.monotonic()
-        spent = getattr(self._policy, "workflow_spent", {})
+        spent = self._policy.workflow_state()
         return {
             "leader": self._config.instance_id,
             "retry_budget": {"requests": self._retry_budget.num_requests(now),
@@ -128,9 +128,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _take_over_state(self, state: dict[str, Any]) -> None:
         budget = state["retry_budget"]
         self._retry_budget.restore(int(budget["requests"]), int(budget["retries"]), time.monotonic())
-        spent = getattr(self._policy, "workflow_spent", None)
-        if spent is not None:
-            spent.update({k: float(v) for k, v in state.get("workflow_spent", {}).items()})
+        self._policy.restore_workflow_state({k: float(v) for k, v in state.get("workflow_spent", {}).items()})
         if "tasks" in state:
             self._tasks.restore(state["tasks"], time.monotonic())
         log.info("took over from %s: %s, %d workflows", state.get("leader"), budget,
@@ -246,7 +244,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                         o, candidates=self._candidates(o.request.model, now, exclude, needed))).candidates]
                     if not options:
                         raise Unavailable(f"model={request.model!r}: no live node left for it after queueing")
-            index, decision = choose_among(self._policy, options, now)
+            index, decision = self._policy.choose_among(options, now)
             model = options[index].request.model
             self._record_decision(options[index].request, decision)
             self._cluster.record_placement(decision.node_id, placement.num_prompt_blocks, now)
@@ -287,7 +285,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         the request, nor one changing models (an unload or another model's load under way)."""
         exclude = exclude | self._loader.changing_nodes(model)
         warm = self._cluster.candidates(model, now, exclude, needed_blocks)
-        if warm and not getattr(self._policy, "weighs_cold_nodes", False):
+        if warm and not self._policy.weighs_cold_nodes:
             return warm
         return warm + self._cluster.cold_candidates(model, now, exclude, needed_blocks)
 
@@ -386,7 +384,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 predicted_tpot_ms=t.tpot_ms, cost=t.cost, success=t.success, workflow_spent=t.workflow_spent,
                 has_kv_room=t.has_kv_room, score=t.score,
                 warm=t.warm, load_ms=t.load_ms, kv_free_blocks=t.kv_free_blocks, at_risk=t.at_risk, model=t.model)
-            for t in getattr(self._policy, "last_terms", ())
+            for t in self._policy.last_terms()
         ]
         self._decisions.append(scheduler_pb2.PlacementDecision(
             request_id=placement.request_id, node_id=decision.node_id, score=decision.cost, model=placement.model,

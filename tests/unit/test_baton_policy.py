@@ -133,7 +133,7 @@ def test_priority_breaks_a_near_tie_toward_certainty() -> None:
     policy = BatonPolicy()
     assert chosen(policy, prioritised(0), nodes) == "a"  # cheaper; 94% sure to meet the budget
     assert chosen(policy, prioritised(2), nodes) == "h"  # a failure would forfeit more: certainty is worth it
-    terms = {t.node_id: t for t in policy.last_terms}
+    terms = {t.node_id: t for t in policy.last_terms()}
     assert terms["a"].at_risk == 2 * terms["a"].cost
 
 
@@ -147,7 +147,7 @@ def test_an_accepted_alternative_model_wins_when_the_requested_one_would_miss_it
     policy = BatonPolicy()
     index, placed = policy.choose_among(options, 0.0)
     assert (index, placed.node_id) == (1, "h2")
-    assert {t.model for t in policy.last_terms} == {MODEL, other}
+    assert {t.model for t in policy.last_terms()} == {MODEL, other}
     # On equal terms the requested model keeps it; a policy that does not weigh models takes the first one.
     relaxed = [Option(request(300, ttft_budget_ms=60_000), [node("h", "h100")], {}), options[1]]
     assert policy.choose_among(relaxed, 0.0)[0] == 0

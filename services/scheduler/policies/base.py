@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from services.scheduler.cluster import NodeStatus
 
@@ -17,9 +17,11 @@ class PlacementRequest:
     max_tokens: int
     # Chained keys of the prompt's full blocks (for policies that keep their own prefix index).
     block_hashes: tuple[int, ...] = field(default=(), repr=False)
-    # Latency budget (0: none): time to first token and end-to-end, in ms from arrival.
+    # The request's own SLO (0: the cluster's default): time to first token and per output token,
+    # and end-to-end, in ms from arrival.
     ttft_budget_ms: int = 0
     deadline_ms: int = 0
+    tpot_budget_ms: int = 0
     tenant: str = ""
     priority: int = 0
     # Workflow context: this is step `step` of `total_steps` of workflow `workflow_id`.
@@ -37,16 +39,6 @@ class Decision:
     cost: float
 
 
-class Policy(Protocol):
-    #: The name `--policy` and the simulator know it by.
-    name: str
-
-    def choose(
-        self, request: PlacementRequest, candidates: list[NodeStatus], matched_blocks: dict[str, int], now: float
-    ) -> Decision:
-        """Pick one of candidates (non-empty) for request; matched_blocks is the kvindex's overlap."""
-
-
 @dataclass(frozen=True)
 class Option:
     """One model a request accepts, with the nodes that could run it and their cached prompt blocks."""
@@ -56,18 +48,67 @@ class Option:
     matched_blocks: dict[str, int]
 
 
-def choose_among(policy: Policy, options: list[Option], now: float) -> tuple[int, Decision]:
-    """The option (index) and node for a request that accepts several models, preferred first.
+@dataclass(frozen=True)
+class Terms:
+    """Why a node scored what it did, for a policy that predicts (GetRecentDecisions, the Place span)."""
 
-    A policy that weighs models against each other (`choose_among`) decides; any other takes the
-    first model with a candidate.
-    """
-    weigh = getattr(policy, "choose_among", None)
-    if weigh is not None:
-        return weigh(options, now)
-    index = next(i for i, option in enumerate(options) if option.candidates)
-    option = options[index]
-    return index, policy.choose(option.request, option.candidates, option.matched_blocks, now)
+    node_id: str
+    gpu: str
+    cached_tokens: int
+    ttft_ms: float
+    tpot_ms: float
+    cost: float
+    success: float
+    workflow_spent: float
+    has_kv_room: bool
+    score: float
+    warm: bool = True
+    load_ms: float = 0.0
+    kv_free_blocks: int = 0
+    at_risk: float = 0.0
+    model: str = ""
+
+
+class Policy:
+    """A placement policy: everything the scheduler and the simulator call. Subclasses implement `choose`
+    and override what they weigh; the defaults are a policy that predicts nothing and keeps no state."""
+
+    #: The name `--policy` and the simulator know it by.
+    name: str = ""
+    #: Whether it predicts load time, and so may be offered nodes where the model is cold.
+    weighs_cold_nodes: bool = False
+
+    def choose(
+        self, request: PlacementRequest, candidates: list[NodeStatus], matched_blocks: dict[str, int], now: float
+    ) -> Decision:
+        """Pick one of candidates (non-empty) for request; matched_blocks is the kvindex's overlap."""
+        raise NotImplementedError
+
+    def choose_among(self, options: list[Option], now: float) -> tuple[int, Decision]:
+        """The option (index) and node for a request that accepts several models, preferred first: by
+        default the first model with a candidate."""
+        index = next(i for i, option in enumerate(options) if option.candidates)
+        option = options[index]
+        return index, self.choose(option.request, option.candidates, option.matched_blocks, now)
+
+    def last_terms(self) -> Sequence[Terms]:
+        """The per-candidate terms of the last decision (none for a policy that predicts nothing)."""
+        return ()
+
+    def observe_finished(self, model: str, num_output_tokens: int) -> None:
+        """A request of model ended having generated num_output_tokens (what a live scheduler learns)."""
+
+    def workflow_state(self) -> dict[str, float]:
+        """What a successor leader needs of the policy's per-workflow memory, least recent first."""
+        return {}
+
+    def restore_workflow_state(self, state: dict[str, float]) -> None:
+        """Take over a predecessor's workflow_state()."""
+
+
+def choose_among(policy: Policy, options: list[Option], now: float) -> tuple[int, Decision]:
+    """policy.choose_among, for callers holding a policy and options."""
+    return policy.choose_among(options, now)
 
 
 def decision(status: NodeStatus, matched_blocks: dict[str, int], cost: float) -> Decision:

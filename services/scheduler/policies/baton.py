@@ -5,11 +5,15 @@ its load and what it caches of the prompt:
 
 - TTFT: the prefill queued ahead of the request plus its own uncached prefill, chunked as the
   engine chunks it, with the running batch's decode steps interleaved;
-- TPOT: a decode step of the node's batch with this request in it;
+- TPOT: a decode step of the node's batch with this request in it, plus the prefill chunks that
+  ride in each step: the prompt tokens this policy has been sending the node (a rate over the last
+  `RATE_WINDOW_S`) arrive while the request decodes, so a node that keeps receiving work predicts a
+  slower TPOT and the next request spreads to another — packing stops before it risks the SLO;
 - the GPU cost of serving the request there: its prefill time plus its share of the decode steps,
   at the node's price;
-- the chance of meeting the request's budget (TTFT budget and deadline): a smooth function of the
-  predicted slack, so a prediction error of a quarter of the budget is not fatal;
+- the chance of meeting the request's own SLO (TTFT and TPOT budgets, deadline; the cluster's
+  defaults where it sets none): a smooth function of the predicted slack, so a prediction error of
+  a quarter of the budget is not fatal;
 - on a node where the model is not warm (its GPU free, the model on its disk): the time left to
   load it, added to the TTFT, and the GPU time the load takes, added to the cost.
 
@@ -19,22 +23,19 @@ request's priority as a stake of priority × its own cost. A fresh request with 
 cheapest node that meets its budget; a tight budget pays for a fast GPU; a late step of an
 expensive workflow, or a high-priority request, buys certainty; a cold node wins only when the
 warm ones would likely miss a budget that allows the load. Nodes without KV room are avoided.
-Every decision keeps its per-axis terms (`last_terms`).
+Every decision keeps its per-axis terms (`last_terms()`).
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections import OrderedDict, deque
 
 from services.scheduler.cluster import NodeStatus
-from services.scheduler.policies.base import Decision, Option, PlacementRequest, decision, warm_first
+from services.scheduler.policies.base import Decision, Option, PlacementRequest, Policy, Terms, decision, warm_first
 from services.scheduler.policies.kv_load import KvLoadPolicy
-from services.scheduler.policies.node_timing import node_timing
+from services.scheduler.policies.node_timing import TimingModel, node_timing
 
-BLOCK = 16
-CHUNK = 2048  # the engine's per-step token budget
 # Budgets a request without its own is held to: Dynamo's goodput definition (TTFT 5 s, ITL 100 ms).
 DEFAULT_TTFT_BUDGET_MS = 5000.0
 DEFAULT_TPOT_BUDGET_MS = 100.0
@@ -48,27 +49,11 @@ BUDGET_MARGIN = 0.4
 PRIORITY_STAKE = 1.0
 # Workflows whose spend is remembered; the least recently active are forgotten first.
 MAX_WORKFLOWS = 100_000
-
-
-@dataclass(frozen=True)
-class Terms:
-    """Why a node scored what it did."""
-
-    node_id: str
-    gpu: str
-    cached_tokens: int
-    ttft_ms: float
-    tpot_ms: float
-    cost: float
-    success: float
-    workflow_spent: float
-    has_kv_room: bool
-    score: float
-    warm: bool = True
-    load_ms: float = 0.0
-    kv_free_blocks: int = 0
-    at_risk: float = 0.0
-    model: str = ""
+# Expected output length before any request of a model has ended, and how fast the average follows them.
+DEFAULT_OUTPUT_TOKENS = 256.0
+OUTPUT_SMOOTHING = 0.02
+# The prompt tokens sent to a node over this many seconds give the prefill rate its decode steps carry.
+RATE_WINDOW_S = 10.0
 
 
 def _success(budget_ms: float, predicted_ms: float) -> float:
@@ -78,19 +63,53 @@ def _success(budget_ms: float, predicted_ms: float) -> float:
     return 1.0 / (1.0 + math.exp(min(-4.0 * slack, 700.0)))  # far past the budget: 0, without overflow
 
 
-class BatonPolicy:
+def _tpot_ms(timing: TimingModel, decode_ms: float, prefill_tokens_per_s: float, chunk: int) -> float:
+    """A decode step's time with the prefill chunks that arrive at the node meanwhile riding in it.
+
+    A step of T ms carries rate · T prompt tokens (at most a chunk), which lengthen it by
+    b·x + c·x²: the fixed point of T = decode + b·x(T) + c·x(T)², found by iteration.
+    """
+    step_ms = decode_ms
+    for _ in range(8):
+        riding = min(prefill_tokens_per_s * step_ms / 1000.0, float(chunk))
+        step_ms = decode_ms + timing.b_ms_per_tok * riding + timing.c_ms_per_tok2 * riding * riding
+    return step_ms
+
+
+class BatonPolicy(Policy):
     name = "baton"
     #: It predicts load time, so it may be offered nodes where the model is cold.
     weighs_cold_nodes = True
 
     def __init__(self, default_ttft_budget_ms: float = DEFAULT_TTFT_BUDGET_MS,
-                 default_tpot_budget_ms: float = DEFAULT_TPOT_BUDGET_MS) -> None:
+                 default_tpot_budget_ms: float = DEFAULT_TPOT_BUDGET_MS,
+                 default_output_tokens: float = DEFAULT_OUTPUT_TOKENS) -> None:
         self._default_ttft_budget_ms = default_ttft_budget_ms
         self._default_tpot_budget_ms = default_tpot_budget_ms
         # GPU cost each workflow has spent so far (as placed), by workflow id, least recent first.
         self.workflow_spent: OrderedDict[str, float] = OrderedDict()
-        self.last_terms: list[Terms] = []
+        self._last_terms: list[Terms] = []
+        # Per model: the mean output length of requests that ended (an exponential average), which
+        # with max_tokens bounds the decode a request is expected to run; it is never told the true length.
+        self._default_output_tokens = default_output_tokens
+        self._output_tokens: dict[str, float] = {}
         self._fallback = KvLoadPolicy()
+        # Per node: (when, uncached prompt tokens) of the placements of the last RATE_WINDOW_S, and their sum.
+        self._sent: dict[str, deque[tuple[float, int]]] = {}
+        self._sent_tokens: dict[str, int] = {}
+
+    def _prefill_rate(self, node_id: str, now: float) -> float:
+        """Prompt tokens a second this policy has lately sent node_id to prefill."""
+        sent = self._sent.get(node_id)
+        if not sent:
+            return 0.0
+        while sent and sent[0][0] <= now - RATE_WINDOW_S:
+            self._sent_tokens[node_id] -= sent.popleft()[1]
+        return self._sent_tokens[node_id] / RATE_WINDOW_S
+
+    def _record_sent(self, node_id: str, tokens: int, now: float) -> None:
+        self._sent.setdefault(node_id, deque()).append((now, tokens))
+        self._sent_tokens[node_id] = self._sent_tokens.get(node_id, 0) + tokens
 
     def terms(self, request: PlacementRequest, status: NodeStatus, matched_blocks: int,
               now: float = 0.0) -> Terms | None:
@@ -106,26 +125,30 @@ class BatonPolicy:
                 load_s = max(0.0, load_s - (now - status.models_since))
             matched_blocks = 0
         load = status.load
-        cached = min(matched_blocks * BLOCK, max(0, request.num_prompt_tokens - 1))
+        block, chunk = status.spec.kv_block_size, status.spec.max_num_batched_tokens
+        cached = min(matched_blocks * block, max(0, request.num_prompt_tokens - 1))
         own = request.num_prompt_tokens - cached
-        ahead = load.pending_prefill_tokens + status.placed_prefill_blocks * BLOCK
+        ahead = load.pending_prefill_tokens + status.placed_prefill_blocks * block
         batch = load.num_running + load.num_waiting + status.placed_requests
-        context = load.active_decode_blocks * BLOCK
+        context = load.active_decode_blocks * block
         decode_ms = timing.decode_step_ms(batch, context) if batch else 0.0
         tokens = ahead + own
-        steps = math.ceil(tokens / CHUNK)
-        chunk = min(tokens, CHUNK)
-        prefill_ms = timing.b_ms_per_tok * tokens + timing.c_ms_per_tok2 * chunk * tokens
+        steps = math.ceil(tokens / chunk)
+        first_chunk = min(tokens, chunk)
+        prefill_ms = timing.b_ms_per_tok * tokens + timing.c_ms_per_tok2 * first_chunk * tokens
         ttft_ms = max(timing.prefill_floor_ms, timing.a_ms + prefill_ms + steps * decode_ms) + load_s * 1000
-        tpot_ms = timing.decode_step_ms(batch + 1, context + request.num_prompt_tokens)
-        own_prefill_ms = timing.b_ms_per_tok * own + timing.c_ms_per_tok2 * min(own, CHUNK) * own
-        gpu_ms = own_prefill_ms + request.max_tokens * tpot_ms / (batch + 1)
+        tpot_ms = _tpot_ms(timing, timing.decode_step_ms(batch + 1, context + request.num_prompt_tokens),
+                           self._prefill_rate(status.spec.node_id, now), chunk)
+        own_prefill_ms = timing.b_ms_per_tok * own + timing.c_ms_per_tok2 * min(own, chunk) * own
+        decode_tokens = self.expected_output_tokens(request)
+        gpu_ms = own_prefill_ms + decode_tokens * tpot_ms / (batch + 1)
         cost = (gpu_ms + load_s * 1000) / 3_600_000.0 * status.spec.price_per_hour
         ttft_budget = (request.ttft_budget_ms or self._default_ttft_budget_ms) * BUDGET_MARGIN
-        success = _success(ttft_budget, ttft_ms) * _success(self._default_tpot_budget_ms * BUDGET_MARGIN, tpot_ms)
+        tpot_budget = (request.tpot_budget_ms or self._default_tpot_budget_ms) * BUDGET_MARGIN
+        success = _success(ttft_budget, ttft_ms) * _success(tpot_budget, tpot_ms)
         if request.deadline_ms:
-            success *= _success(request.deadline_ms * BUDGET_MARGIN, ttft_ms + request.max_tokens * tpot_ms)
-        needed = math.ceil((request.num_prompt_tokens + request.max_tokens) / BLOCK) - matched_blocks
+            success *= _success(request.deadline_ms * BUDGET_MARGIN, ttft_ms + decode_tokens * tpot_ms)
+        needed = math.ceil((request.num_prompt_tokens + request.max_tokens) / block) - matched_blocks
         if warm:
             free = load.kv_blocks_total - load.kv_blocks_used - status.placed_prefill_blocks
         else:  # a loaded model gets the free GPU's whole KV cache
@@ -148,21 +171,42 @@ class BatonPolicy:
         scored = [(t, i, s) for i, option in enumerate(options) for s in option.candidates
                   if (t := self.terms(option.request, s, option.matched_blocks.get(s.spec.node_id, 0), now))]
         if not scored:  # no timing model for these GPUs or models: place by KV overlap and load
-            self.last_terms = []
+            self._last_terms = []
             index = next(i for i, option in enumerate(options) if option.candidates)
             option = options[index]
             return index, self._fallback.choose(option.request, warm_first(option.request, option.candidates),
                                                 option.matched_blocks, now)
         roomy = [entry for entry in scored if entry[0].has_kv_room] or scored
         best_terms, index, best = min(roomy, key=lambda e: (e[0].score, e[0].ttft_ms, e[1], e[2].spec.node_id))
-        self.last_terms = [t for t, _, _ in scored]
+        self._last_terms = [t for t, _, _ in scored]
         request = options[index].request
+        self._record_sent(best.spec.node_id, request.num_prompt_tokens - best_terms.cached_tokens, now)
         if request.workflow_id:
             self.workflow_spent[request.workflow_id] = best_terms.workflow_spent + best_terms.cost
             self.workflow_spent.move_to_end(request.workflow_id)
             if len(self.workflow_spent) > MAX_WORKFLOWS:
                 self.workflow_spent.popitem(last=False)
         return index, decision(best, options[index].matched_blocks, best_terms.score)
+
+    def last_terms(self) -> list[Terms]:
+        return self._last_terms
+
+    def expected_output_tokens(self, request: PlacementRequest) -> float:
+        """Tokens the request is expected to generate: max_tokens, or less when its model's requests
+        have lately ended sooner on average."""
+        typical = self._output_tokens.get(request.model, self._default_output_tokens)
+        return min(float(request.max_tokens), typical) if request.max_tokens else typical
+
+    def observe_finished(self, model: str, num_output_tokens: int) -> None:
+        mean = self._output_tokens.get(model)
+        self._output_tokens[model] = float(num_output_tokens) if mean is None else (
+            mean + OUTPUT_SMOOTHING * (num_output_tokens - mean))
+
+    def workflow_state(self) -> dict[str, float]:
+        return dict(self.workflow_spent)
+
+    def restore_workflow_state(self, state: dict[str, float]) -> None:
+        self.workflow_spent.update(state)
 
     def best_ttft_s(self, request: PlacementRequest, candidates: list[NodeStatus],
                     matched_blocks: dict[str, int], now: float = 0.0) -> float:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 from services.scheduler.cluster import NodeStatus
-from services.scheduler.policies.base import Decision, PlacementRequest, decision, num_in_flight
+from services.scheduler.policies.base import Decision, PlacementRequest, Policy, decision, num_in_flight
 
 
-class KvLoadPolicy:
+class KvLoadPolicy(Policy):
     """Dynamo's KV router cost, in blocks: lowest wins.
 
     prefill = max(pending prefill blocks + prompt blocks - cached prompt blocks, 0)

@@ -15,7 +15,7 @@ Weighted scorers, each in [0, 1], summed; the highest total wins (ANCHORS.md). Q
 from __future__ import annotations
 
 from services.scheduler.cluster import NodeStatus
-from services.scheduler.policies.base import Decision, PlacementRequest, decision
+from services.scheduler.policies.base import Decision, PlacementRequest, Policy, decision
 from services.scheduler.policies.routed_prefix import RoutedPrefixIndex
 
 QUEUE_WEIGHT = 2.0
@@ -26,7 +26,7 @@ CAPACITY_PER_NODE = 31_250
 PRECISE_WEIGHTS = (1.0, 1.0, 2.0)  # queue, KV, prefix
 
 
-class LlmdPolicy:
+class LlmdPolicy(Policy):
     name = "llm_d"
 
     def __init__(self) -> None:

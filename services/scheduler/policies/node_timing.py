@@ -11,6 +11,8 @@ import functools
 from services.node_agent.engines.sim.models import SIM_MODELS
 from services.node_agent.engines.sim.timing import TimingModel, load_coefficients
 
+__all__ = ["TimingModel", "decode_tokens_per_s", "node_timing"]
+
 # The decode batch a node's throughput is quoted at: 64 sequences of 1,024 tokens of context.
 REFERENCE_BATCH = 64
 REFERENCE_CONTEXT = 1024

@@ -14,7 +14,7 @@ bound is converted at ~4 characters per token: 2^26 / 64 = 2^20 blocks.
 from __future__ import annotations
 
 from services.scheduler.cluster import NodeStatus
-from services.scheduler.policies.base import Decision, PlacementRequest, decision, num_in_flight
+from services.scheduler.policies.base import Decision, PlacementRequest, Policy, decision, num_in_flight
 from services.scheduler.policies.routed_prefix import RoutedPrefixIndex
 
 CACHE_THRESHOLD = 0.3
@@ -24,7 +24,7 @@ EVICTION_INTERVAL_S = 120.0
 MAX_TREE_BLOCKS = 2**26 // 64
 
 
-class SglangPolicy:
+class SglangPolicy(Policy):
     name = "sglang"
 
     def __init__(self, max_tree_blocks: int = MAX_TREE_BLOCKS) -> None:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from services.scheduler.cluster import NodeStatus
-from services.scheduler.policies.base import Decision, PlacementRequest, decision, num_in_flight
+from services.scheduler.policies.base import Decision, PlacementRequest, Policy, decision, num_in_flight
 from services.scheduler.policies.node_timing import decode_tokens_per_s, node_timing
 
 
-class RoundRobinPolicy:
+class RoundRobinPolicy(Policy):
     """Each request to the next candidate in node-id order."""
 
     name = "round_robin"
@@ -23,7 +23,7 @@ class RoundRobinPolicy:
         return decision(chosen, matched_blocks, 0.0)
 
 
-class LeastLoadedPolicy:
+class LeastLoadedPolicy(Policy):
     """The candidate with the fewest requests in flight (ties: lower node id)."""
 
     name = "least_loaded"
@@ -35,7 +35,7 @@ class LeastLoadedPolicy:
         return decision(chosen, matched_blocks, float(num_in_flight(chosen)))
 
 
-class WeightedLeastLoadedPolicy:
+class WeightedLeastLoadedPolicy(Policy):
     """Least loaded counting each GPU's speed: the candidate where (in flight + 1) / decode throughput
     is smallest, so an H100 takes about twice an A100's share. GPU-aware but cache-blind and
     price-blind: the baseline a heterogeneous fleet's operator would set up first. A GPU without a
