@@ -5,22 +5,28 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.common.slo import DEFAULT_TPOT_BUDGET_MS, DEFAULT_TTFT_BUDGET_MS, Outcome, classify
+from services.common.slo import Slo as RequestSlo
 from simulator.cluster import RequestRecord, RunResult
 from simulator.workload import Workload
 
 
-@dataclass(frozen=True)
 class Slo:
-    """Per request: time to first token and time per output token (Dynamo's goodput definition)."""
+    """The run's SLO, every request held to it (services/common/slo.py classifies, as the live router does).
 
-    ttft_s: float = 5.0
-    tpot_s: float = 0.1
+    Given in seconds, for the command line; a request meets it when it finished within both budgets."""
+
+    def __init__(self, ttft_s: float = DEFAULT_TTFT_BUDGET_MS / 1000, tpot_s: float = DEFAULT_TPOT_BUDGET_MS / 1000,
+                 deadline_s: float = 0.0) -> None:
+        self.ttft_s, self.tpot_s = ttft_s, tpot_s
+        self._slo = RequestSlo(ttft_s * 1000, tpot_s * 1000, deadline_s * 1000)
 
     def is_met(self, record: RequestRecord) -> bool:
-        if record.finish_s is None or record.ttft_s is None:
-            return False
-        tpot = record.tpot_s
-        return record.ttft_s <= self.ttft_s and (tpot is None or tpot <= self.tpot_s)
+        ttft, tpot = record.ttft_s, record.tpot_s
+        outcome = classify(self._slo, finished=record.finish_s is not None, ttft_ms=None if ttft is None else ttft * 1000,
+                           tpot_ms=None if tpot is None else tpot * 1000,
+                           elapsed_ms=((record.finish_s or 0.0) - record.arrival_s) * 1000)
+        return outcome == Outcome.SUCCEEDED
 
 
 @dataclass(frozen=True)
