@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from baton.v1 import common_pb2
-from services.common.errors import Unavailable
+from services.common.errors import BatonError, Unavailable
 from services.common.load import Load
 from services.kvindex.index import KVIndex
 from services.node_agent.engines.sim.core import SimEngineCore
@@ -25,13 +25,13 @@ from services.node_agent.engines.sim.models import GPU_SPECS, SimModelSpec, get_
 from services.node_agent.engines.sim.timing import load_coefficients
 from services.node_agent.engines.types import EngineRequest, SamplingParams, StepResult
 from services.router.generation import FailureCause, Generation, NodeFailure
-from services.scheduler.admission import Admission, Ticket, Verdict, pool_saturation
+from services.scheduler.admission import Admission, Verdict, pool_saturation
 from services.scheduler.cluster import ClusterView, NodeSpec
 from services.scheduler.model_planner import ModelAction, ModelPlanner
-from services.scheduler.policies import PlacementRequest, Policy
-from services.scheduler.policies.baton import BatonPolicy
+from services.scheduler.placement import PlaceAsk, Placer, Plan
+from services.scheduler.policies import Option, PlacementRequest, Policy
 from services.scheduler.retry_budget import RetryBudget
-from simulator.workload import KV_BLOCK, SimRequest, TokenBook, Workload
+from simulator.workload import SimRequest, TokenBook, Workload
 
 _MAX_MERGED_STEPS = 256
 ADMISSIONS = ("none", "baton", "gie")
@@ -102,6 +102,16 @@ class _Node:
         return self.core.load() if self.core is not None else Load()
 
 
+@dataclass(frozen=True)
+class _Pending:
+    """A request between the steps of its placement."""
+
+    plan: Plan
+    generation: Generation
+    record: RequestRecord
+    block_hashes: tuple[int, ...]
+
+
 @dataclass
 class RunResult:
     records: list[RequestRecord]
@@ -109,6 +119,10 @@ class RunResult:
     price_per_hour: dict[str, float]
     makespan_s: float
     num_steps: int
+    # How long the operator provisions the fleet for: the trace's span (its last arrival) when every
+    # arrival is fixed in advance — the same for every policy, so the headline compares what a fixed
+    # fleet and period achieve — or the makespan when steps follow completions (closed loop).
+    provisioned_s: float = 0.0
 
     @property
     def gpu_cost(self) -> float:
@@ -118,7 +132,7 @@ class RunResult:
     @property
     def fleet_cost(self) -> float:
         """Every provisioned GPU for the whole run, idle included: what the operator pays."""
-        return sum(price * self.makespan_s / 3600.0 for price in self.price_per_hour.values())
+        return sum(price * self.provisioned_s / 3600.0 for price in self.price_per_hour.values())
 
 
 class Simulation:
@@ -156,9 +170,8 @@ class Simulation:
         self._plan_interval_s = plan_interval_s
         self.model_actions: list[tuple[float, ModelAction]] = []
         # Fresh requests for a model no node can serve yet, as Place waits for the planner.
-        self._unplaced: list[tuple[Generation, RequestRecord, tuple[int, ...]]] = []
+        self._unplaced: list[_Pending] = []
         self._index = KVIndex()
-        self._budget = RetryBudget(ratio=0.2, min_retries_per_s=5.0)
         self._failures = failures
         self._lease_ttl_s = lease_ttl_s
         self._max_migrations = max_migrations
@@ -171,8 +184,11 @@ class Simulation:
         self._admission = None if admission == "none" else Admission(
             max_queued=max_queued, fair_share="tokens" if admission == "baton" else "round_robin",
             check_deadlines=admission == "baton")
-        self._predictor = BatonPolicy()
-        self._held: dict[str, tuple[Generation, RequestRecord, tuple[int, ...]]] = {}
+        # The leader's placement core, over this fleet view.
+        self._placer = Placer(self._view, policy, RetryBudget(ratio=0.2, min_retries_per_s=5.0),
+                              planner or ModelPlanner())
+        # Requests queued for admission, with the options they were offered.
+        self._held: dict[str, tuple[_Pending, list[Option]]] = {}
         self._suspects: dict[str, float] = {}
         self._book = TokenBook()
         # Two queues: what can bring new work to a node (arrivals, failures), and step completions.
@@ -227,8 +243,8 @@ class Simulation:
         self._update_view()
         self._view.report_load(node.config.node_id, node.load(), self._now)
         waiting, node.waiting_for_load = node.waiting_for_load, []
-        for generation, record, block_hashes in waiting:
-            self._place(generation, record, block_hashes)
+        for generation, record, block_hashes in waiting:  # Place returned this node once it was warm
+            self._start_on(node, generation, record, block_hashes)
 
     def _unload(self, node: _Node) -> bool:
         """UnloadModel: refused while requests run or wait there."""
@@ -251,8 +267,9 @@ class Simulation:
             elif node.core is None and not node.loading:
                 self._start_load(node, action.model)
         unplaced, self._unplaced = self._unplaced, []
-        for generation, record, block_hashes in unplaced:
-            self._place(generation, record, block_hashes)
+        for pending in unplaced:
+            self._placer.refresh(pending.plan, self._now)
+            self._placed_or_waiting(pending)
         if self._events or self._step_events:  # plan again while anything is left to happen
             self._at(self._now + self._plan_interval_s, self._plan)
 
@@ -286,13 +303,15 @@ class Simulation:
             else:
                 self._now, _, action = heapq.heappop(self._events)
             action()
-        for _, record, _ in self._unplaced:  # still waiting when nothing else could happen
-            self._fail(record, "no node could load its model")
+        for pending in self._unplaced:  # still waiting when nothing else could happen
+            self._fail(pending.record, "no node could load its model")
         return RunResult(
             records=list(self._records.values()),
             busy_s={n: node.busy_s for n, node in self._nodes.items()},
             price_per_hour={n: node.config.price_per_hour for n, node in self._nodes.items()},
             makespan_s=self._now,
+            provisioned_s=self._now if self._min_think_s < math.inf else max(
+                (r.arrival_s for r in workload.requests), default=0.0),
             num_steps=self._num_steps,
         )
 
@@ -306,15 +325,12 @@ class Simulation:
                                 sampling=common_pb2.SamplingParams(max_tokens=min(request.output_len,
                                                                                   self._max_tokens),
                                                                    ignore_eos=True))
-        self._budget.record_request(self._now)
         block_hashes = self._book.block_hashes(request, tokens)
         context = get_model(generation.model).max_context_tokens
         if len(tokens) + request.output_len > context:  # the router refuses it (INVALID_ARGUMENT)
             self._fail(record, f"longer than {generation.model}'s context of {context}")
-        elif self._admission is None:
-            self._place(generation, record, block_hashes)
         else:
-            self._admit(generation, record, block_hashes)
+            self._place(generation, record, block_hashes)
         # Open loop: a task's next step arrives at its own time, whatever happened to this one.
         following = self._next_step_of.get(request.request_id)
         if following is not None and following.think_s is None:
@@ -326,46 +342,75 @@ class Simulation:
         room = get_model(generation.model).max_context_tokens - len(generation.prompt_token_ids)
         return max(1, min(self._max_tokens, room) - len(generation.generated))
 
-    def _place(self, generation: Generation, record: RequestRecord, block_hashes: tuple[int, ...]) -> None:
+    def _place(self, generation: Generation, record: RequestRecord, block_hashes: tuple[int, ...],
+               retry_cause: str = "") -> None:
+        """The scheduler's Place, step by step through the same placement core, the awaits as events."""
         # As the router does: skip the nodes that failed this request, and any that failed lately.
         self._suspects = {n: until for n, until in self._suspects.items() if until > self._now}
-        exclude = frozenset(generation.excluded_nodes()) | frozenset(self._suspects)
+        request = record.request
+        ask = PlaceAsk(PlacementRequest(
+            request_id=generation.request_id, model=generation.model, num_prompt_tokens=len(generation.context),
+            num_prompt_blocks=len(block_hashes), max_tokens=self._asked_tokens(generation),
+            block_hashes=block_hashes, ttft_budget_ms=self._ttft_budget_ms, tpot_budget_ms=self._tpot_budget_ms,
+            tenant=request.tenant, priority=request.priority, workflow_id=request.task_id, step=request.step,
+            total_steps=request.total_steps),
+            exclude=frozenset(generation.excluded_nodes()) | frozenset(self._suspects), retry_cause=retry_cause)
         # The scheduler sees each node's load as of now (the live one, as of its last report).
         self._refresh_loads()
-        model = generation.model
-        if self._planner is not None:
-            self._planner.note_demand(model, self._now)
-        candidates = self._view.candidates(model, self._now, exclude)
-        if not candidates or self._policy.weighs_cold_nodes:
-            candidates = candidates + self._view.cold_candidates(model, self._now, exclude)
-        needed = -(-(len(generation.context) + self._asked_tokens(generation)) // KV_BLOCK)
-        feasible = [s for s in candidates if s.can_hold(model, needed)]
-        if not feasible:
-            if (not candidates and self._planner is not None and not generation.failures
+        try:
+            plan = self._placer.start(ask, self._now)
+        except BatonError as error:
+            self._fail(record, str(error))
+            return
+        self._placed_or_waiting(_Pending(plan, generation, record, block_hashes))
+
+    def _placed_or_waiting(self, pending: _Pending) -> None:
+        plan, record = pending.plan, pending.record
+        if not plan.has_candidates:
+            model = plan.models[0]
+            if (not plan.is_retry and self._planner is not None
                     and any(model in s.spec.cold_models for s in self._view.nodes())):
-                self._unplaced.append((generation, record, block_hashes))  # as Place waits for the planner
+                self._unplaced.append(pending)  # as Place waits for the planner
                 return
-            self._fail(record, "no node can hold it" if candidates else "no live node")
+            self._fail(record, str(self._placer.no_candidates(plan)))
             return
-        matched = self._index.overlap(model, block_hashes)
-        request = record.request
-        placement = PlacementRequest(request_id=generation.request_id, model=model,
-                                     num_prompt_tokens=len(generation.context), num_prompt_blocks=len(block_hashes),
-                                     max_tokens=self._asked_tokens(generation), block_hashes=block_hashes,
-                                     ttft_budget_ms=self._ttft_budget_ms, tpot_budget_ms=self._tpot_budget_ms,
-                                     workflow_id=request.task_id,
-                                     step=request.step, total_steps=request.total_steps)
-        chosen = self._policy.choose(placement, feasible, matched, self._now)
-        self._view.record_placement(chosen.node_id, len(block_hashes))
-        node = self._nodes[chosen.node_id]
+        options = self._placer.options(plan, lambda m: self._index.overlap(m, pending.block_hashes))
+        admission = self._placer.ticket(plan, options, self._now) if self._admission is not None else None
+        if admission is None:
+            self._commit(pending, options)
+            return
+        ticket, predicted_ttft_s = admission
+        assert self._admission is not None
+        outcome = self._admission.offer(ticket, self._now, self._is_saturated(), predicted_ttft_s)
+        if outcome.shed is not None:
+            shed, _ = self._held.pop(outcome.shed.request_id)
+            self._fail(shed.record, f"shed: {outcome.reason}")
+        if outcome.verdict == Verdict.REJECT:
+            self._fail(record, f"refused: {outcome.reason}")
+        elif outcome.verdict == Verdict.QUEUE:
+            self._held[ticket.request_id] = (pending, options)
+        else:
+            self._admission.on_admitted(ticket, self._now)
+            self._commit(pending, options)
+
+    def _commit(self, pending: _Pending, options: list[Option]) -> None:
+        """The policy's choice; the request starts there, or once the model it needs is loaded."""
+        placed = self._placer.decide(options, self._now)
+        generation, record, block_hashes = pending.generation, pending.record, pending.block_hashes
+        node = self._nodes[placed.decision.node_id]
         if not node.is_alive:  # placed on a dead node the fleet view still lists: the stream breaks at once
-            self._migrate(generation, record, NodeFailure(chosen.node_id, FailureCause.CONNECT_FAILED))
+            self._migrate(generation, record, NodeFailure(node.config.node_id, FailureCause.CONNECT_FAILED))
             return
-        if node.model != model or node.core is None:  # cold: it serves once the load it needs is done
+        if placed.is_cold or node.core is None:  # it serves once the load it needs is done
             node.waiting_for_load.append((generation, record, block_hashes))
             if not node.loading:
-                self._start_load(node, model)
+                self._start_load(node, placed.request.model)
             return
+        self._start_on(node, generation, record, block_hashes)
+
+    def _start_on(self, node: _Node, generation: Generation, record: RequestRecord,
+                  block_hashes: tuple[int, ...]) -> None:
+        assert node.core is not None
         node.flights[generation.request_id] = generation
         node.core.add_request(EngineRequest(
             request_id=generation.request_id, prompt_token_ids=tuple(generation.context),
@@ -386,46 +431,26 @@ class Simulation:
                  for load in (n.load() for n in self._nodes.values() if n.is_alive)]
         return pool_saturation(loads) >= 1.0
 
-    def _admit(self, generation: Generation, record: RequestRecord, block_hashes: tuple[int, ...]) -> None:
-        assert self._admission is not None
-        request = record.request
-        self._refresh_loads()
-        placement = PlacementRequest(request_id=generation.request_id, model=generation.model,
-                                     num_prompt_tokens=len(generation.context), num_prompt_blocks=len(block_hashes),
-                                     max_tokens=self._asked_tokens(generation), ttft_budget_ms=self._ttft_budget_ms,
-                                     tpot_budget_ms=self._tpot_budget_ms)
-        matched = self._index.overlap(generation.model, block_hashes)
-        predicted_s = self._predictor.best_ttft_s(placement, self._view.candidates(generation.model, self._now),
-                                                  matched)
-        ticket = Ticket(request.request_id, request.tenant, request.priority,
-                        len(generation.context) + self._asked_tokens(generation), self._now,
-                        self._now + self._ttft_budget_ms / 1000 if self._ttft_budget_ms else math.inf)
-        outcome = self._admission.offer(ticket, self._now, self._is_saturated(), predicted_s)
-        if outcome.shed is not None:
-            _, shed_record, _ = self._held.pop(outcome.shed.request_id)
-            self._fail(shed_record, f"shed: {outcome.reason}")
-        if outcome.verdict == Verdict.REJECT:
-            self._fail(record, f"refused: {outcome.reason}")
-        elif outcome.verdict == Verdict.QUEUE:
-            self._held[request.request_id] = (generation, record, block_hashes)
-        else:
-            self._admission.on_admitted(ticket, self._now)
-            self._place(generation, record, block_hashes)
-
     def _dispatch(self) -> None:
         """Release queued requests while the fleet has room, as the leader's gate does."""
         if self._admission is None or not self._held:
             return
         for ticket in self._admission.expired(self._now):
-            _, record, _ = self._held.pop(ticket.request_id)
-            self._fail(record, "deadline passed while queued")
+            pending, _ = self._held.pop(ticket.request_id)
+            self._fail(pending.record, "deadline passed while queued")
         while self._held and not self._is_saturated():
             ticket = self._admission.pop_next(self._now)
             if ticket is None:
                 break
-            generation, record, block_hashes = self._held.pop(ticket.request_id)
+            pending, options = self._held.pop(ticket.request_id)
             self._admission.on_admitted(ticket, self._now)
-            self._place(generation, record, block_hashes)
+            self._refresh_loads()
+            try:
+                options = self._placer.after_queueing(pending.plan, options, self._now)
+            except BatonError as error:
+                self._fail(pending.record, str(error))
+                continue
+            self._commit(pending, options)
 
     def _fail(self, record: RequestRecord, why: str) -> None:
         record.failed = why
@@ -507,7 +532,4 @@ class Simulation:
             self._fail(record, str(error))
             return
         record.num_migrations = generation.num_migrations
-        if not self._budget.try_retry(self._now):
-            self._fail(record, "retry budget exhausted")
-            return
-        self._place(generation, record, tuple(generation.context_block_hashes()))
+        self._place(generation, record, tuple(generation.context_block_hashes()), retry_cause=failure.cause.value)

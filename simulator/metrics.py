@@ -23,8 +23,8 @@ class Slo:
 
     def is_met(self, record: RequestRecord) -> bool:
         ttft, tpot = record.ttft_s, record.tpot_s
-        outcome = classify(self._slo, finished=record.finish_s is not None, ttft_ms=None if ttft is None else ttft * 1000,
-                           tpot_ms=None if tpot is None else tpot * 1000,
+        outcome = classify(self._slo, finished=record.finish_s is not None,
+                           ttft_ms=None if ttft is None else ttft * 1000, tpot_ms=None if tpot is None else tpot * 1000,
                            elapsed_ms=((record.finish_s or 0.0) - record.arrival_s) * 1000)
         return outcome == Outcome.SUCCEEDED
 
@@ -88,7 +88,7 @@ def summarize(result: RunResult, workload: Workload, slo: Slo) -> Summary:
         kv_hit_rate=sum(r.cached_tokens for r in done) / prompt_tokens if prompt_tokens else 0.0,
         gpu_hours=sum(result.busy_s.values()) / 3600.0,
         gpu_cost=gpu_cost,
-        fleet_gpu_hours=len(result.price_per_hour) * result.makespan_s / 3600.0,
+        fleet_gpu_hours=len(result.price_per_hour) * result.provisioned_s / 3600.0,
         fleet_cost=fleet_cost,
         num_tasks=len(workload.tasks),
         num_tasks_ok=tasks_ok,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import time
@@ -19,22 +18,21 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from baton.protocol import LEADER_KEY
 from baton.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common import etcd_keys
-from services.common.block_hash import DEFAULT_BLOCK_SIZE
 from services.common.change_signal import ChangeSignal, wait_or_timeout
 from services.common.directory import ChannelPool, ServiceDirectory
-from services.common.errors import BatonError, FailedPrecondition, NotFound, ResourceExhausted, Unavailable, abort
+from services.common.errors import BatonError, FailedPrecondition, Unavailable, abort
 from services.common.etcd_session import Membership, PrefixView
 from services.common.load import load_from_proto, load_to_proto
 from services.common.telemetry import Telemetry
-from services.scheduler.admission import Admission, Ticket, pool_saturation
-from services.scheduler.cluster import ClusterView, NodeSpec, NodeStatus
+from services.scheduler.admission import Admission, pool_saturation
+from services.scheduler.cluster import ClusterView, NodeSpec
 from services.scheduler.config import SchedulerConfig, parse_tenant_limits
 from services.scheduler.gate import AdmissionGate
 from services.scheduler.leadership import LeaderRole
 from services.scheduler.model_loader import ModelLoader
 from services.scheduler.model_planner import ModelAction, ModelPlanner
-from services.scheduler.policies import Decision, Option, PlacementRequest, make_policy
-from services.scheduler.policies.baton import BatonPolicy
+from services.scheduler.placement import PlaceAsk, Placer, Plan
+from services.scheduler.policies import Decision, PlacementRequest, make_policy
 from services.scheduler.retry_budget import RetryBudget
 from services.scheduler.tasks import TaskLedger
 
@@ -43,6 +41,29 @@ log = logging.getLogger(__name__)
 _DECISIONS_KEPT = 200
 _WORKFLOWS_HANDED_OVER = 10_000
 _SUCCEEDED = scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
+
+
+def place_ask(request: scheduler_pb2.PlaceRequest) -> PlaceAsk:
+    return PlaceAsk(
+        request=PlacementRequest(
+            request_id=request.request_id,
+            model=request.model,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_prompt_blocks=len(request.block_hashes),
+            max_tokens=request.max_tokens,
+            block_hashes=tuple(request.block_hashes),
+            ttft_budget_ms=request.ttft_budget_ms,
+            deadline_ms=request.deadline_ms,
+            tenant=request.tenant,
+            priority=request.priority,
+            workflow_id=request.workflow_id,
+            step=request.step,
+            total_steps=request.total_steps,
+        ),
+        alternative_models=tuple(request.alternative_models),
+        exclude=frozenset(request.exclude_node_ids),
+        retry_cause=request.retry_cause,
+    )
 
 
 def node_spec(info: common_pb2.NodeInfo) -> NodeSpec:
@@ -70,7 +91,6 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._policy = make_policy(config.policy, config.prefill_load_scale)
         self._retry_budget = RetryBudget(config.retry_ratio, config.retry_min_per_s)
         self._decisions: deque[scheduler_pb2.PlacementDecision] = deque(maxlen=_DECISIONS_KEPT)
-        self._predictor = BatonPolicy()
         self._ttft_ratio = telemetry.meter.create_histogram(
             "baton.scheduler.observed_ttft_ratio", description="clients' time to first token over their budget")
         self._gate = AdmissionGate(
@@ -89,6 +109,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._node_channels = ChannelPool(telemetry)
         self._loader = ModelLoader(self._node_channels, config.model_load_timeout_s, self._charge_load)
         self._tasks = TaskLedger(timeout_s=config.task_timeout_s)
+        self._placer = Placer(self._cluster, self._policy, self._retry_budget, self._planner)
         # Price per hour of every node seen, kept after it leaves (its requests' ends come later).
         self._prices: dict[str, float] = {}
         self._nodes_changed = ChangeSignal()
@@ -180,77 +201,25 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await self._role.wait_if_taking_over(self._config.lease_ttl_s)
             if not self._role.is_leader:
                 raise self._not_leader()
-            now = time.monotonic()
-            if request.retry_cause:
-                if not self._retry_budget.try_retry(now):
-                    budget = self._retry_budget
-                    raise ResourceExhausted(
-                        f"cluster retry budget exhausted: {budget.num_retries(now)} retries in the last "
-                        f"{budget.window_s:.0f} s against {budget.num_requests(now)} requests (allowed: "
-                        f"{budget.min_retries_per_s:g}/s + {budget.ratio:.0%} of requests)",
-                        retry_after_ms=int(budget.window_s * 1000),
-                    )
-            else:
-                self._retry_budget.record_request(now)
-            # The request's model first, then the alternatives it accepts that some node has.
-            models = [m for m in dict.fromkeys([request.model, *request.alternative_models])
-                      if self._cluster.has_model(m)]
-            if not models:
-                raise NotFound(f"model={request.model!r}: no registered node has it"
-                               + (f" (nor {', '.join(request.alternative_models)})" if request.alternative_models
-                                  else ""))
-            exclude = frozenset(request.exclude_node_ids)
-            needed = math.ceil((request.num_prompt_tokens + request.max_tokens) / DEFAULT_BLOCK_SIZE)
-            candidates = {m: self._candidates(m, now, exclude, needed) for m in models}
-            if not any(candidates.values()) and not request.retry_cause:
+            ask = place_ask(request)
+            changing = self._loader.changing_nodes
+            plan = self._placer.start(ask, time.monotonic(), changing)
+            if not plan.has_candidates and not plan.is_retry:
                 # The models are only on busy nodes' disks: the planner makes room; wait for it.
-                self._planner.note_demand(models[0], now)
-                candidates[models[0]] = await self._wait_for_candidates(models[0], exclude, needed,
-                                                                        context.time_remaining())
-            if not any(candidates.values()):
-                raise Unavailable(f"model={request.model!r}: no live node has it warm, or a free GPU to load it, "
-                                  f"with KV cache for {needed * DEFAULT_BLOCK_SIZE} tokens")
-            now = time.monotonic()
-            placement = PlacementRequest(
-                request_id=request.request_id,
-                model=request.model,
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_prompt_blocks=len(request.block_hashes),
-                max_tokens=request.max_tokens,
-                block_hashes=tuple(request.block_hashes),
-                ttft_budget_ms=request.ttft_budget_ms,
-                deadline_ms=request.deadline_ms,
-                tenant=request.tenant,
-                priority=request.priority,
-                workflow_id=request.workflow_id,
-                step=request.step,
-                total_steps=request.total_steps,
-            )
-            options = [Option(dataclasses.replace(placement, model=m), nodes,
-                              await self._overlap(m, request.block_hashes))
-                       for m, nodes in candidates.items() if nodes]
-            if not request.retry_cause:  # a migrating stream is already admitted: never shed it
-                ticket = Ticket(request_id=request.request_id, tenant=request.tenant or "default",
-                                priority=request.priority, num_tokens=request.num_prompt_tokens + request.max_tokens,
-                                arrived_at=now, deadline_at=now + request.ttft_budget_ms / 1000
-                                if request.ttft_budget_ms else math.inf,
-                                progress=(request.step - 1) / request.total_steps if request.total_steps else 0.0)
-                best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now)
-                                  for o in options)
-                if await self._gate.enter(ticket, best_ttft_s):
-                    # It waited: place it on the fleet as it is now, with no await from here on.
-                    now = time.monotonic()
-                    options = [fresh for o in options if (fresh := dataclasses.replace(
-                        o, candidates=self._candidates(o.request.model, now, exclude, needed))).candidates]
-                    if not options:
-                        raise Unavailable(f"model={request.model!r}: no live node left for it after queueing")
-            index, decision = self._policy.choose_among(options, now)
-            model = options[index].request.model
-            self._record_decision(options[index].request, decision)
-            self._cluster.record_placement(decision.node_id, placement.num_prompt_blocks, now)
-            self._planner.note_demand(model, now)
-            chosen = self._cluster.get(decision.node_id)
-            if chosen is not None and model not in chosen.spec.warm_models:
+                await self._wait_for_candidates(plan, context.time_remaining())
+            if not plan.has_candidates:
+                raise self._placer.no_candidates(plan)
+            overlaps = {m: await self._overlap(m, request.block_hashes)
+                        for m, nodes in plan.candidates.items() if nodes}
+            options = self._placer.options(plan, overlaps.__getitem__)
+            admission = self._placer.ticket(plan, options, time.monotonic())
+            if admission is not None and await self._gate.enter(*admission):
+                # It waited: place it on the fleet as it is now, with no await from here on.
+                options = self._placer.after_queueing(plan, options, time.monotonic(), changing)
+            placed = self._placer.decide(options, time.monotonic())
+            decision, model = placed.decision, placed.request.model
+            self._record_decision(placed.request, decision)
+            if placed.is_cold:
                 await self._load_for(request.request_id, decision, model, context.time_remaining())
         except BatonError as error:
             self._placements.add(1, {"outcome": error.code.name, "retry": request.retry_cause})
@@ -279,32 +248,20 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                   f"{remaining_s:.1f} s left; the load goes on") from None
             raise
 
-    def _candidates(self, model: str, now: float, exclude: frozenset[str], needed_blocks: int) -> list[NodeStatus]:
-        """Nodes with model warm; with those whose free GPU could load it, when the policy weighs
-        load time or no node has it warm. Never a node whose KV cache for model is too small for
-        the request, nor one changing models (an unload or another model's load under way)."""
-        exclude = exclude | self._loader.changing_nodes(model)
-        warm = self._cluster.candidates(model, now, exclude, needed_blocks)
-        if warm and not self._policy.weighs_cold_nodes:
-            return warm
-        return warm + self._cluster.cold_candidates(model, now, exclude, needed_blocks)
-
-    async def _wait_for_candidates(self, model: str, exclude: frozenset[str], needed_blocks: int,
-                                   time_remaining: float | None) -> list[NodeStatus]:
-        """Nodes for model once one has it warm or loading, within the request's time and the load
-        timeout; none if no live node even has it on disk."""
+    async def _wait_for_candidates(self, plan: Plan, time_remaining: float | None) -> None:
+        """Until a node has plan's first model warm or loading, within the request's time and the load
+        timeout; at once if no live node even has it on disk."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(time_remaining or math.inf, self._config.model_load_timeout_s)
-        while True:
+        model = plan.models[0]
+        while not plan.has_candidates:
             now = time.monotonic()
             if not any(model in s.spec.cold_models for s in self._cluster.nodes() if self._cluster.is_live(s, now)):
-                return []
+                return
             changed = self._nodes_changed.since_now()
             if not await wait_or_timeout(changed, max(0.0, deadline - loop.time())):
-                return []
-            candidates = self._candidates(model, time.monotonic(), exclude, needed_blocks)
-            if candidates:
-                return candidates
+                return
+            self._placer.refresh(plan, time.monotonic(), self._loader.changing_nodes)
 
     async def _plan_models(self) -> None:
         """While leading: load models short of warm capacity, unload idle ones; end silent tasks."""

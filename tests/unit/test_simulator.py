@@ -162,6 +162,7 @@ def test_summary_with_a_huge_slo_counts_every_task() -> None:
     assert (summary.num_tasks, summary.num_tasks_ok) == (2, 2)
     assert 0 < summary.gpu_cost < summary.fleet_cost
     # The headline counts the GPU for the whole run, idle time included; the floor only its busy time.
+    # Steps follow completions (closed loop): the fleet is paid until the last one ends.
     assert summary.fleet_cost == pytest.approx(fleet("1xh100")[0].price_per_hour * result.makespan_s / 3600)
     assert summary.cost_per_successful_task == pytest.approx(summary.fleet_cost / summary.num_tasks)
     assert summary.busy_cost_per_successful_task == pytest.approx(summary.gpu_cost / summary.num_tasks)
@@ -197,7 +198,7 @@ def test_the_planner_loads_a_model_nobody_has_warm_and_requests_wait_for_the_loa
     requests = [dataclasses.replace(_request((i,), 512, f"r{i}", arrival_s=i * 0.5), model=b) for i in range(20)]
     workload = Workload("all-b", requests)
     static = Simulation(nodes, make_policy("baton"), model=a).run(workload)
-    assert all(r.failed == "no live node" for r in static.records)
+    assert all("no live node has it warm" in r.failed for r in static.records)
     simulation = Simulation(nodes, make_policy("baton"), model=a, planner=ModelPlanner(idle_swap_s=5.0))
     result = simulation.run(workload)
     assert all(r.num_generated == 32 for r in result.records)
@@ -214,3 +215,16 @@ def test_a_demand_shift_moves_warm_capacity_to_the_model_in_demand() -> None:
     early = [r.model for r in moved.requests[:200]]
     late = [r.model for r in moved.requests[-200:]]
     assert early.count("sim-llama-2-7b") < 60 and late.count("sim-llama-2-7b") > 140
+
+
+def test_an_open_loop_trace_pays_the_fleet_over_the_trace_span_whatever_the_policy() -> None:
+    requests = [_request((1, 2), 1024, "r0", 0.0, output_len=400), _request((3, 4), 1024, "r1", 10.0, output_len=400)]
+    workload = Workload("two", requests)
+    spans = []
+    for policy in ("round_robin", "baton"):
+        result = Simulation(fleet("2xh100"), make_policy(policy)).run(workload)
+        summary = summarize(result, workload, Slo())
+        assert result.makespan_s > 10.0  # the last request ends after it arrives...
+        spans.append(summary.fleet_cost)
+    # ...but the operator provisions two GPUs for the trace's ten seconds under every policy.
+    assert spans == [pytest.approx(2 * fleet("1xh100")[0].price_per_hour * 10.0 / 3600)] * 2

@@ -1,0 +1,165 @@
+"""The placement sequence: retry budget → candidates → KV overlap → admission → policy → record → cold
+load. Pure: time is passed in, and nothing here waits.
+
+The scheduler's Place wraps it with the I/O between its steps (the kvindex's overlap, the admission
+gate's queue, waiting for the model planner, the model load); the simulator calls the same steps
+with its own index and event queue. One decision path, two callers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from services.common.errors import NotFound, ResourceExhausted, Unavailable
+from services.scheduler.admission import Ticket
+from services.scheduler.cluster import ClusterView, NodeStatus
+from services.scheduler.model_planner import ModelPlanner
+from services.scheduler.policies import Decision, Option, PlacementRequest, Policy
+from services.scheduler.policies.baton import BatonPolicy
+from services.scheduler.retry_budget import RetryBudget
+
+Changing = Callable[[str], frozenset[str]]
+
+
+def _none_changing(model: str) -> frozenset[str]:
+    return frozenset()
+
+
+# Block size for sizing a request's KV need before a node (with its own block size) is chosen.
+SIZING_BLOCK = 16
+
+
+@dataclass(frozen=True)
+class PlaceAsk:
+    """What a Place call asks for, as domain types."""
+
+    request: PlacementRequest
+    # Models acceptable instead of request.model, preferred first.
+    alternative_models: tuple[str, ...] = ()
+    # Nodes not to use (one that just failed this request, say).
+    exclude: frozenset[str] = frozenset()
+    # Why this is a retry; empty for a first placement. Retries draw on the retry budget.
+    retry_cause: str = ""
+
+
+@dataclass
+class Plan:
+    """A request being placed: the models it may run and, for each, the nodes that could run it."""
+
+    ask: PlaceAsk
+    models: list[str]
+    needed_blocks: int
+    candidates: dict[str, list[NodeStatus]] = field(default_factory=dict)
+
+    @property
+    def has_candidates(self) -> bool:
+        return any(self.candidates.values())
+
+    @property
+    def is_retry(self) -> bool:
+        return bool(self.ask.retry_cause)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where the request goes, under which model, and whether that node must load it first."""
+
+    decision: Decision
+    request: PlacementRequest
+    is_cold: bool
+
+
+class Placer:
+    """Each step of a placement, over the scheduler's fleet view, policy, retry budget and model planner."""
+
+    def __init__(self, cluster: ClusterView, policy: Policy, retry_budget: RetryBudget, planner: ModelPlanner,
+                 predictor: BatonPolicy | None = None) -> None:
+        self.cluster = cluster
+        self.policy = policy
+        self.retry_budget = retry_budget
+        self.planner = planner
+        self._predictor = predictor or BatonPolicy()
+
+    def start(self, ask: PlaceAsk, now: float, changing: Changing = _none_changing) -> Plan:
+        """Charge the retry budget (or count the request), find the models some node has and their
+        candidates; changing(model) names the nodes busy changing models, which are never candidates."""
+        request = ask.request
+        if ask.retry_cause:
+            if not self.retry_budget.try_retry(now):
+                budget = self.retry_budget
+                raise ResourceExhausted(
+                    f"cluster retry budget exhausted: {budget.num_retries(now)} retries in the last "
+                    f"{budget.window_s:.0f} s against {budget.num_requests(now)} requests (allowed: "
+                    f"{budget.min_retries_per_s:g}/s + {budget.ratio:.0%} of requests)",
+                    retry_after_ms=int(budget.window_s * 1000))
+        else:
+            self.retry_budget.record_request(now)
+        models = [m for m in dict.fromkeys([request.model, *ask.alternative_models]) if self.cluster.has_model(m)]
+        if not models:
+            raise NotFound(f"model={request.model!r}: no registered node has it"
+                           + (f" (nor {', '.join(ask.alternative_models)})" if ask.alternative_models else ""))
+        needed = math.ceil((request.num_prompt_tokens + request.max_tokens) / SIZING_BLOCK)
+        plan = Plan(ask, models, needed)
+        self.refresh(plan, now, changing)
+        if not plan.has_candidates and not plan.is_retry:
+            self.planner.note_demand(models[0], now)  # the models are only on busy nodes' disks: make room
+        return plan
+
+    def refresh(self, plan: Plan, now: float, changing: Changing = _none_changing) -> None:
+        """Candidates for each model as the fleet is now."""
+        plan.candidates = {m: self.candidates(m, now, plan.ask.exclude | changing(m), plan.needed_blocks)
+                           for m in plan.models}
+
+    def candidates(self, model: str, now: float, exclude: frozenset[str], needed_blocks: int) -> list[NodeStatus]:
+        """Nodes with model warm; with those whose free GPU could load it when the policy weighs load
+        time or no node has it warm. Never a node whose KV cache for model is too small."""
+        warm = self.cluster.candidates(model, now, exclude, needed_blocks)
+        if warm and not self.policy.weighs_cold_nodes:
+            return warm
+        return warm + self.cluster.cold_candidates(model, now, exclude, needed_blocks)
+
+    def no_candidates(self, plan: Plan, why: str = "") -> Unavailable:
+        return Unavailable(why or f"model={plan.ask.request.model!r}: no live node has it warm, or a free GPU to "
+                           f"load it, with KV cache for {plan.needed_blocks * SIZING_BLOCK} tokens")
+
+    def options(self, plan: Plan, overlap: Callable[[str], dict[str, int]]) -> list[Option]:
+        """Each model with candidates, its nodes and their cached prompt blocks (overlap(model))."""
+        return [Option(dataclasses.replace(plan.ask.request, model=m), nodes, overlap(m))
+                for m, nodes in plan.candidates.items() if nodes]
+
+    def ticket(self, plan: Plan, options: list[Option], now: float) -> tuple[Ticket, float] | None:
+        """The admission ticket of a fresh request and its best predicted time to first token; None
+        for a retry (a migrating stream is already admitted: never shed it)."""
+        if plan.is_retry:
+            return None
+        request = plan.ask.request
+        ticket = Ticket(request_id=request.request_id, tenant=request.tenant or "default",
+                        priority=request.priority, num_tokens=request.num_prompt_tokens + request.max_tokens,
+                        arrived_at=now,
+                        deadline_at=now + request.ttft_budget_ms / 1000 if request.ttft_budget_ms else math.inf,
+                        progress=(request.step - 1) / request.total_steps if request.total_steps else 0.0)
+        best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now)
+                          for o in options)
+        return ticket, best_ttft_s
+
+    def after_queueing(self, plan: Plan, options: list[Option], now: float,
+                       changing: Changing = _none_changing) -> list[Option]:
+        """The options of a request that waited for admission, on the fleet as it is now."""
+        self.refresh(plan, now, changing)
+        fresh = [dataclasses.replace(o, candidates=plan.candidates[o.request.model]) for o in options]
+        fresh = [o for o in fresh if o.candidates]
+        if not fresh:
+            raise Unavailable(f"model={plan.ask.request.model!r}: no live node left for it after queueing")
+        return fresh
+
+    def decide(self, options: list[Option], now: float) -> Placed:
+        """The policy's choice, counted on the chosen node until its next load report."""
+        index, decision = self.policy.choose_among(options, now)
+        request = options[index].request
+        self.cluster.record_placement(decision.node_id, request.num_prompt_blocks, now)
+        self.planner.note_demand(request.model, now)
+        chosen = self.cluster.get(decision.node_id)
+        return Placed(decision, request, is_cold=chosen is not None and request.model not in chosen.spec.warm_models)

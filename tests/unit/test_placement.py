@@ -1,0 +1,124 @@
+"""The placement core the scheduler's Place and the simulator share: each step, with an injected clock."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from services.common.errors import NotFound, ResourceExhausted, Unavailable
+from services.common.load import Load
+from services.scheduler.cluster import ClusterView, NodeSpec
+from services.scheduler.model_planner import ModelPlanner
+from services.scheduler.placement import PlaceAsk, Placer
+from services.scheduler.policies import PlacementRequest, make_policy
+from services.scheduler.retry_budget import RetryBudget
+
+pytestmark = pytest.mark.timeout(10)
+
+M = "m"
+HASHES = tuple(range(100, 110))
+
+
+def _spec(node_id: str, warm: tuple[str, ...] = (M,), cold: tuple[str, ...] = (), kv_blocks: int = 0) -> NodeSpec:
+    return NodeSpec(node_id=node_id, address=f"{node_id}:1", gpu="h100", price_per_hour=1.0,
+                    warm_models=frozenset(warm), cold_models=frozenset(cold),
+                    kv_blocks={m: kv_blocks for m in (*warm, *cold)} if kv_blocks else {})
+
+
+def _placer(*specs: NodeSpec, policy: str = "dynamo", retries_per_s: float = 5.0) -> Placer:
+    view = ClusterView(load_timeout_s=5.0)
+    view.set_nodes(list(specs))
+    for spec in specs:
+        view.report_load(spec.node_id, Load(kv_blocks_total=1000), 0.0)
+    return Placer(view, make_policy(policy), RetryBudget(ratio=0.0, min_retries_per_s=retries_per_s), ModelPlanner())
+
+
+def _ask(model: str = M, retry_cause: str = "", exclude: frozenset[str] = frozenset(), prompt_blocks: int = 10,
+         max_tokens: int = 16, **fields: object) -> PlaceAsk:
+    request = PlacementRequest(request_id="r", model=model, num_prompt_tokens=prompt_blocks * 16,
+                               num_prompt_blocks=prompt_blocks, max_tokens=max_tokens,
+                               block_hashes=HASHES[:prompt_blocks], **fields)
+    return PlaceAsk(request, exclude=exclude, retry_cause=retry_cause)
+
+
+def _place(placer: Placer, ask: PlaceAsk, overlap: dict[str, int] | None = None, now: float = 1.0) -> str:
+    plan = placer.start(ask, now)
+    return placer.decide(placer.options(plan, lambda _: overlap or {}), now).decision.node_id
+
+
+def test_the_kv_overlap_decides_where_every_tie_break_points_elsewhere() -> None:
+    placer = _placer(_spec("a"), _spec("b"))
+    # Equal loads: without the overlap the lower node id (a) wins.
+    assert _place(placer, _ask()) == "a"
+    placer = _placer(_spec("a"), _spec("b"))
+    assert _place(placer, _ask(), overlap={"b": 10}) == "b"
+
+
+def test_a_decision_counts_on_the_chosen_node_until_its_next_report() -> None:
+    placer = _placer(_spec("a"), _spec("b"))
+    assert _place(placer, _ask()) == "a"
+    status = placer.cluster.get("a")
+    assert status is not None and (status.placed_requests, status.placed_prefill_blocks) == (1, 10)
+    # So the next request, with nothing cached anywhere, goes to b.
+    assert _place(placer, _ask()) == "b"
+
+
+def test_an_unknown_model_is_not_found_naming_it_and_its_alternatives() -> None:
+    placer = _placer(_spec("a"))
+    with pytest.raises(NotFound, match="model='x': no registered node has it"):
+        placer.start(_ask(model="x"), 1.0)
+
+
+def test_retries_draw_on_the_budget_and_are_refused_past_it() -> None:
+    placer = _placer(_spec("a"), retries_per_s=0.1)  # one retry in the 10 s window
+    assert _place(placer, _ask(retry_cause="stalled")) == "a"
+    with pytest.raises(ResourceExhausted, match="cluster retry budget exhausted: 1 retries"):
+        placer.start(_ask(retry_cause="stalled"), 2.0)
+    # A fresh request never draws on it.
+    assert _place(placer, _ask(), now=2.0) == "a"
+
+
+def test_excluded_and_too_small_nodes_are_no_candidates() -> None:
+    placer = _placer(_spec("a"), _spec("small", kv_blocks=4))
+    plan = placer.start(_ask(exclude=frozenset({"a"})), 1.0)
+    assert not plan.has_candidates
+    with pytest.raises(Unavailable, match="no live node has it warm, or a free GPU to load it, with KV cache for"):
+        raise placer.no_candidates(plan)
+
+
+def test_a_cold_node_is_offered_only_to_a_policy_that_weighs_load_time_and_is_reported_cold() -> None:
+    specs = (_spec("busy", warm=("other",), cold=(M,)), _spec("free", warm=(), cold=(M,)))
+    # A policy that does not predict load time is still offered the free GPU when nothing is warm.
+    assert [s.spec.node_id for s in _placer(*specs).start(_ask(), 1.0).candidates[M]] == ["free"]
+    placer = _placer(*specs, policy="baton")
+    plan = placer.start(_ask(), 1.0)
+    assert [s.spec.node_id for s in plan.candidates[M]] == ["free"]  # a GPU already serving another model is not
+    placed = placer.decide(placer.options(plan, lambda _: {}), 1.0)
+    assert (placed.decision.node_id, placed.is_cold) == ("free", True)
+
+
+def test_a_fresh_request_gets_an_admission_ticket_a_retry_does_not() -> None:
+    placer = _placer(_spec("a"))
+    ask = _ask(ttft_budget_ms=2000, tenant="t", priority=2, workflow_id="w", step=3, total_steps=5)
+    plan = placer.start(ask, 1.0)
+    ticket, predicted_ttft_s = placer.ticket(plan, placer.options(plan, lambda _: {}), 1.0)
+    assert (ticket.tenant, ticket.priority, ticket.num_tokens, ticket.deadline_at) == ("t", 2, 176, 3.0)
+    assert ticket.progress == pytest.approx(2 / 5)  # two of five steps done
+    assert predicted_ttft_s == 0.0  # the model "m" has no timing model
+    retry = placer.start(_ask(retry_cause="stream_broken"), 1.0)
+    assert placer.ticket(retry, placer.options(retry, lambda _: {}), 1.0) is None
+    no_budget = placer.start(_ask(), 1.0)
+    assert placer.ticket(no_budget, placer.options(no_budget, lambda _: {}), 1.0)[0].deadline_at == math.inf
+
+
+def test_after_queueing_the_options_are_those_of_the_fleet_as_it_is_then() -> None:
+    placer = _placer(_spec("a"), _spec("b"))
+    plan = placer.start(_ask(), 1.0)
+    options = placer.options(plan, lambda _: {})
+    placer.cluster.set_nodes([_spec("b")])  # a left while the request waited
+    fresh = placer.after_queueing(plan, options, 2.0)
+    assert [s.spec.node_id for s in fresh[0].candidates] == ["b"]
+    placer.cluster.set_nodes([])
+    with pytest.raises(Unavailable, match="no live node left for it after queueing"):
+        placer.after_queueing(plan, options, 3.0)
