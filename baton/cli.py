@@ -164,10 +164,12 @@ def cmd_status(args: argparse.Namespace) -> int:
               f"{info.price_per_hour:>6.2f} {seen:>7}")
     if state.HasField("tasks"):
         tasks = state.tasks
-        kpi = f"${tasks.cost_per_successful_task_usd:.6f}" if tasks.tasks_succeeded else "n/a"
+        fleet = f"${tasks.fleet_cost_per_successful_task_usd:.6f}" if tasks.tasks_succeeded else "n/a"
+        busy = f"${tasks.cost_per_successful_task_usd:.6f}" if tasks.tasks_succeeded else "n/a"
         print(f"tasks: {tasks.tasks_succeeded} succeeded, {tasks.tasks_failed} failed, {tasks.tasks_open} open; "
-              f"GPU cost ${tasks.ended_cost_usd:.6f} + ${tasks.model_load_cost_usd:.6f} of model loads; "
-              f"cost per successful task {kpi}")
+              f"whole fleet ${tasks.fleet_cost_usd:.6f}; busy GPU time ${tasks.ended_cost_usd:.6f} "
+              f"+ ${tasks.model_load_cost_usd:.6f} of model loads")
+        print(f"cost per successful task: {fleet} for the whole fleet (idle GPUs included), {busy} busy time only")
     for action in state.model_actions[:5]:
         print(f"  model {action.kind} {action.model} on {action.node_id}: {action.result} ({action.reason})")
     _print_recent_decisions(address)

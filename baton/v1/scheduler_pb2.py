@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from baton.v1 import common_pb2 as baton_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x62\x61ton/v1/scheduler.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"\xb9\x02\n\x0f\x46inishedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x05\x12\x16\n\x0ettft_budget_ms\x18\x04 \x01(\x05\x12\x13\n\x0bworkflow_id\x18\x05 \x01(\t\x12\x0c\n\x04step\x18\x06 \x01(\x05\x12\x13\n\x0btotal_steps\x18\x07 \x01(\x05\x12)\n\x07outcome\x18\x08 \x01(\x0e\x32\x18.baton.v1.RequestOutcome\x12\x42\n\x0egpu_ms_by_node\x18\t \x03(\x0b\x32*.baton.v1.FinishedRequest.GpuMsByNodeEntry\x1a\x32\n\x10GpuMsByNodeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa9\x01\n\tTaskStats\x12\x17\n\x0ftasks_succeeded\x18\x01 \x01(\x03\x12\x14\n\x0ctasks_failed\x18\x02 \x01(\x03\x12\x12\n\ntasks_open\x18\x03 \x01(\x03\x12\x16\n\x0e\x65nded_cost_usd\x18\x04 \x01(\x01\x12$\n\x1c\x63ost_per_successful_task_usd\x18\x05 \x01(\x01\x12\x1b\n\x13model_load_cost_usd\x18\x06 \x01(\x01\"j\n\x0bModelAction\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\r\n\x05\x61t_ms\x18\x05 \x01(\x03\x12\x0e\n\x06result\x18\x06 \x01(\t\"\r\n\x0b\x46inishedAck\"*\n\x19GetRecentDecisionsRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\"Q\n\x0fRecentDecisions\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12.\n\tdecisions\x18\x02 \x03(\x0b\x32\x1b.baton.v1.PlacementDecision\"\xb0\x01\n\x11PlacementDecision\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05score\x18\x03 \x01(\x01\x12\x13\n\x0bworkflow_id\x18\x04 \x01(\t\x12\x15\n\rdecided_at_ms\x18\x05 \x01(\x03\x12,\n\ncandidates\x18\x06 \x03(\x0b\x32\x18.baton.v1.CandidateTerms\x12\r\n\x05model\x18\x07 \x01(\t\"\xad\x02\n\x0e\x43\x61ndidateTerms\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0b\n\x03gpu\x18\x02 \x01(\t\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x19\n\x11predicted_ttft_ms\x18\x04 \x01(\x01\x12\x19\n\x11predicted_tpot_ms\x18\x05 \x01(\x01\x12\x0c\n\x04\x63ost\x18\x06 \x01(\x01\x12\x0f\n\x07success\x18\x07 \x01(\x01\x12\x16\n\x0eworkflow_spent\x18\x08 \x01(\x01\x12\x13\n\x0bhas_kv_room\x18\t \x01(\x08\x12\r\n\x05score\x18\n \x01(\x01\x12\x0c\n\x04warm\x18\x0b \x01(\x08\x12\x0f\n\x07load_ms\x18\x0c \x01(\x01\x12\x16\n\x0ekv_free_blocks\x18\r \x01(\x03\x12\x0f\n\x07\x61t_risk\x18\x0e \x01(\x01\x12\r\n\x05model\x18\x0f \x01(\t\"\xc8\x02\n\x0cPlaceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x04\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0e\n\x06tenant\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x16\n\x0ettft_budget_ms\x18\x08 \x01(\x05\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\t \x01(\x05\x12\x13\n\x0bworkflow_id\x18\n \x01(\t\x12\x0c\n\x04step\x18\x0b \x01(\x05\x12\x13\n\x0btotal_steps\x18\x0c \x01(\x05\x12\x18\n\x10\x65xclude_node_ids\x18\r \x03(\t\x12\x13\n\x0bretry_cause\x18\x0e \x01(\t\x12\x1a\n\x12\x61lternative_models\x18\x0f \x03(\t\"b\n\tPlacement\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\x05\x12\x0c\n\x04\x63ost\x18\x04 \x01(\x01\x12\r\n\x05model\x18\x05 \x01(\t\"\x0f\n\rReportLoadAck\"\x18\n\x16GetClusterStateRequest\"d\n\tNodeState\x12 \n\x04info\x18\x01 \x01(\x0b\x32\x12.baton.v1.NodeInfo\x12 \n\x04load\x18\x02 \x01(\x0b\x32\x12.baton.v1.NodeLoad\x12\x13\n\x0bload_age_ms\x18\x03 \x01(\x03\"\xc5\x01\n\x0c\x43lusterState\x12\x14\n\x0cscheduler_id\x18\x01 \x01(\t\x12\"\n\x05nodes\x18\x02 \x03(\x0b\x32\x13.baton.v1.NodeState\x12\x11\n\tleader_id\x18\x03 \x01(\t\x12\x16\n\x0eleader_address\x18\x04 \x01(\t\x12\"\n\x05tasks\x18\x05 \x01(\x0b\x32\x13.baton.v1.TaskStats\x12,\n\rmodel_actions\x18\x06 \x03(\x0b\x32\x15.baton.v1.ModelAction*\xa5\x01\n\x0eRequestOutcome\x12\x1f\n\x1bREQUEST_OUTCOME_UNSPECIFIED\x10\x00\x12\x1d\n\x19REQUEST_OUTCOME_SUCCEEDED\x10\x01\x12\x18\n\x14REQUEST_OUTCOME_LATE\x10\x02\x12\x1a\n\x16REQUEST_OUTCOME_FAILED\x10\x03\x12\x1d\n\x19REQUEST_OUTCOME_CANCELLED\x10\x04\x32\xdf\x02\n\tScheduler\x12\x34\n\x05Place\x12\x16.baton.v1.PlaceRequest\x1a\x13.baton.v1.Placement\x12;\n\nReportLoad\x12\x12.baton.v1.NodeLoad\x1a\x17.baton.v1.ReportLoadAck(\x01\x12K\n\x0fGetClusterState\x12 .baton.v1.GetClusterStateRequest\x1a\x16.baton.v1.ClusterState\x12T\n\x12GetRecentDecisions\x12#.baton.v1.GetRecentDecisionsRequest\x1a\x19.baton.v1.RecentDecisions\x12<\n\x08\x46inished\x12\x19.baton.v1.FinishedRequest\x1a\x15.baton.v1.FinishedAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x62\x61ton/v1/scheduler.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"\xb9\x02\n\x0f\x46inishedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x05\x12\x16\n\x0ettft_budget_ms\x18\x04 \x01(\x05\x12\x13\n\x0bworkflow_id\x18\x05 \x01(\t\x12\x0c\n\x04step\x18\x06 \x01(\x05\x12\x13\n\x0btotal_steps\x18\x07 \x01(\x05\x12)\n\x07outcome\x18\x08 \x01(\x0e\x32\x18.baton.v1.RequestOutcome\x12\x42\n\x0egpu_ms_by_node\x18\t \x03(\x0b\x32*.baton.v1.FinishedRequest.GpuMsByNodeEntry\x1a\x32\n\x10GpuMsByNodeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xed\x01\n\tTaskStats\x12\x17\n\x0ftasks_succeeded\x18\x01 \x01(\x03\x12\x14\n\x0ctasks_failed\x18\x02 \x01(\x03\x12\x12\n\ntasks_open\x18\x03 \x01(\x03\x12\x16\n\x0e\x65nded_cost_usd\x18\x04 \x01(\x01\x12$\n\x1c\x63ost_per_successful_task_usd\x18\x05 \x01(\x01\x12\x1b\n\x13model_load_cost_usd\x18\x06 \x01(\x01\x12\x16\n\x0e\x66leet_cost_usd\x18\x07 \x01(\x01\x12*\n\"fleet_cost_per_successful_task_usd\x18\x08 \x01(\x01\"j\n\x0bModelAction\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\r\n\x05\x61t_ms\x18\x05 \x01(\x03\x12\x0e\n\x06result\x18\x06 \x01(\t\"\r\n\x0b\x46inishedAck\"*\n\x19GetRecentDecisionsRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\"Q\n\x0fRecentDecisions\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12.\n\tdecisions\x18\x02 \x03(\x0b\x32\x1b.baton.v1.PlacementDecision\"\xb0\x01\n\x11PlacementDecision\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05score\x18\x03 \x01(\x01\x12\x13\n\x0bworkflow_id\x18\x04 \x01(\t\x12\x15\n\rdecided_at_ms\x18\x05 \x01(\x03\x12,\n\ncandidates\x18\x06 \x03(\x0b\x32\x18.baton.v1.CandidateTerms\x12\r\n\x05model\x18\x07 \x01(\t\"\xad\x02\n\x0e\x43\x61ndidateTerms\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0b\n\x03gpu\x18\x02 \x01(\t\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x19\n\x11predicted_ttft_ms\x18\x04 \x01(\x01\x12\x19\n\x11predicted_tpot_ms\x18\x05 \x01(\x01\x12\x0c\n\x04\x63ost\x18\x06 \x01(\x01\x12\x0f\n\x07success\x18\x07 \x01(\x01\x12\x16\n\x0eworkflow_spent\x18\x08 \x01(\x01\x12\x13\n\x0bhas_kv_room\x18\t \x01(\x08\x12\r\n\x05score\x18\n \x01(\x01\x12\x0c\n\x04warm\x18\x0b \x01(\x08\x12\x0f\n\x07load_ms\x18\x0c \x01(\x01\x12\x16\n\x0ekv_free_blocks\x18\r \x01(\x03\x12\x0f\n\x07\x61t_risk\x18\x0e \x01(\x01\x12\r\n\x05model\x18\x0f \x01(\t\"\xc8\x02\n\x0cPlaceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x04\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0e\n\x06tenant\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x16\n\x0ettft_budget_ms\x18\x08 \x01(\x05\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\t \x01(\x05\x12\x13\n\x0bworkflow_id\x18\n \x01(\t\x12\x0c\n\x04step\x18\x0b \x01(\x05\x12\x13\n\x0btotal_steps\x18\x0c \x01(\x05\x12\x18\n\x10\x65xclude_node_ids\x18\r \x03(\t\x12\x13\n\x0bretry_cause\x18\x0e \x01(\t\x12\x1a\n\x12\x61lternative_models\x18\x0f \x03(\t\"b\n\tPlacement\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\x05\x12\x0c\n\x04\x63ost\x18\x04 \x01(\x01\x12\r\n\x05model\x18\x05 \x01(\t\"\x0f\n\rReportLoadAck\"\x18\n\x16GetClusterStateRequest\"d\n\tNodeState\x12 \n\x04info\x18\x01 \x01(\x0b\x32\x12.baton.v1.NodeInfo\x12 \n\x04load\x18\x02 \x01(\x0b\x32\x12.baton.v1.NodeLoad\x12\x13\n\x0bload_age_ms\x18\x03 \x01(\x03\"\xc5\x01\n\x0c\x43lusterState\x12\x14\n\x0cscheduler_id\x18\x01 \x01(\t\x12\"\n\x05nodes\x18\x02 \x03(\x0b\x32\x13.baton.v1.NodeState\x12\x11\n\tleader_id\x18\x03 \x01(\t\x12\x16\n\x0eleader_address\x18\x04 \x01(\t\x12\"\n\x05tasks\x18\x05 \x01(\x0b\x32\x13.baton.v1.TaskStats\x12,\n\rmodel_actions\x18\x06 \x03(\x0b\x32\x15.baton.v1.ModelAction*\xa5\x01\n\x0eRequestOutcome\x12\x1f\n\x1bREQUEST_OUTCOME_UNSPECIFIED\x10\x00\x12\x1d\n\x19REQUEST_OUTCOME_SUCCEEDED\x10\x01\x12\x18\n\x14REQUEST_OUTCOME_LATE\x10\x02\x12\x1a\n\x16REQUEST_OUTCOME_FAILED\x10\x03\x12\x1d\n\x19REQUEST_OUTCOME_CANCELLED\x10\x04\x32\xdf\x02\n\tScheduler\x12\x34\n\x05Place\x12\x16.baton.v1.PlaceRequest\x1a\x13.baton.v1.Placement\x12;\n\nReportLoad\x12\x12.baton.v1.NodeLoad\x1a\x17.baton.v1.ReportLoadAck(\x01\x12K\n\x0fGetClusterState\x12 .baton.v1.GetClusterStateRequest\x1a\x16.baton.v1.ClusterState\x12T\n\x12GetRecentDecisions\x12#.baton.v1.GetRecentDecisionsRequest\x1a\x19.baton.v1.RecentDecisions\x12<\n\x08\x46inished\x12\x19.baton.v1.FinishedRequest\x1a\x15.baton.v1.FinishedAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,38 +34,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_FINISHEDREQUEST_GPUMSBYNODEENTRY']._loaded_options = None
   _globals['_FINISHEDREQUEST_GPUMSBYNODEENTRY']._serialized_options = b'8\001'
-  _globals['_REQUESTOUTCOME']._serialized_start=2059
-  _globals['_REQUESTOUTCOME']._serialized_end=2224
+  _globals['_REQUESTOUTCOME']._serialized_start=2127
+  _globals['_REQUESTOUTCOME']._serialized_end=2292
   _globals['_FINISHEDREQUEST']._serialized_start=62
   _globals['_FINISHEDREQUEST']._serialized_end=375
   _globals['_FINISHEDREQUEST_GPUMSBYNODEENTRY']._serialized_start=325
   _globals['_FINISHEDREQUEST_GPUMSBYNODEENTRY']._serialized_end=375
   _globals['_TASKSTATS']._serialized_start=378
-  _globals['_TASKSTATS']._serialized_end=547
-  _globals['_MODELACTION']._serialized_start=549
-  _globals['_MODELACTION']._serialized_end=655
-  _globals['_FINISHEDACK']._serialized_start=657
-  _globals['_FINISHEDACK']._serialized_end=670
-  _globals['_GETRECENTDECISIONSREQUEST']._serialized_start=672
-  _globals['_GETRECENTDECISIONSREQUEST']._serialized_end=714
-  _globals['_RECENTDECISIONS']._serialized_start=716
-  _globals['_RECENTDECISIONS']._serialized_end=797
-  _globals['_PLACEMENTDECISION']._serialized_start=800
-  _globals['_PLACEMENTDECISION']._serialized_end=976
-  _globals['_CANDIDATETERMS']._serialized_start=979
-  _globals['_CANDIDATETERMS']._serialized_end=1280
-  _globals['_PLACEREQUEST']._serialized_start=1283
-  _globals['_PLACEREQUEST']._serialized_end=1611
-  _globals['_PLACEMENT']._serialized_start=1613
-  _globals['_PLACEMENT']._serialized_end=1711
-  _globals['_REPORTLOADACK']._serialized_start=1713
-  _globals['_REPORTLOADACK']._serialized_end=1728
-  _globals['_GETCLUSTERSTATEREQUEST']._serialized_start=1730
-  _globals['_GETCLUSTERSTATEREQUEST']._serialized_end=1754
-  _globals['_NODESTATE']._serialized_start=1756
-  _globals['_NODESTATE']._serialized_end=1856
-  _globals['_CLUSTERSTATE']._serialized_start=1859
-  _globals['_CLUSTERSTATE']._serialized_end=2056
-  _globals['_SCHEDULER']._serialized_start=2227
-  _globals['_SCHEDULER']._serialized_end=2578
+  _globals['_TASKSTATS']._serialized_end=615
+  _globals['_MODELACTION']._serialized_start=617
+  _globals['_MODELACTION']._serialized_end=723
+  _globals['_FINISHEDACK']._serialized_start=725
+  _globals['_FINISHEDACK']._serialized_end=738
+  _globals['_GETRECENTDECISIONSREQUEST']._serialized_start=740
+  _globals['_GETRECENTDECISIONSREQUEST']._serialized_end=782
+  _globals['_RECENTDECISIONS']._serialized_start=784
+  _globals['_RECENTDECISIONS']._serialized_end=865
+  _globals['_PLACEMENTDECISION']._serialized_start=868
+  _globals['_PLACEMENTDECISION']._serialized_end=1044
+  _globals['_CANDIDATETERMS']._serialized_start=1047
+  _globals['_CANDIDATETERMS']._serialized_end=1348
+  _globals['_PLACEREQUEST']._serialized_start=1351
+  _globals['_PLACEREQUEST']._serialized_end=1679
+  _globals['_PLACEMENT']._serialized_start=1681
+  _globals['_PLACEMENT']._serialized_end=1779
+  _globals['_REPORTLOADACK']._serialized_start=1781
+  _globals['_REPORTLOADACK']._serialized_end=1796
+  _globals['_GETCLUSTERSTATEREQUEST']._serialized_start=1798
+  _globals['_GETCLUSTERSTATEREQUEST']._serialized_end=1822
+  _globals['_NODESTATE']._serialized_start=1824
+  _globals['_NODESTATE']._serialized_end=1924
+  _globals['_CLUSTERSTATE']._serialized_start=1927
+  _globals['_CLUSTERSTATE']._serialized_end=2124
+  _globals['_SCHEDULER']._serialized_start=2295
+  _globals['_SCHEDULER']._serialized_end=2646
 # @@protoc_insertion_point(module_scope)

@@ -51,20 +51,24 @@ class FinishedRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., ttft_ms: _Optional[int] = ..., ttft_budget_ms: _Optional[int] = ..., workflow_id: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., outcome: _Optional[_Union[RequestOutcome, str]] = ..., gpu_ms_by_node: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class TaskStats(_message.Message):
-    __slots__ = ("tasks_succeeded", "tasks_failed", "tasks_open", "ended_cost_usd", "cost_per_successful_task_usd", "model_load_cost_usd")
+    __slots__ = ("tasks_succeeded", "tasks_failed", "tasks_open", "ended_cost_usd", "cost_per_successful_task_usd", "model_load_cost_usd", "fleet_cost_usd", "fleet_cost_per_successful_task_usd")
     TASKS_SUCCEEDED_FIELD_NUMBER: _ClassVar[int]
     TASKS_FAILED_FIELD_NUMBER: _ClassVar[int]
     TASKS_OPEN_FIELD_NUMBER: _ClassVar[int]
     ENDED_COST_USD_FIELD_NUMBER: _ClassVar[int]
     COST_PER_SUCCESSFUL_TASK_USD_FIELD_NUMBER: _ClassVar[int]
     MODEL_LOAD_COST_USD_FIELD_NUMBER: _ClassVar[int]
+    FLEET_COST_USD_FIELD_NUMBER: _ClassVar[int]
+    FLEET_COST_PER_SUCCESSFUL_TASK_USD_FIELD_NUMBER: _ClassVar[int]
     tasks_succeeded: int
     tasks_failed: int
     tasks_open: int
     ended_cost_usd: float
     cost_per_successful_task_usd: float
     model_load_cost_usd: float
-    def __init__(self, tasks_succeeded: _Optional[int] = ..., tasks_failed: _Optional[int] = ..., tasks_open: _Optional[int] = ..., ended_cost_usd: _Optional[float] = ..., cost_per_successful_task_usd: _Optional[float] = ..., model_load_cost_usd: _Optional[float] = ...) -> None: ...
+    fleet_cost_usd: float
+    fleet_cost_per_successful_task_usd: float
+    def __init__(self, tasks_succeeded: _Optional[int] = ..., tasks_failed: _Optional[int] = ..., tasks_open: _Optional[int] = ..., ended_cost_usd: _Optional[float] = ..., cost_per_successful_task_usd: _Optional[float] = ..., model_load_cost_usd: _Optional[float] = ..., fleet_cost_usd: _Optional[float] = ..., fleet_cost_per_successful_task_usd: _Optional[float] = ...) -> None: ...
 
 class ModelAction(_message.Message):
     __slots__ = ("node_id", "model", "kind", "reason", "at_ms", "result")

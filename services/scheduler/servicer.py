@@ -115,7 +115,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._nodes_changed = ChangeSignal()
         meter = telemetry.meter
         meter.create_observable_gauge("baton.scheduler.cost_per_successful_task", [self._observe_kpi], unit="USD",
-                                      description="GPU cost of every ended task over the tasks that succeeded")
+                                      description="cost of the whole fleet (accounting=fleet, the headline) or of busy "
+                                      "GPU time (accounting=busy, the floor) over the tasks that succeeded")
         meter.create_observable_gauge("baton.scheduler.tasks", [self._observe_tasks],
                                       description="tasks ended, by outcome, and open")
 
@@ -265,12 +266,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def _plan_models(self) -> None:
         """While leading: load models short of warm capacity, unload idle ones; end silent tasks."""
+        last = time.monotonic()
         while True:
             await asyncio.sleep(self._config.model_plan_interval_s)
             now = time.monotonic()
+            elapsed, last = now - last, now
             self._tasks.expire(now)
             if not self._role.is_leader:
                 continue
+            # The operator pays for every registered GPU, busy or idle.
+            self._tasks.add_fleet_time(elapsed, sum(s.spec.price_per_hour for s in self._cluster.nodes()))
             actions = self._planner.plan(self._cluster, now, self._loader.busy_nodes(), self._loader.loading_models())
             by_node: dict[str, list[ModelAction]] = {}
             for action in actions:
@@ -319,12 +324,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.TaskStats(tasks_succeeded=stats.succeeded, tasks_failed=stats.failed,
                                        tasks_open=stats.open, ended_cost_usd=stats.ended_cost_usd,
                                        cost_per_successful_task_usd=stats.cost_per_successful_task,
-                                       model_load_cost_usd=stats.overhead_usd)
+                                       model_load_cost_usd=stats.overhead_usd, fleet_cost_usd=stats.fleet_cost_usd,
+                                       fleet_cost_per_successful_task_usd=stats.fleet_cost_per_successful_task)
 
     def _observe_kpi(self, options: CallbackOptions) -> list[Observation]:
         if not self._role.is_leader or not self._tasks.succeeded:
             return []
-        return [Observation(self._tasks.stats().cost_per_successful_task)]
+        stats = self._tasks.stats()
+        return [Observation(stats.fleet_cost_per_successful_task, {"accounting": "fleet"}),
+                Observation(stats.cost_per_successful_task, {"accounting": "busy"})]
 
     def _observe_tasks(self, options: CallbackOptions) -> list[Observation]:
         if not self._role.is_leader:

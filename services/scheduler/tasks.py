@@ -6,8 +6,10 @@ time it used on each node; the ledger prices it and adds it to its task. A task 
 every one of its steps has succeeded (a step retried after a failure counts once it succeeds);
 it fails when it stays silent for `timeout_s` before that. A workflow that does not say how many
 steps it has ends at the timeout, succeeded if its last step did. Failed tasks' GPU cost stays in
-the numerator, and so does GPU time spent loading models: cost per successful task = (cost of every
-ended task + model loads) ÷ tasks succeeded.
+the numerator, and so does GPU time spent loading models: the busy-time cost per successful task =
+(cost of every ended task + model loads) ÷ tasks succeeded — the floor that scaling idle GPUs away
+could reach. The headline is what the operator pays: every registered GPU, idle or not, for as long
+as the ledger has run (the leader adds each interval's fleet cost) ÷ tasks succeeded.
 """
 
 from __future__ import annotations
@@ -34,10 +36,18 @@ class TaskStats:
     ended_cost_usd: float
     # GPU time spent loading models: part of what the successes cost, though no task's own.
     overhead_usd: float = 0.0
+    # Every registered GPU at its price for the time the ledger ran, idle included.
+    fleet_cost_usd: float = 0.0
 
     @property
     def cost_per_successful_task(self) -> float:
+        """Busy GPU time per success: the floor."""
         return (self.ended_cost_usd + self.overhead_usd) / self.succeeded if self.succeeded else 0.0
+
+    @property
+    def fleet_cost_per_successful_task(self) -> float:
+        """The whole fleet's cost per success: the headline."""
+        return self.fleet_cost_usd / self.succeeded if self.succeeded else 0.0
 
 
 class TaskLedger:
@@ -50,6 +60,7 @@ class TaskLedger:
         self.failed = 0
         self.ended_cost_usd = 0.0
         self.overhead_usd = 0.0
+        self.fleet_cost_usd = 0.0
         # Ids of the tasks ended most recently, so that a late notice does not open them again.
         self._ended: OrderedDict[str, None] = OrderedDict()
 
@@ -109,8 +120,13 @@ class TaskLedger:
         """GPU cost that belongs to no task (a model load)."""
         self.overhead_usd += cost_usd
 
+    def add_fleet_time(self, seconds: float, price_per_hour: float) -> None:
+        """seconds of the whole fleet, whose GPUs together cost price_per_hour."""
+        self.fleet_cost_usd += seconds / 3600.0 * price_per_hour
+
     def stats(self) -> TaskStats:
-        return TaskStats(self.succeeded, self.failed, len(self._open), self.ended_cost_usd, self.overhead_usd)
+        return TaskStats(self.succeeded, self.failed, len(self._open), self.ended_cost_usd, self.overhead_usd,
+                         self.fleet_cost_usd)
 
     # -- hand-over to the next leader -------------------------------------------------------------
 
@@ -119,7 +135,7 @@ class TaskLedger:
         recent = list(self._open.items())[-max_open:]
         return {
             "succeeded": self.succeeded, "failed": self.failed, "ended_cost_usd": self.ended_cost_usd,
-            "overhead_usd": self.overhead_usd,
+            "overhead_usd": self.overhead_usd, "fleet_cost_usd": self.fleet_cost_usd,
             "open": {k: [t.total_steps, t.spent_usd, sorted(t.succeeded), t.last_ok, now - t.last_at]
                      for k, t in recent},
             "ended": list(self._ended)[-max_open:],
@@ -130,6 +146,7 @@ class TaskLedger:
         self.failed = int(state["failed"])
         self.ended_cost_usd = float(state["ended_cost_usd"])
         self.overhead_usd = float(state.get("overhead_usd", 0.0))
+        self.fleet_cost_usd = float(state.get("fleet_cost_usd", 0.0))
         self._open = OrderedDict(
             (k, _Task(int(total), float(spent), set(steps), bool(ok), now - float(age)))
             for k, (total, spent, steps, ok, age) in state["open"].items())

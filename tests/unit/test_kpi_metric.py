@@ -1,4 +1,5 @@
-"""The leader exports cost per successful task, model loads included, as an OpenTelemetry gauge."""
+"""The leader exports cost per successful task two ways (the whole fleet, and busy GPU time with model
+loads) as an OpenTelemetry gauge."""
 
 from __future__ import annotations
 
@@ -33,9 +34,11 @@ async def test_the_leader_exports_the_kpi_and_a_standby_does_not(monkeypatch: py
     service._tasks.record("r1", 1, 1, 0.002, ok=True, now=time.monotonic())
     service._tasks.record("r2", 1, 1, 0.001, ok=False, now=time.monotonic())
     service._tasks.add_overhead(0.001)
+    service._tasks.add_fleet_time(3600.0, 0.01)  # an hour of a fleet costing $0.01 an hour, idle or not
     metrics = exported(reader)
     if leading:
-        assert metrics["baton.scheduler.cost_per_successful_task"] == [({}, pytest.approx(0.003))]
+        assert sorted(metrics["baton.scheduler.cost_per_successful_task"], key=str) == [
+            ({"accounting": "busy"}, pytest.approx(0.003)), ({"accounting": "fleet"}, pytest.approx(0.01))]
         assert ({"outcome": "succeeded"}, 1) in metrics["baton.scheduler.tasks"]
         assert ({"outcome": "open"}, 1) in metrics["baton.scheduler.tasks"]  # r2 may still be retried
     else:

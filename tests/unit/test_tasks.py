@@ -65,3 +65,16 @@ def test_a_late_notice_for_an_ended_task_adds_its_cost_but_no_task() -> None:
     stats = ledger.stats()
     assert (stats.succeeded, stats.failed, stats.open) == (1, 0, 0)
     assert stats.ended_cost_usd == pytest.approx(0.02)
+
+
+def test_the_headline_counts_the_whole_fleet_idle_time_included_and_survives_a_hand_over() -> None:
+    ledger = TaskLedger()
+    ledger.record("a", 1, 1, 0.001, ok=True, now=0.0)
+    ledger.record("b", 1, 1, 0.001, ok=True, now=0.0)
+    ledger.add_fleet_time(1800.0, 4.0)  # half an hour of GPUs costing $4 an hour together, mostly idle
+    stats = ledger.stats()
+    assert stats.fleet_cost_per_successful_task == pytest.approx(2.0 / 2)
+    assert stats.cost_per_successful_task == pytest.approx(0.001)  # the busy-time floor
+    successor = TaskLedger()
+    successor.restore(ledger.to_state(10, now=5.0), now=100.0)
+    assert successor.stats().fleet_cost_usd == pytest.approx(2.0)
