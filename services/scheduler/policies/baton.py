@@ -9,8 +9,10 @@ its load and what it caches of the prompt:
   ride in each step: the prompt tokens this policy has been sending the node (a rate over the last
   `RATE_WINDOW_S`) arrive while the request decodes, so a node that keeps receiving work predicts a
   slower TPOT and the next request spreads to another — packing stops before it risks the SLO;
-- the GPU cost of serving the request there: its prefill time plus its share of the decode steps,
-  at the node's price;
+- the GPU cost of serving the request there: its prefill time plus the decode steps it is expected
+  to run, at the node's price. The steps are not divided by the batch they share: on a provisioned
+  fleet an idle GPU is paid for anyway, so packing earns the operator nothing, while a fuller batch
+  slows every request in it (an earlier version shared the steps and packed work onto few GPUs);
 - the chance of meeting the request's own SLO (TTFT and TPOT budgets, deadline; the cluster's
   defaults where it sets none): a smooth function of the predicted slack, so a prediction error of
   a quarter of the budget is not fatal;
@@ -141,7 +143,7 @@ class BatonPolicy(Policy):
                            self._prefill_rate(status.spec.node_id, now), chunk)
         own_prefill_ms = timing.b_ms_per_tok * own + timing.c_ms_per_tok2 * min(own, chunk) * own
         decode_tokens = self.expected_output_tokens(request)
-        gpu_ms = own_prefill_ms + decode_tokens * tpot_ms / (batch + 1)
+        gpu_ms = own_prefill_ms + decode_tokens * tpot_ms
         cost = (gpu_ms + load_s * 1000) / 3_600_000.0 * status.spec.price_per_hour
         ttft_budget = (request.ttft_budget_ms or self._default_ttft_budget_ms) * BUDGET_MARGIN
         tpot_budget = (request.tpot_budget_ms or self._default_tpot_budget_ms) * BUDGET_MARGIN
