@@ -185,6 +185,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     ) -> scheduler_pb2.Placement:
         try:
             await self._role.wait_if_taking_over(self._config.lease_ttl_s)
+            await self._wait_for_election(context.time_remaining())
             if not self._role.is_leader:
                 raise self._not_leader()
             now = time.monotonic()
@@ -417,6 +418,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if request.limit > 0:
             newest = newest[: request.limit]
         return scheduler_pb2.RecentDecisions(policy=self._config.policy, decisions=newest)
+
+    async def _wait_for_election(self, remaining_s: float | None) -> None:
+        """While etcd shows no leader at all, wait up to a TTL for this replica to be elected.
+
+        A router sends Place to the replica it saw lead. When a frozen etcd resumes, every election
+        lease has lapsed, the leader's too: it steps down and campaigns again, and for that moment no
+        leader exists. Refused then, the router would wait for a different leader in vain."""
+        if self._role.is_leader or self._role.leader() is not None:
+            return
+        await wait_or_timeout(self._role.elected, min(self._config.lease_ttl_s, remaining_s or math.inf))
 
     def _not_leader(self) -> FailedPrecondition:
         leader = self._role.leader()
