@@ -15,7 +15,7 @@ import pytest
 
 from baton.client import BatonClient
 from baton.cluster import ClusterSpec, LocalCluster, ManagedProcess, start_etcd
-from baton.v1 import common_pb2
+from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common import etcd_keys
 from services.common.etcd_session import LeaseSession, PrefixView, connect
 from tests.integration.conftest import MODEL, eventually
@@ -93,12 +93,25 @@ async def node_leases(endpoint: str) -> dict[str, int]:
     return {kv.key.decode().removeprefix(etcd_keys.NODES): kv.lease for kv in listing}
 
 
+async def listed_nodes(address: str, stop: asyncio.Event) -> list[int]:
+    """How many nodes the scheduler lists, asked back to back until stop is set."""
+    counts = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        while not stop.is_set():
+            state = await stub.GetClusterState(scheduler_pb2.GetClusterStateRequest(), timeout=5)
+            counts.append(len(state.nodes))
+    return counts
+
+
 async def test_an_etcd_freeze_longer_than_the_ttl_fails_no_request(cluster: LocalCluster) -> None:
-    assert cluster.etcd is not None and cluster.router is not None
+    assert cluster.etcd is not None and cluster.router is not None and cluster.scheduler is not None
     leases_before = await node_leases(cluster.etcd.address)
     load = LoopingStreams(cluster.router.address)
     load.start()
     await load.wait_completed(5)
+    stop_asking = asyncio.Event()
+    asking = asyncio.create_task(listed_nodes(cluster.scheduler.address, stop_asking))
 
     cluster.etcd.signal(signal.SIGSTOP)
     try:
@@ -117,7 +130,10 @@ async def test_an_etcd_freeze_longer_than_the_ttl_fails_no_request(cluster: Loca
     await eventually(every_node_re_registered, 10, "every node to register again under a new lease")
     await load.wait_completed(3 * len(cluster.nodes))
     await load.stop()
+    stop_asking.set()
     assert load.failures == [], "\n".join(load.failures)
+    counts = await asking
+    assert counts and min(counts) == len(cluster.nodes), "the scheduler dropped a live node for a moment"
 
     state = cluster.cluster_state()
     assert sorted(n.info.node_id for n in state.nodes) == ["node-0", "node-1", "node-2"]
