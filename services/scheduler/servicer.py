@@ -427,7 +427,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         leader exists. Refused then, the router would wait for a different leader in vain."""
         if self._role.is_leader or self._role.leader() is not None:
             return
-        await wait_or_timeout(self._role.elected, min(self._config.lease_ttl_s, remaining_s or math.inf))
+        wait_s = self._config.lease_ttl_s if remaining_s is None else min(self._config.lease_ttl_s, remaining_s)
+        await wait_or_timeout(self._role.elected, max(0.0, wait_s))
 
     def _not_leader(self) -> FailedPrecondition:
         leader = self._role.leader()
