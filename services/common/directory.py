@@ -39,9 +39,10 @@ class ChannelPool:
 class ServiceDirectory:
     """Instances of one service kind ("scheduler", "kvindex") as etcd lists them."""
 
-    def __init__(self, client: aetcd.Client, kind: str, telemetry: Telemetry) -> None:
+    def __init__(self, client: aetcd.Client, kind: str, telemetry: Telemetry, grace_s: float = 0.0) -> None:
         self.kind = kind
-        self._view = PrefixView(client, etcd_keys.service_prefix(kind))
+        # grace_s: how long an instance whose lease lapsed is still listed (PrefixView).
+        self._view = PrefixView(client, etcd_keys.service_prefix(kind), grace_s=grace_s)
         self._channels = ChannelPool(telemetry)
 
     async def run(self) -> None:

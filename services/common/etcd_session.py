@@ -1,8 +1,10 @@
 """etcd membership: keys held under a kept-alive lease, and live views of key prefixes.
 
-Both survive etcd outages: a lost lease is re-granted and its keys re-put when etcd
-answers again; a broken watch is re-established from a fresh listing. Neither ever
-exits the process.
+Both survive etcd outages: a lost lease is re-granted and its keys re-put as soon as etcd
+answers again; a broken watch is re-established from a fresh listing; a view can hold keys
+whose lease lapsed for a grace period, so that an etcd freeze, which expires every lease at
+once, takes no live process out of it. Neither ever exits the process. docs/etcd.md states
+the guarantee.
 """
 
 from __future__ import annotations
@@ -16,10 +18,15 @@ from typing import Any
 import aetcd
 
 from services.common import etcd_keys
+from services.common.change_signal import ChangeSignal, wait_or_timeout
+from services.common.lapsed_keys import LapsedKeys
 
 log = logging.getLogger(__name__)
 
 _RETRY_S = 0.5
+# Keep-alive retry after a failure: short, so a lease that lapsed while etcd was frozen is
+# re-granted within a moment of etcd answering again.
+_QUICK_RETRY_S = 0.2
 
 
 # Reconnect quickly once etcd is back: gRPC's default backoff grows to two minutes.
@@ -77,56 +84,94 @@ class LeaseSession:
         log.info("etcd lease %x granted with %d keys", lease.id, len(self._keys))
 
     async def keep_alive(self) -> None:
-        """Refresh the lease every third of its TTL; never raises on etcd errors."""
+        """Refresh the lease every third of its TTL; never raises on etcd errors.
+
+        After a failure it tries again within _QUICK_RETRY_S rather than a third of the TTL, so
+        that once etcd answers again a lapsed lease is re-granted and its keys re-put at once.
+        """
+        delay_s = self._ttl_s / 3
+        num_failures = 0
         while True:
-            await asyncio.sleep(self._ttl_s / 3)
+            await asyncio.sleep(delay_s)
+            delay_s = min(self._ttl_s / 3, _QUICK_RETRY_S)
             try:
                 async with self._lock:
                     if self._closed:
                         return
                     if self._lease_id is None:
                         await self._grant()
-                        continue
-                    reply = await self._client.refresh_lease(self._lease_id)
-                    if reply is None or reply.TTL <= 0:
-                        log.warning("etcd lease %x expired; re-registering", self._lease_id)
-                        self._lease_id = None
-                        await self._grant()
-                    elif self._stale:  # a put failed while the lease lived on: etcd holds an old value
-                        for key, value in self._keys.items():
-                            await self._client.put(key.encode(), value, lease=self._lease_id)
-                        self._stale = False
+                    else:
+                        reply = await self._client.refresh_lease(self._lease_id)
+                        if reply is None or reply.TTL <= 0:
+                            log.warning("etcd lease %x expired; re-registering", self._lease_id)
+                            self._lease_id = None
+                            await self._grant()
+                        elif self._stale:  # a put failed while the lease lived on: etcd holds an old value
+                            for key, value in self._keys.items():
+                                await self._client.put(key.encode(), value, lease=self._lease_id)
+                            self._stale = False
+                delay_s = self._ttl_s / 3
+                if num_failures:
+                    log.info("etcd keep-alive works again after %d failed tries", num_failures)
+                num_failures = 0
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - etcd down: keep serving, retry
-                log.warning("etcd keep-alive failed (%s); retrying", exc)
+                num_failures += 1
+                log.log(logging.WARNING if num_failures == 1 else logging.DEBUG,
+                        "etcd keep-alive failed (%s); retrying every %.1f s", exc, delay_s)
 
     async def revoke(self) -> None:
-        """Drop the lease and so every key under it; best effort at shutdown."""
+        """Drop the lease and so every key under it; best effort at shutdown.
+
+        Each key is first emptied: readers that hold lapsed keys for a grace period (PrefixView)
+        drop an emptied one at once, so a clean exit leaves their views as fast as before.
+        """
         async with self._lock:
             lease_id, self._lease_id = self._lease_id, None
+            keys = list(self._keys)
             self._keys.clear()
             self._closed = True
-        if lease_id is not None:
-            try:
-                await asyncio.wait_for(self._client.revoke_lease(lease_id), 2.0)
-            except Exception as exc:  # noqa: BLE001 - the lease will expire anyway
-                log.warning("etcd lease revoke failed: %s", exc)
+        if lease_id is None:
+            return
+        try:
+            await asyncio.wait_for(self._mark_leaving(lease_id, keys), 1.0)
+        except Exception as exc:  # noqa: BLE001 - readers then hold the keys for their grace
+            log.warning("etcd leaving mark failed: %s", exc)
+        try:
+            await asyncio.wait_for(self._client.revoke_lease(lease_id), 2.0)
+        except Exception as exc:  # noqa: BLE001 - the lease will expire anyway
+            log.warning("etcd lease revoke failed: %s", exc)
+
+    async def _mark_leaving(self, lease_id: int, keys: list[str]) -> None:
+        for key in keys:
+            await self._client.put(key.encode(), b"", lease=lease_id)
 
 
 class PrefixView:
-    """A live copy of every key under a prefix, kept by list-then-watch."""
+    """A live copy of every key under a prefix, kept by list-then-watch.
+
+    With grace_s > 0 a key that vanishes (its lease lapsed, or was revoked) stays in `items` for
+    grace_s, listed in `lapsed`, unless its holder put it back meanwhile; a key whose holder
+    marked it as leaving (an empty value, see LeaseSession.revoke) goes at once.
+    """
 
     def __init__(
         self,
         client: aetcd.Client,
         prefix: str,
         on_change: Callable[[dict[str, bytes]], None] | None = None,
+        grace_s: float = 0.0,
     ) -> None:
         self._client = client
         self._prefix = prefix
         self._on_change = on_change
+        self._present: dict[str, bytes] = {}
+        self._held = LapsedKeys(grace_s)
+        self._held_changed = ChangeSignal()
         self.items: dict[str, bytes] = {}
+        # Keys in items that etcd no longer lists, held until their grace ends.
+        self.lapsed: frozenset[str] = frozenset()
         # Each key's create revision: the order keys were created in (an election's queue).
         self.create_revisions: dict[str, int] = {}
         self.synced = asyncio.Event()
@@ -134,6 +179,14 @@ class PrefixView:
 
     async def run(self) -> None:
         """List, then watch from the listing's revision; relist after any error."""
+        if self._held.grace_s <= 0:
+            await self._watch_forever()
+            return
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(self._watch_forever())
+            tasks.create_task(self._end_graces())
+
+    async def _watch_forever(self) -> None:
         while True:
             try:
                 await self._list_and_watch()
@@ -145,30 +198,53 @@ class PrefixView:
 
     async def _list_and_watch(self) -> None:
         listing = await self._client.get_prefix(self._prefix.encode())
-        self.create_revisions = {kv.key.decode(): kv.create_revision for kv in listing}
-        await self._replace({kv.key.decode(): kv.value for kv in listing})
+        self.create_revisions.update((kv.key.decode(), kv.create_revision) for kv in listing)
+        self._present = {kv.key.decode(): kv.value for kv in listing if kv.value}
+        await self._publish(frozenset(kv.key.decode() for kv in listing if not kv.value))
         watch = await self._client.watch_prefix(
             self._prefix.encode(), start_revision=listing.header.revision + 1
         )
         try:
             async for event in watch:
                 key = event.kv.key.decode()
-                items = dict(self.items)
-                if event.kind == "PUT":
-                    items[key] = event.kv.value
+                leaving: frozenset[str] = frozenset()
+                if event.kind == "PUT" and event.kv.value:
+                    self._present[key] = event.kv.value
                     self.create_revisions[key] = event.kv.create_revision
                 else:
-                    items.pop(key, None)
-                    self.create_revisions.pop(key, None)
-                await self._replace(items)
+                    self._present.pop(key, None)
+                    if event.kind == "PUT":  # emptied by its holder on the way out
+                        leaving = frozenset((key,))
+                await self._publish(leaving)
         finally:
             try:
                 await watch.cancel()
             except Exception:  # noqa: BLE001 - the stream is already gone
                 pass
 
+    async def _end_graces(self) -> None:
+        """Drop each lapsed key when its grace ends."""
+        loop = asyncio.get_running_loop()
+        while True:
+            changed = self._held_changed.since_now()
+            expiry = self._held.next_expiry()
+            if expiry is None:
+                await changed.wait()
+            elif not await wait_or_timeout(changed, max(0.0, expiry - loop.time())):
+                if self._held.expire(loop.time()):
+                    log.warning("etcd keys under %s did not come back within %.1f s", self._prefix,
+                                self._held.grace_s)
+                    await self._replace(self._held.view())
+
+    async def _publish(self, leaving: frozenset[str]) -> None:
+        self._held.update(self._present, asyncio.get_running_loop().time(), leaving)
+        self._held_changed.notify()
+        await self._replace(self._held.view())
+
     async def _replace(self, items: dict[str, bytes]) -> None:
         self.items = items
+        self.lapsed = self._held.lapsed()
+        self.create_revisions = {key: self.create_revisions.get(key, 0) for key in items}
         self.synced.set()
         if self._on_change is not None:
             self._on_change(items)

@@ -51,8 +51,9 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         self._config = config
         self._host = host
         self._member = Membership(config.etcd, config.lease_ttl_s)
-        self._schedulers = ServiceDirectory(self._member.client, "scheduler", telemetry)
-        self._kvindexes = ServiceDirectory(self._member.client, "kvindex", telemetry)
+        # Replicas whose lease lapsed are kept a TTL: an etcd freeze must not cut load or KV streams.
+        self._schedulers = ServiceDirectory(self._member.client, "scheduler", telemetry, grace_s=config.lease_ttl_s)
+        self._kvindexes = ServiceDirectory(self._member.client, "kvindex", telemetry, grace_s=config.lease_ttl_s)
         self._kv_log = KvEventLog(config.node_id, host)
         self._tokens = telemetry.meter.create_counter(
             "baton.node.generated_tokens", description="tokens generated on this node"

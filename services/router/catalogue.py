@@ -12,8 +12,9 @@ from services.router.validation import ModelEntry
 log = logging.getLogger(__name__)
 
 
-def models_from_registrations(items: dict[str, bytes]) -> dict[str, ModelEntry]:
-    """One entry per model name, counting the nodes where it is warm."""
+def models_from_registrations(items: dict[str, bytes], lapsed: frozenset[str] = frozenset()) -> dict[str, ModelEntry]:
+    """One entry per model name, counting the nodes where it is warm; lapsed registrations (held
+    for their grace period) keep a model served but count no warm node."""
     entries: dict[str, ModelEntry] = {}
     for key, value in items.items():
         try:
@@ -23,7 +24,7 @@ def models_from_registrations(items: dict[str, bytes]) -> dict[str, ModelEntry]:
             continue
         for model in info.models:
             known = entries.get(model.name)
-            warm = (known.num_warm_nodes if known else 0) + int(model.is_warm)
+            warm = (known.num_warm_nodes if known else 0) + int(model.is_warm and key not in lapsed)
             entries[model.name] = ModelEntry(
                 name=model.name,
                 max_context_tokens=model.max_context_tokens,

@@ -52,7 +52,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._rng = random.Random()
         self._models: dict[str, ModelEntry] = {}
         self._member = Membership(config.etcd, config.lease_ttl_s)
-        self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed)
+        # A node whose lease lapsed stays for a TTL: an etcd freeze expires every lease at once.
+        self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed,
+                                 grace_s=config.lease_ttl_s)
         self._leader = LeaderDirectory(self._member.client, etcd_keys.SCHEDULER_ELECTION, telemetry)
         self._node_channels = ChannelPool(telemetry)
         self._liveness = NodeLiveness()
@@ -76,7 +78,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         ]
 
     def _on_nodes_changed(self, items: dict[str, bytes]) -> None:
-        self._models = models_from_registrations(items)
+        self._models = models_from_registrations(items, self._nodes.lapsed)
         self._liveness.update({key.removeprefix(etcd_keys.NODES) for key in items})
 
     async def before_stop(self) -> None:

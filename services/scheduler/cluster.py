@@ -46,6 +46,8 @@ class NodeStatus:
     # When its models last changed (warm set or loading set) and when it was last given a request.
     models_since: float = 0.0
     last_placed_at: float | None = None
+    # Its registration is gone from etcd but held for a grace period (PrefixView.lapsed).
+    is_lapsed: bool = False
 
     def kv_capacity(self, model: str) -> int | None:
         """Blocks of KV cache model has (or would have) here; None when unknown."""
@@ -71,12 +73,17 @@ class NodeStatus:
 class ClusterView:
     """Registered nodes and what the scheduler knows of their load. Time is passed in."""
 
-    def __init__(self, load_timeout_s: float) -> None:
+    def __init__(self, load_timeout_s: float, lapsed_silence_s: float = 0.0) -> None:
         self._load_timeout_s = load_timeout_s
+        # A node whose registration lapsed stays live only while it reports load this often.
+        self._lapsed_silence_s = lapsed_silence_s
         self._nodes: dict[str, NodeStatus] = {}
 
-    def set_nodes(self, specs: list[NodeSpec], now: float = 0.0) -> None:
-        """Replace membership with specs (from etcd), keeping what is known of staying nodes."""
+    def set_nodes(self, specs: list[NodeSpec], now: float = 0.0, lapsed: frozenset[str] = frozenset()) -> None:
+        """Replace membership with specs (from etcd), keeping what is known of staying nodes.
+
+        Nodes in lapsed are gone from etcd, held for a grace period: they stay candidates only
+        while their load reports say they are alive (is_live)."""
         nodes = {}
         for spec in specs:
             status = self._nodes.get(spec.node_id)
@@ -86,6 +93,7 @@ class ClusterView:
                 if (status.spec.warm_models, status.spec.loading_models) != (spec.warm_models, spec.loading_models):
                     status.models_since = now
                 status.spec = spec
+            status.is_lapsed = spec.node_id in lapsed
             nodes[spec.node_id] = status
         self._nodes = nodes
 
@@ -108,8 +116,18 @@ class ClusterView:
                 status.last_placed_at = now
 
     def is_live(self, status: NodeStatus, now: float) -> bool:
-        """Registered, and not silent for longer than the load timeout once it has reported."""
+        """Registered, and not silent for longer than the load timeout once it has reported.
+
+        A node whose registration lapsed must have reported within lapsed_silence_s: a live
+        node reports every heartbeat, while one that lost its lease by dying or hanging had
+        been silent for most of a TTL before etcd noticed."""
+        if status.is_lapsed:
+            return status.reported_at is not None and now - status.reported_at <= self._lapsed_silence_s
         return status.reported_at is None or now - status.reported_at <= self._load_timeout_s
+
+    def is_listed(self, status: NodeStatus, now: float) -> bool:
+        """Registered in etcd, or lapsed but still live: a member of the fleet as users see it."""
+        return not status.is_lapsed or self.is_live(status, now)
 
     def candidates(self, model: str, now: float, exclude: frozenset[str] = frozenset(),
                    needed_blocks: int = 0) -> list[NodeStatus]:
@@ -139,9 +157,10 @@ class ClusterView:
     def get(self, node_id: str) -> NodeStatus | None:
         return self._nodes.get(node_id)
 
-    def has_model(self, model: str) -> bool:
-        """Some node has model, warm or on its disk."""
-        return any(model in s.spec.warm_models or model in s.spec.cold_models for s in self._nodes.values())
+    def has_model(self, model: str, now: float | None = None) -> bool:
+        """Some node has model, warm or on its disk (given now: a listed one, see is_listed)."""
+        return any(model in s.spec.warm_models or model in s.spec.cold_models for s in self._nodes.values()
+                   if now is None or self.is_listed(s, now))
 
     def models(self) -> list[str]:
         return sorted({m for s in self._nodes.values() for m in s.spec.warm_models | s.spec.cold_models})

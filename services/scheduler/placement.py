@@ -97,7 +97,8 @@ class Placer:
                     retry_after_ms=int(budget.window_s * 1000))
         else:
             self.retry_budget.record_request(now)
-        models = [m for m in dict.fromkeys([request.model, *ask.alternative_models]) if self.cluster.has_model(m)]
+        models = [m for m in dict.fromkeys([request.model, *ask.alternative_models])
+                  if self.cluster.has_model(m, now)]
         if not models:
             raise NotFound(f"model={request.model!r}: no registered node has it"
                            + (f" (nor {', '.join(ask.alternative_models)})" if ask.alternative_models else ""))

@@ -87,7 +87,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     def __init__(self, config: SchedulerConfig, telemetry: Telemetry) -> None:
         self._config = config
-        self._cluster = ClusterView(load_timeout_s=config.load_timeout_s)
+        # A lapsed registration (etcd froze, or the node died) keeps a node only while it reports load
+        # within a keep-alive interval; the view holds it for one TTL (docs/etcd.md).
+        self._cluster = ClusterView(load_timeout_s=config.load_timeout_s, lapsed_silence_s=config.lease_ttl_s / 3)
         self._policy = make_policy(config.policy, config.prefill_load_scale)
         self._retry_budget = RetryBudget(config.retry_ratio, config.retry_min_per_s)
         self._decisions: deque[scheduler_pb2.PlacementDecision] = deque(maxlen=_DECISIONS_KEPT)
@@ -98,8 +100,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self._is_saturated, telemetry.meter)
         self._node_infos: dict[str, common_pb2.NodeInfo] = {}
         self._member = Membership(config.etcd, config.lease_ttl_s)
-        self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed)
-        self._kvindexes = ServiceDirectory(self._member.client, "kvindex", telemetry)
+        self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed,
+                                 grace_s=config.lease_ttl_s)
+        self._kvindexes = ServiceDirectory(self._member.client, "kvindex", telemetry, grace_s=config.lease_ttl_s)
         self._role = LeaderRole(self._member.client, config.instance_id, config.listen, config.lease_ttl_s,
                                 self._hand_over_state, self._take_over_state)
         self._placements = telemetry.meter.create_counter(
@@ -157,7 +160,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                  len(state.get("workflow_spent", {})))
 
     def _on_nodes_changed(self, items: dict[str, bytes]) -> None:
-        specs, infos = [], {}
+        specs, infos, lapsed = [], {}, set()
         for key, value in items.items():
             try:
                 info = json_format.Parse(value, common_pb2.NodeInfo())
@@ -166,8 +169,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 continue
             infos[info.node_id] = info
             specs.append(node_spec(info))
+            if key in self._nodes.lapsed:
+                lapsed.add(info.node_id)
         self._node_infos = infos
-        self._cluster.set_nodes(specs, time.monotonic())
+        self._cluster.set_nodes(specs, time.monotonic(), frozenset(lapsed))
         self._prices.update((spec.node_id, spec.price_per_hour) for spec in specs)
         self._gate.capacity_changed()  # a model may have turned warm
         self._nodes_changed.notify()
@@ -200,6 +205,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     ) -> scheduler_pb2.Placement:
         try:
             await self._role.wait_if_taking_over(self._config.lease_ttl_s)
+            await self._wait_for_election(context.time_remaining())
             if not self._role.is_leader:
                 raise self._not_leader()
             ask = place_ask(request)
@@ -376,6 +382,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             newest = newest[: request.limit]
         return scheduler_pb2.RecentDecisions(policy=self._config.policy, decisions=newest)
 
+    async def _wait_for_election(self, remaining_s: float | None) -> None:
+        """While etcd shows no leader at all, wait up to a TTL for this replica to be elected.
+
+        A router sends Place to the replica it saw lead. When a frozen etcd resumes, every election
+        lease has lapsed, the leader's too: it steps down and campaigns again, and for that moment no
+        leader exists. Refused then, the router would wait for a different leader in vain."""
+        if self._role.is_leader or self._role.leader() is not None:
+            return
+        wait_s = self._config.lease_ttl_s if remaining_s is None else min(self._config.lease_ttl_s, remaining_s)
+        await wait_or_timeout(self._role.elected, max(0.0, wait_s))
+
     def _not_leader(self) -> FailedPrecondition:
         leader = self._role.leader()
         if leader is None:
@@ -404,6 +421,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             state.tasks.CopyFrom(self._task_stats())
             state.model_actions.extend(reversed(self._loader.log))
         for status in self._cluster.nodes():
+            if not self._cluster.is_listed(status, now):
+                continue  # lapsed and silent: gone, though its grace has not ended
             info = self._node_infos.get(status.spec.node_id)
             state.nodes.append(
                 scheduler_pb2.NodeState(

@@ -1,0 +1,235 @@
+"""An etcd that freezes for longer than the lease TTL fails no request, before, during or after;
+views of etcd hold keys whose lease lapsed for a grace period, and drop those given up at once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from baton.client import BatonClient
+from baton.cluster import ClusterSpec, LocalCluster, ManagedProcess, start_etcd
+from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.common import etcd_keys
+from services.common.etcd_session import LeaseSession, PrefixView, connect
+from tests.integration.conftest import MODEL, eventually
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+
+TTL_S = 3
+FREEZE_S = 3 * TTL_S
+NUM_TOKENS = 60
+
+
+class LoopingStreams:
+    """Clients streaming requests back to back until stopped; every shortfall kept."""
+
+    def __init__(self, address: str, num_workers: int = 4) -> None:
+        self._address = address
+        self._num_workers = num_workers
+        self._stop = asyncio.Event()
+        self.num_completed = 0
+        self.failures: list[str] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _worker(self, worker: int) -> None:
+        async with BatonClient(self._address) as client:
+            number = 0
+            while not self._stop.is_set():
+                number += 1
+                try:
+                    result = await client.complete(MODEL, f"worker {worker} stream {number}: keep going",
+                                                   max_tokens=NUM_TOKENS, ignore_eos=True, timeout_s=30)
+                except grpc.aio.AioRpcError as error:
+                    self.failures.append(f"{error.code().name}: {error.details()}")
+                    continue
+                if result.finish_reason != common_pb2.FINISH_REASON_LENGTH or len(result.token_ids) != NUM_TOKENS:
+                    self.failures.append(f"incomplete: {result.finish_reason}, {len(result.token_ids)} tokens")
+                elif result.usage.num_migrations:
+                    self.failures.append(f"moved off a healthy node: {result.node_ids}")
+                self.num_completed += 1
+
+    def start(self) -> None:
+        async def run() -> None:
+            await asyncio.gather(*(self._worker(i) for i in range(self._num_workers)))
+
+        self._task = asyncio.create_task(run())
+
+    async def wait_completed(self, count: int, timeout_s: float = 30) -> None:
+        """Until count more requests have completed."""
+        target = self.num_completed + count
+        async with asyncio.timeout(timeout_s):
+            while self.num_completed < target:
+                assert self._task is not None and not self._task.done(), "the load stopped"
+                await asyncio.sleep(0.02)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        assert self._task is not None
+        await self._task
+
+
+@pytest.fixture
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Three real-time nodes with 2 s leases, one scheduler, one router."""
+    spec = ClusterSpec(num_nodes=3, speed=1.0, lease_ttl_s=TTL_S)
+    with LocalCluster(spec, tmp_path_factory.mktemp("cluster")) as started:
+        yield started
+
+
+async def node_leases(endpoint: str) -> dict[str, int]:
+    """Each registered node's lease, as etcd holds it now."""
+    client = connect(endpoint)
+    try:
+        listing = await client.get_prefix(etcd_keys.NODES.encode())
+    finally:
+        await client.close()
+    return {kv.key.decode().removeprefix(etcd_keys.NODES): kv.lease for kv in listing}
+
+
+async def listed_nodes(address: str, stop: asyncio.Event) -> list[int]:
+    """How many nodes the scheduler lists, asked back to back until stop is set."""
+    counts = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        while not stop.is_set():
+            state = await stub.GetClusterState(scheduler_pb2.GetClusterStateRequest(), timeout=5)
+            counts.append(len(state.nodes))
+    return counts
+
+
+async def test_an_etcd_freeze_longer_than_the_ttl_fails_no_request(cluster: LocalCluster) -> None:
+    assert cluster.etcd is not None and cluster.router is not None and cluster.scheduler is not None
+    leases_before = await node_leases(cluster.etcd.address)
+    load = LoopingStreams(cluster.router.address)
+    load.start()
+    await load.wait_completed(5)
+    stop_asking = asyncio.Event()
+    asking = asyncio.create_task(listed_nodes(cluster.scheduler.address, stop_asking))
+
+    cluster.etcd.signal(signal.SIGSTOP)
+    try:
+        frozen_until = time.monotonic() + FREEZE_S
+        while time.monotonic() < frozen_until:  # requests keep completing on the last view
+            await load.wait_completed(1)
+    finally:
+        cluster.etcd.signal(signal.SIGCONT)
+
+    async def every_node_re_registered() -> bool:
+        # Every lease expired while etcd was frozen: each node is back under a lease of its own.
+        leases = await node_leases(cluster.etcd.address)
+        return leases.keys() == leases_before.keys() and all(
+            leases[node] != leases_before[node] for node in leases)
+
+    await eventually(every_node_re_registered, 10, "every node to register again under a new lease")
+    await load.wait_completed(3 * len(cluster.nodes))
+    await load.stop()
+    stop_asking.set()
+    assert load.failures == [], "\n".join(load.failures)
+    counts = await asking
+    assert counts and min(counts) == len(cluster.nodes), "the scheduler dropped a live node for a moment"
+
+    state = cluster.cluster_state()
+    assert sorted(n.info.node_id for n in state.nodes) == ["node-0", "node-1", "node-2"]
+    async with BatonClient(cluster.router.address) as client:
+        models = await client.list_models()
+    assert [(m.name, m.num_warm_nodes) for m in models] == [(MODEL, 3)]
+
+
+PREFIX = "/test/view/"
+KEY = f"{PREFIX}holder"
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[ManagedProcess]:
+    process = start_etcd(tmp_path)
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+class RecordedView:
+    """A PrefixView with a grace period, and every view it showed, with what was lapsed in it."""
+
+    def __init__(self, endpoint: str, grace_s: float) -> None:
+        self.client = connect(endpoint)
+        self.views: list[tuple[set[str], frozenset[str]]] = []
+        self.view = PrefixView(self.client, PREFIX, self._record, grace_s=grace_s)
+        self._task: asyncio.Task[None] | None = None
+
+    def _record(self, items: dict[str, bytes]) -> None:
+        self.views.append((set(items), self.view.lapsed))
+
+    async def __aenter__(self) -> RecordedView:
+        self._task = asyncio.create_task(self.view.run())
+        await asyncio.wait_for(self.view.wait_for(lambda items: KEY in items), 5)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        await self.client.close()
+
+    def was_lapsed(self) -> bool:
+        return any(KEY in lapsed for _, lapsed in self.views)
+
+
+async def test_a_key_whose_lease_lapsed_stays_in_view_while_its_holder_puts_it_back(etcd: ManagedProcess) -> None:
+    holder = connect(etcd.address)
+    session = LeaseSession(holder, ttl_s=TTL_S)
+    await session.put(KEY, b"alive")
+    keep_alive = asyncio.create_task(session.keep_alive())
+    try:
+        async with RecordedView(etcd.address, grace_s=TTL_S) as recorded:
+            lapsed_lease = session.lease_id
+            assert lapsed_lease is not None
+            await recorded.client.revoke_lease(lapsed_lease)  # as a frozen etcd does on resuming
+
+            async def put_back() -> bool:
+                stored = await recorded.client.get(KEY.encode())
+                return stored is not None and stored.lease != lapsed_lease
+
+            await eventually(put_back, 10, "the holder to put its key back under a new lease")
+            await asyncio.wait_for(recorded.view.wait_for(lambda _: not recorded.view.lapsed), 5)
+            assert recorded.was_lapsed(), "the key vanished from etcd for a moment"
+            assert all(KEY in items for items, _ in recorded.views), "the key never left the view"
+    finally:
+        keep_alive.cancel()
+        await session.revoke()
+        await holder.close()
+
+
+async def test_a_key_not_put_back_leaves_the_view_when_its_grace_ends(etcd: ManagedProcess) -> None:
+    holder = connect(etcd.address)
+    try:
+        lease = await holder.lease(TTL_S)
+        await holder.put(KEY.encode(), b"about to die", lease=lease.id)
+        async with RecordedView(etcd.address, grace_s=0.5) as recorded:
+            await holder.revoke_lease(lease.id)  # its holder is gone: nothing puts it back
+            await asyncio.wait_for(recorded.view.wait_for(lambda items: KEY not in items), 5)
+            assert recorded.was_lapsed()
+    finally:
+        await holder.close()
+
+
+async def test_a_holder_that_leaves_cleanly_leaves_the_view_at_once(etcd: ManagedProcess) -> None:
+    holder = connect(etcd.address)
+    session = LeaseSession(holder, ttl_s=TTL_S)
+    await session.put(KEY, b"leaving soon")
+    try:
+        async with RecordedView(etcd.address, grace_s=60) as recorded:
+            await session.revoke()
+            # Far sooner than the grace: the holder said it was leaving, so the view holds nothing.
+            await asyncio.wait_for(recorded.view.wait_for(lambda items: KEY not in items), 10)
+            assert not recorded.was_lapsed()
+    finally:
+        await holder.close()

@@ -1,0 +1,57 @@
+"""A Place that reaches the scheduler while etcd shows no leader waits for the election."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from baton.v1 import scheduler_pb2
+from services.common.load import Load
+from services.common.telemetry import Telemetry
+from services.scheduler.cluster import NodeSpec
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.leadership import LeaderRole
+from services.scheduler.servicer import SchedulerService
+
+MODEL = "m"
+
+
+class Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+
+
+class FakeContext:
+    """The part of a servicer context that Place uses."""
+
+    def time_remaining(self) -> float:
+        return 30.0
+
+    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: object = ()) -> None:
+        raise Refused(code, details)
+
+
+async def test_a_place_while_the_leader_is_being_re_elected_is_placed_not_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # As after an etcd freeze: the leader's election key lapsed, it stepped down and campaigns again.
+    leading = asyncio.Event()
+    monkeypatch.setattr(LeaderRole, "is_leader", property(lambda self: leading.is_set()))
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    service._cluster.set_nodes([NodeSpec(node_id="n0", address="n0:1", gpu="h100", price_per_hour=1.0,
+                                         warm_models=frozenset({MODEL}))])
+    service._cluster.report_load("n0", Load(kv_blocks_total=1000), time.monotonic())
+    request = scheduler_pb2.PlaceRequest(request_id="r1", model=MODEL, num_prompt_tokens=16, max_tokens=8)
+    try:
+        placing = asyncio.create_task(service.Place(request, FakeContext()))  # type: ignore[arg-type]
+        await asyncio.sleep(0)  # one turn of the loop: Place runs until it waits, or is refused
+        assert not placing.done(), "refused while the election was under way"
+        leading.set()
+        service._role.elected.set()
+        placement = await asyncio.wait_for(placing, 5)
+        assert placement.node_id == "n0"
+    finally:
+        await service.close()
