@@ -16,6 +16,7 @@ from services.common.errors import BatonError, Unavailable, from_rpc_error
 from services.router.config import RouterConfig
 from services.router.generation import FailureCause, Generation, NodeFailure
 from services.router.node_stream import NodeLiveness, watched_stream
+from services.router.stall import NodeActivity
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,8 @@ class Relay:
         self._leader = leader
         self._node_channels = node_channels
         self._liveness = liveness
+        # What this router last heard from each node on any stream: a busy node is not a dead one.
+        self._activity = NodeActivity()
         # Nodes that failed a stream lately, avoided by every placement until the time given.
         self._suspects: dict[str, float] = {}
         # Finished notices in flight (kept so they are not collected mid-call).
@@ -66,7 +69,7 @@ class Relay:
                 base = len(generation.generated)
                 node_chunks = watched_stream(
                     self._node_channels.get(placement.address), placement.node_id, generation.node_request(),
-                    self._liveness, self._config.stall_floor_s, time_remaining(),
+                    self._liveness, self._config.stall_floor_s, time_remaining(), self._activity,
                 )
                 attempt_gpu_ms = 0.0
                 try:
