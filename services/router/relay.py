@@ -150,9 +150,14 @@ class Relay:
         self, generation: Generation, request: router_pb2.GenerateRequest, retry_cause: str,
         remaining_s: float | None,
     ) -> scheduler_pb2.Placement:
-        """A node for the generation's next attempt, avoiding nodes that failed recently."""
+        """A node for the generation's next attempt, avoiding nodes that failed recently.
+
+        When it is a move (retry_cause set) that cannot happen, Unavailable says which node failed
+        how, and why the generation could not move.
+        """
         now = asyncio.get_running_loop().time()
         self._suspects = {node: until for node, until in self._suspects.items() if until > now}
+        excluded = set(generation.excluded_nodes())
         place = scheduler_pb2.PlaceRequest(
             request_id=generation.request_id,
             model=generation.model,
@@ -166,23 +171,26 @@ class Relay:
             workflow_id=request.workflow_id,
             step=request.step,
             total_steps=request.total_steps,
-            exclude_node_ids=sorted(set(generation.excluded_nodes()) | set(self._suspects)),
+            exclude_node_ids=sorted(excluded | set(self._suspects)),
             retry_cause=retry_cause,
             alternative_models=generation.alternative_models,
         )
         try:
-            placement = await self._call_scheduler(place, remaining_s)
-        except BatonError as error:
-            if error.code == grpc.StatusCode.UNAVAILABLE and self._suspects:
-                # Every node this router avoids may be all there is; try them again.
-                del place.exclude_node_ids[:]
-                place.exclude_node_ids.extend(generation.excluded_nodes())
+            try:
                 placement = await self._call_scheduler(place, remaining_s)
-            elif error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and retry_cause:
-                raise Unavailable(f"request {generation.request_id} cannot move after {retry_cause}: "
-                                  f"{error}") from None
-            else:
-                raise
+            except BatonError as error:
+                if error.code != grpc.StatusCode.UNAVAILABLE or not set(self._suspects) - excluded:
+                    raise
+                # Every node this router avoids may be all there is; try them again. (Only when that
+                # adds a node: asking again for the same set would fail again, and charge again.)
+                del place.exclude_node_ids[:]
+                place.exclude_node_ids.extend(sorted(excluded))
+                placement = await self._call_scheduler(place, remaining_s)
+        except BatonError as error:
+            if retry_cause and error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                raise Unavailable(f"request {generation.request_id}: {generation.failures[-1]}; could not move "
+                                  f"it: {error}") from None
+            raise
         generation.settle_model(placement.model)
         return placement
 

@@ -178,6 +178,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def Place(
         self, request: scheduler_pb2.PlaceRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.Placement:
+        # A move takes a unit of the retry budget up front and gives it back if it is not placed:
+        # the budget bounds the load that moves, and a move that found nowhere to go moved nothing.
+        charged_at: float | None = None
+        is_placed = False
         try:
             await self._role.wait_if_taking_over(self._config.lease_ttl_s)
             if not self._role.is_leader:
@@ -192,6 +196,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                         f"{budget.min_retries_per_s:g}/s + {budget.ratio:.0%} of requests)",
                         retry_after_ms=int(budget.window_s * 1000),
                     )
+                charged_at = now
             else:
                 self._retry_budget.record_request(now)
             # The request's model first, then the alternatives it accepts that some node has.
@@ -211,7 +216,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                                                         context.time_remaining())
             if not any(candidates.values()):
                 raise Unavailable(f"model={request.model!r}: no live node has it warm, or a free GPU to load it, "
-                                  f"with KV cache for {needed * DEFAULT_BLOCK_SIZE} tokens")
+                                  f"with KV cache for {needed * DEFAULT_BLOCK_SIZE} tokens"
+                                  + (f" (excluded: {', '.join(sorted(exclude))})" if exclude else ""))
             now = time.monotonic()
             placement = PlacementRequest(
                 request_id=request.request_id,
@@ -254,9 +260,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             chosen = self._cluster.get(decision.node_id)
             if chosen is not None and model not in chosen.spec.warm_models:
                 await self._load_for(request.request_id, decision, model, context.time_remaining())
+            is_placed = True
         except BatonError as error:
             self._placements.add(1, {"outcome": error.code.name, "retry": request.retry_cause})
             await abort(context, error)
+        finally:
+            if charged_at is not None and not is_placed:
+                self._retry_budget.refund(charged_at)
         self._placements.add(1, {"outcome": "OK", "retry": request.retry_cause})
         log.debug("placed %s on %s (cost %.1f, %d cached blocks)", request.request_id, decision.node_id,
                   decision.cost, decision.matched_blocks)

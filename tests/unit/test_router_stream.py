@@ -1,5 +1,5 @@
-"""The router's Generate as a client sees it, against a fake scheduler and a fake node on 127.0.0.1:
-how tokens are merged for a slow reader."""
+"""The router's Generate as a client sees it, against a fake scheduler and fake nodes on 127.0.0.1:
+how tokens are merged for a slow reader, and what a failed move costs and says."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from baton.v1 import (
     scheduler_pb2_grpc,
 )
 from services.common import etcd_keys
+from services.common.errors import Unavailable, abort
 from services.common.telemetry import Telemetry
 from services.router.config import RouterConfig
 from services.router.servicer import RouterService
@@ -57,7 +58,7 @@ class _FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     ) -> scheduler_pb2.Placement:
         self.places.append(request)
         if request.retry_cause or NODE in request.exclude_node_ids:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"model={request.model!r}: no live node has it warm")
+            await abort(context, Unavailable(f"model={request.model!r}: no live node has it warm"))
         return scheduler_pb2.Placement(node_id=NODE, address=self.node_address)
 
     async def Finished(  # noqa: N802
@@ -136,3 +137,25 @@ async def test_a_reader_that_sleeps_per_message_gets_merged_tokens() -> None:
     assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert len(messages) < num_tokens / 4
 
+
+async def test_a_move_with_nowhere_to_go_asks_once_and_says_what_happened() -> None:
+    """Issue 15.5: a stalled stream on a one-node cluster was placed twice (each a charge on the
+    retry budget); now once, and the status names the failure and why it could not move."""
+    never = asyncio.Event()
+
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        yield _started()
+        yield Chunk(node_id=NODE, index=0, token_ids=[97])
+        await never.wait()  # then nothing, on every stream: a stopped node
+        yield Chunk(node_id=NODE, index=1, token_ids=[98])
+
+    async with _router(generate, stall_floor_s=0.2) as (router, scheduler):
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=8))
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            async for _ in call:
+                pass
+    assert [p.retry_cause for p in scheduler.places] == ["", "stalled"]
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    details = raised.value.details() or ""
+    assert f"node {NODE}: stalled" in details and "nor on any other from the node" in details
+    assert "could not move it" in details and "no live node has it warm" in details
