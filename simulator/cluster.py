@@ -372,6 +372,7 @@ class Simulation:
                     and any(model in s.spec.cold_models for s in self._view.nodes())):
                 self._unplaced.append(pending)  # as Place waits for the planner
                 return
+            self._placer.abandon(plan)
             self._fail(record, str(self._placer.no_candidates(plan)))
             return
         options = self._placer.options(plan, lambda m: self._index.overlap(m, pending.block_hashes))

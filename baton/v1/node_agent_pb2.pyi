@@ -1,11 +1,23 @@
 from baton.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class RequestPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REQUEST_PHASE_UNSPECIFIED: _ClassVar[RequestPhase]
+    REQUEST_PHASE_QUEUED: _ClassVar[RequestPhase]
+    REQUEST_PHASE_PREFILLING: _ClassVar[RequestPhase]
+    REQUEST_PHASE_DECODING: _ClassVar[RequestPhase]
+REQUEST_PHASE_UNSPECIFIED: RequestPhase
+REQUEST_PHASE_QUEUED: RequestPhase
+REQUEST_PHASE_PREFILLING: RequestPhase
+REQUEST_PHASE_DECODING: RequestPhase
 
 class LoadModelRequest(_message.Message):
     __slots__ = ("model",)
@@ -48,7 +60,7 @@ class NodeGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class NodeGenerateChunk(_message.Message):
-    __slots__ = ("request_id", "token_ids", "index", "finish_reason", "usage", "node_id", "checkpoint", "started")
+    __slots__ = ("request_id", "token_ids", "index", "finish_reason", "usage", "node_id", "checkpoint", "started", "progress")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +69,7 @@ class NodeGenerateChunk(_message.Message):
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     index: int
@@ -65,7 +78,20 @@ class NodeGenerateChunk(_message.Message):
     node_id: str
     checkpoint: Checkpoint
     started: StreamStarted
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., node_id: _Optional[str] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., started: _Optional[_Union[StreamStarted, _Mapping]] = ...) -> None: ...
+    progress: RequestProgress
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., node_id: _Optional[str] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., started: _Optional[_Union[StreamStarted, _Mapping]] = ..., progress: _Optional[_Union[RequestProgress, _Mapping]] = ...) -> None: ...
+
+class RequestProgress(_message.Message):
+    __slots__ = ("phase", "num_ahead", "num_computed_tokens", "num_prompt_tokens")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    NUM_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    phase: RequestPhase
+    num_ahead: int
+    num_computed_tokens: int
+    num_prompt_tokens: int
+    def __init__(self, phase: _Optional[_Union[RequestPhase, str]] = ..., num_ahead: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
     __slots__ = ("num_context_tokens", "num_completion_tokens", "seed", "exact", "gpu_ms")

@@ -1,22 +1,44 @@
-"""Read a stream eagerly and hand a slow consumer everything pending as one merged item."""
+"""Read a stream eagerly and hand its consumer what piled up in the meantime as one merged item."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
 
 
-async def coalesce(source: AsyncIterator[T], merge: Callable[[list[T]], T]) -> AsyncIterator[T]:
-    """Items of source; those that arrived while the consumer was busy come merged into one.
+async def coalesce(
+    source: AsyncIterator[T],
+    merge: Callable[[list[T]], T],
+    *,
+    min_interval_s: float = 0.0,
+    max_pending: int = 1024,
+    key: Callable[[T], object] | None = None,
+) -> AsyncIterator[T]:
+    """Items of source; those that arrive while the consumer is busy, or within min_interval_s of
+    the last item handed out, come merged into one.
 
-    Memory is bounded by what the source produces (one request's tokens), not by how
-    slowly the consumer reads. Closing this iterator cancels the reader.
+    The interval is for consumers that cannot say they are behind: a gRPC server stream's write
+    completes as soon as the client's HTTP/2 window has room, and that window holds about a
+    thousand small messages, so a slow client's backlog sits in its own receive buffer, one
+    message per item. The first item goes out at once, and so does everything pending when the
+    source ends. Only consecutive items with equal key (all, without one) are merged.
+
+    Memory: at most max_pending items wait. When that many do, the reader stops reading source
+    (its producer feels the back-pressure: gRPC flow control) until the consumer takes them.
+    Closing this iterator cancels the reader.
     """
+    if max_pending < 1 or min_interval_s < 0:
+        raise ValueError(f"coalesce: max_pending must be >= 1 and min_interval_s >= 0, got {max_pending}, "
+                         f"{min_interval_s}")
+    loop = asyncio.get_running_loop()
     pending: list[T] = []
-    ready = asyncio.Event()
+    arrived = asyncio.Event()  # an item came, or the source ended
+    urgent = asyncio.Event()  # pending is full, or the source ended: hand out without waiting
+    taken = asyncio.Event()
     done = False
     failure: BaseException | None = None
 
@@ -25,23 +47,43 @@ async def coalesce(source: AsyncIterator[T], merge: Callable[[list[T]], T]) -> A
         try:
             async for item in source:
                 pending.append(item)
-                ready.set()
+                arrived.set()
+                while len(pending) >= max_pending:
+                    urgent.set()
+                    taken.clear()
+                    await taken.wait()
         except Exception as exc:  # noqa: BLE001 - handed to the consumer below
             failure = exc
         finally:
             done = True
-            ready.set()
+            arrived.set()
+            urgent.set()
 
     reader = asyncio.create_task(read())
+    next_out_at = -math.inf
     try:
         while True:
-            if not pending and not done:
-                await ready.wait()
-            ready.clear()
+            while not pending and not done:
+                arrived.clear()
+                await arrived.wait()
+            hold_s = next_out_at - loop.time()
+            if hold_s > 0 and not done and len(pending) < max_pending:
+                urgent.clear()
+                try:
+                    async with asyncio.timeout(hold_s):
+                        await urgent.wait()
+                except TimeoutError:
+                    pass
             if pending:
-                items = pending[:]
-                pending.clear()
-                yield merge(items)
+                count = len(pending)
+                if key is not None:
+                    first = key(pending[0])
+                    count = next((i for i, item in enumerate(pending) if key(item) != first), count)
+                batch = pending[:count]
+                del pending[:count]
+                taken.set()
+                next_out_at = loop.time() + min_interval_s
+                yield merge(batch)
             elif done:
                 if failure is not None:
                     raise failure

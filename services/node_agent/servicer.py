@@ -18,12 +18,18 @@ from services.common.telemetry import Telemetry
 from services.node_agent.config import NodeAgentConfig
 from services.node_agent.engines.base import Engine, EngineInputError
 from services.node_agent.engines.factory import model_info, node_info
-from services.node_agent.engines.types import EngineRequest, FinishReason, SamplingParams
+from services.node_agent.engines.types import EngineRequest, FinishReason, RequestPhase, SamplingParams
 from services.node_agent.kv_publisher import KvEventLog, publish
 from services.node_agent.load_reporter import load_message, report_load
 from services.node_agent.model_host import ModelHost
 
 log = logging.getLogger(__name__)
+
+PHASES = {
+    RequestPhase.QUEUED: node_agent_pb2.REQUEST_PHASE_QUEUED,
+    RequestPhase.PREFILLING: node_agent_pb2.REQUEST_PHASE_PREFILLING,
+    RequestPhase.DECODING: node_agent_pb2.REQUEST_PHASE_DECODING,
+}
 
 FINISH_REASONS = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -116,11 +122,12 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             yield self._chunk(request, 0,
                               started=node_agent_pb2.StreamStarted(
                                   heartbeat_interval_ms=int(self._config.heartbeat_interval_s * 1000),
-                                  expected_step_ms=engine.expected_step_ms()))
+                                  expected_step_ms=engine.expected_step_ms()),
+                              progress=self._progress(engine, request.request_id))
             index = 0
             async for output in outputs:
-                if output is None:
-                    yield self._chunk(request, index)  # heartbeat
+                if output is None:  # heartbeat: the router learns the request is queued or prefilling, not lost
+                    yield self._chunk(request, index, progress=self._progress(engine, request.request_id))
                     continue
                 chunk = self._chunk(request, index, token_ids=output.new_token_ids,
                                     finish_reason=FINISH_REASONS[output.finish_reason])
@@ -146,6 +153,15 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         return node_agent_pb2.NodeGenerateChunk(
             request_id=request.request_id, index=index, node_id=self._config.node_id, **fields
         )
+
+    @staticmethod
+    def _progress(engine: Engine, request_id: str) -> node_agent_pb2.RequestProgress | None:
+        progress = engine.progress(request_id)
+        if progress is None:
+            return None
+        return node_agent_pb2.RequestProgress(
+            phase=PHASES[progress.phase], num_ahead=progress.num_ahead,
+            num_computed_tokens=progress.num_computed_tokens, num_prompt_tokens=progress.num_prompt_tokens)
 
     @staticmethod
     def _checkpoint(request: node_agent_pb2.NodeGenerateRequest, num_generated: int, engine: Engine,

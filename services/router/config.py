@@ -20,6 +20,10 @@ class RouterConfig(ServiceConfig):
     max_migrations: int = doc("how often one generation may move to another node after failures", 3)
     stall_floor_s: float = doc("shortest silence after which a node stream counts as stalled", 1.0)
     suspect_s: float = doc("after a node fails a stream, new placements avoid it this long", 5.0)
+    stream_interval_s: float = doc("a client's stream gets at most one message this often; tokens that come in "
+                                   "between are merged into the next (0: a message per node chunk)", 0.05)
+    max_pending_chunks: int = doc("node chunks held for a client that is behind; when full, the router stops "
+                                  "reading the node until the client reads", 256)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -29,6 +33,10 @@ class RouterConfig(ServiceConfig):
             raise ValueError(f"--max-migrations: must be 0 or more, got {self.max_migrations}")
         if self.stall_floor_s <= 0:
             raise ValueError(f"--stall-floor-s: must be positive, got {self.stall_floor_s}")
+        if self.stream_interval_s < 0:
+            raise ValueError(f"--stream-interval-s: must be 0 or more, got {self.stream_interval_s}")
+        if self.max_pending_chunks < 1:
+            raise ValueError(f"--max-pending-chunks: must be positive, got {self.max_pending_chunks}")
         if self.suspect_s < 0:
             raise ValueError(f"--suspect-s: must be 0 or more, got {self.suspect_s}")
         if self.leader_wait_s <= 0:

@@ -10,6 +10,7 @@ import grpc
 from baton.v1 import node_agent_pb2, node_agent_pb2_grpc
 from services.common.errors import from_rpc_error
 from services.router.generation import FailureCause, NodeFailure
+from services.router.stall import NodeActivity, StallWatch
 
 # A node stream failing with these codes is the node's failure, not the request's.
 _NODE_FAILURE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
@@ -43,17 +44,6 @@ class NodeLiveness:
         return cancel
 
 
-def stall_deadline_s(floor_s: float, started: node_agent_pb2.StreamStarted | None) -> float:
-    """How long a node may send nothing before it counts as stalled.
-
-    Derived from the pace the node announced: three heartbeat intervals or ten decode steps,
-    whichever is longer, and never below floor_s (scheduling noise on a loaded host).
-    """
-    if started is None:
-        return floor_s
-    return max(floor_s, 3 * started.heartbeat_interval_ms / 1000, 10 * started.expected_step_ms / 1000)
-
-
 async def watched_stream(
     channel: grpc.aio.Channel,
     node_id: str,
@@ -61,13 +51,19 @@ async def watched_stream(
     liveness: NodeLiveness,
     stall_floor_s: float,
     timeout_s: float | None,
+    activity: NodeActivity | None = None,
 ) -> AsyncIterator[node_agent_pb2.NodeGenerateChunk]:
-    """The node's chunks that carry tokens or a finish; NodeFailure when the node fails us."""
+    """The node's chunks that carry tokens or a finish; NodeFailure when the node fails us.
+
+    Silence is only measured while this generator waits on the node: while its consumer holds
+    a chunk (a full buffer towards a slow client), the node is not being read and cannot be heard.
+    """
     loop = asyncio.get_running_loop()
+    activity = activity if activity is not None else NodeActivity()
     call = node_agent_pb2_grpc.NodeAgentStub(channel).Generate(request, timeout=timeout_s)
     failure: FailureCause | None = None
-    stall_s = stall_floor_s
-    last_heard = loop.time()
+    stalled_because = ""
+    watch = StallWatch(node_id, stall_floor_s, activity, loop.time())
     received_any = False
 
     def fail(cause: FailureCause) -> None:
@@ -77,23 +73,25 @@ async def watched_stream(
             call.cancel()
 
     def check_stall() -> None:
-        nonlocal timer
-        idle = loop.time() - last_heard
-        if idle >= stall_s:
+        nonlocal timer, stalled_because
+        why, recheck_s = watch.check(loop.time())
+        if why is not None:
+            stalled_because = why
             fail(FailureCause.STALLED)
         else:
-            timer = loop.call_later(stall_s - idle, check_stall)
+            timer = loop.call_later(recheck_s, check_stall)
 
-    timer = loop.call_later(stall_s, check_stall)
+    activity.open(node_id)
+    timer = loop.call_later(watch.deadline_s, check_stall)
     stop_watching = liveness.on_gone(node_id, lambda: fail(FailureCause.LEASE_EXPIRED))
     try:
         async for chunk in call:
-            last_heard = loop.time()
+            watch.heard(chunk, loop.time())
             received_any = True
-            if chunk.HasField("started"):
-                stall_s = stall_deadline_s(stall_floor_s, chunk.started)
             if chunk.token_ids or chunk.finish_reason:
+                watch.stop_listening()
                 yield chunk
+                watch.listen(loop.time())
                 if chunk.finish_reason:
                     return
         raise NodeFailure(node_id, FailureCause.STREAM_BROKEN, "stream ended without a finish")
@@ -101,11 +99,10 @@ async def watched_stream(
         current = asyncio.current_task()
         if failure is None or (current is not None and current.cancelling()):
             raise  # cancelled from outside (the client went away): not a node failure
-        raise NodeFailure(node_id, failure, f"after {stall_s:.2f}s silent" if failure is FailureCause.STALLED
-                          else "") from None
+        raise NodeFailure(node_id, failure, stalled_because) from None
     except grpc.aio.AioRpcError as exc:
         if failure is not None:
-            raise NodeFailure(node_id, failure) from None
+            raise NodeFailure(node_id, failure, stalled_because) from None
         if exc.code() in _NODE_FAILURE_CODES:
             cause = FailureCause.STREAM_BROKEN if received_any else FailureCause.CONNECT_FAILED
             raise NodeFailure(node_id, cause, exc.details() or exc.code().name) from None
@@ -113,4 +110,5 @@ async def watched_stream(
     finally:
         timer.cancel()
         stop_watching()
+        activity.close(node_id)
         call.cancel()

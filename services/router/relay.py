@@ -16,6 +16,7 @@ from services.common.errors import BatonError, Unavailable, from_rpc_error
 from services.router.config import RouterConfig
 from services.router.generation import FailureCause, Generation, NodeFailure
 from services.router.node_stream import NodeLiveness, watched_stream
+from services.router.stall import NodeActivity
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,8 @@ class Relay:
         self._leader = leader
         self._node_channels = node_channels
         self._liveness = liveness
+        # What this router last heard from each node on any stream: a busy node is not a dead one.
+        self._activity = NodeActivity()
         # Nodes that failed a stream lately, avoided by every placement until the time given.
         self._suspects: dict[str, float] = {}
         # Finished notices in flight (kept so they are not collected mid-call).
@@ -66,7 +69,7 @@ class Relay:
                 base = len(generation.generated)
                 node_chunks = watched_stream(
                     self._node_channels.get(placement.address), placement.node_id, generation.node_request(),
-                    self._liveness, self._config.stall_floor_s, time_remaining(),
+                    self._liveness, self._config.stall_floor_s, time_remaining(), self._activity,
                 )
                 attempt_gpu_ms = 0.0
                 try:
@@ -147,9 +150,14 @@ class Relay:
         self, generation: Generation, request: router_pb2.GenerateRequest, retry_cause: str,
         remaining_s: float | None,
     ) -> scheduler_pb2.Placement:
-        """A node for the generation's next attempt, avoiding nodes that failed recently."""
+        """A node for the generation's next attempt, avoiding nodes that failed recently.
+
+        When it is a move (retry_cause set) that cannot happen, Unavailable says which node failed
+        how, and why the generation could not move.
+        """
         now = asyncio.get_running_loop().time()
         self._suspects = {node: until for node, until in self._suspects.items() if until > now}
+        excluded = set(generation.excluded_nodes())
         place = scheduler_pb2.PlaceRequest(
             request_id=generation.request_id,
             model=generation.model,
@@ -163,23 +171,26 @@ class Relay:
             workflow_id=request.workflow_id,
             step=request.step,
             total_steps=request.total_steps,
-            exclude_node_ids=sorted(set(generation.excluded_nodes()) | set(self._suspects)),
+            exclude_node_ids=sorted(excluded | set(self._suspects)),
             retry_cause=retry_cause,
             alternative_models=generation.alternative_models,
         )
         try:
-            placement = await self._call_scheduler(place, remaining_s)
-        except BatonError as error:
-            if error.code == grpc.StatusCode.UNAVAILABLE and self._suspects:
-                # Every node this router avoids may be all there is; try them again.
-                del place.exclude_node_ids[:]
-                place.exclude_node_ids.extend(generation.excluded_nodes())
+            try:
                 placement = await self._call_scheduler(place, remaining_s)
-            elif error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and retry_cause:
-                raise Unavailable(f"request {generation.request_id} cannot move after {retry_cause}: "
-                                  f"{error}") from None
-            else:
-                raise
+            except BatonError as error:
+                if error.code != grpc.StatusCode.UNAVAILABLE or not set(self._suspects) - excluded:
+                    raise
+                # Every node this router avoids may be all there is; try them again. (Only when that
+                # adds a node: asking again for the same set would fail again, and charge again.)
+                del place.exclude_node_ids[:]
+                place.exclude_node_ids.extend(sorted(excluded))
+                placement = await self._call_scheduler(place, remaining_s)
+        except BatonError as error:
+            if retry_cause and error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                raise Unavailable(f"request {generation.request_id}: {generation.failures[-1]}; could not move "
+                                  f"it: {error}") from None
+            raise
         generation.settle_model(placement.model)
         return placement
 

@@ -122,7 +122,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
             # A resumed stream's text continues where the client's left off, mid-character or not.
             decoder.decode(valid.resume_token_ids)
             is_first = True
-            chunks = coalesce(self._relay.stream(generation, request, context.time_remaining), merge_chunks)
+            # Tokens that come faster than one message per stream interval, or while the client is
+            # behind, go out merged; a migration never shares a message (node_id names one node).
+            chunks = coalesce(self._relay.stream(generation, request, context.time_remaining), merge_chunks,
+                              min_interval_s=self._config.stream_interval_s,
+                              max_pending=self._config.max_pending_chunks, key=lambda chunk: chunk.node_id)
             async for chunk in chunks:
                 self._relayed_tokens.add(len(chunk.token_ids), {"model": generation.model})
                 reply = router_pb2.GenerateChunk(

@@ -53,6 +53,8 @@ class Plan:
     models: list[str]
     needed_blocks: int
     candidates: dict[str, list[NodeStatus]] = field(default_factory=dict)
+    # When a retry took its unit of the retry budget (None: a first placement, or not yet charged).
+    charged_at: float | None = None
 
     @property
     def has_candidates(self) -> bool:
@@ -87,6 +89,7 @@ class Placer:
         """Charge the retry budget (or count the request), find the models some node has and their
         candidates; changing(model) names the nodes busy changing models, which are never candidates."""
         request = ask.request
+        charged_at = None
         if ask.retry_cause:
             if not self.retry_budget.try_retry(now):
                 budget = self.retry_budget
@@ -95,15 +98,18 @@ class Placer:
                     f"{budget.window_s:.0f} s against {budget.num_requests(now)} requests (allowed: "
                     f"{budget.min_retries_per_s:g}/s + {budget.ratio:.0%} of requests)",
                     retry_after_ms=int(budget.window_s * 1000))
+            charged_at = now
         else:
             self.retry_budget.record_request(now)
         models = [m for m in dict.fromkeys([request.model, *ask.alternative_models])
                   if self.cluster.has_model(m, now)]
         if not models:
+            if charged_at is not None:
+                self.retry_budget.refund(charged_at)
             raise NotFound(f"model={request.model!r}: no registered node has it"
                            + (f" (nor {', '.join(ask.alternative_models)})" if ask.alternative_models else ""))
         needed = math.ceil((request.num_prompt_tokens + request.max_tokens) / SIZING_BLOCK)
-        plan = Plan(ask, models, needed)
+        plan = Plan(ask, models, needed, charged_at=charged_at)
         self.refresh(plan, now, changing)
         if not plan.has_candidates and not plan.is_retry:
             self.planner.note_demand(models[0], now)  # the models are only on busy nodes' disks: make room
@@ -122,9 +128,18 @@ class Placer:
             return warm
         return warm + self.cluster.cold_candidates(model, now, exclude, needed_blocks)
 
-    def no_candidates(self, plan: Plan, why: str = "") -> Unavailable:
-        return Unavailable(why or f"model={plan.ask.request.model!r}: no live node has it warm, or a free GPU to "
-                           f"load it, with KV cache for {plan.needed_blocks * SIZING_BLOCK} tokens")
+    def no_candidates(self, plan: Plan) -> Unavailable:
+        excluded = plan.ask.exclude
+        return Unavailable(f"model={plan.ask.request.model!r}: no live node has it warm, or a free GPU to load it, "
+                           f"with KV cache for {plan.needed_blocks * SIZING_BLOCK} tokens"
+                           + (f" (excluded: {', '.join(sorted(excluded))})" if excluded else ""))
+
+    def abandon(self, plan: Plan) -> None:
+        """A placement that placed nothing: a retry gets its unit of the budget back, since the budget
+        bounds the load that moves and a move with nowhere to go moved nothing."""
+        if plan.charged_at is not None:
+            self.retry_budget.refund(plan.charged_at)
+            plan.charged_at = None
 
     def options(self, plan: Plan, overlap: Callable[[str], dict[str, int]]) -> list[Option]:
         """Each model with candidates, its nodes and their cached prompt blocks (overlap(model))."""

@@ -45,6 +45,14 @@ class RetryBudget:
         self._retries.append(now)
         return True
 
+    def refund(self, spent_at: float) -> None:
+        """Give back a retry spent at spent_at that did not happen (nothing to move to); a no-op
+        once it has left the window."""
+        try:
+            self._retries.remove(spent_at)
+        except ValueError:
+            pass
+
     def num_retries(self, now: float) -> int:
         self._expire(now)
         return len(self._retries)

@@ -203,6 +203,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def Place(
         self, request: scheduler_pb2.PlaceRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.Placement:
+        plan: Plan | None = None
+        is_placed = False
         try:
             await self._role.wait_if_taking_over(self._config.lease_ttl_s)
             await self._wait_for_election(context.time_remaining())
@@ -228,9 +230,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self._record_decision(placed.request, decision)
             if placed.is_cold:
                 await self._load_for(request.request_id, decision, model, context.time_remaining())
+            is_placed = True
         except BatonError as error:
             self._placements.add(1, {"outcome": error.code.name, "retry": request.retry_cause})
             await abort(context, error)
+        finally:
+            if plan is not None and not is_placed:  # refused, failed or cancelled once the budget was charged
+                self._placer.abandon(plan)
         self._placements.add(1, {"outcome": "OK", "retry": request.retry_cause})
         log.debug("placed %s on %s (cost %.1f, %d cached blocks)", request.request_id, decision.node_id,
                   decision.cost, decision.matched_blocks)

@@ -122,3 +122,56 @@ async def test_source_error_reaches_consumer_after_items_pending_when_it_failed(
         assert await anext(items) == [1, 2]
         with pytest.raises(Boom, match="engine died"):
             await anext(items)
+
+
+async def test_items_within_the_interval_are_merged_and_the_end_goes_out_at_once() -> None:
+    """A consumer that cannot say it is behind (a gRPC client's buffer) still gets few items."""
+    first_taken = asyncio.Event()
+
+    async def source() -> AsyncIterator[list[int]]:
+        yield [0]
+        await first_taken.wait()
+        for i in range(1, 6):
+            yield [i]
+
+    # An hour's interval: nothing but the source's end may hand out the rest before the guard.
+    async with asyncio.timeout(GUARD_S), aclosing(coalesce(source(), _merge, min_interval_s=3600)) as items:
+        assert await anext(items) == [0]  # the first at once
+        first_taken.set()
+        got = [item async for item in items]
+    assert got == [[1, 2, 3, 4, 5]]
+
+
+async def test_only_items_with_the_same_key_are_merged() -> None:
+    first_taken = asyncio.Event()
+
+    async def source() -> AsyncIterator[list[int]]:
+        yield [1]
+        await first_taken.wait()
+        for i in (2, 10, 11, 3):
+            yield [i]
+
+    async with asyncio.timeout(GUARD_S), aclosing(
+        coalesce(source(), _merge, min_interval_s=3600, key=lambda item: item[0] // 10)
+    ) as items:
+        assert await anext(items) == [1]
+        first_taken.set()
+        got = [item async for item in items]
+    assert got == [[2], [10, 11], [3]]
+
+
+async def test_a_full_backlog_stops_the_reader_until_the_consumer_takes_it() -> None:
+    produced = 0
+
+    async def source() -> AsyncIterator[list[int]]:
+        nonlocal produced
+        while True:
+            produced += 1
+            yield [produced]
+
+    async with asyncio.timeout(GUARD_S), aclosing(coalesce(source(), _merge, max_pending=3)) as items:
+        first = await anext(items)  # the consumer now holds this, and takes nothing more
+        for _ in range(50):  # every task but the reader is idle: give it many turns
+            await asyncio.sleep(0)
+        assert produced == len(first) + 3  # three pending; the source is not read on
+        assert await anext(items) == [len(first) + 1, len(first) + 2, len(first) + 3]

@@ -13,7 +13,8 @@ import pytest
 from baton.v1 import common_pb2, node_agent_pb2, node_agent_pb2_grpc
 from services.common.errors import BatonError
 from services.router.generation import FailureCause, NodeFailure
-from services.router.node_stream import NodeLiveness, stall_deadline_s, watched_stream
+from services.router.node_stream import NodeLiveness, watched_stream
+from services.router.stall import NodeActivity, stall_deadline_s
 
 NODE = "node-a"
 REQUEST = node_agent_pb2.NodeGenerateRequest(
@@ -289,6 +290,61 @@ async def test_heartbeats_keep_a_slow_node_from_counting_as_stalled() -> None:
         chunks = await _collect(channel, stall_floor_s=0.2)
     assert [list(chunk.token_ids) for chunk in chunks] == [[97]]
     assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+async def test_a_stream_not_answered_yet_by_a_node_busy_with_others_is_not_stalled() -> None:
+    """Issue 15.5: in a burst, a stream the node is slow to answer while it answers others is the
+    node being busy, not dead (it used to be declared stalled after the floor)."""
+    answer_late = asyncio.Event()
+
+    async def generate(request: node_agent_pb2.NodeGenerateRequest, context: object) -> AsyncIterator[Chunk]:
+        if request.request_id == "late":
+            await answer_late.wait()
+            yield _started()
+            yield _finish(0, 97)
+            return
+        yield _started(heartbeat_ms=50)
+        for _ in range(16):  # 0.8 s of heartbeats: four stall floors
+            await asyncio.sleep(0.05)  # the node's pace, not synchronisation
+            yield _heartbeat()
+        answer_late.set()
+        yield _finish(0, 98)
+
+    activity = NodeActivity()
+
+    async def run(request_id: str) -> list[Chunk]:
+        request = node_agent_pb2.NodeGenerateRequest()
+        request.CopyFrom(REQUEST)
+        request.request_id = request_id
+        stream = watched_stream(channel, NODE, request, NodeLiveness(), 0.2, None, activity)
+        async with contextlib.aclosing(stream):
+            return [chunk async for chunk in stream]
+
+    async with _node(generate) as channel, asyncio.timeout(5):
+        late, answered = await asyncio.gather(run("late"), run("answered"))
+    assert [list(chunk.token_ids) for chunk in late] == [[97]]
+    assert [list(chunk.token_ids) for chunk in answered] == [[98]]
+
+
+async def test_a_consumer_busy_with_a_chunk_is_not_a_stalled_node() -> None:
+    """While the relay holds a chunk (its client is behind) it does not read the node, so silence
+    then is not the node's."""
+    release = asyncio.Event()
+
+    async def generate(request: object, context: object) -> AsyncIterator[Chunk]:
+        yield _started(heartbeat_ms=10)
+        yield _tokens(0, 97)
+        await release.wait()
+        yield _finish(1, 98)
+
+    async with _node(generate) as channel, asyncio.timeout(5):
+        stream = watched_stream(channel, NODE, REQUEST, NodeLiveness(), 0.2, None)
+        async with contextlib.aclosing(stream):
+            first = await anext(stream)
+            await asyncio.sleep(0.6)  # the consumer is busy for three stall floors
+            release.set()
+            rest = [chunk async for chunk in stream]
+    assert [list(chunk.token_ids) for chunk in [first, *rest]] == [[97], [98]]
 
 
 async def test_the_node_leaving_etcd_mid_stream_is_lease_expired() -> None:

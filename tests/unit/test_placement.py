@@ -122,3 +122,13 @@ def test_after_queueing_the_options_are_those_of_the_fleet_as_it_is_then() -> No
     placer.cluster.set_nodes([])
     with pytest.raises(Unavailable, match="no live node left for it after queueing"):
         placer.after_queueing(plan, options, 3.0)
+
+
+def test_a_retry_with_nowhere_to_go_gives_its_unit_of_the_budget_back() -> None:
+    placer = _placer(_spec("a"), retries_per_s=0.1)  # one retry in the 10 s window
+    plan = placer.start(_ask(retry_cause="stalled", exclude=frozenset({"a"})), 1.0)
+    assert not plan.has_candidates
+    assert "(excluded: a)" in str(placer.no_candidates(plan))
+    placer.abandon(plan)
+    # The unit is back: a retry that can go somewhere is still placed.
+    assert _place(placer, _ask(retry_cause="stalled"), now=2.0) == "a"

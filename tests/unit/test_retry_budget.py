@@ -1,10 +1,22 @@
-"""The cluster's retry budget: a reserve plus a fraction of recent requests, over a sliding window."""
+"""The cluster's retry budget: a reserve plus a fraction of recent requests, over a sliding window;
+and how Place spends it."""
 
 from __future__ import annotations
 
-import pytest
+import time
+from collections.abc import AsyncIterator
 
+import grpc
+import pytest
+from google.protobuf import json_format
+
+from baton.v1 import common_pb2, scheduler_pb2
+from services.common import etcd_keys
+from services.common.telemetry import Telemetry
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.leadership import LeaderRole
 from services.scheduler.retry_budget import RetryBudget
+from services.scheduler.servicer import SchedulerService
 
 
 def _spend(budget: RetryBudget, now: float, attempts: int = 100) -> int:
@@ -102,3 +114,77 @@ def test_a_mass_failure_moves_what_the_budget_allows_and_refuses_the_rest() -> N
 def test_invalid_arguments_are_value_errors(ratio: float, min_retries_per_s: float, window_s: float) -> None:
     with pytest.raises(ValueError, match="retry budget"):
         RetryBudget(ratio, min_retries_per_s, window_s)
+
+
+def test_a_refund_gives_the_retry_back() -> None:
+    budget = RetryBudget(ratio=0.0, min_retries_per_s=0.1, window_s=10.0)
+    assert budget.try_retry(1.0)
+    assert not budget.try_retry(1.0)
+    budget.refund(1.0)
+    assert budget.num_retries(1.0) == 0
+    assert budget.try_retry(2.0)
+
+
+def test_a_refund_after_the_window_has_moved_on_changes_nothing() -> None:
+    budget = RetryBudget(ratio=0.0, min_retries_per_s=0.2, window_s=10.0)
+    assert budget.try_retry(1.0)
+    assert budget.try_retry(15.0)
+    budget.refund(1.0)  # already out of the window
+    assert budget.num_retries(15.0) == 1
+
+
+# --- how the scheduler's Place spends it --------------------------------------------------------
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """The parts of a servicer context Place uses."""
+
+    def __init__(self) -> None:
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: object = ()) -> None:
+        self.code, self.details = code, details
+        raise _Aborted(details)
+
+
+@pytest.fixture
+async def scheduler(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[SchedulerService]:
+    """A leading scheduler (no etcd) that knows one node, node-a, with the model warm."""
+    monkeypatch.setattr(LeaderRole, "is_leader", property(lambda self: True))
+    service = SchedulerService(SchedulerConfig(etcd="127.0.0.1:1"), Telemetry("scheduler/test", "none"))
+    info = common_pb2.NodeInfo(node_id="node-a", address="127.0.0.1:1", gpu="h100", kv_block_size=16, models=[
+        common_pb2.ModelInfo(name="m", max_context_tokens=4096, tokenizer="byte", vocab_size=257, is_warm=True,
+                             state=common_pb2.MODEL_STATE_WARM, kv_blocks=10_000)])
+    service._on_nodes_changed({etcd_keys.node_key("node-a"): json_format.MessageToJson(info).encode()})
+    yield service
+    await service.close()
+
+
+def _move(exclude: list[str]) -> scheduler_pb2.PlaceRequest:
+    return scheduler_pb2.PlaceRequest(request_id="r1", model="m", num_prompt_tokens=10, max_tokens=10,
+                                      retry_cause="stalled", exclude_node_ids=exclude)
+
+
+async def test_a_move_with_nowhere_to_go_spends_no_retry(scheduler: SchedulerService) -> None:
+    """Issue 15.5: each move a one-node cluster could not make spent budget (twice, with the
+    router's second ask); a move that places nothing now spends nothing."""
+    context = _Context()
+    with pytest.raises(_Aborted):
+        await scheduler.Place(_move(["node-a"]), context)  # type: ignore[arg-type]
+    assert scheduler._retry_budget.num_retries(time.monotonic()) == 0
+    assert context.code == grpc.StatusCode.UNAVAILABLE
+    assert "no live node has it warm" in context.details and "excluded: node-a" in context.details
+
+
+async def test_a_move_that_is_placed_spends_one_retry(scheduler: SchedulerService) -> None:
+    placement = await scheduler.Place(_move([]), _Context())  # type: ignore[arg-type]
+    assert placement.node_id == "node-a"
+    assert scheduler._retry_budget.num_retries(time.monotonic()) == 1

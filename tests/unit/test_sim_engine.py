@@ -19,6 +19,8 @@ from services.node_agent.engines.types import (
     EngineRequest,
     FinishReason,
     RequestOutput,
+    RequestPhase,
+    RequestProgress,
     SamplingParams,
     StepResult,
 )
@@ -138,6 +140,22 @@ def test_max_num_seqs_caps_the_running_batch() -> None:
     assert (core.load().num_running, core.load().num_waiting) == (2, 1)
     run = run_until_idle(core)
     assert set(run.finals) == {"r0", "r1", "r2"}
+
+
+def test_progress_says_queued_behind_how_many_then_prefilling_then_decoding() -> None:
+    core = make_core(max_num_seqs=1, max_num_batched_tokens=2048)
+    core.add_request(request("long", prompt(5000), max_tokens=2))
+    core.add_request(request("next", prompt(8, 1), max_tokens=2))
+    core.add_request(request("last", prompt(8, 2), max_tokens=2))
+    assert core.progress("last") == RequestProgress(RequestPhase.QUEUED, num_ahead=2, num_prompt_tokens=8)
+    core.step()
+    assert core.progress("long") == RequestProgress(RequestPhase.PREFILLING, num_computed_tokens=2048,
+                                                    num_prompt_tokens=5000)
+    assert core.progress("last") == RequestProgress(RequestPhase.QUEUED, num_ahead=1, num_prompt_tokens=8)
+    core.step()
+    core.step()
+    assert core.progress("long") is not None and core.progress("long").phase is RequestPhase.DECODING
+    assert core.progress("nobody") is None
 
 
 # --- prefix caching -------------------------------------------------------------------------

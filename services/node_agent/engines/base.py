@@ -7,7 +7,7 @@ from typing import Protocol
 
 from services.common.change_signal import ChangeSignal
 from services.common.load import Load
-from services.node_agent.engines.types import EngineRequest, KVEvent, RequestOutput
+from services.node_agent.engines.types import EngineRequest, KVEvent, RequestOutput, RequestProgress
 
 
 class EngineInputError(ValueError):
@@ -46,6 +46,9 @@ class Engine(Protocol):
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; a no-op once it has finished."""
+
+    def progress(self, request_id: str) -> RequestProgress | None:
+        """Where request_id stands now (queued, prefilling, decoding); None once it has ended."""
 
     def expected_step_ms(self) -> float:
         """Wall-clock time of the next decode step."""

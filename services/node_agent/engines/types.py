@@ -15,6 +15,24 @@ class FinishReason(enum.Enum):
     ABORT = "abort"
 
 
+class RequestPhase(enum.Enum):
+    """Where a request stands in the engine, in lifecycle order."""
+
+    QUEUED = "queued"  # waiting for a place in the batch
+    PREFILLING = "prefilling"  # in the batch, its prompt being computed
+    DECODING = "decoding"  # generating tokens
+
+
+@dataclass(frozen=True)
+class RequestProgress:
+    """A request's phase; how many wait ahead of it (queued) and how far its prefill has come."""
+
+    phase: RequestPhase
+    num_ahead: int = 0
+    num_computed_tokens: int = 0
+    num_prompt_tokens: int = 0
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How tokens are chosen; temperature 0 is greedy."""

@@ -16,6 +16,8 @@ from services.node_agent.engines.types import (
     FinishReason,
     KVEvent,
     RequestOutput,
+    RequestPhase,
+    RequestProgress,
     StepResult,
 )
 
@@ -108,6 +110,21 @@ class SimEngineCore:
             self._waiting_tokens -= seq.num_uncomputed_tokens
         self._cache.free(request_id)
         return self._output(seq, [], FinishReason.ABORT)
+
+    def progress(self, request_id: str) -> RequestProgress | None:
+        """Where request_id stands: queued behind how many, prefilling, or decoding; None if unknown."""
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return None
+        if not seq.is_prefilling:
+            return RequestProgress(RequestPhase.DECODING, num_computed_tokens=seq.num_prompt_tokens,
+                                   num_prompt_tokens=seq.num_prompt_tokens)
+        try:
+            ahead = self._waiting.index(seq)
+        except ValueError:
+            return RequestProgress(RequestPhase.PREFILLING, num_computed_tokens=seq.num_computed_tokens,
+                                   num_prompt_tokens=seq.num_tokens)
+        return RequestProgress(RequestPhase.QUEUED, num_ahead=ahead, num_prompt_tokens=seq.num_tokens)
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running."""

@@ -14,6 +14,7 @@ from services.node_agent.engines.types import (
     EngineRequest,
     KVEvent,
     RequestOutput,
+    RequestProgress,
 )
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,9 @@ class SimEngine:
         if self._core.abort_request(request_id) is not None:
             self._wake.set()
             self.load_changed.notify()
+
+    def progress(self, request_id: str) -> RequestProgress | None:
+        return self._core.progress(request_id)
 
     def load(self) -> Load:
         return self._core.load()

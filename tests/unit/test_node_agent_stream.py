@@ -1,0 +1,74 @@
+"""The node agent's Generate stream says where a request stands before its first token."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+
+from baton.v1 import common_pb2, node_agent_pb2
+from services.common.telemetry import Telemetry
+from services.node_agent.config import NodeAgentConfig
+from services.node_agent.engines.sim.core import SimEngineCore
+from services.node_agent.engines.sim.engine import SimEngine
+from services.node_agent.engines.sim.models import get_model, load_time_s
+from services.node_agent.engines.sim.timing import load_coefficients
+from services.node_agent.model_host import LocalModel, ModelHost
+from services.node_agent.servicer import NodeAgentService
+
+pytestmark = pytest.mark.timeout(30)
+
+MODEL = "sim-llama-3-8b"
+
+
+def _one_at_a_time(name: str) -> SimEngine:
+    """An engine whose batch holds one request: the second one queues."""
+    spec = get_model(name)
+    core = SimEngineCore(spec, load_coefficients("h100", spec.perf_model), num_kv_blocks=512, max_num_seqs=1)
+    return SimEngine(core, name, 0)
+
+
+@contextlib.asynccontextmanager
+async def _node() -> AsyncIterator[NodeAgentService]:
+    spec = get_model(MODEL)
+    local = LocalModel(MODEL, spec.max_context_tokens, spec.vocab_size, "byte", int(spec.weights_bytes),
+                       load_time_s(spec))
+    host = ModelHost("n0", [local], _one_at_a_time, warm=MODEL, speed=0)
+    task = asyncio.get_running_loop().create_task(host.run())
+    service = NodeAgentService(NodeAgentConfig(etcd="127.0.0.1:1", node_id="n0"), host,
+                               Telemetry("node_agent/test", "none"))
+    try:
+        yield service
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await service.close()
+
+
+def _request(request_id: str, max_tokens: int) -> node_agent_pb2.NodeGenerateRequest:
+    return node_agent_pb2.NodeGenerateRequest(request_id=request_id, model=MODEL, prompt_token_ids=[97] * 40,
+                                              sampling=common_pb2.SamplingParams(max_tokens=max_tokens,
+                                                                                 ignore_eos=True))
+
+
+async def test_a_request_behind_a_full_batch_is_announced_queued_then_decoding() -> None:
+    async with _node() as node:
+        running = node.Generate(_request("running", 400), None)  # type: ignore[arg-type]
+        waiting = node.Generate(_request("waiting", 2), None)  # type: ignore[arg-type]
+        async with contextlib.aclosing(running), contextlib.aclosing(waiting):
+            started = await anext(running)
+            assert started.progress.phase == node_agent_pb2.REQUEST_PHASE_QUEUED
+            while not (await anext(running)).token_ids:
+                pass
+            # The batch is full: the second request waits, and its stream says so from the start.
+            second = await anext(waiting)
+            assert second.HasField("started")
+            assert (second.progress.phase, second.progress.num_ahead) == (node_agent_pb2.REQUEST_PHASE_QUEUED, 0)
+            assert second.progress.num_prompt_tokens == 40
+            chunks = [chunk async for chunk in waiting]
+    assert [len(c.token_ids) for c in chunks if c.token_ids] and chunks[-1].finish_reason
+    heartbeats = [c for c in chunks if not c.token_ids and not c.finish_reason]
+    assert all(c.progress.phase == node_agent_pb2.REQUEST_PHASE_QUEUED for c in heartbeats)

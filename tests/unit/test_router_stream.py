@@ -1,0 +1,161 @@
+"""The router's Generate as a client sees it, against a fake scheduler and fake nodes on 127.0.0.1:
+how tokens are merged for a slow reader, and what a failed move costs and says."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+from google.protobuf import json_format
+
+from baton.v1 import (
+    common_pb2,
+    node_agent_pb2,
+    node_agent_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
+from services.common import etcd_keys
+from services.common.errors import Unavailable, abort
+from services.common.telemetry import Telemetry
+from services.router.config import RouterConfig
+from services.router.servicer import RouterService
+
+pytestmark = pytest.mark.timeout(60)
+
+MODEL = "sim-test"
+NODE = "node-a"
+Chunk = node_agent_pb2.NodeGenerateChunk
+NodeHandler = Callable[[node_agent_pb2.NodeGenerateRequest], AsyncIterator[Chunk]]
+
+
+class _FakeNode(node_agent_pb2_grpc.NodeAgentServicer):
+    def __init__(self, handler: NodeHandler) -> None:
+        self.handler = handler
+
+    async def Generate(  # noqa: N802 (the generated servicer's name)
+        self, request: node_agent_pb2.NodeGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Chunk]:
+        async for chunk in self.handler(request):
+            yield chunk
+
+
+@dataclass
+class _FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    """Places every first attempt on the one node; a move finds nowhere to go, as with one node."""
+
+    node_address: str = ""
+    places: list[scheduler_pb2.PlaceRequest] = field(default_factory=list)
+
+    async def Place(  # noqa: N802
+        self, request: scheduler_pb2.PlaceRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.Placement:
+        self.places.append(request)
+        if request.retry_cause or NODE in request.exclude_node_ids:
+            await abort(context, Unavailable(f"model={request.model!r}: no live node has it warm"))
+        return scheduler_pb2.Placement(node_id=NODE, address=self.node_address)
+
+    async def Finished(  # noqa: N802
+        self, request: scheduler_pb2.FinishedRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.FinishedAck:
+        return scheduler_pb2.FinishedAck()
+
+
+@contextlib.asynccontextmanager
+async def _server(add: Callable[[grpc.aio.Server], None]) -> AsyncIterator[str]:
+    server = grpc.aio.server()
+    add(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+
+
+@contextlib.asynccontextmanager
+async def _router(handler: NodeHandler, **config: object) -> AsyncIterator[tuple[router_pb2_grpc.RouterStub,
+                                                                                   _FakeScheduler]]:
+    """A router serving on 127.0.0.1 that sees one scheduler leader and one node (no etcd)."""
+    scheduler = _FakeScheduler()
+    async with contextlib.AsyncExitStack() as stack:
+        node_address = await stack.enter_async_context(
+            _server(lambda s: node_agent_pb2_grpc.add_NodeAgentServicer_to_server(_FakeNode(handler), s)))
+        scheduler.node_address = node_address
+        scheduler_address = await stack.enter_async_context(
+            _server(lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, s)))
+        service = RouterService(RouterConfig(etcd="127.0.0.1:1", **config), Telemetry("router/test", "none"))
+        service._leader.address = lambda: scheduler_address  # type: ignore[method-assign]
+        info = common_pb2.NodeInfo(node_id=NODE, address=node_address, models=[common_pb2.ModelInfo(
+            name=MODEL, max_context_tokens=4096, tokenizer="byte", vocab_size=257, is_warm=True)])
+        service._on_nodes_changed({etcd_keys.node_key(NODE): json_format.MessageToJson(info).encode()})
+        stack.push_async_callback(service.close)
+        router_address = await stack.enter_async_context(_server(service.register))
+        channel = await stack.enter_async_context(grpc.aio.insecure_channel(router_address))
+        yield router_pb2_grpc.RouterStub(channel), scheduler
+
+
+def _started() -> Chunk:
+    return Chunk(node_id=NODE, started=node_agent_pb2.StreamStarted(heartbeat_interval_ms=100, expected_step_ms=1))
+
+
+def _token_stream(num_tokens: int, pace_s: float) -> NodeHandler:
+    """A node producing one token every pace_s, as a decoding engine does."""
+
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        yield _started()
+        for i in range(num_tokens):
+            await asyncio.sleep(pace_s)  # the modelled decode step, not synchronisation
+            chunk = Chunk(node_id=NODE, index=i, token_ids=[97 + i % 26])
+            if i == num_tokens - 1:
+                chunk.finish_reason = common_pb2.FINISH_REASON_LENGTH
+            yield chunk
+
+    return generate
+
+
+async def test_a_reader_that_sleeps_per_message_gets_merged_tokens() -> None:
+    """Issue 15.6: a reader pausing per message used to get one message per token, long after
+    the node had finished; now the tokens come merged, all of them, in order."""
+    num_tokens = 400
+    async with _router(_token_stream(num_tokens, pace_s=0.002)) as (router, _):
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=num_tokens))
+        messages = []
+        async for message in call:
+            messages.append(message)
+            await asyncio.sleep(0.02)  # a slow reader: what this test is about
+    tokens = [t for m in messages for t in m.token_ids]
+    assert tokens == [97 + i % 26 for i in range(num_tokens)]
+    assert "".join(m.text for m in messages) == "".join(chr(t) for t in tokens)
+    assert [m.index for m in messages] == [sum(len(m.token_ids) for m in messages[:i]) for i in range(len(messages))]
+    assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert len(messages) < num_tokens / 4
+
+
+async def test_a_move_with_nowhere_to_go_asks_once_and_says_what_happened() -> None:
+    """Issue 15.5: a stalled stream on a one-node cluster was placed twice (each a charge on the
+    retry budget); now once, and the status names the failure and why it could not move."""
+    never = asyncio.Event()
+
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        yield _started()
+        yield Chunk(node_id=NODE, index=0, token_ids=[97])
+        await never.wait()  # then nothing, on every stream: a stopped node
+        yield Chunk(node_id=NODE, index=1, token_ids=[98])
+
+    async with _router(generate, stall_floor_s=0.2) as (router, scheduler):
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=8))
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            async for _ in call:
+                pass
+    assert [p.retry_cause for p in scheduler.places] == ["", "stalled"]
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    details = raised.value.details() or ""
+    assert f"node {NODE}: stalled" in details and "nor on any other from the node" in details
+    assert "could not move it" in details and "no live node has it warm" in details
