@@ -436,7 +436,7 @@ class Simulation:
                 del node.flights[output.request_id]
                 record.finish_s = self._now
                 if self._admission is not None:
-                    self._admission.on_finished(record.request.tenant)
+                    self._admission.release(output.request_id)
                 self._follow_up(record.request)
         self._kick(node)
         self._dispatch()
