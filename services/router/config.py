@@ -20,6 +20,9 @@ class RouterConfig(ServiceConfig):
     max_migrations: int = doc("how often one generation may move to another node after failures", 3)
     stall_floor_s: float = doc("shortest silence after which a node stream counts as stalled", 1.0)
     suspect_s: float = doc("after a node fails a stream, new placements avoid it this long", 5.0)
+    live_report_interval_s: float = doc("how often the requests this router serves are reported to the scheduler "
+                                        "leader, keeping their admission slots (well under its "
+                                        "--admission-lease-s)", 2.0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -35,3 +38,5 @@ class RouterConfig(ServiceConfig):
             raise ValueError(f"--leader-wait-s: must be positive, got {self.leader_wait_s}")
         if self.placement_timeout_s <= 0:
             raise ValueError(f"--placement-timeout-s: must be positive, got {self.placement_timeout_s}")
+        if self.live_report_interval_s <= 0:
+            raise ValueError(f"--live-report-interval-s: must be positive, got {self.live_report_interval_s}")

@@ -8,7 +8,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 import grpc
@@ -64,8 +64,10 @@ def node_spec(info: common_pb2.NodeInfo) -> NodeSpec:
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     service_names = ("baton.v1.Scheduler",)
 
-    def __init__(self, config: SchedulerConfig, telemetry: Telemetry) -> None:
+    def __init__(self, config: SchedulerConfig, telemetry: Telemetry,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._config = config
+        self._clock = clock
         self._cluster = ClusterView(load_timeout_s=config.load_timeout_s)
         self._policy = make_policy(config.policy, config.prefill_load_scale)
         self._retry_budget = RetryBudget(config.retry_ratio, config.retry_min_per_s)
@@ -74,8 +76,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._ttft_ratio = telemetry.meter.create_histogram(
             "baton.scheduler.observed_ttft_ratio", description="clients' time to first token over their budget")
         self._gate = AdmissionGate(
-            Admission(max_queued=config.max_queued, limits=parse_tenant_limits(config.tenant_limits)),
-            self._is_saturated, telemetry.meter)
+            Admission(max_queued=config.max_queued, limits=parse_tenant_limits(config.tenant_limits),
+                      lease_s=config.admission_lease_s),
+            self._is_saturated, telemetry.meter, clock)
         self._node_infos: dict[str, common_pb2.NodeInfo] = {}
         self._member = Membership(config.etcd, config.lease_ttl_s)
         self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed)
@@ -114,7 +117,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     def _hand_over_state(self) -> dict[str, Any]:
         """What a successor needs that it cannot rebuild from etcd and node reports."""
-        now = time.monotonic()
+        now = self._clock()
         spent = getattr(self._policy, "workflow_spent", {})
         return {
             "leader": self._config.instance_id,
@@ -127,12 +130,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     def _take_over_state(self, state: dict[str, Any]) -> None:
         budget = state["retry_budget"]
-        self._retry_budget.restore(int(budget["requests"]), int(budget["retries"]), time.monotonic())
+        self._retry_budget.restore(int(budget["requests"]), int(budget["retries"]), self._clock())
         spent = getattr(self._policy, "workflow_spent", None)
         if spent is not None:
             spent.update({k: float(v) for k, v in state.get("workflow_spent", {}).items()})
         if "tasks" in state:
-            self._tasks.restore(state["tasks"], time.monotonic())
+            self._tasks.restore(state["tasks"], self._clock())
         log.info("took over from %s: %s, %d workflows", state.get("leader"), budget,
                  len(state.get("workflow_spent", {})))
 
@@ -147,7 +150,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             infos[info.node_id] = info
             specs.append(node_spec(info))
         self._node_infos = infos
-        self._cluster.set_nodes(specs, time.monotonic())
+        self._cluster.set_nodes(specs, self._clock())
         self._prices.update((spec.node_id, spec.price_per_hour) for spec in specs)
         self._gate.capacity_changed()  # a model may have turned warm
         self._nodes_changed.notify()
@@ -182,7 +185,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await self._role.wait_if_taking_over(self._config.lease_ttl_s)
             if not self._role.is_leader:
                 raise self._not_leader()
-            now = time.monotonic()
+            now = self._clock()
             if request.retry_cause:
                 if not self._retry_budget.try_retry(now):
                     budget = self._retry_budget
@@ -212,7 +215,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if not any(candidates.values()):
                 raise Unavailable(f"model={request.model!r}: no live node has it warm, or a free GPU to load it, "
                                   f"with KV cache for {needed * DEFAULT_BLOCK_SIZE} tokens")
-            now = time.monotonic()
+            now = self._clock()
             placement = PlacementRequest(
                 request_id=request.request_id,
                 model=request.model,
@@ -241,7 +244,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                   for o in options)
                 if await self._gate.enter(ticket, best_ttft_s):
                     # It waited: place it on the fleet as it is now, with no await from here on.
-                    now = time.monotonic()
+                    now = self._clock()
                     options = [fresh for o in options if (fresh := dataclasses.replace(
                         o, candidates=self._candidates(o.request.model, now, exclude, needed))).candidates]
                     if not options:
@@ -298,13 +301,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(time_remaining or math.inf, self._config.model_load_timeout_s)
         while True:
-            now = time.monotonic()
+            now = self._clock()
             if not any(model in s.spec.cold_models for s in self._cluster.nodes() if self._cluster.is_live(s, now)):
                 return []
             changed = self._nodes_changed.since_now()
             if not await wait_or_timeout(changed, max(0.0, deadline - loop.time())):
                 return []
-            candidates = self._candidates(model, time.monotonic(), exclude, needed_blocks)
+            candidates = self._candidates(model, self._clock(), exclude, needed_blocks)
             if candidates:
                 return candidates
 
@@ -312,7 +315,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         """While leading: load models short of warm capacity, unload idle ones; end silent tasks."""
         while True:
             await asyncio.sleep(self._config.model_plan_interval_s)
-            now = time.monotonic()
+            now = self._clock()
             self._tasks.expire(now)
             if not self._role.is_leader:
                 continue
@@ -347,10 +350,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             cost = sum(ms / 3_600_000 * self._prices.get(node, 0.0) for node, ms in request.gpu_ms_by_node.items())
             if request.workflow_id:
                 self._tasks.record(request.workflow_id, request.step, request.total_steps, cost,
-                                   request.outcome == _SUCCEEDED, time.monotonic())
+                                   request.outcome == _SUCCEEDED, self._clock())
             else:
-                self._tasks.record(request.request_id, 1, 1, cost, request.outcome == _SUCCEEDED, time.monotonic())
+                self._tasks.record(request.request_id, 1, 1, cost, request.outcome == _SUCCEEDED, self._clock())
         return scheduler_pb2.FinishedAck()
+
+    async def ReportLiveRequests(
+        self, request: scheduler_pb2.LiveRequests, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.LiveRequestsAck:
+        await self._role.wait_if_taking_over(self._config.lease_ttl_s)
+        num_held = self._gate.renew(request.request_ids) if self._role.is_leader else 0
+        return scheduler_pb2.LiveRequestsAck(num_held=num_held,
+                                             lease_ms=int(self._config.admission_lease_s * 1000))
 
     def _charge_load(self, node_id: str, model: str) -> None:
         """A model load the leader ordered: its modelled GPU time, at the node's price, is paid for."""
@@ -425,14 +436,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self, request_iterator: AsyncIterator[common_pb2.NodeLoad], context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ReportLoadAck:
         async for load in request_iterator:
-            self._cluster.report_load(load.node_id, load_from_proto(load), time.monotonic())
+            self._cluster.report_load(load.node_id, load_from_proto(load), self._clock())
             self._gate.capacity_changed()
         return scheduler_pb2.ReportLoadAck()
 
     async def GetClusterState(
         self, request: scheduler_pb2.GetClusterStateRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ClusterState:
-        now = time.monotonic()
+        now = self._clock()
         state = scheduler_pb2.ClusterState(scheduler_id=self._config.instance_id)
         leader = self._role.leader()
         if leader is not None:
