@@ -138,7 +138,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         outcome = "OK"
         live_id: str | None = None
         try:
-            valid = validate(request, self._models, self._config.default_max_tokens, self._rng)
+            valid = validate(request, self._models, self._config.default_max_tokens, self._rng,
+                             self._config.input_limits)
             generation = Generation(
                 request_id=valid.request_id,
                 model=valid.model.name,
