@@ -8,7 +8,6 @@ import grpc
 
 from baton.protocol import ORIGIN_KEY, RETRY_AFTER_KEY
 
-
 # Longest status message sent: a status travels in trailing metadata, whose size gRPC limits (8 KiB
 # by default); past that the client gets RESOURCE_EXHAUSTED in place of the real status.
 MAX_MESSAGE_CHARS = 2000

@@ -3,7 +3,6 @@ and one that lives longer than the lease keeps it because its router reports it 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Iterator

@@ -36,7 +36,8 @@ async def refusal(cluster: LocalCluster, encoded: bytes) -> grpc.aio.AioRpcError
 
 
 def encode(**fields: object) -> bytes:
-    return router_pb2.GenerateRequest(**({"model": MODEL, "prompt": "hi", "max_tokens": 4} | fields)).SerializeToString()
+    request = router_pb2.GenerateRequest(**({"model": MODEL, "prompt": "hi", "max_tokens": 4} | fields))
+    return request.SerializeToString()
 
 
 EDGES = [

@@ -10,7 +10,7 @@ import pytest
 from baton.v1 import router_pb2
 from services.common.errors import BatonError, InvalidArgument, NotFound
 from services.router.tokenizer import TOKENIZERS, ByteTokenizer
-from services.router.validation import InputLimits, ModelEntry, validate
+from services.router.validation import DEFAULT_LIMITS, InputLimits, ModelEntry, validate
 
 MODEL = ModelEntry(name="m", max_context_tokens=8192, tokenizer="byte", vocab_size=257, num_warm_nodes=1)
 MODELS = {MODEL.name: MODEL}
@@ -35,7 +35,7 @@ def tokenizer(monkeypatch: pytest.MonkeyPatch) -> CountingTokenizer:
     return counting
 
 
-def refusal(limits: InputLimits = InputLimits(), **fields: object) -> BatonError:
+def refusal(limits: InputLimits = DEFAULT_LIMITS, **fields: object) -> BatonError:
     request = router_pb2.GenerateRequest(**({"model": "m", "prompt": "hi"} | fields))
     with pytest.raises(BatonError) as caught:
         validate(request, MODELS, 16, random.Random(0), limits)
