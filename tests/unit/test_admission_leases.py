@@ -111,3 +111,16 @@ async def test_the_gate_frees_a_lapsed_slot_on_its_sweep_and_renews_live_ones() 
         await gate.enter(ticket("fourth", at=clock.now), 0.1)
     gate.finished("third")
     assert await gate.enter(ticket("fourth", at=clock.now), 0.1) is False
+
+
+async def test_the_gate_sweep_drops_tenants_gone_quiet() -> None:
+    clock = FakeClock()
+    admission = Admission(lease_s=5.0)
+    gate = AdmissionGate(admission, lambda: False, get_meter("test"), clock=clock)
+    for i in range(100):
+        await gate.enter(ticket(f"r{i}", tenant=f"tenant-{i}", at=clock.now), 0.1)
+        gate.finished(f"r{i}")
+    assert admission.num_tenants == 100
+    clock.now += 61.0
+    gate.sweep()
+    assert admission.num_tenants == 0
