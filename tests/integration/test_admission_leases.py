@@ -17,7 +17,7 @@ from tests.integration.conftest import MODEL, eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-LEASE_S = 2.0
+LEASE_S = 3.0
 
 
 @pytest.fixture(scope="module")
