@@ -12,8 +12,8 @@ import pytest
 
 from baton.client import BatonClient
 from baton.cluster import ClusterSpec, LocalCluster
-from baton.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from tests.integration.conftest import MODEL, eventually, wait_until
+from baton.v1 import scheduler_pb2, scheduler_pb2_grpc
+from tests.integration.conftest import MODEL, eventually, wait_router_serves
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -28,18 +28,7 @@ def capped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
                        scheduler_args=(f"--tenant-limits={limits}", f"--admission-lease-s={LEASE_S}"),
                        router_args=("--live-report-interval-s=0.5",))
     with LocalCluster(spec, tmp_path_factory.mktemp("cluster")) as cluster:
-        assert cluster.router is not None
-        with grpc.insecure_channel(cluster.router.address) as channel:
-            stub = router_pb2_grpc.RouterStub(channel)
-
-            def serves() -> bool:  # the router knows the model, a leader is elected
-                try:
-                    list(stub.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=1), timeout=10))
-                    return True
-                except grpc.RpcError:
-                    return False
-
-            wait_until(serves, 30, "the router to serve a request")
+        wait_router_serves(cluster)
         yield cluster
 
 

@@ -11,7 +11,7 @@ from baton.client import BatonClient
 from baton.cluster import ClusterSpec, LocalCluster
 from baton.protocol import ORIGIN_KEY, is_transport_failure
 from baton.v1 import router_pb2
-from tests.integration.conftest import MODEL
+from tests.integration.conftest import MODEL, wait_router_serves
 from tests.reference import reference_completion
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 @pytest.fixture(scope="module")
 def one_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     with LocalCluster(ClusterSpec(num_nodes=1, speed=0.0), tmp_path_factory.mktemp("cluster")) as cluster:
+        wait_router_serves(cluster)  # else a bad request could meet an empty model catalogue (NOT_FOUND)
         yield cluster
 
 
