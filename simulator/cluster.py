@@ -494,7 +494,7 @@ class Simulation:
                 record.finish_s = self._now
                 self._policy.observe_finished(generation.model, record.num_generated)
                 if self._admission is not None:
-                    self._admission.on_finished(record.request.tenant)
+                    self._admission.release(output.request_id)
                 self._follow_up(record.request)
         self._kick(node)
         self._dispatch()

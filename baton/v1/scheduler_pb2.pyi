@@ -21,6 +21,22 @@ REQUEST_OUTCOME_LATE: RequestOutcome
 REQUEST_OUTCOME_FAILED: RequestOutcome
 REQUEST_OUTCOME_CANCELLED: RequestOutcome
 
+class LiveRequests(_message.Message):
+    __slots__ = ("router_id", "request_ids")
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, router_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LiveRequestsAck(_message.Message):
+    __slots__ = ("num_held", "lease_ms")
+    NUM_HELD_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    num_held: int
+    lease_ms: int
+    def __init__(self, num_held: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
 class FinishedRequest(_message.Message):
     __slots__ = ("request_id", "tenant", "ttft_ms", "ttft_budget_ms", "workflow_id", "step", "total_steps", "outcome", "gpu_ms_by_node")
     class GpuMsByNodeEntry(_message.Message):

@@ -61,6 +61,11 @@ class SchedulerStub:
                 request_serializer=baton_dot_v1_dot_scheduler__pb2.FinishedRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_scheduler__pb2.FinishedAck.FromString,
                 _registered_method=True)
+        self.ReportLiveRequests = channel.unary_unary(
+                '/baton.v1.Scheduler/ReportLiveRequests',
+                request_serializer=baton_dot_v1_dot_scheduler__pb2.LiveRequests.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_scheduler__pb2.LiveRequestsAck.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -105,6 +110,15 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportLiveRequests(self, request, context):
+        """The requests a router is serving now, sent every few seconds: each keeps its admission slot
+        at the leader. A slot neither renewed nor released within the leader's lease is freed, so a
+        lost Finished notice (or a router that died) cannot hold a tenant at its limit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -132,6 +146,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Finished,
                     request_deserializer=baton_dot_v1_dot_scheduler__pb2.FinishedRequest.FromString,
                     response_serializer=baton_dot_v1_dot_scheduler__pb2.FinishedAck.SerializeToString,
+            ),
+            'ReportLiveRequests': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportLiveRequests,
+                    request_deserializer=baton_dot_v1_dot_scheduler__pb2.LiveRequests.FromString,
+                    response_serializer=baton_dot_v1_dot_scheduler__pb2.LiveRequestsAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -270,6 +289,33 @@ class Scheduler:
             '/baton.v1.Scheduler/Finished',
             baton_dot_v1_dot_scheduler__pb2.FinishedRequest.SerializeToString,
             baton_dot_v1_dot_scheduler__pb2.FinishedAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportLiveRequests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Scheduler/ReportLiveRequests',
+            baton_dot_v1_dot_scheduler__pb2.LiveRequests.SerializeToString,
+            baton_dot_v1_dot_scheduler__pb2.LiveRequestsAck.FromString,
             options,
             channel_credentials,
             insecure,

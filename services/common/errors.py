@@ -8,6 +8,20 @@ import grpc
 
 from baton.protocol import ORIGIN_KEY, RETRY_AFTER_KEY
 
+# Longest status message sent: a status travels in trailing metadata, whose size gRPC limits (8 KiB
+# by default); past that the client gets RESOURCE_EXHAUSTED in place of the real status.
+MAX_MESSAGE_CHARS = 2000
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """repr(value), cut to about limit characters: for echoing client input in a message."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f"{len(value)} {'bytes' if isinstance(value, bytes) else 'characters'}" \
+        if isinstance(value, str | bytes) else f"{len(text)} characters"
+    return f"{text[:limit - 3]}... ({size})"
+
 
 class BatonError(Exception):
     """An error with a gRPC status code and a message naming what was wrong."""
@@ -19,10 +33,7 @@ class InvalidArgument(BatonError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
     def __init__(self, field: str, value: Any, reason: str) -> None:
-        shown = repr(value)
-        if len(shown) > 80:
-            shown = shown[:77] + "..."
-        super().__init__(f"{field}={shown}: {reason}")
+        super().__init__(f"{field}={shown(value)}: {reason}")
         self.field = field
 
 
@@ -57,7 +68,10 @@ async def abort(context: grpc.aio.ServicerContext, error: BatonError) -> NoRetur
         metadata.append((RETRY_AFTER_KEY, str(error.retry_after_ms)))
     if isinstance(error, FailedPrecondition):
         metadata.extend(error.metadata)
-    await context.abort(error.code, str(error), trailing_metadata=tuple(metadata))
+    message = str(error)
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[:MAX_MESSAGE_CHARS - 3] + "..."
+    await context.abort(error.code, message, trailing_metadata=tuple(metadata))
     raise AssertionError("unreachable: context.abort raises")
 
 

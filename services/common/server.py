@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.request_decoding import RequestDecodingInterceptor
 from services.common.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,8 @@ async def serve(
     started: asyncio.Event | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT, then shut down in order; returns the process exit code."""
-    server = grpc.aio.server(interceptors=telemetry.server_interceptors())
+    # Decoding innermost: the trace records the INVALID_ARGUMENT an undecodable request gets.
+    server = grpc.aio.server(interceptors=[*telemetry.server_interceptors(), RequestDecodingInterceptor()])
     service.register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

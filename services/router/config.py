@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import ServiceConfig, doc
+from services.router.validation import InputLimits
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,13 @@ class RouterConfig(ServiceConfig):
                                    "between are merged into the next (0: a message per node chunk)", 0.05)
     max_pending_chunks: int = doc("node chunks held for a client that is behind; when full, the router stops "
                                   "reading the node until the client reads", 256)
+    live_report_interval_s: float = doc("how often the requests this router serves are reported to the scheduler "
+                                        "leader, keeping their admission slots (well under its "
+                                        "--admission-lease-s)", 2.0)
+    max_prompt_bytes: int = doc("longest text prompt, in UTF-8 bytes, refused before it is tokenized", 1 << 20)
+    max_stop_sequences: int = doc("most stop strings one request may carry", 16)
+    max_stop_bytes: int = doc("most UTF-8 bytes of all a request's stop strings together", 4096)
+    max_id_len: int = doc("longest request_id, tenant or workflow_id, in characters", 128)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -43,3 +51,12 @@ class RouterConfig(ServiceConfig):
             raise ValueError(f"--leader-wait-s: must be positive, got {self.leader_wait_s}")
         if self.placement_timeout_s <= 0:
             raise ValueError(f"--placement-timeout-s: must be positive, got {self.placement_timeout_s}")
+        for name in ("live_report_interval_s", "max_prompt_bytes", "max_stop_sequences", "max_stop_bytes",
+                     "max_id_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')}: must be positive, got {getattr(self, name)}")
+
+    @property
+    def input_limits(self) -> InputLimits:
+        return InputLimits(max_prompt_bytes=self.max_prompt_bytes, max_stop_sequences=self.max_stop_sequences,
+                           max_stop_bytes=self.max_stop_bytes, max_id_len=self.max_id_len)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
+from collections import Counter
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
@@ -13,6 +15,8 @@ from baton.v1 import (
     node_agent_pb2,
     router_pb2,
     router_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
 )
 from services.common import etcd_keys
 from services.common.coalesce import coalesce
@@ -29,6 +33,9 @@ from services.router.tokenizer import TOKENIZERS
 from services.router.validation import ModelEntry, validate
 
 log = logging.getLogger(__name__)
+
+# Request ids per ReportLiveRequests call (well under gRPC's 4 MiB message limit at 128 characters each).
+_LIVE_IDS_PER_REPORT = 10_000
 
 
 def merge_chunks(chunks: list[node_agent_pb2.NodeGenerateChunk]) -> node_agent_pb2.NodeGenerateChunk:
@@ -59,6 +66,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._node_channels = ChannelPool(telemetry)
         self._liveness = NodeLiveness()
         self._relay = Relay(config, self._leader, self._node_channels, self._liveness, telemetry.meter)
+        # Requests this router serves now (an id twice if a client sent it twice), reported to the leader.
+        self._live: Counter[str] = Counter()
         self._requests = telemetry.meter.create_counter(
             "baton.router.requests", description="Generate requests, by final status"
         )
@@ -75,7 +84,28 @@ class RouterService(router_pb2_grpc.RouterServicer):
             *self._member.hold_service("router", config.instance_id, config.listen),
             self._nodes.run(),
             self._leader.run(),
+            self._report_live(),
         ]
+
+    async def _report_live(self) -> None:
+        """Tell the leader, every --live-report-interval-s, which requests this router still serves:
+        their admission slots stay held. Best effort: a slot missed for the leader's lease is freed."""
+        interval_s = self._config.live_report_interval_s
+        while True:
+            await asyncio.sleep(interval_s)
+            address = self._leader.address()
+            if address is None or not self._live:
+                continue
+            stub = scheduler_pb2_grpc.SchedulerStub(self._leader.channel(address))
+            live = list(self._live)
+            for start in range(0, len(live), _LIVE_IDS_PER_REPORT):
+                report = scheduler_pb2.LiveRequests(router_id=self._config.instance_id,
+                                                    request_ids=live[start:start + _LIVE_IDS_PER_REPORT])
+                try:
+                    await stub.ReportLiveRequests(report, timeout=interval_s)
+                except grpc.aio.AioRpcError as exc:
+                    log.debug("live-request report to %s failed: %s", address, exc.code().name)
+                    break
 
     def _on_nodes_changed(self, items: dict[str, bytes]) -> None:
         self._models = models_from_registrations(items, self._nodes.lapsed)
@@ -108,8 +138,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateChunk]:
         outcome = "OK"
+        live_id: str | None = None
         try:
-            valid = validate(request, self._models, self._config.default_max_tokens, self._rng)
+            valid = validate(request, self._models, self._config.default_max_tokens, self._rng,
+                             self._config.input_limits)
             generation = Generation(
                 request_id=valid.request_id,
                 model=valid.model.name,
@@ -122,6 +154,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             # A resumed stream's text continues where the client's left off, mid-character or not.
             decoder.decode(valid.resume_token_ids)
             is_first = True
+            live_id = generation.request_id
+            self._live[live_id] += 1
             # Tokens that come faster than one message per stream interval, or while the client is
             # behind, go out merged; a migration never shares a message (node_id names one node).
             chunks = coalesce(self._relay.stream(generation, request, context.time_remaining), merge_chunks,
@@ -149,4 +183,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             outcome = error.code.name
             await abort(context, error)
         finally:
+            if live_id is not None:
+                self._live[live_id] -= 1
+                if self._live[live_id] <= 0:
+                    del self._live[live_id]
             self._requests.add(1, {"status": outcome})

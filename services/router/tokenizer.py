@@ -7,6 +7,9 @@ from typing import Protocol
 
 
 class Tokenizer(Protocol):
+    #: The most UTF-8 bytes one token stands for: text longer than context × this cannot fit.
+    max_bytes_per_token: int
+
     def encode(self, text: str) -> list[int]: ...
 
     def decoder(self) -> StreamDecoder: ...
@@ -19,6 +22,8 @@ class StreamDecoder(Protocol):
 
 class ByteTokenizer:
     """Token i < 256 is the byte i; larger ids (end-of-sequence) have no text."""
+
+    max_bytes_per_token = 1
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

@@ -1,4 +1,8 @@
-"""Check a client's GenerateRequest and turn it into what the node agent needs. Pure."""
+"""Check a client's GenerateRequest and turn it into what the node agent needs. Pure.
+
+Sizes are checked before anything costs memory or time in proportion to them (tokenizing, copying
+token lists): a request is refused on its lengths alone when they cannot be served.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +12,24 @@ import uuid
 from dataclasses import dataclass
 
 from baton.v1 import common_pb2, router_pb2
-from services.common.errors import InvalidArgument, NotFound
+from services.common.errors import InvalidArgument, NotFound, shown
 from services.router.tokenizer import TOKENIZERS
 
-MAX_STOP_SEQUENCES = 16
-MAX_REQUEST_ID_LEN = 128
+
+@dataclass(frozen=True)
+class InputLimits:
+    """Bounds on what one request may carry, beyond its model's context window."""
+
+    # UTF-8 bytes of a text prompt, whatever the model's context.
+    max_prompt_bytes: int = 1 << 20
+    max_stop_sequences: int = 16
+    # UTF-8 bytes of all stop strings together.
+    max_stop_bytes: int = 4096
+    # Characters of request_id, tenant and workflow_id (each keys state kept per request, tenant, task).
+    max_id_len: int = 128
+
+
+DEFAULT_LIMITS = InputLimits()
 
 
 @dataclass(frozen=True)
@@ -44,6 +61,7 @@ def validate(
     models: dict[str, ModelEntry],
     default_max_tokens: int,
     rng: random.Random,
+    limits: InputLimits = DEFAULT_LIMITS,
 ) -> ValidRequest:
     """The checked request; InvalidArgument or NotFound naming the field and value otherwise."""
     if not request.model:
@@ -51,29 +69,49 @@ def validate(
     model = models.get(request.model)
     if model is None:
         known = ", ".join(sorted(models)) or "none"
-        raise NotFound(f"model={request.model!r}: not served by this cluster (served: {known})")
+        if len(known) > 400:
+            known = known[:397] + "..."
+        raise NotFound(f"model={shown(request.model)}: not served by this cluster (served: {known})")
     tokenizer = TOKENIZERS.get(model.tokenizer)
     if tokenizer is None:
         raise InvalidArgument("model", request.model, f"tokenizer {model.tokenizer!r} unsupported by this router")
-    if len(request.request_id) > MAX_REQUEST_ID_LEN:
-        raise InvalidArgument("request_id", request.request_id, f"longer than {MAX_REQUEST_ID_LEN} characters")
+    for field in ("request_id", "tenant", "workflow_id"):
+        if len(getattr(request, field)) > limits.max_id_len:
+            raise InvalidArgument(field, getattr(request, field),
+                                  f"{len(getattr(request, field))} characters, longer than {limits.max_id_len}")
+    _check_stop_sizes(request, limits)
 
+    context = model.max_context_tokens
     kind = request.WhichOneof("input")
     if kind is None:
         raise InvalidArgument("prompt", "", "required (prompt or prompt_token_ids)")
     if kind == "prompt":
         if not request.prompt:
             raise InvalidArgument("prompt", request.prompt, "must not be empty")
+        # Lengths first: characters bound the UTF-8 bytes from below, so a huge prompt is refused
+        # without encoding it, and no prompt is tokenized that cannot fit the context.
+        num_bytes = len(request.prompt) if len(request.prompt) > limits.max_prompt_bytes else \
+            len(request.prompt.encode())
+        if num_bytes > limits.max_prompt_bytes:
+            raise InvalidArgument("prompt", f"{num_bytes} bytes", f"longer than {limits.max_prompt_bytes} bytes")
+        if num_bytes > context * tokenizer.max_bytes_per_token:
+            raise InvalidArgument("prompt", f"{num_bytes} bytes", f"does not fit the context window of {context} "
+                                  f"(at most {context * tokenizer.max_bytes_per_token} bytes)")
         prompt = tokenizer.encode(request.prompt)
     else:
-        prompt = list(request.prompt_token_ids.ids)
-        if not prompt:
+        if not request.prompt_token_ids.ids:
             raise InvalidArgument("prompt_token_ids", [], "must not be empty")
+        if len(request.prompt_token_ids.ids) >= context:
+            raise InvalidArgument("prompt_token_ids", f"{len(request.prompt_token_ids.ids)} tokens",
+                                  f"does not fit the context window of {context}")
+        prompt = list(request.prompt_token_ids.ids)
         _check_vocabulary("prompt_token_ids", prompt, model.vocab_size)
+    if len(request.resume.token_ids) >= context:
+        raise InvalidArgument("resume.token_ids", f"{len(request.resume.token_ids)} tokens",
+                              f"does not fit the context window of {context}")
     resumed = list(request.resume.token_ids)
     _check_vocabulary("resume.token_ids", resumed, model.vocab_size)
 
-    context = model.max_context_tokens
     if len(prompt) >= context:
         raise InvalidArgument("prompt", f"{len(prompt)} tokens", f"does not fit the context window of {context}")
     room = context - len(prompt)
@@ -93,11 +131,6 @@ def validate(
         raise InvalidArgument("temperature", request.temperature, "must be 0 (greedy) or positive")
     if not math.isfinite(request.top_p) or not 0 <= request.top_p <= 1:
         raise InvalidArgument("top_p", request.top_p, "must be in (0, 1]; 0 means 1")
-    if len(request.stop) > MAX_STOP_SEQUENCES:
-        raise InvalidArgument("stop", f"{len(request.stop)} sequences", f"at most {MAX_STOP_SEQUENCES}")
-    for i, stop in enumerate(request.stop):
-        if not stop:
-            raise InvalidArgument(f"stop[{i}]", stop, "must not be empty")
     for field in ("ttft_budget_ms", "deadline_ms", "step", "total_steps"):
         if getattr(request, field) < 0:
             raise InvalidArgument(field, getattr(request, field), "must not be negative")
@@ -145,6 +178,20 @@ def _alternatives(request: router_pb2.GenerateRequest, models: dict[str, ModelEn
         if alternative.max_context_tokens >= num_tokens and name != model.name and name not in accepted:
             accepted.append(name)
     return tuple(accepted)
+
+
+def _check_stop_sizes(request: router_pb2.GenerateRequest, limits: InputLimits) -> None:
+    """Stop strings: how many, none empty, and their UTF-8 bytes together (counted before encoding)."""
+    if len(request.stop) > limits.max_stop_sequences:
+        raise InvalidArgument("stop", f"{len(request.stop)} sequences", f"at most {limits.max_stop_sequences}")
+    total = 0
+    for i, stop in enumerate(request.stop):
+        if not stop:
+            raise InvalidArgument(f"stop[{i}]", stop, "must not be empty")
+        total += len(stop) if len(stop) > limits.max_stop_bytes else len(stop.encode())
+        if total > limits.max_stop_bytes:
+            raise InvalidArgument("stop", f"{total}+ bytes in {len(request.stop)} sequences",
+                                  f"at most {limits.max_stop_bytes} bytes together")
 
 
 def _check_vocabulary(field: str, token_ids: list[int], vocab_size: int) -> None:

@@ -12,7 +12,11 @@ A request offered to the leader is admitted at once, queued, or refused:
   tenant by earliest deadline, then the furthest workflow (a late step of a task goes before a
   fresh request), then arrival.
 
-Requests already admitted are never shed. Time is passed in.
+Requests already admitted are never shed. Each admitted request holds one of its tenant's concurrency
+slots under a lease: the slot is freed when the request is reported finished, or when its lease runs
+out without a renewal (whoever serves it renews it while it lives), so a lost finish notice cannot pin
+a tenant at its limit. A tenant with nothing in flight and nothing served in the last minute leaves
+no state behind. Time is passed in.
 """
 
 from __future__ import annotations
@@ -20,9 +24,12 @@ from __future__ import annotations
 import enum
 import math
 from collections import defaultdict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 WINDOW_S = 60.0
+# How often idle tenants' state is dropped (a sweep over every tenant).
+_PRUNE_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -74,15 +81,32 @@ class _Tenant:
         while self.served and self.served[0][0] <= now - WINDOW_S:
             self.served_tokens -= self.served.popleft()[1]
 
+    def is_idle(self, now: float) -> bool:
+        """Nothing in flight, nothing served within the window: its state says nothing."""
+        self.expire(now)
+        return not self.in_flight and not self.served
+
+
+@dataclass
+class _Hold:
+    """An admitted request's concurrency slot, held until it is released or its lease runs out."""
+
+    tenant: str
+    expires_at: float
+
 
 class Admission:
     def __init__(self, max_queued: int = 10_000, limits: dict[str, TenantLimits] | None = None,
                  default_limits: TenantLimits = TenantLimits(), fair_share: str = "tokens",
-                 check_deadlines: bool = True) -> None:
+                 check_deadlines: bool = True, lease_s: float = math.inf) -> None:
         """fair_share "tokens" (Baton) or "round_robin" (GIE's flow control); check_deadlines refuses
-        what cannot meet its deadline (GIE does not)."""
+        what cannot meet its deadline (GIE does not); lease_s: how long an admitted request keeps its
+        slot without a renewal."""
         if fair_share not in ("tokens", "round_robin"):
             raise ValueError(f"fair_share must be tokens or round_robin, got {fair_share!r}")
+        if not lease_s > 0:
+            raise ValueError(f"lease_s must be positive, got {lease_s}")
+        self.lease_s = lease_s
         self.max_queued = max_queued
         self._fair_share = fair_share
         self._check_deadlines = check_deadlines
@@ -91,16 +115,38 @@ class Admission:
         self._default = default_limits
         self._tenants: dict[str, _Tenant] = defaultdict(_Tenant)
         self._queued: dict[str, Ticket] = {}
+        self._held: dict[str, _Hold] = {}
+        self._pruned_at = -math.inf
 
     @property
     def num_queued(self) -> int:
         return len(self._queued)
 
+    @property
+    def num_held(self) -> int:
+        """Admitted requests holding a concurrency slot."""
+        return len(self._held)
+
+    @property
+    def num_tenants(self) -> int:
+        """Tenants with state kept (in flight, queued, or served within the window)."""
+        return len(self._tenants)
+
+    def in_flight(self, tenant: str) -> int:
+        state = self._tenants.get(tenant)
+        return state.in_flight if state is not None else 0
+
     def limits(self, tenant: str) -> TenantLimits:
         return self._limits.get(tenant, self._default)
 
     def offer(self, ticket: Ticket, now: float, is_saturated: bool, predicted_ttft_s: float) -> Outcome:
-        """Admit, queue or refuse a new request."""
+        """Admit, queue or refuse a new request.
+
+        One that already holds a slot (the same request sent again, e.g. resumed through another
+        router after its first one died) is admitted on that slot: it has started and is never shed.
+        """
+        if ticket.request_id in self._held:
+            return Outcome(Verdict.ADMIT)
         limits = self.limits(ticket.tenant)
         tenant = self._tenants[ticket.tenant]
         tenant.expire(now)
@@ -181,14 +227,57 @@ class Admission:
         return self._queued.pop(request_id, None) is not None
 
     def on_admitted(self, ticket: Ticket, now: float) -> None:
+        """The ticket takes a slot of its tenant's, leased for lease_s (renewed if it holds one already)."""
+        hold = self._held.get(ticket.request_id)
+        if hold is not None:
+            hold.expires_at = max(hold.expires_at, now + self.lease_s)
+            return
         tenant = self._tenants[ticket.tenant]
         tenant.in_flight += 1
         tenant.served.append((now, ticket.num_tokens))
         tenant.served_tokens += ticket.num_tokens
+        self._held[ticket.request_id] = _Hold(ticket.tenant, now + self.lease_s)
 
-    def on_finished(self, tenant: str) -> None:
-        state = self._tenants[tenant]
-        state.in_flight = max(0, state.in_flight - 1)
+    def renew(self, request_ids: Iterable[str], now: float) -> int:
+        """Those of request_ids holding a slot are alive: their leases run lease_s from now. How many."""
+        renewed = 0
+        for request_id in request_ids:
+            hold = self._held.get(request_id)
+            if hold is not None:
+                hold.expires_at = max(hold.expires_at, now + self.lease_s)
+                renewed += 1
+        return renewed
+
+    def release(self, request_id: str) -> bool:
+        """The request ended: its slot is free. False if it held none (already released, or expired)."""
+        hold = self._held.pop(request_id, None)
+        if hold is None:
+            return False
+        state = self._tenants.get(hold.tenant)
+        if state is not None:
+            state.in_flight = max(0, state.in_flight - 1)
+        return True
+
+    def expire_holds(self, now: float) -> list[str]:
+        """Free the slots whose lease ran out (their end was never reported); drop idle tenants' state.
+
+        Returns the requests whose slots were freed.
+        """
+        lapsed = [request_id for request_id, hold in self._held.items() if hold.expires_at <= now]
+        for request_id in lapsed:
+            self.release(request_id)
+        if now - self._pruned_at >= _PRUNE_EVERY_S:
+            self._pruned_at = now
+            self.prune(now)
+        return lapsed
+
+    def prune(self, now: float) -> int:
+        """Drop the state of tenants with nothing in flight, queued or served within the window. How many."""
+        waiting = {t.tenant for t in self._queued.values()}
+        idle = [name for name, state in self._tenants.items() if name not in waiting and state.is_idle(now)]
+        for name in idle:
+            del self._tenants[name]
+        return len(idle)
 
 
 def pool_saturation(loads: list[tuple[int, int, int]]) -> float:

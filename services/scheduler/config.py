@@ -40,6 +40,9 @@ class SchedulerConfig(ServiceConfig):
                                      0.0)
     model_load_timeout_s: float = doc("deadline of one LoadModel call", 300.0)
     task_timeout_s: float = doc("a task with no request for this long has ended (failed unless complete)", 300.0)
+    admission_lease_s: float = doc("an admitted request keeps its tenant's concurrency slot this long unless a "
+                                   "router reports it live again (or it ends); several of the routers' "
+                                   "--live-report-interval-s", 15.0)
     tenant_limits: str = doc('per tenant, JSON: {"acme": {"weight": 2, "max_concurrency": 64, '
                              '"tokens_per_minute": 1000000}}', "{}")
 
@@ -54,7 +57,7 @@ class SchedulerConfig(ServiceConfig):
         parse_tenant_limits(self.tenant_limits)
         if self.retry_ratio < 0 or self.retry_min_per_s < 0:
             raise ValueError("--retry-ratio and --retry-min-per-s must be 0 or more")
-        for name in ("model_plan_interval_s", "model_load_timeout_s", "task_timeout_s"):
+        for name in ("model_plan_interval_s", "model_load_timeout_s", "task_timeout_s", "admission_lease_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}: must be positive, got {getattr(self, name)}")
         if self.model_swap_idle_s < 0 or self.model_idle_unload_s < 0:

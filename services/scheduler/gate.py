@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from opentelemetry.metrics import Meter
 
@@ -17,23 +18,30 @@ log = logging.getLogger(__name__)
 
 # How often queued deadlines are checked even when nothing else happens.
 _TICK_S = 0.05
+# Longest time between sweeps for admitted requests whose lease ran out.
+_SWEEP_S = 1.0
 
 
 class AdmissionGate:
     """Admits, queues or refuses each new request; dispatches the queue as capacity frees."""
 
-    def __init__(self, admission: Admission, is_saturated: Callable[[], bool], meter: Meter) -> None:
+    def __init__(self, admission: Admission, is_saturated: Callable[[], bool], meter: Meter,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._admission = admission
         self._is_saturated = is_saturated
+        self._clock = clock
         self._waiting: dict[str, asyncio.Future[asyncio.Event]] = {}
-        self._tenants: dict[str, str] = {}
         self._capacity = ChangeSignal()
+        self._swept_at = -math.inf
         self._decisions = meter.create_counter("baton.scheduler.admissions",
                                                description="admission verdicts, by verdict, reason and band")
         self._queue_wait = meter.create_histogram("baton.scheduler.queue_wait", unit="ms",
                                                   description="time requests waited for admission, by band and tenant")
         self._depth = meter.create_up_down_counter("baton.scheduler.queue_depth",
                                                    description="requests waiting for admission, by band")
+        self._lapsed = meter.create_counter("baton.scheduler.admission_leases_lapsed",
+                                            description="concurrency slots freed because their lease ran out "
+                                                        "(the request's end was never reported)")
 
     def capacity_changed(self) -> None:
         self._capacity.notify()
@@ -44,7 +52,7 @@ class AdmissionGate:
         A caller that waited must place the request before its next await: the dispatcher looks
         at saturation again as soon as it runs, and the placement must count by then.
         """
-        outcome = self._admission.offer(ticket, time.monotonic(), self._is_saturated(), predicted_ttft_s)
+        outcome = self._admission.offer(ticket, self._clock(), self._is_saturated(), predicted_ttft_s)
         band = {"band": ticket.priority}
         if outcome.shed is not None:
             self._refuse_queued(outcome.shed, outcome.reason)
@@ -65,7 +73,7 @@ class AdmissionGate:
                     self._depth.add(-1, band)
                 self._waiting.pop(ticket.request_id, None)
                 raise
-            self._queue_wait.record((time.monotonic() - ticket.arrived_at) * 1000,
+            self._queue_wait.record((self._clock() - ticket.arrived_at) * 1000,
                                     {"band": ticket.priority, "tenant": ticket.tenant})
             self._admit(ticket)
             placed.set()  # the dispatcher resumes only after our caller's next await
@@ -75,13 +83,24 @@ class AdmissionGate:
         return False
 
     def _admit(self, ticket: Ticket) -> None:
-        self._admission.on_admitted(ticket, time.monotonic())
-        self._tenants[ticket.request_id] = ticket.tenant
+        self._admission.on_admitted(ticket, self._clock())
 
     def finished(self, request_id: str) -> None:
-        tenant = self._tenants.pop(request_id, None)
-        if tenant is not None:
-            self._admission.on_finished(tenant)
+        if self._admission.release(request_id):
+            self.capacity_changed()
+
+    def renew(self, request_ids: Iterable[str]) -> int:
+        """These requests are still being served: their slots' leases start again. How many were held."""
+        return self._admission.renew(request_ids, self._clock())
+
+    def sweep(self) -> None:
+        """Free the slots whose lease ran out: their requests' end was never reported."""
+        self._swept_at = self._clock()
+        lapsed = self._admission.expire_holds(self._swept_at)
+        if lapsed:
+            log.warning("freed %d admission slots whose lease of %.0f s ran out (no finish notice), e.g. %s",
+                        len(lapsed), self._admission.lease_s, lapsed[0][:128])
+            self._lapsed.add(len(lapsed))
             self.capacity_changed()
 
     def _refuse_queued(self, ticket: Ticket, reason: str) -> None:
@@ -94,10 +113,12 @@ class AdmissionGate:
         """Dispatch queued requests while the fleet has room; refuse those whose deadline passed."""
         while True:
             await wait_or_timeout(self._capacity.since_now(), _TICK_S)
-            for ticket in self._admission.expired(time.monotonic()):
+            if self._clock() - self._swept_at >= _SWEEP_S:
+                self.sweep()
+            for ticket in self._admission.expired(self._clock()):
                 self._refuse_queued(ticket, "its deadline passed while it waited for admission")
             while self._admission.num_queued and not self._is_saturated():
-                ticket = self._admission.pop_next(time.monotonic())
+                ticket = self._admission.pop_next(self._clock())
                 if ticket is None:
                     break
                 self._depth.add(-1, {"band": ticket.priority})

@@ -7,7 +7,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 import grpc
@@ -85,8 +85,10 @@ def node_spec(info: common_pb2.NodeInfo) -> NodeSpec:
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     service_names = ("baton.v1.Scheduler",)
 
-    def __init__(self, config: SchedulerConfig, telemetry: Telemetry) -> None:
+    def __init__(self, config: SchedulerConfig, telemetry: Telemetry,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._config = config
+        self._clock = clock
         # A lapsed registration (etcd froze, or the node died) keeps a node only while it reports load
         # within a keep-alive interval; the view holds it for one TTL (docs/etcd.md).
         self._cluster = ClusterView(load_timeout_s=config.load_timeout_s, lapsed_silence_s=config.lease_ttl_s / 3)
@@ -96,8 +98,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._ttft_ratio = telemetry.meter.create_histogram(
             "baton.scheduler.observed_ttft_ratio", description="clients' time to first token over their budget")
         self._gate = AdmissionGate(
-            Admission(max_queued=config.max_queued, limits=parse_tenant_limits(config.tenant_limits)),
-            self._is_saturated, telemetry.meter)
+            Admission(max_queued=config.max_queued, limits=parse_tenant_limits(config.tenant_limits),
+                      lease_s=config.admission_lease_s),
+            self._is_saturated, telemetry.meter, clock)
         self._node_infos: dict[str, common_pb2.NodeInfo] = {}
         self._member = Membership(config.etcd, config.lease_ttl_s)
         self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed,
@@ -139,7 +142,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     def _hand_over_state(self) -> dict[str, Any]:
         """What a successor needs that it cannot rebuild from etcd and node reports."""
-        now = time.monotonic()
+        now = self._clock()
         spent = self._policy.workflow_state()
         return {
             "leader": self._config.instance_id,
@@ -152,10 +155,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     def _take_over_state(self, state: dict[str, Any]) -> None:
         budget = state["retry_budget"]
-        self._retry_budget.restore(int(budget["requests"]), int(budget["retries"]), time.monotonic())
+        self._retry_budget.restore(int(budget["requests"]), int(budget["retries"]), self._clock())
         self._policy.restore_workflow_state({k: float(v) for k, v in state.get("workflow_spent", {}).items()})
         if "tasks" in state:
-            self._tasks.restore(state["tasks"], time.monotonic())
+            self._tasks.restore(state["tasks"], self._clock())
         log.info("took over from %s: %s, %d workflows", state.get("leader"), budget,
                  len(state.get("workflow_spent", {})))
 
@@ -172,7 +175,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if key in self._nodes.lapsed:
                 lapsed.add(info.node_id)
         self._node_infos = infos
-        self._cluster.set_nodes(specs, time.monotonic(), frozenset(lapsed))
+        self._cluster.set_nodes(specs, self._clock(), frozenset(lapsed))
         self._prices.update((spec.node_id, spec.price_per_hour) for spec in specs)
         self._gate.capacity_changed()  # a model may have turned warm
         self._nodes_changed.notify()
@@ -212,7 +215,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 raise self._not_leader()
             ask = place_ask(request)
             changing = self._loader.changing_nodes
-            plan = self._placer.start(ask, time.monotonic(), changing)
+            plan = self._placer.start(ask, self._clock(), changing)
             if not plan.has_candidates and not plan.is_retry:
                 # The models are only on busy nodes' disks: the planner makes room; wait for it.
                 await self._wait_for_candidates(plan, context.time_remaining())
@@ -221,11 +224,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             overlaps = {m: await self._overlap(m, request.block_hashes)
                         for m, nodes in plan.candidates.items() if nodes}
             options = self._placer.options(plan, overlaps.__getitem__)
-            admission = self._placer.ticket(plan, options, time.monotonic())
+            admission = self._placer.ticket(plan, options, self._clock())
             if admission is not None and await self._gate.enter(*admission):
                 # It waited: place it on the fleet as it is now, with no await from here on.
-                options = self._placer.after_queueing(plan, options, time.monotonic(), changing)
-            placed = self._placer.decide(options, time.monotonic())
+                options = self._placer.after_queueing(plan, options, self._clock(), changing)
+            placed = self._placer.decide(options, self._clock())
             decision, model = placed.decision, placed.request.model
             self._record_decision(placed.request, decision)
             if placed.is_cold:
@@ -268,20 +271,20 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         deadline = loop.time() + min(time_remaining or math.inf, self._config.model_load_timeout_s)
         model = plan.models[0]
         while not plan.has_candidates:
-            now = time.monotonic()
+            now = self._clock()
             if not any(model in s.spec.cold_models for s in self._cluster.nodes() if self._cluster.is_live(s, now)):
                 return
             changed = self._nodes_changed.since_now()
             if not await wait_or_timeout(changed, max(0.0, deadline - loop.time())):
                 return
-            self._placer.refresh(plan, time.monotonic(), self._loader.changing_nodes)
+            self._placer.refresh(plan, self._clock(), self._loader.changing_nodes)
 
     async def _plan_models(self) -> None:
         """While leading: load models short of warm capacity, unload idle ones; end silent tasks."""
-        last = time.monotonic()
+        last = self._clock()
         while True:
             await asyncio.sleep(self._config.model_plan_interval_s)
-            now = time.monotonic()
+            now = self._clock()
             elapsed, last = now - last, now
             self._tasks.expire(now)
             if not self._role.is_leader:
@@ -319,10 +322,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             cost = sum(ms / 3_600_000 * self._prices.get(node, 0.0) for node, ms in request.gpu_ms_by_node.items())
             if request.workflow_id:
                 self._tasks.record(request.workflow_id, request.step, request.total_steps, cost,
-                                   request.outcome == _SUCCEEDED, time.monotonic())
+                                   request.outcome == _SUCCEEDED, self._clock())
             else:
-                self._tasks.record(request.request_id, 1, 1, cost, request.outcome == _SUCCEEDED, time.monotonic())
+                self._tasks.record(request.request_id, 1, 1, cost, request.outcome == _SUCCEEDED, self._clock())
         return scheduler_pb2.FinishedAck()
+
+    async def ReportLiveRequests(
+        self, request: scheduler_pb2.LiveRequests, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.LiveRequestsAck:
+        await self._role.wait_if_taking_over(self._config.lease_ttl_s)
+        num_held = self._gate.renew(request.request_ids) if self._role.is_leader else 0
+        return scheduler_pb2.LiveRequestsAck(num_held=num_held,
+                                             lease_ms=int(self._config.admission_lease_s * 1000))
 
     def _charge_load(self, node_id: str, model: str) -> None:
         """A model load the leader ordered: its modelled GPU time, at the node's price, is paid for."""
@@ -411,14 +422,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self, request_iterator: AsyncIterator[common_pb2.NodeLoad], context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ReportLoadAck:
         async for load in request_iterator:
-            self._cluster.report_load(load.node_id, load_from_proto(load), time.monotonic())
+            self._cluster.report_load(load.node_id, load_from_proto(load), self._clock())
             self._gate.capacity_changed()
         return scheduler_pb2.ReportLoadAck()
 
     async def GetClusterState(
         self, request: scheduler_pb2.GetClusterStateRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ClusterState:
-        now = time.monotonic()
+        now = self._clock()
         state = scheduler_pb2.ClusterState(scheduler_id=self._config.instance_id)
         leader = self._role.leader()
         if leader is not None:

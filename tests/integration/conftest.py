@@ -8,9 +8,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from baton.cluster import ClusterSpec, LocalCluster
+from baton.v1 import router_pb2, router_pb2_grpc
 
 MODEL = "sim-llama-3-8b"
 
@@ -54,3 +56,19 @@ async def eventually(predicate: Callable[[], object], timeout_s: float, what: st
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
         await asyncio.sleep(0.05)
+
+
+def wait_router_serves(cluster: LocalCluster, timeout_s: float = 30.0) -> None:
+    """Until the router completes a request: it knows the model, and a scheduler leader is elected."""
+    assert cluster.router is not None
+    with grpc.insecure_channel(cluster.router.address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+
+        def serves() -> bool:
+            try:
+                list(stub.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=1), timeout=10))
+                return True
+            except grpc.RpcError:
+                return False
+
+        wait_until(serves, timeout_s, "the router to serve a request")

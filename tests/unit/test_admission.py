@@ -37,7 +37,7 @@ def test_tenant_limits_name_the_limit() -> None:
     admission.on_admitted(first, 0.0)
     busy = admission.offer(ticket("b"), 1.0, False, 0.1)
     assert busy.verdict == Verdict.REJECT and "concurrency limit of 1" in busy.reason
-    admission.on_finished("t")
+    admission.release("a")
     over = admission.offer(ticket("c"), 2.0, False, 0.1)
     assert over.verdict == Verdict.REJECT and "150 tokens per minute" in over.reason
     assert over.retry_after_s == 58.0

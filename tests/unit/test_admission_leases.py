@@ -1,0 +1,126 @@
+"""Admission slots under a lease: a lost finish notice cannot pin a tenant at its limit; idle tenants leave no state."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry.metrics import get_meter
+
+from services.common.errors import ResourceExhausted
+from services.scheduler.admission import Admission, TenantLimits, Ticket, Verdict
+from services.scheduler.gate import AdmissionGate
+
+CAPPED = {"t": TenantLimits(max_concurrency=1)}
+
+
+def ticket(rid: str, tenant: str = "t", at: float = 0.0) -> Ticket:
+    return Ticket(request_id=rid, tenant=tenant, priority=0, num_tokens=100, arrived_at=at)
+
+
+def admit(admission: Admission, rid: str, now: float, tenant: str = "t") -> None:
+    outcome = admission.offer(ticket(rid, tenant, now), now, is_saturated=False, predicted_ttft_s=0.1)
+    assert outcome.verdict == Verdict.ADMIT, outcome.reason
+    admission.on_admitted(ticket(rid, tenant, now), now)
+
+
+def verdict(admission: Admission, rid: str, now: float) -> Verdict:
+    return admission.offer(ticket(rid, at=now), now, is_saturated=False, predicted_ttft_s=0.1).verdict
+
+
+def test_a_slot_whose_end_is_never_reported_is_freed_when_its_lease_runs_out() -> None:
+    admission = Admission(limits=CAPPED, lease_s=10.0)
+    admit(admission, "lost", 0.0)
+    assert verdict(admission, "next", 5.0) == Verdict.REJECT
+    assert admission.expire_holds(9.9) == []
+    assert verdict(admission, "next", 9.9) == Verdict.REJECT
+    assert admission.expire_holds(10.0) == ["lost"]
+    assert verdict(admission, "next", 10.0) == Verdict.ADMIT
+
+
+def test_a_request_reported_live_keeps_its_slot_past_the_lease() -> None:
+    admission = Admission(limits=CAPPED, lease_s=10.0)
+    admit(admission, "long", 0.0)
+    for now in (8.0, 16.0, 24.0):
+        assert admission.renew(["long", "unknown"], now) == 1
+        assert admission.expire_holds(now + 9.0) == []
+    assert verdict(admission, "next", 33.0) == Verdict.REJECT
+    assert admission.expire_holds(34.0) == ["long"]  # no report since 24 s
+
+
+def test_a_late_notice_for_a_lapsed_slot_does_not_free_another_requests_slot() -> None:
+    admission = Admission(limits=CAPPED, lease_s=10.0)
+    admit(admission, "first", 0.0)
+    assert admission.expire_holds(10.0) == ["first"]
+    admit(admission, "second", 11.0)
+    assert admission.release("first") is False  # its Finished notice, late
+    assert verdict(admission, "third", 12.0) == Verdict.REJECT
+    assert admission.release("second") is True
+    assert admission.release("second") is False  # a repeated notice frees nothing more
+    assert admission.in_flight("t") == 0
+    assert verdict(admission, "third", 13.0) == Verdict.ADMIT
+
+
+def test_the_same_request_sent_again_keeps_its_one_slot() -> None:
+    """A client resuming through another router (the first died) sends the same request again."""
+    admission = Admission(limits=CAPPED, lease_s=10.0)
+    admit(admission, "r", 0.0)
+    admit(admission, "r", 5.0)  # admitted on the slot it holds, though the tenant is at its limit
+    assert admission.in_flight("t") == 1 and admission.num_held == 1
+    assert admission.expire_holds(12.0) == []  # the second admission renewed the lease
+    assert admission.release("r") and admission.in_flight("t") == 0
+
+
+def test_idle_tenants_leave_no_state_behind() -> None:
+    admission = Admission(lease_s=10.0)
+    for i in range(1000):
+        admit(admission, f"r{i}", 0.0, tenant=f"tenant-{i}")
+        admission.release(f"r{i}")
+    admit(admission, "busy", 0.0, tenant="busy")
+    assert admission.offer(ticket("queued", "waiting", 0.0), 0.0, True, 0.1).verdict == Verdict.QUEUE
+    assert admission.num_tenants == 1002
+    admission.renew(["busy"], 55.0)
+    admission.expire_holds(30.0)  # within the minute: their served tokens still count for fair share
+    assert admission.num_tenants == 1002
+    admission.expire_holds(61.0)
+    # Left: the one still in flight, and the one with a request queued.
+    assert admission.num_tenants == 2
+    assert admission.in_flight("busy") == 1
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_the_gate_frees_a_lapsed_slot_on_its_sweep_and_renews_live_ones() -> None:
+    clock = FakeClock()
+    gate = AdmissionGate(Admission(limits={"t": TenantLimits(max_concurrency=2)}, lease_s=5.0), lambda: False,
+                         get_meter("test"), clock=clock)
+    assert await gate.enter(ticket("lost", at=clock.now), 0.1) is False
+    assert await gate.enter(ticket("live", at=clock.now), 0.1) is False
+    with pytest.raises(ResourceExhausted, match="concurrency limit of 2"):
+        await gate.enter(ticket("third", at=clock.now), 0.1)
+    clock.now += 4.0
+    assert gate.renew(["live"]) == 1
+    clock.now += 1.0
+    gate.sweep()  # "lost" lapsed; "live" has 4 s left
+    assert await gate.enter(ticket("third", at=clock.now), 0.1) is False
+    with pytest.raises(ResourceExhausted):
+        await gate.enter(ticket("fourth", at=clock.now), 0.1)
+    gate.finished("third")
+    assert await gate.enter(ticket("fourth", at=clock.now), 0.1) is False
+
+
+async def test_the_gate_sweep_drops_tenants_gone_quiet() -> None:
+    clock = FakeClock()
+    admission = Admission(lease_s=5.0)
+    gate = AdmissionGate(admission, lambda: False, get_meter("test"), clock=clock)
+    for i in range(100):
+        await gate.enter(ticket(f"r{i}", tenant=f"tenant-{i}", at=clock.now), 0.1)
+        gate.finished(f"r{i}")
+    assert admission.num_tenants == 100
+    clock.now += 61.0
+    gate.sweep()
+    assert admission.num_tenants == 0
