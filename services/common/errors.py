@@ -53,6 +53,10 @@ class Unavailable(BatonError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class DeadlineExceeded(BatonError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class ResourceExhausted(BatonError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 

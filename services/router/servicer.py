@@ -20,8 +20,9 @@ from baton.v1 import (
 )
 from services.common import etcd_keys
 from services.common.coalesce import coalesce
+from services.common.deadline import until
 from services.common.directory import ChannelPool, LeaderDirectory
-from services.common.errors import BatonError, abort
+from services.common.errors import BatonError, DeadlineExceeded, abort
 from services.common.etcd_session import Membership, PrefixView
 from services.common.telemetry import Telemetry
 from services.router.catalogue import models_from_registrations
@@ -161,7 +162,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
             chunks = coalesce(self._relay.stream(generation, request, context.time_remaining), merge_chunks,
                               min_interval_s=self._config.stream_interval_s,
                               max_pending=self._config.max_pending_chunks, key=lambda chunk: chunk.node_id)
-            async for chunk in chunks:
+            # A stream that passes its end-to-end deadline ends there: the tokens sent so far stay sent.
+            deadline_at = (asyncio.get_running_loop().time() + request.deadline_ms / 1000
+                           if request.deadline_ms else None)
+            async for chunk in until(chunks, deadline_at, lambda: DeadlineExceeded(
+                    f"deadline_ms={request.deadline_ms}: passed after {len(generation.generated)} generated "
+                    f"tokens of request {generation.request_id}; the tokens sent so far stand")):
                 self._relayed_tokens.add(len(chunk.token_ids), {"model": generation.model})
                 reply = router_pb2.GenerateChunk(
                     request_id=generation.request_id,

@@ -152,6 +152,7 @@ class Placer:
         if plan.is_retry:
             return None
         request = plan.ask.request
+        self._check_deadline(request, options, now)
         ticket = Ticket(request_id=request.request_id, tenant=request.tenant or "default",
                         priority=request.priority, num_tokens=request.num_prompt_tokens + request.max_tokens,
                         arrived_at=now,
@@ -160,6 +161,21 @@ class Placer:
         best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now)
                           for o in options)
         return ticket, best_ttft_s
+
+    def _check_deadline(self, request: PlacementRequest, options: list[Option], now: float) -> None:
+        """Refuse at once a request that could not end by its deadline on any candidate: TTFT plus
+        max_tokens decode steps, predicted on the fleet as it is (no timing model: no refusal)."""
+        if not request.deadline_ms:
+            return
+        ends = [end for o in options
+                if (end := self._predictor.best_finish_s(o.request, o.candidates, o.matched_blocks, now)) is not None]
+        if not ends or min(ends) * 1000 <= request.deadline_ms:
+            return
+        best_ms = min(ends) * 1000
+        raise ResourceExhausted(
+            f"deadline_ms={request.deadline_ms}: cannot be met; the first token and max_tokens={request.max_tokens} "
+            f"are predicted to take {best_ms:.0f} ms on the best node now (ask for fewer tokens or a later deadline)",
+            retry_after_ms=max(1000, int(best_ms - request.deadline_ms)))
 
     def after_queueing(self, plan: Plan, options: list[Option], now: float,
                        changing: Changing = _none_changing) -> list[Option]:

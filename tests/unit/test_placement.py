@@ -132,3 +132,16 @@ def test_a_retry_with_nowhere_to_go_gives_its_unit_of_the_budget_back() -> None:
     placer.abandon(plan)
     # The unit is back: a retry that can go somewhere is still placed.
     assert _place(placer, _ask(retry_cause="stalled"), now=2.0) == "a"
+
+
+def test_a_deadline_no_node_could_meet_is_refused_at_once_with_a_hint() -> None:
+    model = "sim-llama-3.1-8b"
+    placer = _placer(_spec("a", warm=(model,)))
+    tight = _ask(model=model, max_tokens=2000, deadline_ms=5)
+    plan = placer.start(tight, 1.0)
+    with pytest.raises(ResourceExhausted, match=r"deadline_ms=5: cannot be met; .*max_tokens=2000") as refused:
+        placer.ticket(plan, placer.options(plan, lambda _: {}), 1.0)
+    assert refused.value.retry_after_ms >= 1000
+    # Room to finish: admitted.
+    roomy = placer.start(_ask(model=model, max_tokens=2000, deadline_ms=600_000), 1.0)
+    assert placer.ticket(roomy, placer.options(roomy, lambda _: {}), 1.0) is not None

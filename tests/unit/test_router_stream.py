@@ -159,3 +159,18 @@ async def test_a_move_with_nowhere_to_go_asks_once_and_says_what_happened() -> N
     details = raised.value.details() or ""
     assert f"node {NODE}: stalled" in details and "nor on any other from the node" in details
     assert "could not move it" in details and "no live node has it warm" in details
+
+
+async def test_a_stream_that_passes_its_deadline_ends_with_deadline_exceeded_keeping_its_tokens() -> None:
+    """Issue 11: deadline_ms was never checked; a stream now ends when it passes it, the tokens sent stay."""
+    async with _router(_token_stream(2000, pace_s=0.01)) as (router, _):
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2000,
+                                                          deadline_ms=300))
+        received = []
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            async for message in call:
+                received.extend(message.token_ids)
+    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "deadline_ms=300: passed after" in (raised.value.details() or "")
+    assert 0 < len(received) < 2000
+    assert received == [97 + i % 26 for i in range(len(received))]

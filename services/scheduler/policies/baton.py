@@ -210,6 +210,14 @@ class BatonPolicy(Policy):
     def restore_workflow_state(self, state: dict[str, float]) -> None:
         self.workflow_spent.update(state)
 
+    def best_finish_s(self, request: PlacementRequest, candidates: list[NodeStatus],
+                      matched_blocks: dict[str, int], now: float = 0.0) -> float | None:
+        """The soonest predicted end of request, max_tokens generated: TTFT + max_tokens × TPOT on its
+        best candidate; None without a timing model."""
+        ends = [t.ttft_ms + request.max_tokens * t.tpot_ms for s in candidates
+                if (t := self.terms(request, s, matched_blocks.get(s.spec.node_id, 0), now))]
+        return min(ends) / 1000 if ends else None
+
     def best_ttft_s(self, request: PlacementRequest, candidates: list[NodeStatus],
                     matched_blocks: dict[str, int], now: float = 0.0) -> float:
         """The shortest predicted time to first token any candidate offers (0 without a timing model)."""

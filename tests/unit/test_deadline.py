@@ -1,0 +1,45 @@
+"""A stream cut off at its deadline: what was handed out stays, the producer is closed, the error names it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.common.deadline import until
+
+pytestmark = pytest.mark.timeout(10)
+
+
+class Passed(Exception):
+    pass
+
+
+async def test_items_before_the_deadline_stand_and_the_producer_is_closed_at_it() -> None:
+    gate = asyncio.Event()
+    closed = asyncio.Event()
+
+    async def producer():
+        try:
+            yield 1
+            yield 2
+            await gate.wait()  # never set: the third item would come after the deadline
+            yield 3
+        finally:
+            closed.set()
+
+    received = []
+    deadline_at = asyncio.get_running_loop().time() + 0.2
+    with pytest.raises(Passed):
+        async for item in until(producer(), deadline_at, Passed):
+            received.append(item)
+    assert received == [1, 2]
+    assert closed.is_set()
+
+
+async def test_no_deadline_passes_everything_through() -> None:
+    async def producer():
+        for i in range(3):
+            yield i
+
+    assert [i async for i in until(producer(), None, Passed)] == [0, 1, 2]
