@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "seed", "stop", "request_id", "tenant", "priority", "ttft_budget_ms", "deadline_ms", "workflow_id", "step", "total_steps", "ignore_eos", "resume", "alternative_models")
+    __slots__ = ("model", "prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "seed", "stop", "request_id", "tenant", "priority", "ttft_budget_ms", "deadline_ms", "workflow_id", "step", "total_steps", "ignore_eos", "resume", "alternative_models", "tpot_budget_ms")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class GenerateRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     ALTERNATIVE_MODELS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     prompt_token_ids: PromptTokens
@@ -47,7 +48,8 @@ class GenerateRequest(_message.Message):
     ignore_eos: bool
     resume: Resume
     alternative_models: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokens, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., ttft_budget_ms: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., workflow_id: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., alternative_models: _Optional[_Iterable[str]] = ...) -> None: ...
+    tpot_budget_ms: int
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokens, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., ttft_budget_ms: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., workflow_id: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., alternative_models: _Optional[_Iterable[str]] = ..., tpot_budget_ms: _Optional[int] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("token_ids",)

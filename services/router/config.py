@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import ServiceConfig, doc
+from services.common.slo import DEFAULT_TPOT_BUDGET_MS, DEFAULT_TTFT_BUDGET_MS, Slo
 from services.router.validation import InputLimits
 
 
@@ -32,6 +33,10 @@ class RouterConfig(ServiceConfig):
     max_stop_sequences: int = doc("most stop strings one request may carry", 16)
     max_stop_bytes: int = doc("most UTF-8 bytes of all a request's stop strings together", 4096)
     max_id_len: int = doc("longest request_id, tenant or workflow_id, in characters", 128)
+    slo_ttft_ms: int = doc("time to first token a request that sets no ttft_budget_ms is held to, for the "
+                           "KPI", DEFAULT_TTFT_BUDGET_MS)
+    slo_tpot_ms: int = doc("mean time per output token a request that sets no tpot_budget_ms is held to, "
+                           "for the KPI", DEFAULT_TPOT_BUDGET_MS)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -52,9 +57,14 @@ class RouterConfig(ServiceConfig):
         if self.placement_timeout_s <= 0:
             raise ValueError(f"--placement-timeout-s: must be positive, got {self.placement_timeout_s}")
         for name in ("live_report_interval_s", "max_prompt_bytes", "max_stop_sequences", "max_stop_bytes",
-                     "max_id_len"):
+                     "max_id_len", "slo_ttft_ms", "slo_tpot_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}: must be positive, got {getattr(self, name)}")
+
+    @property
+    def slo(self) -> Slo:
+        """The cluster's default SLO, which a request's own budgets override."""
+        return Slo(ttft_ms=self.slo_ttft_ms, tpot_ms=self.slo_tpot_ms)
 
     @property
     def input_limits(self) -> InputLimits:

@@ -13,6 +13,7 @@ from baton.protocol import LEADER_KEY, is_transport_failure
 from baton.v1 import common_pb2, node_agent_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.directory import ChannelPool, LeaderDirectory
 from services.common.errors import BatonError, Unavailable, from_rpc_error
+from services.common.slo import Slo, classify
 from services.router.config import RouterConfig
 from services.router.generation import FailureCause, Generation, NodeFailure
 from services.router.node_stream import NodeLiveness, watched_stream
@@ -27,6 +28,7 @@ class Relay:
     def __init__(self, config: RouterConfig, leader: LeaderDirectory, node_channels: ChannelPool,
                  liveness: NodeLiveness, meter: Meter) -> None:
         self._config = config
+        self._slo = config.slo
         self._leader = leader
         self._node_channels = node_channels
         self._liveness = liveness
@@ -58,6 +60,7 @@ class Relay:
                                                    finish_reason=common_pb2.FINISH_REASON_LENGTH)
             return
         started_at = loop.time()
+        num_resumed = len(generation.generated)  # tokens the client had before this stream
         first_token_at: float | None = None
         outcome = scheduler_pb2.REQUEST_OUTCOME_FAILED
         try:
@@ -94,7 +97,8 @@ class Relay:
                             self._recomputed.add(recomputed, {"model": generation.model})
                         chunk.index += base
                         if chunk.finish_reason:
-                            outcome = _outcome(chunk.finish_reason, request, started_at, first_token_at, loop.time())
+                            outcome = _outcome(chunk.finish_reason, request, self._slo, started_at, first_token_at,
+                                               last_token_at, len(generation.generated) - num_resumed, loop.time())
                             # Charged before the last chunk goes out: its reader totals the usage from it.
                             generation.add_gpu_ms(placement.node_id, attempt_gpu_ms)
                             attempt_gpu_ms = 0.0
@@ -167,6 +171,7 @@ class Relay:
             tenant=request.tenant,
             priority=request.priority,
             ttft_budget_ms=request.ttft_budget_ms,
+            tpot_budget_ms=request.tpot_budget_ms,
             deadline_ms=request.deadline_ms,
             workflow_id=request.workflow_id,
             step=request.step,
@@ -226,13 +231,15 @@ class Relay:
         raise Unavailable(f"no scheduler leader placed the request within {wait_s:.1f} s")
 
 
-def _outcome(finish_reason: common_pb2.FinishReason.ValueType, request: router_pb2.GenerateRequest, started_at: float,
-             first_token_at: float | None, now: float) -> scheduler_pb2.RequestOutcome.ValueType:
-    """How a finished request went against its budget."""
-    if finish_reason == common_pb2.FINISH_REASON_ABORT:
-        return scheduler_pb2.REQUEST_OUTCOME_CANCELLED
+def _outcome(finish_reason: common_pb2.FinishReason.ValueType, request: router_pb2.GenerateRequest, slo: Slo,
+             started_at: float, first_token_at: float | None, last_token_at: float | None, num_tokens: int,
+             now: float) -> scheduler_pb2.RequestOutcome.ValueType:
+    """How a finished request went against its own SLO (the cluster's where it sets none)."""
     ttft_ms = ((first_token_at if first_token_at is not None else now) - started_at) * 1000
-    if (request.ttft_budget_ms and ttft_ms > request.ttft_budget_ms) or (
-            request.deadline_ms and (now - started_at) * 1000 > request.deadline_ms):
-        return scheduler_pb2.REQUEST_OUTCOME_LATE
-    return scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
+    tpot_ms = None
+    if first_token_at is not None and last_token_at is not None and num_tokens > 1:
+        tpot_ms = (last_token_at - first_token_at) * 1000 / (num_tokens - 1)
+    outcome = classify(slo.for_request(request.ttft_budget_ms, request.tpot_budget_ms, request.deadline_ms),
+                       finished=True, cancelled=finish_reason == common_pb2.FINISH_REASON_ABORT, ttft_ms=ttft_ms,
+                       tpot_ms=tpot_ms, elapsed_ms=(now - started_at) * 1000)
+    return int(outcome)

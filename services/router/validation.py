@@ -131,7 +131,7 @@ def validate(
         raise InvalidArgument("temperature", request.temperature, "must be 0 (greedy) or positive")
     if not math.isfinite(request.top_p) or not 0 <= request.top_p <= 1:
         raise InvalidArgument("top_p", request.top_p, "must be in (0, 1]; 0 means 1")
-    for field in ("ttft_budget_ms", "deadline_ms", "step", "total_steps"):
+    for field in ("ttft_budget_ms", "tpot_budget_ms", "deadline_ms", "step", "total_steps"):
         if getattr(request, field) < 0:
             raise InvalidArgument(field, getattr(request, field), "must not be negative")
     if request.total_steps and not 1 <= request.step <= request.total_steps:

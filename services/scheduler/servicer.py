@@ -53,6 +53,7 @@ def place_ask(request: scheduler_pb2.PlaceRequest) -> PlaceAsk:
             max_tokens=request.max_tokens,
             block_hashes=tuple(request.block_hashes),
             ttft_budget_ms=request.ttft_budget_ms,
+            tpot_budget_ms=request.tpot_budget_ms,
             deadline_ms=request.deadline_ms,
             tenant=request.tenant,
             priority=request.priority,

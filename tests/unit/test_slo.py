@@ -33,3 +33,19 @@ def test_unfinished_and_cancelled_requests() -> None:
     assert classify(DEFAULTS, finished=False, ttft_ms=10) == Outcome.FAILED
     assert classify(DEFAULTS, finished=True, ttft_ms=None) == Outcome.FAILED
     assert classify(DEFAULTS, finished=False, cancelled=True) == Outcome.CANCELLED
+
+
+def test_the_router_counts_a_stream_too_slow_per_token_as_late_with_the_cluster_default() -> None:
+    from baton.v1 import common_pb2, router_pb2, scheduler_pb2
+    from services.router.relay import _outcome
+
+    request = router_pb2.GenerateRequest(model="m", prompt="hi")
+    length = common_pb2.FINISH_REASON_LENGTH
+    # 11 tokens over 1.5 s after the first: 150 ms a token, over the 100 ms default.
+    assert _outcome(length, request, DEFAULTS, 0.0, 0.2, 1.7, 11, 1.7) == scheduler_pb2.REQUEST_OUTCOME_LATE
+    assert _outcome(length, request, DEFAULTS, 0.0, 0.2, 0.7, 11, 0.7) == scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
+    # The request's own budget overrides the default.
+    lax = router_pb2.GenerateRequest(model="m", prompt="hi", tpot_budget_ms=200)
+    assert _outcome(length, lax, DEFAULTS, 0.0, 0.2, 1.7, 11, 1.7) == scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
+    abort = common_pb2.FINISH_REASON_ABORT
+    assert _outcome(abort, request, DEFAULTS, 0.0, 0.2, 0.7, 11, 0.7) == scheduler_pb2.REQUEST_OUTCOME_CANCELLED

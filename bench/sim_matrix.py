@@ -1,0 +1,148 @@
+"""The held-out evaluation: Baton's policy against the baselines on settings it was not tuned on.
+
+Each setting (workload × fleet × load × SLO) is replayed under every policy, over several seeds of
+the timing-model error (each GPU generation runs ±e off the model the scheduler reads), with
+max_tokens the scheduler sees instead of true output lengths. For each setting it reports, per
+policy, SLO attainment and cost per successful task two ways — the whole fleet for the trace's
+span (the headline) and busy GPU time (the floor) — with 95 % intervals over the seeds, and a
+verdict line: Baton against the best baseline on each.
+
+    python -m bench.sim_matrix --out results/matrix            # the matrix in docs/evaluation.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from simulator.report import merge_seeds, parse_args, run_one
+
+BASELINES = ("weighted_least_loaded", "llm_d", "llm_d_precise", "dynamo", "sglang")
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    workload: str
+    fleet: str
+    load: float
+    ttft_s: float = 5.0
+    tpot_s: float = 0.1
+    # Agent tasks for the agentic workload (five requests each); None: --limit requests.
+    limit: int | None = None
+
+
+MIXED = "4xh100,4xa100,4xl4"
+SETTINGS = (
+    Setting("Mooncake conversation, mixed, 1x", "mooncake-conversation", MIXED, 1.0),
+    Setting("Mooncake synthetic, mixed, 1x", "mooncake-synthetic", MIXED, 1.0),
+    Setting("Azure conversation, mixed, 1x", "azure-conv", MIXED, 1.0),
+    Setting("Azure conversation, mixed, 3x", "azure-conv", MIXED, 3.0),
+    Setting("Azure code, mixed, 2x", "azure-code", MIXED, 2.0),
+    Setting("Agentic (5 steps), mixed, 2 tasks/s", "agentic", MIXED, 2.0, limit=200),
+    Setting("Mooncake conversation, 8xH100, 1x", "mooncake-conversation", "8xh100", 1.0),
+    Setting("Mooncake conversation, 8xH100, 2x", "mooncake-conversation", "8xh100", 2.0),
+    Setting("Mooncake conversation, 8xH100, 1x, TPOT 30 ms", "mooncake-conversation", "8xh100", 1.0, tpot_s=0.03),
+    Setting("Mooncake conversation, 2xH100+8xL4, 1x", "mooncake-conversation", "2xh100,8xl4", 1.0),
+) + tuple(
+    Setting(f"SLO sweep: Mooncake conversation, mixed, 1x, TTFT {t:g} s, TPOT {p * 1000:.0f} ms",
+            "mooncake-conversation", MIXED, 1.0, ttft_s=t, tpot_s=p)
+    for t in (1.0, 5.0) for p in (0.03, 0.05, 0.1) if (t, p) != (5.0, 0.1)
+)
+
+
+def _args(setting: Setting, options: argparse.Namespace) -> argparse.Namespace:
+    argv = ["--workload", setting.workload, "--fleet", setting.fleet, "--loads", f"{setting.load:g}",
+            "--ttft-slo", str(setting.ttft_s), "--tpot-slo", str(setting.tpot_s),
+            "--timing-error", str(options.timing_error), "--max-tokens", str(options.max_tokens)]
+    limit = setting.limit or options.limit
+    if limit:
+        argv += ["--limit", str(limit)]
+    if options.traces:
+        argv += ["--traces", options.traces]
+    return parse_args(argv)
+
+
+def verdict(rows: dict[str, dict]) -> str:
+    """Baton against the best baseline by SLO attainment and by each cost."""
+    baton = rows["baton"]
+    others = {p: s for p, s in rows.items() if p != "baton"}
+    best_slo = max(others, key=lambda p: others[p]["slo_attainment"])
+    best_fleet = min(others, key=lambda p: others[p]["cost_per_successful_task"])
+    best_busy = min(others, key=lambda p: others[p]["busy_cost_per_successful_task"])
+
+    def change(mine: float, theirs: float) -> str:
+        return f"{(mine / theirs - 1) * 100:+.1f} %" if theirs else "n/a"
+
+    slo_gap = (baton["slo_attainment"] - others[best_slo]["slo_attainment"]) * 100
+    return (f"SLO {slo_gap:+.1f} pt vs {best_slo}; whole-fleet cost "
+            f"{change(baton['cost_per_successful_task'], others[best_fleet]['cost_per_successful_task'])} "
+            f"vs {best_fleet}; busy-time floor "
+            f"{change(baton['busy_cost_per_successful_task'], others[best_busy]['busy_cost_per_successful_task'])} "
+            f"vs {best_busy}")
+
+
+def _cell(s: dict, key: str, fmt: str, scale: float = 1.0) -> str:
+    ci = s.get(f"{key}_ci", 0.0) * scale
+    value = f"{s[key] * scale:{fmt}}"
+    return f"{value} ± {ci:{fmt}}" if ci else value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.sim_matrix", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--limit", type=int, default=1000, help="first N requests of each trace (or N agent tasks)")
+    parser.add_argument("--seeds", default="0,1", help="seeds of the timing-model error draw")
+    parser.add_argument("--timing-error", type=float, default=0.3)
+    parser.add_argument("--max-tokens", type=int, default=2048)
+    parser.add_argument("--policies", default=",".join(("baton", *BASELINES)))
+    parser.add_argument("--only", default="", help="run only the settings whose name contains this")
+    parser.add_argument("--traces", default="")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--out", default="results/matrix")
+    options = parser.parse_args(argv)
+    policies = options.policies.split(",")
+    seeds = [int(s) for s in options.seeds.split(",")]
+    settings = [s for s in SETTINGS if options.only in s.name]
+    jobs = [(_args(s, options), p, s.load, seed) for s in settings for p in policies for seed in seeds]
+    started = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=options.jobs) as pool:
+        outcomes = list(pool.map(run_one, jobs))
+    wall_s = time.perf_counter() - started
+    lines = [f"Policies over {len(seeds)} seeds of ±{options.timing_error:.0%} timing-model error per GPU "
+             f"generation; the scheduler sees max_tokens={options.max_tokens}, never true output lengths; first "
+             f"{options.limit} requests (agentic: tasks) of each trace. Cost per successful task in $ "
+             f"(whole fleet for the trace's span, and busy GPU time); ± is a 95 % interval over the seeds. "
+             f"{len(jobs)} runs in {wall_s / 60:.0f} min.", ""]
+    merged: dict[str, dict[str, dict]] = {}
+    for index, setting in enumerate(settings):
+        base = index * len(policies) * len(seeds)
+        rows = {}
+        for k, policy in enumerate(policies):
+            runs = outcomes[base + k * len(seeds): base + (k + 1) * len(seeds)]
+            rows[policy] = merge_seeds([summary for _, _, _, summary, _, _ in runs])
+        merged[setting.name] = rows
+        lines += [f"### {setting.name} (TTFT {setting.ttft_s:g} s, TPOT {setting.tpot_s * 1000:.0f} ms)", "",
+                  "| policy | SLO attainment (%) | whole fleet ($) | busy-time floor ($) | TTFT p50 / p99 (s) |",
+                  "|---|---:|---:|---:|---|"]
+        for policy, s in rows.items():
+            lines.append(f"| {policy} | {_cell(s, 'slo_attainment', '.1f', 100)} "
+                         f"| {_cell(s, 'cost_per_successful_task', '.5f')} "
+                         f"| {_cell(s, 'busy_cost_per_successful_task', '.5f')} "
+                         f"| {s['ttft_p50']:.2f} / {s['ttft_p99']:.2f} |")
+        lines += ["", f"Baton: {verdict(rows)}.", ""]
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    (out / "results.json").write_text(json.dumps({"options": vars(options), "settings": merged}, indent=1))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
