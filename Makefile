@@ -35,8 +35,8 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.sim_fidelity --out docs/evaluation.md
 
 bench-sim: $(STAMP)
+	$(BIN)/python -m bench.sim_matrix --out results/matrix
 	$(BIN)/baton sim --workload mooncake-conversation --fleet 4xh100,4xa100,4xl4 --loads 0.5,1,2 --out results/sim
-	$(BIN)/baton sim --workload mooncake-synthetic --fleet 4xh100,4xa100,4xl4 --loads 0.5,1,2 --out results/sim-synthetic
 	$(BIN)/baton sim-admission --fleet 4xh100 --loads 0.5,1,2,3 --limit 3000 --out results/admission
 	$(BIN)/baton sim-models --fleet 8xa100 --split 6,2 --loads 2,4,6 --limit 8000 --out results/models
 
