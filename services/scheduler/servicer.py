@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 _DECISIONS_KEPT = 200
 _WORKFLOWS_HANDED_OVER = 10_000
 _SUCCEEDED = scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
+# How long a Place without a deadline is held while the leader's lease is unconfirmed.
+_UNCONFIRMED_HOLD_S = 30.0
 
 
 def node_spec(info: common_pb2.NodeInfo) -> NodeSpec:
@@ -180,8 +182,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     ) -> scheduler_pb2.Placement:
         try:
             await self._role.wait_if_taking_over(self._config.lease_ttl_s)
-            if not self._role.is_leader:
-                raise self._not_leader()
+            await self._confirm_leadership(context)
             now = time.monotonic()
             if request.retry_cause:
                 if not self._retry_budget.try_retry(now):
@@ -231,6 +232,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             options = [Option(dataclasses.replace(placement, model=m), nodes,
                               await self._overlap(m, request.block_hashes))
                        for m, nodes in candidates.items() if nodes]
+            admitted = False
+            waited = False
             if not request.retry_cause:  # a migrating stream is already admitted: never shed it
                 ticket = Ticket(request_id=request.request_id, tenant=request.tenant or "default",
                                 priority=request.priority, num_tokens=request.num_prompt_tokens + request.max_tokens,
@@ -239,16 +242,29 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                 progress=(request.step - 1) / request.total_steps if request.total_steps else 0.0)
                 best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now)
                                   for o in options)
-                if await self._gate.enter(ticket, best_ttft_s):
-                    # It waited: place it on the fleet as it is now, with no await from here on.
-                    now = time.monotonic()
-                    options = [fresh for o in options if (fresh := dataclasses.replace(
-                        o, candidates=self._candidates(o.request.model, now, exclude, needed))).candidates]
-                    if not options:
-                        raise Unavailable(f"model={request.model!r}: no live node left for it after queueing")
+                waited = await self._gate.enter(ticket, best_ttft_s)
+                admitted = True
+            try:
+                # Leadership is checked last, with no await between the check and the decision.
+                while not (revision := self._role.leading_revision()):
+                    await self._confirm_leadership(context)
+                    waited = True
+            except BaseException:
+                if admitted:
+                    self._gate.finished(request.request_id)
+                raise
+            if waited:
+                # It waited: place it on the fleet as it is now, with no await from here on.
+                now = time.monotonic()
+                options = [fresh for o in options if (fresh := dataclasses.replace(
+                    o, candidates=self._candidates(o.request.model, now, exclude, needed))).candidates]
+                if not options:
+                    if admitted:
+                        self._gate.finished(request.request_id)
+                    raise Unavailable(f"model={request.model!r}: no live node left for it after queueing")
             index, decision = choose_among(self._policy, options, now)
             model = options[index].request.model
-            self._record_decision(options[index].request, decision)
+            self._record_decision(options[index].request, decision, revision)
             self._cluster.record_placement(decision.node_id, placement.num_prompt_blocks, now)
             self._planner.note_demand(model, now)
             chosen = self._cluster.get(decision.node_id)
@@ -378,7 +394,21 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return [Observation(stats.succeeded, {"outcome": "succeeded"}),
                 Observation(stats.failed, {"outcome": "failed"}), Observation(stats.open, {"outcome": "open"})]
 
-    def _record_decision(self, placement: PlacementRequest, decision: Decision) -> None:
+    async def _confirm_leadership(self, context: grpc.aio.ServicerContext) -> None:
+        """Return while this replica leads on a live lease; FailedPrecondition, naming the leader, otherwise.
+
+        A leader whose lease is unconfirmed (a keep-alive late, etcd unreachable) holds the call
+        until a refresh confirms it or etcd says it lost, within the caller's time.
+        """
+        remaining = context.time_remaining()
+        if not await self._role.wait_confirmed(_UNCONFIRMED_HOLD_S if remaining is None else remaining):
+            # Just deposed, this replica's view may still show itself: name the successor once it shows.
+            remaining = context.time_remaining()
+            bound_s = self._config.lease_ttl_s if remaining is None else min(self._config.lease_ttl_s, remaining)
+            await self._role.wait_successor_shown(bound_s)
+            raise self._not_leader()
+
+    def _record_decision(self, placement: PlacementRequest, decision: Decision, leader_revision: int) -> None:
         """Keep the decision and its per-axis terms for GetRecentDecisions and the trace span."""
         terms = [
             scheduler_pb2.CandidateTerms(
@@ -390,7 +420,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         ]
         self._decisions.append(scheduler_pb2.PlacementDecision(
             request_id=placement.request_id, node_id=decision.node_id, score=decision.cost, model=placement.model,
-            workflow_id=placement.workflow_id, decided_at_ms=int(time.time() * 1000), candidates=terms))
+            workflow_id=placement.workflow_id, decided_at_ms=int(time.time() * 1000), candidates=terms,
+            leader_revision=leader_revision))
         span = trace.get_current_span()
         span.set_attribute("baton.placement.node", decision.node_id)
         span.set_attribute("baton.placement.model", placement.model)
@@ -418,6 +449,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if leader is None:
             return FailedPrecondition(f"{self._config.instance_id} is a standby and no leader is elected yet")
         leader_id, address = leader
+        if leader_id == self._config.instance_id:  # etcd's deletion of our key has yet to reach the view
+            return FailedPrecondition(f"{self._config.instance_id} does not lead: its election lease ended; "
+                                      "no successor is known yet")
         return FailedPrecondition(f"{self._config.instance_id} is a standby; the leader is {leader_id} at {address}",
                                   metadata=((LEADER_KEY, address),))
 
@@ -437,7 +471,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         leader = self._role.leader()
         if leader is not None:
             state.leader_id, state.leader_address = leader
-        if self._role.is_leader:
+        state.leading_revision = self._role.leading_revision()
+        if state.leading_revision:
             state.tasks.CopyFrom(self._task_stats())
             state.model_actions.extend(reversed(self._loader.log))
         for status in self._cluster.nodes():
