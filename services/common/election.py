@@ -69,6 +69,11 @@ class Election:
         """The leadership won and not known lost (its lease may be unconfirmed: see is_leading)."""
         return self._leadership
 
+    @property
+    def candidate_key(self) -> str | None:
+        """This candidate's election key while it campaigns or leads."""
+        return None if self._candidate is None else self._candidate.key
+
     def is_leading(self) -> bool:
         """Elected, and the lease surely lives now: the only state in which to act as leader."""
         return self._leadership is not None and self._deadline.is_valid(self._clock())
@@ -114,9 +119,12 @@ class Election:
             self._deadline.expire()
             await self._revoke(lease.id)
             raise
-        self._leadership = self._candidate
+        leadership = self._candidate
+        if leadership is None:  # its key's deletion was seen (key_deleted) as the wait ended
+            raise NotLeader(f"election key {key}@{revision} was deleted while campaigning")
+        self._leadership = leadership
         log.info("elected: %s at revision %d", key, revision)
-        return self._leadership
+        return leadership
 
     async def _wait_for_predecessors(self, key: str, revision: int) -> None:
         """Until our key stands at our revision and no key under the prefix was created before it.

@@ -67,13 +67,13 @@ class LeaderRole:
 
     def _on_election_changed(self, items: dict[str, bytes]) -> None:
         """A deleted own key ends leadership at once, without waiting for the next keep-alive."""
-        leadership = self._election.leadership
-        if leadership is None:
+        key = self._election.candidate_key
+        if key is None:
             return
-        if leadership.key in items:
-            self._key_seen = leadership.key
-        elif self._key_seen == leadership.key:
-            self._election.key_deleted(leadership.key)
+        if key in items:
+            self._key_seen = key
+        elif self._key_seen == key:
+            self._election.key_deleted(key)
 
     async def wait_if_taking_over(self, timeout_s: float) -> None:
         """If etcd already shows this replica as the leader but it has not finished taking over
