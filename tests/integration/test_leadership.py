@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -11,7 +13,7 @@ import grpc
 import pytest
 
 from baton.client import BatonClient
-from baton.cluster import ClusterSpec, LocalCluster, ManagedProcess
+from baton.cluster import ClusterSpec, LocalCluster, ManagedProcess, free_port, wait_grpc_serving
 from baton.protocol import LEADER_KEY
 from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.integration.conftest import MODEL, eventually
@@ -111,3 +113,99 @@ async def test_a_leader_re_elected_at_the_same_address_is_called_again(one_sched
         cluster.restart(scheduler)  # the same address, a new election key and revision
         result = await request
     assert result.finish_reason == common_pb2.FINISH_REASON_LENGTH and len(result.token_ids) == 8
+
+
+class EtcdLink:
+    """A TCP relay between one process and etcd, in a thread of its own, that the test can cut
+    (bytes stop flowing both ways, connections stay open: a network partition) and heal."""
+
+    def __init__(self, etcd_address: str) -> None:
+        self._host, _, port = etcd_address.rpartition(":")
+        self._port = int(port)
+        self._loop = asyncio.new_event_loop()
+        self._open = asyncio.Event()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self.address = ""
+
+    def __enter__(self) -> EtcdLink:
+        self._thread.start()
+        server = asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(5)
+        self.address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    async def _listen(self) -> asyncio.Server:
+        self._open.set()
+        return await asyncio.start_server(self._relay, "127.0.0.1", 0)
+
+    async def _relay(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        await self._open.wait()
+        etcd_reader, etcd_writer = await asyncio.open_connection(self._host, self._port)
+        await asyncio.gather(self._pipe(client_reader, etcd_writer), self._pipe(etcd_reader, client_writer),
+                             return_exceptions=True)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                await self._open.wait()  # cut: hold the bytes, as a partition would
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    def cut(self) -> None:
+        self._loop.call_soon_threadsafe(self._open.clear)
+
+    def heal(self) -> None:
+        self._loop.call_soon_threadsafe(self._open.set)
+
+
+async def test_a_leader_cut_off_from_etcd_stops_placing_before_a_successor_starts(
+    one_scheduler: LocalCluster,
+) -> None:
+    cluster = one_scheduler
+    first = cluster.schedulers[0]
+    with EtcdLink(cluster.etcd_endpoint) as link:
+        address = f"127.0.0.1:{free_port()}"
+        cut_off = ManagedProcess(name="scheduler-cut", log_path=cluster.workdir / "scheduler-cut.log", address=address,
+                                 args=[sys.executable, "-m", "services.scheduler", "--listen", address,
+                                       "--etcd", link.address, "--instance-id=scheduler-cut", f"--lease-ttl-s={TTL_S}"])
+        cut_off.start()
+        try:
+            wait_grpc_serving(cut_off, 30)
+            first.stop()  # resigns: the replica behind the link leads
+            await eventually(lambda: state_of(cut_off).leading_revision, 5 * TTL_S,
+                             "the replica behind the link to lead")
+            cluster.restart(first)
+            cut_revision = state_of(cut_off).leading_revision
+            await eventually(lambda: len(state_of(cut_off).nodes) == 2, 10, "the leader to see both nodes")
+            load = SteadyLoad(cluster)
+            load.start()
+            try:
+                await load.wait_completed(5)
+                async with grpc.aio.insecure_channel(cut_off.address) as channel:
+                    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+                    link.cut()  # alive, reachable by routers and nodes, but cut off from etcd
+                    await eventually(lambda: state_of(first).leading_revision > cut_revision, 5 * TTL_S,
+                                     "a successor to be elected")
+                    # A router cut off along with the old leader would still send it placements.
+                    answers = await asyncio.gather(*(stub.Place(scheduler_pb2.PlaceRequest(
+                        request_id=f"sent-to-the-cut-off-leader-{i}", model=MODEL, num_prompt_tokens=8, max_tokens=8),
+                        timeout=2 * TTL_S) for i in range(3)), return_exceptions=True)
+                    await load.wait_completed(10)  # the others moved on to the successor
+                link.heal()
+                await eventually(lambda: state_of(cut_off).leader_id == first.name, 5 * TTL_S,
+                                 "the old leader to see its successor")
+                await load.wait_completed(5)
+            finally:
+                await load.stop()
+            old_decisions, new_decisions = decisions_of(cut_off), decisions_of(first)
+        finally:
+            cut_off.stop()
+    assert load.failures == []
+    assert all(isinstance(a, grpc.aio.AioRpcError) for a in answers), f"placed while cut off: {answers}"
+    assert {d.leader_revision for d in old_decisions} == {cut_revision}
+    assert min(d.decided_at_ms for d in new_decisions) >= max(d.decided_at_ms for d in old_decisions)
