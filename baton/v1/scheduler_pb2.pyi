@@ -121,7 +121,7 @@ class RecentDecisions(_message.Message):
     def __init__(self, policy: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[PlacementDecision, _Mapping]]] = ...) -> None: ...
 
 class PlacementDecision(_message.Message):
-    __slots__ = ("request_id", "node_id", "score", "workflow_id", "decided_at_ms", "candidates", "model")
+    __slots__ = ("request_id", "node_id", "score", "workflow_id", "decided_at_ms", "candidates", "model", "leader_revision")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class PlacementDecision(_message.Message):
     DECIDED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    LEADER_REVISION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     node_id: str
     score: float
@@ -136,7 +137,8 @@ class PlacementDecision(_message.Message):
     decided_at_ms: int
     candidates: _containers.RepeatedCompositeFieldContainer[CandidateTerms]
     model: str
-    def __init__(self, request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., score: _Optional[float] = ..., workflow_id: _Optional[str] = ..., decided_at_ms: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[CandidateTerms, _Mapping]]] = ..., model: _Optional[str] = ...) -> None: ...
+    leader_revision: int
+    def __init__(self, request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., score: _Optional[float] = ..., workflow_id: _Optional[str] = ..., decided_at_ms: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[CandidateTerms, _Mapping]]] = ..., model: _Optional[str] = ..., leader_revision: _Optional[int] = ...) -> None: ...
 
 class CandidateTerms(_message.Message):
     __slots__ = ("node_id", "gpu", "cached_tokens", "predicted_ttft_ms", "predicted_tpot_ms", "cost", "success", "workflow_spent", "has_kv_room", "score", "warm", "load_ms", "kv_free_blocks", "at_risk", "model")
@@ -241,17 +243,19 @@ class NodeState(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.NodeLoad, _Mapping]] = ..., load_age_ms: _Optional[int] = ...) -> None: ...
 
 class ClusterState(_message.Message):
-    __slots__ = ("scheduler_id", "nodes", "leader_id", "leader_address", "tasks", "model_actions")
+    __slots__ = ("scheduler_id", "nodes", "leader_id", "leader_address", "tasks", "model_actions", "leading_revision")
     SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     LEADER_ID_FIELD_NUMBER: _ClassVar[int]
     LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    LEADING_REVISION_FIELD_NUMBER: _ClassVar[int]
     scheduler_id: str
     nodes: _containers.RepeatedCompositeFieldContainer[NodeState]
     leader_id: str
     leader_address: str
     tasks: TaskStats
     model_actions: _containers.RepeatedCompositeFieldContainer[ModelAction]
-    def __init__(self, scheduler_id: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ..., leader_id: _Optional[str] = ..., leader_address: _Optional[str] = ..., tasks: _Optional[_Union[TaskStats, _Mapping]] = ..., model_actions: _Optional[_Iterable[_Union[ModelAction, _Mapping]]] = ...) -> None: ...
+    leading_revision: int
+    def __init__(self, scheduler_id: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ..., leader_id: _Optional[str] = ..., leader_address: _Optional[str] = ..., tasks: _Optional[_Union[TaskStats, _Mapping]] = ..., model_actions: _Optional[_Iterable[_Union[ModelAction, _Mapping]]] = ..., leading_revision: _Optional[int] = ...) -> None: ...

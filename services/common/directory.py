@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import aetcd
@@ -21,13 +22,14 @@ log = logging.getLogger(__name__)
 class ChannelPool:
     """One traced channel per address, reused by every call to it."""
 
-    def __init__(self, telemetry: Telemetry) -> None:
+    def __init__(self, telemetry: Telemetry, options: Sequence[tuple[str, Any]] = ()) -> None:
         self._telemetry = telemetry
+        self._options = tuple(options)
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = self._telemetry.insecure_channel(address)
+            self._channels[address] = self._telemetry.insecure_channel(address, self._options)
         return self._channels[address]
 
     async def close(self) -> None:
@@ -69,35 +71,93 @@ class ServiceDirectory:
         await self._channels.close()
 
 
+@dataclass(frozen=True)
+class LeaderRecord:
+    """A leader as its election shows it: the key, its create revision, and the address it serves at."""
+
+    key: str
+    revision: int
+    address: str
+
+
+# A leader restarted at the same address is called again within a second, not after gRPC's
+# default reconnect backoff (which grows to two minutes).
+_LEADER_CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+
 class LeaderDirectory:
-    """The elected leader of a service kind, as its election prefix in etcd shows it."""
+    """The elected leader of a service kind, as its election prefix in etcd shows it.
+
+    A leader is known by its election key and that key's create revision, never by its
+    address alone: a replica restarted on the same port and elected again is a new leader.
+    """
 
     def __init__(self, client: aetcd.Client, election_prefix: str, telemetry: Telemetry) -> None:
         self._view = PrefixView(client, election_prefix)
-        self._channels = ChannelPool(telemetry)
+        self._channels = ChannelPool(telemetry, _LEADER_CHANNEL_OPTIONS)
 
     async def run(self) -> None:
         await self._view.run()
 
-    def address(self) -> str | None:
+    def leader(self) -> LeaderRecord | None:
         first = self._view.first()
-        return None if first is None else json.loads(first[1])["address"]
+        if first is None:
+            return None
+        key, value = first
+        try:
+            address = json.loads(value)["address"]
+        except (ValueError, KeyError):
+            log.warning("malformed leader record at %s: %r", key, value)
+            return None
+        return LeaderRecord(key, self._view.create_revisions.get(key, 0), address)
+
+    def address(self) -> str | None:
+        leader = self.leader()
+        return None if leader is None else leader.address
 
     def channel(self, address: str) -> grpc.aio.Channel:
         return self._channels.get(address)
 
-    async def wait_for_other(self, address: str | None, timeout_s: float) -> str | None:
-        """A leader other than address, once etcd shows one; None after timeout_s."""
+    async def wait_for_other(self, leader: LeaderRecord | None, timeout_s: float) -> LeaderRecord | None:
+        """A leader other than leader (another key or revision, whatever its address) once etcd
+        shows one; None after timeout_s."""
 
         def has_other(_: dict[str, bytes]) -> bool:
-            current = self.address()
-            return current is not None and current != address
+            current = self.leader()
+            return current is not None and current != leader
 
         try:
             await asyncio.wait_for(self._view.wait_for(has_other), timeout_s)
         except TimeoutError:
             return None
-        return self.address()
+        return self.leader()
+
+    async def wait_other_or_reachable(self, leader: LeaderRecord, timeout_s: float) -> LeaderRecord | None:
+        """After a call to leader failed in transport: another leader once etcd shows one, or leader
+        again once its channel reconnects while etcd still shows it; None after timeout_s."""
+        channel = self.channel(leader.address)
+        if channel.get_state() == grpc.ChannelConnectivity.READY:  # connected, yet it failed: not a reconnect
+            return await self.wait_for_other(leader, timeout_s)
+        other = asyncio.ensure_future(self.wait_for_other(leader, timeout_s))
+        reachable = asyncio.ensure_future(asyncio.wait_for(channel.channel_ready(), timeout_s))
+        try:
+            done, _ = await asyncio.wait({other, reachable}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            other.cancel()
+            reachable.cancel()
+        if other in done and not other.cancelled() and other.result() is not None:
+            return other.result()
+        if reachable in done and not reachable.cancelled() and reachable.exception() is None:
+            return self.leader()
+        return None
+
+    async def wait_replaced(self, is_current: Callable[[LeaderRecord | None], bool]) -> None:
+        """Until the leader etcd shows no longer passes is_current (it changed, or none leads)."""
+        await self._view.wait_for(lambda _: not is_current(self.leader()))
 
     async def close(self) -> None:
         await self._channels.close()

@@ -6,6 +6,7 @@ import json
 import logging
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 from opentelemetry import metrics, trace
@@ -94,9 +95,9 @@ class Telemetry:
     def client_interceptors(self) -> list[grpc.aio.ClientInterceptor]:
         return list(aio_client_interceptors(tracer_provider=self.tracer_provider))
 
-    def insecure_channel(self, address: str) -> grpc.aio.Channel:
+    def insecure_channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
         """A channel whose calls carry the current trace context."""
-        return grpc.aio.insecure_channel(address, interceptors=self.client_interceptors())
+        return grpc.aio.insecure_channel(address, options=list(options), interceptors=self.client_interceptors())
 
     def shutdown(self) -> None:
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -11,7 +12,7 @@ from opentelemetry.metrics import Meter
 
 from baton.protocol import LEADER_KEY, is_transport_failure
 from baton.v1 import common_pb2, node_agent_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
-from services.common.directory import ChannelPool, LeaderDirectory
+from services.common.directory import ChannelPool, LeaderDirectory, LeaderRecord
 from services.common.errors import BatonError, Unavailable, from_rpc_error
 from services.common.slo import Slo, classify
 from services.router.config import RouterConfig
@@ -202,33 +203,97 @@ class Relay:
     async def _call_scheduler(
         self, place: scheduler_pb2.PlaceRequest, remaining_s: float | None
     ) -> scheduler_pb2.Placement:
-        """Place on the elected scheduler; through a failover, wait for the next leader and retry there."""
+        """Place on the elected scheduler; through a failover, move to the next leader and retry there.
+
+        A leader is its election key and revision, not its address. A call in flight is abandoned
+        the moment etcd shows another leader (a frozen or cut-off leader is not waited out), and
+        when no leader answers, the router waits at most --leader-wait-s for etcd to show a new one.
+        """
         loop = asyncio.get_running_loop()
-        wait_s = self._config.leader_wait_s if remaining_s is None else min(self._config.leader_wait_s, remaining_s)
-        deadline = loop.time() + wait_s
-        address = self._leader.address() or await self._leader.wait_for_other(None, wait_s)
+        end = math.inf if remaining_s is None else loop.time() + remaining_s
+
+        # Once a leader fails, the time left to find one that answers.
+        wait_end: float | None = None
+
+        def wait_s() -> float:
+            nonlocal wait_end
+            if wait_end is None:
+                wait_end = min(loop.time() + self._config.leader_wait_s, end)
+            return max(0.0, wait_end - loop.time())
+
+        leader = self._leader.leader() or await self._leader.wait_for_other(None, wait_s())
+        address = leader.address if leader is not None else ""
+        num_hints = 0
         timed_out: str | None = None
-        while address is not None:
+        while leader is not None:
             # Admission may hold a placement while the fleet is saturated: wait up to the client's deadline.
-            timeout_s = self._config.placement_timeout_s if remaining_s is None else remaining_s
-            stub = scheduler_pb2_grpc.SchedulerStub(self._leader.channel(address))
+            timeout_s = self._config.placement_timeout_s if remaining_s is None else max(0.0, end - loop.time())
+            tried, at = leader, address
             try:
-                return await stub.Place(place, timeout=timeout_s)
+                return await self._place_at(at, _still_called(tried, at), place, timeout_s)
+            except _LeaderReplaced:
+                log.warning("scheduler %s is no longer the elected leader; moving the placement", at)
             except grpc.aio.AioRpcError as exc:
                 hint = dict(exc.trailing_metadata() or ()).get(LEADER_KEY)
-                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and hint and hint != address:
-                    address = hint  # a standby named the leader our view has not caught up with
+                if (exc.code() == grpc.StatusCode.FAILED_PRECONDITION and hint and hint != at
+                        and num_hints < _MAX_REDIRECTS):
+                    address, num_hints = hint, num_hints + 1  # a standby named the leader our view lacks
                     continue
                 if not (is_transport_failure(exc) or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                         or exc.code() == grpc.StatusCode.FAILED_PRECONDITION):
                     raise from_rpc_error(exc) from None
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    timed_out = f"scheduler {address} did not place the request within {timeout_s:.1f} s"
-                log.warning("scheduler %s did not place (%s); waiting for a leader", address, exc.code().name)
-            address = await self._leader.wait_for_other(address, max(0.0, deadline - loop.time()))
+                    timed_out = f"scheduler {at} did not place the request within {timeout_s:.1f} s"
+                log.warning("scheduler %s did not place (%s); waiting for a leader", at, exc.code().name)
+                if is_transport_failure(exc) and at == tried.address:
+                    # It may be restarting: call it again once it answers, unless etcd shows another first.
+                    leader = await self._leader.wait_other_or_reachable(tried, wait_s())
+                    address = leader.address if leader is not None else ""
+                    continue
+            leader = await self._leader.wait_for_other(tried, wait_s())
+            address = leader.address if leader is not None else ""
         if timed_out is not None:  # a leader that holds a placement that long is queueing it or loading a model
             raise Unavailable(f"{timed_out} (admission queueing or a model load), and no other leader took over")
-        raise Unavailable(f"no scheduler leader placed the request within {wait_s:.1f} s")
+        raise Unavailable(f"no scheduler leader placed the request within {self._config.leader_wait_s:.1f} s "
+                          "of the first one failing")
+
+    async def _place_at(self, address: str, is_current: Callable[[LeaderRecord | None], bool],
+                        place: scheduler_pb2.PlaceRequest, timeout_s: float) -> scheduler_pb2.Placement:
+        """Place at address; _LeaderReplaced (the call cancelled) as soon as etcd shows a leader that
+        is not is_current."""
+        if not is_current(self._leader.leader()):
+            raise _LeaderReplaced
+        call = scheduler_pb2_grpc.SchedulerStub(self._leader.channel(address)).Place(place, timeout=timeout_s)
+
+        async def answer() -> scheduler_pb2.Placement:
+            return await call
+
+        placed = asyncio.ensure_future(answer())
+        replaced = asyncio.ensure_future(self._leader.wait_replaced(is_current))
+        try:
+            await asyncio.wait({placed, replaced}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            replaced.cancel()
+            if not placed.done():
+                call.cancel()
+                placed.cancel()
+        if placed.done() and not placed.cancelled():
+            return placed.result()
+        raise _LeaderReplaced
+
+
+def _still_called(leader: LeaderRecord, address: str) -> Callable[[LeaderRecord | None], bool]:
+    """Whether the leader etcd shows is still the one a call went to: that leader, or (after a
+    standby's redirect to address) one at that address."""
+    return lambda shown: shown == leader or (shown is not None and shown.address == address != leader.address)
+
+
+class _LeaderReplaced(Exception):
+    """etcd shows another leader than the one a placement was sent to."""
+
+
+# Standby redirects followed per placement (views that disagree must not bounce it forever).
+_MAX_REDIRECTS = 3
 
 
 def _outcome(finish_reason: common_pb2.FinishReason.ValueType, request: router_pb2.GenerateRequest, slo: Slo,

@@ -40,7 +40,9 @@ class LeaderRole:
         self._instance_id = instance_id
         self._value = json.dumps({"instance_id": instance_id, "address": address}).encode()
         self._election = Election(client, etcd_keys.SCHEDULER_ELECTION, ttl_s)
-        self._view = PrefixView(client, etcd_keys.SCHEDULER_ELECTION)
+        self._view = PrefixView(client, etcd_keys.SCHEDULER_ELECTION, self._on_election_changed)
+        # This replica's election key once the view has shown it: its absence later means deletion.
+        self._key_seen: str | None = None
         self._save_state = save_state
         self._restore_state = restore_state
         self._persist_interval_s = persist_interval_s
@@ -51,7 +53,27 @@ class LeaderRole:
 
     @property
     def is_leader(self) -> bool:
-        return self._election.leadership is not None
+        """Elected, own key standing, and the lease surely alive now (see Election.is_leading)."""
+        return self._election.is_leading()
+
+    def leading_revision(self) -> int:
+        """The create revision of the election key this replica leads under now; 0 when it does not lead."""
+        leadership = self._election.leadership
+        return leadership.revision if leadership is not None and self._election.is_leading() else 0
+
+    async def wait_confirmed(self, timeout_s: float) -> bool:
+        """Whether this replica leads on a confirmed lease within timeout_s (False at once on a standby)."""
+        return await self._election.wait_confirmed(timeout_s)
+
+    def _on_election_changed(self, items: dict[str, bytes]) -> None:
+        """A deleted own key ends leadership at once, without waiting for the next keep-alive."""
+        key = self._election.candidate_key
+        if key is None:
+            return
+        if key in items:
+            self._key_seen = key
+        elif self._key_seen == key:
+            self._election.key_deleted(key)
 
     async def wait_if_taking_over(self, timeout_s: float) -> None:
         """If etcd already shows this replica as the leader but it has not finished taking over
@@ -64,6 +86,18 @@ class LeaderRole:
             return
         try:
             await asyncio.wait_for(self.elected.wait(), timeout_s)
+        except TimeoutError:
+            pass
+
+    async def wait_successor_shown(self, timeout_s: float) -> None:
+        """Once leadership is lost, until etcd's view no longer shows this replica as the leader (so a
+        refusal can name the successor); at most timeout_s."""
+        def shows_other(_: dict[str, bytes]) -> bool:
+            leader = self.leader()
+            return leader is None or leader[0] != self._instance_id or self._election.is_leading()
+
+        try:
+            await asyncio.wait_for(self._view.wait_for(shows_other), timeout_s)
         except TimeoutError:
             pass
 

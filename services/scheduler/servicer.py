@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 _DECISIONS_KEPT = 200
 _WORKFLOWS_HANDED_OVER = 10_000
 _SUCCEEDED = scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
+# How long a Place without a deadline is held while the leader's lease is unconfirmed.
+_UNCONFIRMED_HOLD_S = 30.0
 
 
 def place_ask(request: scheduler_pb2.PlaceRequest) -> PlaceAsk:
@@ -212,8 +214,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         try:
             await self._role.wait_if_taking_over(self._config.lease_ttl_s)
             await self._wait_for_election(context.time_remaining())
-            if not self._role.is_leader:
-                raise self._not_leader()
+            await self._confirm_leadership(context)
             ask = place_ask(request)
             changing = self._loader.changing_nodes
             plan = self._placer.start(ask, self._clock(), changing)
@@ -226,12 +227,25 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                         for m, nodes in plan.candidates.items() if nodes}
             options = self._placer.options(plan, overlaps.__getitem__)
             admission = self._placer.ticket(plan, options, self._clock())
-            if admission is not None and await self._gate.enter(*admission):
-                # It waited: place it on the fleet as it is now, with no await from here on.
-                options = self._placer.after_queueing(plan, options, self._clock(), changing)
+            admitted = waited = False
+            if admission is not None:
+                waited = await self._gate.enter(*admission)
+                admitted = True
+            try:
+                # Leadership is checked last, with no await between the check and the decision.
+                while not (revision := self._role.leading_revision()):
+                    await self._confirm_leadership(context)
+                    waited = True
+                if waited:
+                    # It waited: place it on the fleet as it is now, with no await from here on.
+                    options = self._placer.after_queueing(plan, options, self._clock(), changing)
+            except BaseException:
+                if admitted:
+                    self._gate.finished(request.request_id)
+                raise
             placed = self._placer.decide(options, self._clock())
             decision, model = placed.decision, placed.request.model
-            self._record_decision(placed.request, decision)
+            self._record_decision(placed.request, decision, revision)
             if placed.is_cold:
                 await self._load_for(request.request_id, decision, model, context.time_remaining())
             is_placed = True
@@ -365,7 +379,21 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return [Observation(stats.succeeded, {"outcome": "succeeded"}),
                 Observation(stats.failed, {"outcome": "failed"}), Observation(stats.open, {"outcome": "open"})]
 
-    def _record_decision(self, placement: PlacementRequest, decision: Decision) -> None:
+    async def _confirm_leadership(self, context: grpc.aio.ServicerContext) -> None:
+        """Return while this replica leads on a live lease; FailedPrecondition, naming the leader, otherwise.
+
+        A leader whose lease is unconfirmed (a keep-alive late, etcd unreachable) holds the call
+        until a refresh confirms it or etcd says it lost, within the caller's time.
+        """
+        remaining = context.time_remaining()
+        if not await self._role.wait_confirmed(_UNCONFIRMED_HOLD_S if remaining is None else remaining):
+            # Just deposed, this replica's view may still show itself: name the successor once it shows.
+            remaining = context.time_remaining()
+            bound_s = self._config.lease_ttl_s if remaining is None else min(self._config.lease_ttl_s, remaining)
+            await self._role.wait_successor_shown(bound_s)
+            raise self._not_leader()
+
+    def _record_decision(self, placement: PlacementRequest, decision: Decision, leader_revision: int) -> None:
         """Keep the decision and its per-axis terms for GetRecentDecisions and the trace span."""
         terms = [
             scheduler_pb2.CandidateTerms(
@@ -377,7 +405,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         ]
         self._decisions.append(scheduler_pb2.PlacementDecision(
             request_id=placement.request_id, node_id=decision.node_id, score=decision.cost, model=placement.model,
-            workflow_id=placement.workflow_id, decided_at_ms=int(time.time() * 1000), candidates=terms))
+            workflow_id=placement.workflow_id, decided_at_ms=int(time.time() * 1000), candidates=terms,
+            leader_revision=leader_revision))
         span = trace.get_current_span()
         span.set_attribute("baton.placement.node", decision.node_id)
         span.set_attribute("baton.placement.model", placement.model)
@@ -416,6 +445,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if leader is None:
             return FailedPrecondition(f"{self._config.instance_id} is a standby and no leader is elected yet")
         leader_id, address = leader
+        if leader_id == self._config.instance_id:  # etcd's deletion of our key has yet to reach the view
+            return FailedPrecondition(f"{self._config.instance_id} does not lead: its election lease ended; "
+                                      "no successor is known yet")
         return FailedPrecondition(f"{self._config.instance_id} is a standby; the leader is {leader_id} at {address}",
                                   metadata=((LEADER_KEY, address),))
 
@@ -435,7 +467,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         leader = self._role.leader()
         if leader is not None:
             state.leader_id, state.leader_address = leader
-        if self._role.is_leader:
+        state.leading_revision = self._role.leading_revision()
+        if state.leading_revision:
             state.tasks.CopyFrom(self._task_stats())
             state.model_actions.extend(reversed(self._loader.log))
         for status in self._cluster.nodes():

@@ -162,10 +162,9 @@ async def test_an_etcd_outage_under_load_fails_no_request_and_the_cluster_reconv
     leader = cluster.cluster_state().leader_id
 
     cluster.etcd.signal(signal.SIGKILL)
-    outage_ends = time.monotonic() + 10
-    await load.wait_completed(10)  # requests keep completing on the last known view
-    while time.monotonic() < outage_ends:
-        await load.wait_completed(1)
+    # No leader can confirm its lease without etcd, so within the TTL placements are held (never
+    # refused); generations already placed stream on. The held placements go on once etcd is back.
+    await asyncio.sleep(10)  # the outage's length: a fault's duration, not a synchronisation
     assert all(p.is_running() for p in [*cluster.schedulers, *cluster.kvindexes, *cluster.nodes, *cluster.routers])
     cluster.restart(cluster.etcd)
 

@@ -83,3 +83,36 @@ async def test_a_leader_whose_lease_expired_learns_it_from_keep_alive(etcd: Mana
         assert election.leadership is None
     finally:
         await client.close()
+
+
+async def test_a_candidate_whose_key_expired_while_it_waited_is_not_elected(etcd: ManagedProcess) -> None:
+    clients = [connect(etcd.address) for _ in range(3)]
+    a, b, c = (Election(client, PREFIX, ttl_s=2) for client in clients)
+    waiting: list[asyncio.Task[object]] = []
+    try:
+        leading = await asyncio.wait_for(a.campaign(b"a"), 5)
+        waiting.append(asyncio.create_task(b.campaign(b"b")))
+        async with asyncio.timeout(5):
+            while len(listing := await clients[0].get_prefix(PREFIX.encode())) < 2:
+                await asyncio.sleep(0.02)
+        # b's lease ends while it waits behind a (as when etcd froze for longer than the TTL) ...
+        b_key = next(kv.key.decode() for kv in listing if kv.key.decode() != leading.key)
+        await clients[0].revoke_lease(int(b_key.removeprefix(PREFIX), 16))
+        # ... and c queues up after it.
+        waiting.append(asyncio.create_task(c.campaign(b"c")))
+        async with asyncio.timeout(5):
+            while len(await clients[0].get_prefix(PREFIX.encode())) < 2:
+                await asyncio.sleep(0.02)
+
+        await a.resign()
+        successor = await asyncio.wait_for(waiting[1], 5)
+        with pytest.raises(NotLeader):
+            await asyncio.wait_for(waiting[0], 5)
+        assert c.leadership == successor and b.leadership is None, "one leader: the candidate whose key stands"
+    finally:
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        await c.resign()
+        for client in clients:
+            await client.close()

@@ -11,8 +11,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from services.common.telemetry import Telemetry
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.leadership import LeaderRole
 from services.scheduler.servicer import SchedulerService
+from tests.unit.leading import fake_leadership
 
 
 def exported(reader: InMemoryMetricReader) -> dict[str, list[tuple[dict, float]]]:
@@ -26,7 +26,7 @@ def exported(reader: InMemoryMetricReader) -> dict[str, list[tuple[dict, float]]
 @pytest.mark.parametrize("leading", [True, False])
 async def test_the_leader_exports_the_kpi_and_a_standby_does_not(monkeypatch: pytest.MonkeyPatch,
                                                                   leading: bool) -> None:
-    monkeypatch.setattr(LeaderRole, "is_leader", property(lambda self: leading))
+    fake_leadership(monkeypatch, lambda: leading)
     reader = InMemoryMetricReader()
     telemetry = Telemetry("scheduler/test", "none")
     telemetry.meter = MeterProvider(metric_readers=[reader]).get_meter("test")

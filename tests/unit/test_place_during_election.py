@@ -13,8 +13,8 @@ from services.common.load import Load
 from services.common.telemetry import Telemetry
 from services.scheduler.cluster import NodeSpec
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.leadership import LeaderRole
 from services.scheduler.servicer import SchedulerService
+from tests.unit.leading import fake_leadership
 
 MODEL = "m"
 
@@ -39,7 +39,7 @@ async def test_a_place_while_the_leader_is_being_re_elected_is_placed_not_refuse
         monkeypatch: pytest.MonkeyPatch) -> None:
     # As after an etcd freeze: the leader's election key lapsed, it stepped down and campaigns again.
     leading = asyncio.Event()
-    monkeypatch.setattr(LeaderRole, "is_leader", property(lambda self: leading.is_set()))
+    fake_leadership(monkeypatch, leading.is_set)
     service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
     service._cluster.set_nodes([NodeSpec(node_id="n0", address="n0:1", gpu="h100", price_per_hour=1.0,
                                          warm_models=frozenset({MODEL}))])

@@ -14,9 +14,9 @@ from baton.v1 import common_pb2, scheduler_pb2
 from services.common import etcd_keys
 from services.common.telemetry import Telemetry
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.leadership import LeaderRole
 from services.scheduler.retry_budget import RetryBudget
 from services.scheduler.servicer import SchedulerService
+from tests.unit.leading import fake_leadership
 
 
 def _spend(budget: RetryBudget, now: float, attempts: int = 100) -> int:
@@ -158,7 +158,7 @@ class _Context:
 @pytest.fixture
 async def scheduler(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[SchedulerService]:
     """A leading scheduler (no etcd) that knows one node, node-a, with the model warm."""
-    monkeypatch.setattr(LeaderRole, "is_leader", property(lambda self: True))
+    fake_leadership(monkeypatch, lambda: True)
     service = SchedulerService(SchedulerConfig(etcd="127.0.0.1:1"), Telemetry("scheduler/test", "none"))
     info = common_pb2.NodeInfo(node_id="node-a", address="127.0.0.1:1", gpu="h100", kv_block_size=16, models=[
         common_pb2.ModelInfo(name="m", max_context_tokens=4096, tokenizer="byte", vocab_size=257, is_warm=True,

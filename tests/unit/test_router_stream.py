@@ -22,6 +22,7 @@ from baton.v1 import (
     scheduler_pb2_grpc,
 )
 from services.common import etcd_keys
+from services.common.directory import LeaderRecord
 from services.common.errors import Unavailable, abort
 from services.common.telemetry import Telemetry
 from services.router.config import RouterConfig
@@ -91,6 +92,8 @@ async def _router(handler: NodeHandler, **config: object) -> AsyncIterator[tuple
         scheduler_address = await stack.enter_async_context(
             _server(lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, s)))
         service = RouterService(RouterConfig(etcd="127.0.0.1:1", **config), Telemetry("router/test", "none"))
+        leader = LeaderRecord("/baton/election/scheduler/0", 1, scheduler_address)
+        service._leader.leader = lambda: leader  # type: ignore[method-assign]
         service._leader.address = lambda: scheduler_address  # type: ignore[method-assign]
         info = common_pb2.NodeInfo(node_id=NODE, address=node_address, models=[common_pb2.ModelInfo(
             name=MODEL, max_context_tokens=4096, tokenizer="byte", vocab_size=257, is_warm=True)])
