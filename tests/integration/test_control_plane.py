@@ -14,63 +14,16 @@ import pytest
 
 from baton.client import BatonClient
 from baton.cluster import ClusterSpec, LocalCluster, ManagedProcess
-from baton.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from baton.v1 import kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common import etcd_keys
 from services.common.block_hash import block_hashes
 from services.common.etcd_session import connect
 from tests.integration.conftest import MODEL, eventually
+from tests.integration.load import SteadyLoad
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
 TTL_S = 2
-
-
-class SteadyLoad:
-    """Clients streaming requests back to back until stopped; every failure kept."""
-
-    def __init__(self, cluster: LocalCluster, num_workers: int = 4) -> None:
-        self._addresses = [router.address for router in cluster.routers]
-        self._num_workers = num_workers
-        self._stop = asyncio.Event()
-        self.num_completed = 0
-        self.failures: list[str] = []
-        self.prompts: list[str] = []
-        self._task: asyncio.Task[None] | None = None
-
-    async def _worker(self, worker: int) -> None:
-        async with BatonClient(self._addresses) as client:
-            number = 0
-            while not self._stop.is_set():
-                prompt = f"worker {worker} request {number % 5}: a prompt that repeats now and then"
-                number += 1
-                try:
-                    result = await client.complete(MODEL, prompt, max_tokens=24, ignore_eos=True, timeout_s=30)
-                except grpc.aio.AioRpcError as error:
-                    self.failures.append(f"{error.code().name}: {error.details()}")
-                    continue
-                if result.finish_reason != common_pb2.FINISH_REASON_LENGTH or len(result.token_ids) != 24:
-                    self.failures.append(f"incomplete: {result.finish_reason} {len(result.token_ids)} tokens")
-                self.prompts.append(prompt)
-                self.num_completed += 1
-
-    def start(self) -> None:
-        async def run() -> None:
-            await asyncio.gather(*(self._worker(i) for i in range(self._num_workers)))
-
-        self._task = asyncio.create_task(run())
-
-    async def wait_completed(self, count: int, timeout_s: float = 30) -> None:
-        """Until count more requests have completed."""
-        target = self.num_completed + count
-        async with asyncio.timeout(timeout_s):
-            while self.num_completed < target:
-                assert self._task is not None and not self._task.done(), "the load stopped"
-                await asyncio.sleep(0.02)
-
-    async def stop(self) -> None:
-        self._stop.set()
-        assert self._task is not None
-        await self._task
 
 
 def start(tmp_path_factory: pytest.TempPathFactory, **settings: object) -> LocalCluster:
@@ -113,7 +66,7 @@ async def handed_over_successes(cluster: LocalCluster) -> int:
 
 async def test_killing_the_scheduler_leader_fails_no_request(three_schedulers: LocalCluster) -> None:
     cluster = three_schedulers
-    load = SteadyLoad(cluster)
+    load = SteadyLoad([router.address for router in cluster.routers])
     load.start()
     await load.wait_completed(10)
     await eventually(lambda: leader_tasks(cluster).tasks_succeeded >= 10, 10, "the leader to count 10 tasks")
@@ -137,7 +90,7 @@ async def test_killing_the_scheduler_leader_fails_no_request(three_schedulers: L
 async def test_a_third_scheduler_joins_and_survives_the_other_two(tmp_path_factory: pytest.TempPathFactory) -> None:
     cluster = start(tmp_path_factory, num_schedulers=2)
     try:
-        load = SteadyLoad(cluster)
+        load = SteadyLoad([router.address for router in cluster.routers])
         load.start()
         await load.wait_completed(5)
         third = cluster.add_scheduler()
@@ -156,7 +109,7 @@ async def test_an_etcd_outage_under_load_fails_no_request_and_the_cluster_reconv
 ) -> None:
     cluster = three_schedulers
     assert cluster.etcd is not None
-    load = SteadyLoad(cluster)
+    load = SteadyLoad([router.address for router in cluster.routers])
     load.start()
     await load.wait_completed(10)
     leader = cluster.cluster_state().leader_id
@@ -204,7 +157,7 @@ async def overlaps(address: str, prompts: list[str]) -> list[dict[str, int]]:
 async def test_a_restarted_kvindex_replica_catches_up_with_the_other(three_schedulers: LocalCluster) -> None:
     cluster = three_schedulers
     first, second = cluster.kvindexes
-    load = SteadyLoad(cluster)
+    load = SteadyLoad([router.address for router in cluster.routers])
     load.start()
     await load.wait_completed(10)
     second.signal(signal.SIGKILL)

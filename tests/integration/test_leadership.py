@@ -17,7 +17,7 @@ from baton.cluster import ClusterSpec, LocalCluster, ManagedProcess, free_port, 
 from baton.protocol import LEADER_KEY
 from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.integration.conftest import MODEL, eventually
-from tests.integration.test_control_plane import SteadyLoad
+from tests.integration.load import SteadyLoad
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -47,7 +47,7 @@ async def test_a_frozen_leader_is_replaced_without_two_schedulers_ever_placing_a
     two_schedulers: LocalCluster,
 ) -> None:
     cluster = two_schedulers
-    load = SteadyLoad(cluster)
+    load = SteadyLoad([router.address for router in cluster.routers])
     load.start()
     try:
         await load.wait_completed(10)
@@ -196,7 +196,7 @@ async def test_a_leader_cut_off_from_etcd_stops_placing_before_a_successor_start
             cluster.restart(first)
             cut_revision = state_of(cut_off).leading_revision
             await eventually(lambda: len(state_of(cut_off).nodes) == 2, 10, "the leader to see both nodes")
-            load = SteadyLoad(cluster)
+            load = SteadyLoad([router.address for router in cluster.routers])
             load.start()
             try:
                 await load.wait_completed(5)
