@@ -53,16 +53,23 @@ async def serve(
 ) -> int:
     """Serve until SIGTERM/SIGINT, then shut down in order; returns the process exit code."""
     # Decoding innermost: the trace records the INVALID_ARGUMENT an undecodable request gets.
-    server = grpc.aio.server(interceptors=[*telemetry.server_interceptors(), RequestDecodingInterceptor()])
+    # No SO_REUSEPORT (gRPC's default): a second process on a port in use must fail, not silently
+    # take half of the first one's connections.
+    server = grpc.aio.server(interceptors=[*telemetry.server_interceptors(), RequestDecodingInterceptor()],
+                             options=[("grpc.so_reuseport", 0)])
     service.register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (*service.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(listen)
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError:
+        port = 0
     if port == 0:
-        log.error("cannot bind %s", listen)
+        log.error("cannot bind %s: the address is in use or not this host's", listen)
+        await service.close()
         return 2
     await server.start()
 
