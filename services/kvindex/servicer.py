@@ -15,40 +15,12 @@ from services.common import etcd_keys
 from services.common.directory import ChannelPool
 from services.common.errors import BatonError, Unavailable, abort
 from services.common.etcd_session import Membership, PrefixView
-from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from services.common.kv_event_proto import event_from_proto
 from services.common.telemetry import Telemetry
 from services.kvindex.config import KVIndexConfig
 from services.kvindex.index import KVIndex
 
 log = logging.getLogger(__name__)
-
-
-def event_from_proto(message: kvindex_pb2.KVEvent) -> KVEvent:
-    kind = message.WhichOneof("event")
-    if kind == "stored":
-        stored = message.stored
-        return BlockStored(
-            block_hashes=tuple(stored.block_hashes),
-            parent_block_hash=stored.parent_block_hash if stored.HasField("parent_block_hash") else None,
-            token_ids=tuple(stored.token_ids),
-            block_size=stored.block_size,
-        )
-    if kind == "removed":
-        return BlockRemoved(block_hashes=tuple(message.removed.block_hashes))
-    return AllBlocksCleared()
-
-
-def event_to_proto(event: KVEvent) -> kvindex_pb2.KVEvent:
-    if isinstance(event, BlockStored):
-        stored = kvindex_pb2.BlockStored(
-            block_hashes=event.block_hashes, token_ids=event.token_ids, block_size=event.block_size
-        )
-        if event.parent_block_hash is not None:
-            stored.parent_block_hash = event.parent_block_hash
-        return kvindex_pb2.KVEvent(stored=stored)
-    if isinstance(event, BlockRemoved):
-        return kvindex_pb2.KVEvent(removed=kvindex_pb2.BlockRemoved(block_hashes=event.block_hashes))
-    return kvindex_pb2.KVEvent(cleared=kvindex_pb2.AllBlocksCleared())
 
 
 class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):

@@ -11,7 +11,7 @@ import grpc
 
 from baton.v1 import kvindex_pb2, kvindex_pb2_grpc, node_agent_pb2
 from services.common.directory import ServiceDirectory, for_each_instance
-from services.kvindex.servicer import event_to_proto
+from services.common.kv_event_proto import event_to_proto
 from services.node_agent.engines.types import KVEvent
 from services.node_agent.model_host import ModelHost
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from services.common.block_hash import block_hashes
+from services.common.kv_event_proto import event_from_proto, event_to_proto
 from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from services.kvindex.index import KVIndex
-from services.kvindex.servicer import event_from_proto, event_to_proto
 
 M = "m"
 PROMPT = [10, 11, 12, 13]  # stand-in block hashes for a four-block prompt
