@@ -18,8 +18,8 @@ from baton.client import BatonClient
 from baton.cluster import ClusterSpec, LocalCluster
 from bench.report import machine_line, write_section
 from services.scheduler.policies import make_policy
-from simulator.cluster import Simulation, fleet
 from simulator.metrics import Slo, summarize
+from simulator.simulation import Simulation, fleet
 from simulator.workload import SimRequest, TokenBook, Workload, shared_prefix_groups
 
 SECTION = "## Simulator fidelity"

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from services.scheduler.policies import make_policy
-from simulator.cluster import ADMISSIONS, Simulation, fleet
 from simulator.metrics import Slo, met_by
+from simulator.simulation import ADMISSIONS, Simulation, fleet
 from simulator.study import run_all, study_parser, write_results
 from simulator.workload import assign_classes, load_mooncake
 

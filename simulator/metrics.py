@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from services.common.slo import DEFAULT_TPOT_BUDGET_MS, DEFAULT_TTFT_BUDGET_MS, Outcome, classify
 from services.common.slo import Slo as RequestSlo
-from simulator.cluster import RequestRecord, RunResult
+from simulator.simulation import RequestRecord, RunResult
 from simulator.workload import Workload
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from services.node_agent.engines.sim.models import get_model
 from services.scheduler.model_planner import ModelPlanner
 from services.scheduler.policies import make_policy
-from simulator.cluster import Simulation, fleet
 from simulator.metrics import Slo, met_by, summarize
+from simulator.simulation import Simulation, fleet
 from simulator.study import run_all, study_parser, write_results
 from simulator.workload import Workload, load_azure
 

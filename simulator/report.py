@@ -12,8 +12,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from services.scheduler.policies import POLICIES, make_policy
-from simulator.cluster import Simulation, fleet
 from simulator.metrics import Slo, summarize, ttft_values
+from simulator.simulation import Simulation, fleet
 from simulator.workload import Workload, agentic_workflows, load_azure, load_mooncake
 
 TRACES = {

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.scheduler.admission import pool_saturation
-from services.scheduler.cluster import ClusterView, NodeStatus
+from services.scheduler.fleet import ClusterView, NodeStatus
 
 
 @dataclass(frozen=True)

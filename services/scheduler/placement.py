@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from services.common.errors import NotFound, ResourceExhausted, Unavailable
 from services.scheduler.admission import Ticket
-from services.scheduler.cluster import ClusterView, NodeStatus
+from services.scheduler.fleet import ClusterView, NodeStatus
 from services.scheduler.model_planner import ModelPlanner
 from services.scheduler.policies import Decision, Option, PlacementRequest, Policy
 from services.scheduler.policies.baton import BatonPolicy

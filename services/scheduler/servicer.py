@@ -25,8 +25,8 @@ from services.common.etcd_session import Membership, PrefixView
 from services.common.load import load_from_proto, load_to_proto
 from services.common.telemetry import Telemetry
 from services.scheduler.admission import Admission, pool_saturation
-from services.scheduler.cluster import ClusterView, NodeSpec
 from services.scheduler.config import SchedulerConfig, parse_tenant_limits
+from services.scheduler.fleet import ClusterView, NodeSpec
 from services.scheduler.gate import AdmissionGate
 from services.scheduler.leadership import LeaderRole
 from services.scheduler.model_loader import ModelLoader

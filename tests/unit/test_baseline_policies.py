@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.load import Load
-from services.scheduler.cluster import NodeSpec, NodeStatus
+from services.scheduler.fleet import NodeSpec, NodeStatus
 from services.scheduler.policies import POLICIES, PlacementRequest, make_policy
 from services.scheduler.policies.kv_load import KvLoadPolicy
 from services.scheduler.policies.llmd import LlmdPolicy, LlmdPrecisePolicy

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from services.common.load import Load
-from services.scheduler.cluster import NodeSpec, NodeStatus
+from services.scheduler.fleet import NodeSpec, NodeStatus
 from services.scheduler.policies import Option, PlacementRequest, choose_among, make_policy
 from services.scheduler.policies.baton import BatonPolicy
 

@@ -8,7 +8,7 @@ from baton.v1 import common_pb2
 from services.common.lapsed_keys import LapsedKeys
 from services.common.load import Load
 from services.router.catalogue import models_from_registrations
-from services.scheduler.cluster import ClusterView, NodeSpec
+from services.scheduler.fleet import ClusterView, NodeSpec
 
 GRACE_S = 3.0
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.common.load import Load
-from services.scheduler.cluster import ClusterView, NodeSpec
+from services.scheduler.fleet import ClusterView, NodeSpec
 from services.scheduler.model_planner import ModelAction, ModelPlanner
 
 A, B = "sim-llama-3-8b", "sim-llama-2-7b"

@@ -11,8 +11,8 @@ import pytest
 from baton.v1 import scheduler_pb2
 from services.common.load import Load
 from services.common.telemetry import Telemetry
-from services.scheduler.cluster import NodeSpec
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.fleet import NodeSpec
 from services.scheduler.servicer import SchedulerService
 from tests.unit.leading import fake_leadership
 

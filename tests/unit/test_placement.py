@@ -8,7 +8,7 @@ import pytest
 
 from services.common.errors import NotFound, ResourceExhausted, Unavailable
 from services.common.load import Load
-from services.scheduler.cluster import ClusterView, NodeSpec
+from services.scheduler.fleet import ClusterView, NodeSpec
 from services.scheduler.model_planner import ModelPlanner
 from services.scheduler.placement import PlaceAsk, Placer
 from services.scheduler.policies import PlacementRequest, make_policy

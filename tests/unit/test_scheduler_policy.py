@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.common.load import Load
-from services.scheduler.cluster import ClusterView, NodeSpec, NodeStatus
+from services.scheduler.fleet import ClusterView, NodeSpec, NodeStatus
 from services.scheduler.policies import PlacementRequest
 from services.scheduler.policies.kv_load import KvLoadPolicy
 

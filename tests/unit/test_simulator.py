@@ -14,9 +14,9 @@ from services.common.block_hash import block_hashes
 from services.node_agent.engines.sim.models import get_model, load_time_s
 from services.scheduler.model_planner import ModelPlanner
 from services.scheduler.policies import make_policy
-from simulator.cluster import RunResult, Simulation, fleet
 from simulator.metrics import Slo, summarize
 from simulator.model_study import shifted
+from simulator.simulation import RunResult, Simulation, fleet
 from simulator.workload import SimRequest, TokenBook, Workload, agentic_workflows, load_mooncake
 
 pytestmark = pytest.mark.timeout(10)

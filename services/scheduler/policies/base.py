@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.scheduler.cluster import NodeStatus
+from services.scheduler.fleet import NodeStatus
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 
-from services.scheduler.cluster import NodeStatus
+from services.scheduler.fleet import NodeStatus
 from services.scheduler.policies.base import Decision, Option, PlacementRequest, Policy, Terms, decision, warm_first
 from services.scheduler.policies.kv_load import KvLoadPolicy
 from services.scheduler.policies.node_timing import TimingModel, node_timing

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from services.scheduler.cluster import NodeStatus
+from services.scheduler.fleet import NodeStatus
 from services.scheduler.policies.base import Decision, PlacementRequest, Policy, decision, num_in_flight
 
 

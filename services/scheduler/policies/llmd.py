@@ -14,7 +14,7 @@ Weighted scorers, each in [0, 1], summed; the highest total wins (ANCHORS.md). Q
 
 from __future__ import annotations
 
-from services.scheduler.cluster import NodeStatus
+from services.scheduler.fleet import NodeStatus
 from services.scheduler.policies.base import Decision, PlacementRequest, Policy, decision
 from services.scheduler.policies.routed_prefix import RoutedPrefixIndex
 

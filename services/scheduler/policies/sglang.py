@@ -13,7 +13,7 @@ bound is converted at ~4 characters per token: 2^26 / 64 = 2^20 blocks.
 
 from __future__ import annotations
 
-from services.scheduler.cluster import NodeStatus
+from services.scheduler.fleet import NodeStatus
 from services.scheduler.policies.base import Decision, PlacementRequest, Policy, decision, num_in_flight
 from services.scheduler.policies.routed_prefix import RoutedPrefixIndex
 

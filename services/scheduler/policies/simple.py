@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.scheduler.cluster import NodeStatus
+from services.scheduler.fleet import NodeStatus
 from services.scheduler.policies.base import Decision, PlacementRequest, Policy, decision, num_in_flight
 from services.scheduler.policies.node_timing import decode_tokens_per_s, node_timing
 

@@ -26,7 +26,7 @@ from services.node_agent.engines.sim.timing import load_coefficients
 from services.node_agent.engines.types import EngineRequest, SamplingParams, StepResult
 from services.router.generation import FailureCause, Generation, NodeFailure
 from services.scheduler.admission import Admission, Verdict, pool_saturation
-from services.scheduler.cluster import ClusterView, NodeSpec
+from services.scheduler.fleet import ClusterView, NodeSpec
 from services.scheduler.model_planner import ModelAction, ModelPlanner
 from services.scheduler.placement import PlaceAsk, Placer, Plan
 from services.scheduler.policies import Option, PlacementRequest, Policy
