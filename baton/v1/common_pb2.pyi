@@ -90,7 +90,7 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., is_warm: _Optional[bool] = ..., state: _Optional[_Union[ModelState, str]] = ..., weights_bytes: _Optional[int] = ..., load_time_s: _Optional[float] = ..., kv_blocks: _Optional[int] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "address", "gpu", "hbm_bytes", "region", "price_per_hour", "models", "kv_block_size", "engine")
+    __slots__ = ("node_id", "address", "gpu", "hbm_bytes", "region", "price_per_hour", "models", "kv_block_size", "engine", "draining")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class NodeInfo(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     gpu: str
@@ -109,7 +110,8 @@ class NodeInfo(_message.Message):
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     kv_block_size: int
     engine: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., gpu: _Optional[str] = ..., hbm_bytes: _Optional[int] = ..., region: _Optional[str] = ..., price_per_hour: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., kv_block_size: _Optional[int] = ..., engine: _Optional[str] = ...) -> None: ...
+    draining: bool
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., gpu: _Optional[str] = ..., hbm_bytes: _Optional[int] = ..., region: _Optional[str] = ..., price_per_hour: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., kv_block_size: _Optional[int] = ..., engine: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class NodeLoad(_message.Message):
     __slots__ = ("node_id", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "active_decode_blocks", "pending_prefill_tokens", "reported_at_ms")

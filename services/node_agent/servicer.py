@@ -68,8 +68,10 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     def register(self, server: grpc.aio.Server) -> None:
         node_agent_pb2_grpc.add_NodeAgentServicer_to_server(self, server)
 
-    def _registration(self) -> bytes:
-        return json_format.MessageToJson(node_info(self._config, self._host), indent=None).encode()
+    def _registration(self, draining: bool = False) -> bytes:
+        info = node_info(self._config, self._host)
+        info.draining = draining
+        return json_format.MessageToJson(info, indent=None).encode()
 
     async def _keep_registration_current(self) -> None:
         """Rewrite the etcd registration whenever a model turns warm, loading or cold."""
@@ -93,10 +95,12 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         ]
 
     async def before_stop(self) -> None:
-        # Leave the candidate set first; streams already running finish during the grace period.
-        await self._member.leave()
+        # Leave the candidate set, but stay registered: streams already running finish during the
+        # grace period, and a router must not take the node's leaving for its death and move them.
+        await self._member.update(etcd_keys.node_key(self._config.node_id), self._registration(draining=True))
 
     async def close(self) -> None:
+        await self._member.leave()  # drained (or out of grace): the registration goes at once
         await self._schedulers.close()
         await self._kvindexes.close()
         await self._member.close()

@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 
 def models_from_registrations(items: dict[str, bytes], lapsed: frozenset[str] = frozenset()) -> dict[str, ModelEntry]:
     """One entry per model name, counting the nodes where it is warm; lapsed registrations (held
-    for their grace period) keep a model served but count no warm node."""
+    for their grace period) and draining nodes keep a model served but count no warm node."""
     entries: dict[str, ModelEntry] = {}
     for key, value in items.items():
         try:
@@ -24,7 +24,8 @@ def models_from_registrations(items: dict[str, bytes], lapsed: frozenset[str] = 
             continue
         for model in info.models:
             known = entries.get(model.name)
-            warm = (known.num_warm_nodes if known else 0) + int(model.is_warm and key not in lapsed)
+            counts = model.is_warm and key not in lapsed and not info.draining
+            warm = (known.num_warm_nodes if known else 0) + int(counts)
             entries[model.name] = ModelEntry(
                 name=model.name,
                 max_context_tokens=model.max_context_tokens,

@@ -173,6 +173,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             except json_format.ParseError:
                 log.warning("malformed node registration at %s", key)
                 continue
+            if info.draining:  # leaving cleanly: its streams finish, nothing new goes there
+                continue
             infos[info.node_id] = info
             specs.append(node_spec(info))
             if key in self._nodes.lapsed:

@@ -74,14 +74,11 @@ async def test_killing_the_scheduler_leader_fails_no_request(three_schedulers: L
     handed_over = await handed_over_successes(cluster)
     old = leader_process(cluster)
     old.signal(signal.SIGKILL)
-    killed_at = time.monotonic()
     await eventually(lambda: cluster.cluster_state().leader_id not in ("", old.name), 4 * TTL_S,
                      "a standby to take over")
-    took_over_s = time.monotonic() - killed_at
     await load.wait_completed(20)
     await load.stop()
     assert load.failures == []
-    assert took_over_s < 4 * TTL_S
     # The successor carried the KPI's ledger on (at least what was handed over) and kept counting.
     await eventually(lambda: leader_tasks(cluster).tasks_succeeded >= handed_over + 20, 10,
                      "the new leader to count on from the handed-over tasks")

@@ -59,6 +59,8 @@ async def test_sigterm_finishes_in_flight_streams_then_deregisters(small_cluster
 
     assert result.token_ids == reference_completion(list(prompt.encode()), 150, ignore_eos=True)[0]
     assert result.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    # Drained where it ran: the stream never moved to another node.
+    assert result.usage.num_migrations == 0 and result.node_ids == [serving.name]
     assert serving.proc is not None and serving.proc.wait(10) == 0
     wait_until(lambda: serving.name not in node_ids(small_cluster), 10, f"{serving.name} to deregister")
 
