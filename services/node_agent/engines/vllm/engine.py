@@ -35,6 +35,7 @@ from services.node_agent.engines.vllm.stop_sequences import StopMatcher
 
 log = logging.getLogger(__name__)
 
+_WATCH_INTERVAL_S = 1.0
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
@@ -143,14 +144,22 @@ class VllmEngine:
     # -- the engine loop -----------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Follow vLLM's KV events until cancelled; then abort what is in flight and stop vLLM."""
+        """Follow vLLM's KV events until cancelled; then abort what is in flight and stop vLLM.
+        Raises vLLM's error if its engine core dies, so that the node agent exits."""
         try:
-            await self._follow_kv_events()
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._follow_kv_events())
+                group.create_task(self._watch_engine_core())
         finally:
             for running in self._requests.values():
                 running.pump.cancel()
             self._llm.shutdown()
             self._events_dir.cleanup()
+
+    async def _watch_engine_core(self) -> None:
+        while not self._llm.errored:
+            await asyncio.sleep(_WATCH_INTERVAL_S)  # AsyncLLM exposes death as a flag, not an awaitable
+        raise RuntimeError(f"vLLM engine core of {self.model} died: {self._llm.dead_error}")
 
     async def _follow_kv_events(self) -> None:
         import msgspec
@@ -269,8 +278,9 @@ class VllmEngine:
         finish: FinishReason | None = None
         for item in pending:
             if isinstance(item, Exception):
-                if isinstance(item, ValueError):  # vLLM refused the input
-                    raise EngineInputError("prompt_token_ids", f"{running.prompt_len} tokens", str(item)) from item
+                if _is_input_error(item):
+                    raise EngineInputError("prompt_token_ids", f"{running.prompt_len} tokens",
+                                           f"vLLM refused the request: {item}") from item
                 raise item
             completion = item.outputs[0]
             token_ids = list(completion.token_ids)
@@ -357,3 +367,9 @@ def _baton_event(event: Any) -> KVEvent:
         return AllBlocksCleared()
     return BlockRemoved(tuple(event.block_hashes))
 
+
+def _is_input_error(exc: Exception) -> bool:
+    """Whether vLLM refused a request for its content (not because the engine failed)."""
+    from vllm.exceptions import VLLMClientError
+
+    return isinstance(exc, ValueError | VLLMClientError)
