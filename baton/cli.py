@@ -174,8 +174,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         pct = 100.0 * load.kv_blocks_used / load.kv_blocks_total if load.kv_blocks_total else 0.0
         seen = f"{node.load_age_ms}ms" if node.load_age_ms >= 0 else "never"
         print(f"{info.node_id:<10} {info.gpu:<6} {info.engine or 'sim':<6} {info.address:<22} {models:<18} "
-              f"{load.num_running:>4} {load.num_waiting:>4} {f'{load.kv_blocks_used}/{load.kv_blocks_total}':>16} {pct:>5.1f} "
-              f"{info.price_per_hour:>6.2f} {seen:>7}")
+              f"{load.num_running:>4} {load.num_waiting:>4} {f'{load.kv_blocks_used}/{load.kv_blocks_total}':>16} "
+              f"{pct:>5.1f} {info.price_per_hour:>6.2f} {seen:>7}")
     if state.HasField("tasks"):
         tasks = state.tasks
         kpi = f"${tasks.cost_per_successful_task_usd:.6f}" if tasks.tasks_succeeded else "n/a"
