@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -163,3 +165,40 @@ async def test_bad_input_sent_to_the_node_is_refused_and_the_node_serves_on(vllm
     assert len(result.token_ids) == 4
 
 
+
+
+async def test_seeded_sampling_reaches_vllm(vllm_cluster: LocalCluster) -> None:
+    async with BatonClient(vllm_cluster.router.address) as client:
+        runs = [await client.complete(MODEL, prompt_token_ids=PROMPT_IDS, max_tokens=16, ignore_eos=True,
+                                      temperature=1.0, seed=seed, timeout_s=120) for seed in (7, 7, 8)]
+    assert runs[0].token_ids == runs[1].token_ids  # the same seed: the same tokens
+    assert runs[0].token_ids != runs[2].token_ids
+    assert all(len(run.token_ids) == 16 for run in runs)
+
+
+async def test_stop_sequence_ends_the_stream_after_it(vllm_cluster: LocalCluster, reference: list[int]) -> None:
+    stop = reference[5:7]
+    request = node_agent_pb2.NodeGenerateRequest(
+        request_id="stop-sequence", model=MODEL, prompt_token_ids=PROMPT_IDS,
+        sampling=common_pb2.SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True,
+                                           stop=[common_pb2.TokenSequence(token_ids=stop)]))
+    async with grpc.aio.insecure_channel(vllm_cluster.nodes[0].address) as channel:
+        chunks = [c async for c in node_agent_pb2_grpc.NodeAgentStub(channel).Generate(request, timeout=60)]
+    tokens = [t for chunk in chunks for t in chunk.token_ids]
+    first_stop = next(i for i in range(len(reference)) if reference[i:i + 2] == stop)
+    assert tokens == reference[:first_stop + 2]
+    assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+def test_a_model_vllm_cannot_start_stops_the_node_agent_with_a_clear_message(tmp_path: Path,
+                                                                             vllm_cluster: LocalCluster) -> None:
+    """Runs after the cluster is up (it needs its etcd), so never beside a starting engine."""
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama", "architectures": ["NoSuchForCausalLM"]}')
+    result = subprocess.run(
+        [sys.executable, "-m", "services.node_agent", "--engine=vllm", f"--model-dir={broken}",
+         f"--etcd={vllm_cluster.etcd_endpoint}", "--listen=127.0.0.1:0", "--node-id=node-broken"],
+        capture_output=True, text=True, timeout=180)
+    assert result.returncode != 0
+    assert f"--model-dir '{broken}': vLLM failed to start" in result.stderr
