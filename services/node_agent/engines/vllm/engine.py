@@ -21,9 +21,6 @@ from services.common.change_signal import ChangeSignal
 from services.common.load import Load
 from services.node_agent.engines.base import EngineInputError
 from services.node_agent.engines.types import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
     EngineRequest,
     FinishReason,
     KVEvent,
@@ -31,6 +28,7 @@ from services.node_agent.engines.types import (
 )
 from services.node_agent.engines.vllm.block_keys import BlockKeyMap
 from services.node_agent.engines.vllm.gpu_time import GpuTimeShare
+from services.node_agent.engines.vllm.kv_subscriber import KvEventSubscriber
 from services.node_agent.engines.vllm.stop_sequences import StopMatcher
 
 log = logging.getLogger(__name__)
@@ -71,6 +69,8 @@ class _Running:
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
     has_first_token: bool = False
+    # Loop time of its latest output.
+    last_output_at: float = 0.0
 
 
 class VllmEngine:
@@ -90,7 +90,8 @@ class VllmEngine:
         self.tokenizer = tokenizer_name(settings.model_dir)
         self.load_changed = ChangeSignal()
         self._events_dir = tempfile.TemporaryDirectory(prefix="baton-kv-events-")
-        self._events_endpoint = f"ipc://{self._events_dir.name}/kv-events"
+        events_endpoint = f"ipc://{self._events_dir.name}/kv-events"
+        replay_endpoint = f"ipc://{self._events_dir.name}/kv-events-replay"
         args = AsyncEngineArgs(
             model=settings.model_dir,
             served_model_name=model,
@@ -99,7 +100,8 @@ class VllmEngine:
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
-                                            endpoint=self._events_endpoint, topic="kv"),
+                                            endpoint=events_endpoint, replay_endpoint=replay_endpoint,
+                                            topic="kv"),
         )
         if settings.kv_cache_bytes:
             args.kv_cache_memory_bytes = settings.kv_cache_bytes
@@ -120,6 +122,8 @@ class VllmEngine:
         self._kv_events: list[KVEvent] = []
         self._kv_ready = asyncio.Event()
         self._step_ms = 0.0
+        # Connected before any request runs: no batch is published before the first engine step.
+        self._subscriber = KvEventSubscriber(events_endpoint, replay_endpoint)
 
     def _stat_logger_factory(self) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -162,37 +166,13 @@ class VllmEngine:
         raise RuntimeError(f"vLLM engine core of {self.model} died: {self._llm.dead_error}")
 
     async def _follow_kv_events(self) -> None:
-        import msgspec
-        import zmq
-        import zmq.asyncio
-        from vllm.distributed.kv_events import KVEventBatch
-
-        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        context = zmq.asyncio.Context()
-        socket = context.socket(zmq.SUB)
-        socket.connect(self._events_endpoint)
-        socket.setsockopt(zmq.SUBSCRIBE, b"kv")
-        expected_seq = 0
-        try:
-            while True:
-                _, seq_bytes, payload = await socket.recv_multipart()
-                seq = int.from_bytes(seq_bytes, "big")
-                if seq != expected_seq:
-                    # Events were lost: the map cannot be trusted for blocks stored meanwhile.
-                    log.warning("vLLM KV events: expected batch %d, got %d; clearing the index of this node",
-                                expected_seq, seq)
-                    self._keys.translate(AllBlocksCleared())
-                    self._kv_events.append(AllBlocksCleared())
-                expected_seq = seq + 1
-                for event in decoder.decode(payload).events:
-                    translated = self._keys.translate(_baton_event(event))
-                    if translated is not None:
-                        self._kv_events.append(translated)
-                if self._kv_events:
-                    self._kv_ready.set()
-        finally:
-            socket.close(linger=0)
-            context.term()
+        async for events in self._subscriber.batches():
+            for event in events:
+                translated = self._keys.translate(event)
+                if translated is not None:
+                    self._kv_events.append(translated)
+            if self._kv_events:
+                self._kv_ready.set()
 
     # -- requests ------------------------------------------------------------------------------------
 
@@ -297,9 +277,15 @@ class VllmEngine:
             if item.finished:
                 finish = _FINISH_REASONS.get(completion.finish_reason or "abort", FinishReason.ABORT)
                 break
+        now = asyncio.get_running_loop().time()
+        if running.has_first_token and new_token_ids:
+            # Decode steps as this request saw them: time per token since its previous output, smoothed.
+            interval_ms = (now - running.last_output_at) * 1000.0 / len(new_token_ids)
+            self._step_ms = interval_ms if not self._step_ms else 0.9 * self._step_ms + 0.1 * interval_ms
+        running.last_output_at = now
         running.has_first_token = running.has_first_token or bool(new_token_ids) or finish is not None
         running.num_completion_tokens += len(new_token_ids)
-        gpu_ms = self._gpu_time.gpu_ms(request_id, asyncio.get_running_loop().time())
+        gpu_ms = self._gpu_time.gpu_ms(request_id, now)
         if finish is not None:
             self.abort(request_id)  # finished: out of the load at once (and out of vLLM, after a stop sequence)
         return RequestOutput(
@@ -324,7 +310,8 @@ class VllmEngine:
     # -- load and KV cache ---------------------------------------------------------------------------
 
     def expected_step_ms(self) -> float:
-        """Not measured per step by vLLM's public API; 0 leaves the router to its stall floor."""
+        """The decode step time observed on recent streams (vLLM's API does not report step times);
+        0 until a request has decoded, which leaves the router to its stall floor."""
         return self._step_ms
 
     def load(self) -> Load:
@@ -353,19 +340,6 @@ class VllmEngine:
     def cached_block_hashes(self) -> list[int]:
         """Baton's keys of every block vLLM has reported cached and not removed."""
         return self._keys.cached_keys()
-
-
-def _baton_event(event: Any) -> KVEvent:
-    """vLLM's msgspec KV event as Baton's (same shapes; hashes still vLLM's)."""
-    from vllm.distributed.kv_events import AllBlocksCleared as VllmCleared
-    from vllm.distributed.kv_events import BlockStored as VllmStored
-
-    if isinstance(event, VllmStored):
-        return BlockStored(tuple(event.block_hashes), event.parent_block_hash, tuple(event.token_ids),
-                           event.block_size)
-    if isinstance(event, VllmCleared):
-        return AllBlocksCleared()
-    return BlockRemoved(tuple(event.block_hashes))
 
 
 def _is_input_error(exc: Exception) -> bool:
