@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ import pytest
 
 from baton.client import BatonClient
 from baton.cluster import ClusterSpec, LocalCluster
-from baton.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc, node_agent_pb2, node_agent_pb2_grpc
+from baton.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc, node_agent_pb2, node_agent_pb2_grpc, router_pb2
 from services.common.block_hash import block_hashes
 from tests.integration.conftest import eventually
 
@@ -55,7 +56,16 @@ async def generate_directly(model_dir: Path, prompt_ids: list[int], num_tokens: 
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> list[int]:
+def single_threaded() -> Iterator[None]:
+    """vLLM's CPU kernels on one pinned thread, for the reference and the node alike: greedy resume is
+    exact single-threaded (on 2 cores vLLM does this itself; larger machines would use more threads)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_CPU_OMP_THREADS_BIND", str(max(os.sched_getaffinity(0))))
+        yield
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path, single_threaded: None) -> list[int]:
     return asyncio.run(generate_directly(tiny_model_dir, PROMPT_IDS, NUM_TOKENS))
 
 
@@ -88,6 +98,18 @@ async def test_stream_through_the_mesh_equals_vllm_run_directly(vllm_cluster: Lo
     usage = chunks[-1].usage
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(PROMPT_IDS), NUM_TOKENS)
     assert usage.gpu_ms > 0
+
+
+@pytest.mark.parametrize("num_received", [1, 13, 31])
+async def test_a_greedy_stream_resumed_from_its_tokens_continues_as_the_uninterrupted_run(
+        vllm_cluster: LocalCluster, reference: list[int], num_received: int) -> None:
+    """What a client whose router died sends: the prompt and the tokens it has; vLLM re-prefills both."""
+    async with BatonClient(vllm_cluster.router.address) as client:
+        chunks = [chunk async for chunk in client.generate(
+            MODEL, prompt_token_ids=PROMPT_IDS, max_tokens=NUM_TOKENS, ignore_eos=True,
+            resume=router_pb2.Resume(token_ids=reference[:num_received]), timeout_s=120)]
+    assert reference[:num_received] + [t for chunk in chunks for t in chunk.token_ids] == reference
+    assert chunks[-1].usage.completion_tokens == NUM_TOKENS
 
 
 async def test_repeated_prompt_reports_vllms_cached_tokens_and_the_index_holds_its_blocks(
