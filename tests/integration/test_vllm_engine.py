@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -30,6 +31,8 @@ KV_CACHE_BYTES = 64 << 20
 # 80 tokens: two full 32-token vLLM blocks and a partial one.
 PROMPT_IDS = [(7 * i + 3) % 600 + 2 for i in range(80)]
 NUM_TOKENS = 32
+# The reference run is long enough to kill its node mid-stream; shorter greedy runs are its prefixes.
+NUM_REFERENCE_TOKENS = MAX_MODEL_LEN - len(PROMPT_IDS) - 32
 
 
 async def generate_directly(model_dir: Path, prompt_ids: list[int], num_tokens: int) -> list[int]:
@@ -66,7 +69,7 @@ def single_threaded() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir: Path, single_threaded: None) -> list[int]:
-    return asyncio.run(generate_directly(tiny_model_dir, PROMPT_IDS, NUM_TOKENS))
+    return asyncio.run(generate_directly(tiny_model_dir, PROMPT_IDS, NUM_REFERENCE_TOKENS))
 
 
 @pytest.fixture(scope="module")
@@ -86,12 +89,12 @@ def vllm_cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
 
 async def test_stream_through_the_mesh_equals_vllm_run_directly(vllm_cluster: LocalCluster,
                                                                  reference: list[int]) -> None:
-    assert len(reference) == NUM_TOKENS
+    assert len(reference) == NUM_REFERENCE_TOKENS
     async with BatonClient(vllm_cluster.router.address) as client:
         chunks = [chunk async for chunk in client.generate(
             MODEL, prompt_token_ids=PROMPT_IDS, max_tokens=NUM_TOKENS, ignore_eos=True, timeout_s=120)]
     tokens = [t for chunk in chunks for t in chunk.token_ids]
-    assert tokens == reference
+    assert tokens == reference[:NUM_TOKENS]
     assert len([c for c in chunks if c.token_ids]) > 1  # streamed, not delivered at the end
     assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert len({c.node_id for c in chunks if c.token_ids}) == 1
@@ -108,8 +111,32 @@ async def test_a_greedy_stream_resumed_from_its_tokens_continues_as_the_uninterr
         chunks = [chunk async for chunk in client.generate(
             MODEL, prompt_token_ids=PROMPT_IDS, max_tokens=NUM_TOKENS, ignore_eos=True,
             resume=router_pb2.Resume(token_ids=reference[:num_received]), timeout_s=120)]
-    assert reference[:num_received] + [t for chunk in chunks for t in chunk.token_ids] == reference
+    assert reference[:num_received] + [t for chunk in chunks for t in chunk.token_ids] == reference[:NUM_TOKENS]
     assert chunks[-1].usage.completion_tokens == NUM_TOKENS
+
+
+async def test_killing_the_serving_node_mid_stream_the_greedy_stream_continues_as_if_uninterrupted(
+        vllm_cluster: LocalCluster, reference: list[int]) -> None:
+    tokens: list[int] = []
+    node_ids: list[str] = []
+    killed = None
+    try:
+        async with BatonClient(vllm_cluster.router.address) as client:
+            async for chunk in client.generate(MODEL, prompt_token_ids=PROMPT_IDS, max_tokens=NUM_REFERENCE_TOKENS,
+                                               ignore_eos=True, timeout_s=120):
+                tokens += chunk.token_ids
+                if chunk.node_id and chunk.node_id not in node_ids:
+                    node_ids.append(chunk.node_id)
+                if killed is None and len(tokens) >= 16:
+                    killed = next(p for p in vllm_cluster.nodes if p.name == chunk.node_id)
+                    killed.signal(signal.SIGKILL)
+        assert killed is not None
+        assert tokens == reference
+        assert node_ids[0] == killed.name and len(node_ids) == 2
+    finally:
+        if killed is not None:  # the other tests expect both nodes
+            vllm_cluster.restart(killed, timeout_s=240)
+            vllm_cluster.wait_nodes_visible(2, timeout_s=60)
 
 
 async def test_repeated_prompt_reports_vllms_cached_tokens_and_the_index_holds_its_blocks(
@@ -233,7 +260,7 @@ async def test_stop_sequence_ends_the_stream_after_it(vllm_cluster: LocalCluster
     async with grpc.aio.insecure_channel(vllm_cluster.nodes[0].address) as channel:
         chunks = [c async for c in node_agent_pb2_grpc.NodeAgentStub(channel).Generate(request, timeout=60)]
     tokens = [t for chunk in chunks for t in chunk.token_ids]
-    first_stop = next(i for i in range(len(reference)) if reference[i:i + 2] == stop)
+    first_stop = next(i for i in range(NUM_TOKENS) if reference[i:i + 2] == stop)
     assert tokens == reference[:first_stop + 2]
     assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_STOP
 
