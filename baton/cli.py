@@ -20,6 +20,7 @@ from simulator.model_study import main as model_study_main
 from simulator.report import main as simulator_main
 
 DEMO_PROMPT = "Explain in one paragraph why a generation should survive the death of the GPU serving it."
+_SIM_MODEL = "sim-llama-3-8b"
 
 
 def _load_state(args: argparse.Namespace) -> dict[str, str]:
@@ -30,25 +31,38 @@ def _load_state(args: argparse.Namespace) -> dict[str, str]:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    node_args: tuple[str, ...] = (f"--cold-models={args.cold_models}",) if args.cold_models else ()
+    model = args.model
+    if args.engine == "vllm":
+        if not args.model_dir:
+            print("baton up: --model-dir is required with --engine vllm", file=sys.stderr)
+            return 2
+        if model == _SIM_MODEL:  # not named: served under its directory's name
+            model = Path(args.model_dir).resolve().name
+        node_args += (f"--kv-cache-bytes={args.kv_cache_bytes}", f"--block-size={args.block_size}",
+                      f"--max-model-len={args.max_model_len}")
     spec = ClusterSpec(
         num_nodes=args.nodes,
         num_schedulers=args.schedulers,
         num_kvindexes=args.kvindexes,
         gpus=tuple(g.strip() for g in args.gpus.split(",") if g.strip()),
-        model=args.model,
+        model=model,
+        engine=args.engine,
+        model_dir=str(Path(args.model_dir).resolve()) if args.model_dir else "",
         router_port=args.router_port,
         speed=args.speed,
         lease_ttl_s=args.lease_ttl_s,
         otel_exporter=args.otel_exporter,
-        node_args=(f"--cold-models={args.cold_models}",) if args.cold_models else (),
+        node_args=node_args,
         scheduler_args=(f"--policy={args.policy}",),
     )
+    timeout_s = args.timeout_s or (300.0 if args.engine == "vllm" else 60.0)
     cluster = LocalCluster(spec, Path(args.workdir) if args.workdir else None)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        cluster.start(timeout_s=args.timeout_s)
+        cluster.start(timeout_s=timeout_s)
     except StartError as exc:
         print(f"baton up: {exc}", file=sys.stderr)
         return 1
@@ -149,7 +163,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             pass
     leader = f"{state.leader_id} at {state.leader_address}" if state.leader_id else "none elected"
     print(f"scheduler leader: {leader} (asked {state.scheduler_id}); {len(state.nodes)} nodes")
-    print(f"{'node':<10} {'gpu':<6} {'address':<22} {'models':<18} {'run':>4} {'wait':>4} "
+    print(f"{'node':<10} {'gpu':<6} {'engine':<6} {'address':<22} {'models':<18} {'run':>4} {'wait':>4} "
           f"{'kv used/total':>16} {'kv%':>5} {'$/h':>6} {'seen':>7}")
     for node in state.nodes:
         info, load = node.info, node.load
@@ -159,9 +173,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         models += f" +{cold} cold" if cold else ""
         pct = 100.0 * load.kv_blocks_used / load.kv_blocks_total if load.kv_blocks_total else 0.0
         seen = f"{node.load_age_ms}ms" if node.load_age_ms >= 0 else "never"
-        print(f"{info.node_id:<10} {info.gpu:<6} {info.address:<22} {models:<18} {load.num_running:>4} "
-              f"{load.num_waiting:>4} {f'{load.kv_blocks_used}/{load.kv_blocks_total}':>16} {pct:>5.1f} "
-              f"{info.price_per_hour:>6.2f} {seen:>7}")
+        print(f"{info.node_id:<10} {info.gpu:<6} {info.engine or 'sim':<6} {info.address:<22} {models:<18} "
+              f"{load.num_running:>4} {load.num_waiting:>4} {f'{load.kv_blocks_used}/{load.kv_blocks_total}':>16} "
+              f"{pct:>5.1f} {info.price_per_hour:>6.2f} {seen:>7}")
     if state.HasField("tasks"):
         tasks = state.tasks
         fleet = f"${tasks.fleet_cost_per_successful_task_usd:.6f}" if tasks.tasks_succeeded else "n/a"
@@ -206,7 +220,15 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--schedulers", type=int, default=1, help="scheduler replicas (one leads, elected in etcd)")
     up.add_argument("--kvindexes", type=int, default=1, help="kvindex replicas (all active)")
     up.add_argument("--gpus", default="h100", help="GPU generations, cycled over the nodes: h100,a100,l4")
-    up.add_argument("--model", default="sim-llama-3-8b", help="simulated model every node serves")
+    up.add_argument("--model", default=_SIM_MODEL, help="simulated model every node serves; with --engine vllm "
+                    "the name its model is served under (default: the --model-dir's name)")
+    up.add_argument("--engine", choices=("sim", "vllm"), default="sim", help="every node's engine")
+    up.add_argument("--model-dir", default="", help="vllm engine: the Hugging Face model directory to serve "
+                    "(python -m services.node_agent.engines.vllm.tiny_model DIR makes a tiny one)")
+    up.add_argument("--kv-cache-bytes", type=int, default=64 << 20,
+                    help="vllm engine: KV cache per node in bytes (0: vLLM sizes it from free memory)")
+    up.add_argument("--block-size", type=int, default=32, help="vllm engine: tokens per KV block (32 on a CPU)")
+    up.add_argument("--max-model-len", type=int, default=2048, help="vllm engine: longest context (0: the model's)")
     up.add_argument("--cold-models", default="", help="models every node also has on disk, cold (comma-separated)")
     up.add_argument("--policy", default="baton", help="the scheduler's placement policy (baton, dynamo, ...)")
     up.add_argument("--router-port", type=int, default=50051, help="router port (0: any free port)")
@@ -214,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--lease-ttl-s", type=int, default=3, help="etcd lease TTL of every service")
     up.add_argument("--otel-exporter", default="none", help="span exporter: none, console or file:PATH")
     up.add_argument("--workdir", default="", help="where logs and etcd data go (default: a temp dir)")
-    up.add_argument("--timeout-s", type=float, default=60.0, help="how long to wait for readiness")
+    up.add_argument("--timeout-s", type=float, default=0.0,
+                    help="how long to wait for readiness (0: 60 s, or 300 s with --engine vllm)")
     up.add_argument("--demo", action="store_true", help="send a demo request once the cluster is up")
     up.set_defaults(func=cmd_up)
 

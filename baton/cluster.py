@@ -5,6 +5,7 @@ Used by `baton up`, by the integration tests and by the benchmarks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -62,7 +63,10 @@ class ManagedProcess:
     def start(self) -> None:
         env = {**os.environ, **self.env}
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=env)
+            # Its own process group: what it starts (vLLM's EngineCore and workers, which outlive a
+            # SIGKILLed parent) can be stopped with it.
+            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
 
     @property
     def pid(self) -> int:
@@ -78,7 +82,8 @@ class ManagedProcess:
             self.proc.send_signal(sig)
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
-        """SIGTERM, wait, then SIGKILL; returns the exit code."""
+        """SIGTERM, wait, then SIGKILL; then SIGKILL whatever it started and left behind (it may
+        have been killed itself); returns the exit code."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
@@ -89,6 +94,8 @@ class ManagedProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the group this process led, by its id
         return self.proc.returncode
 
     def log_tail(self, num_lines: int = 30) -> str:
@@ -168,6 +175,9 @@ class ClusterSpec:
     num_kvindexes: int = 1
     gpus: tuple[str, ...] = ("h100",)
     model: str = "sim-llama-3-8b"
+    # The nodes' engine: sim, or vllm serving model_dir under the name `model`.
+    engine: str = "sim"
+    model_dir: str = ""
     router_port: int = 0
     speed: float = 1.0
     lease_ttl_s: int = 3
@@ -245,7 +255,9 @@ class LocalCluster:
         for i in range(spec.num_nodes):
             gpu = spec.gpus[i % len(spec.gpus)]
             flags = {**common, "node-id": f"node-{i}", "gpu": gpu, "model": spec.model, "speed": spec.speed,
-                     "kv-blocks": spec.kv_blocks}
+                     "kv-blocks": spec.kv_blocks, "engine": spec.engine}
+            if spec.engine == "vllm":
+                flags["model-dir"] = spec.model_dir
             extra = spec.node_args + (spec.per_node_args[i] if i < len(spec.per_node_args) else ())
             self.nodes.append(self._service(f"node-{i}", "services.node_agent", flags, extra=extra))
         services = [*self.kvindexes, *self.schedulers, *self.nodes, *self.routers]

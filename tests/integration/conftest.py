@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +16,20 @@ from baton.cluster import ClusterSpec, LocalCluster
 from baton.v1 import router_pb2, router_pb2_grpc
 
 MODEL = "sim-llama-3-8b"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Llama with a locally trained tokenizer, for the vllm engine (no hub here).
+
+    vLLM's and torch's compile caches go to a folder of the test session unless `make test` set them.
+    """
+    from services.node_agent.engines.vllm.tiny_model import build_tiny_model
+
+    caches = tmp_path_factory.mktemp("caches")
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(caches / "vllm"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(caches / "inductor"))
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +105,28 @@ def test_unconvertible_env_var_exits_naming_the_variable(
 ) -> None:
     monkeypatch.setenv("BATON_ROUTER_LEASE_TTL_S", "abc")
     assert "BATON_ROUTER_LEASE_TTL_S" in _exit_message(capsys, RouterConfig, PREFIX, [])
+
+
+def test_vllm_engine_needs_a_model_directory() -> None:
+    from services.node_agent.config import NodeAgentConfig
+
+    with pytest.raises(ValueError, match="--model-dir"):
+        NodeAgentConfig(engine="vllm")
+    with pytest.raises(ValueError, match="--block-size.*24"):
+        NodeAgentConfig(engine="vllm", model_dir="/models/m", block_size=24)
+
+
+def test_vllm_node_refuses_a_directory_that_holds_no_model(tmp_path: Path) -> None:
+    from services.node_agent.config import NodeAgentConfig
+    from services.node_agent.engines.factory import build_host
+
+    with pytest.raises(SystemExit, match=f"--model-dir: '{tmp_path}' is not a model directory"):
+        build_host(NodeAgentConfig(engine="vllm", model_dir=str(tmp_path)))
+
+
+def test_vllm_model_is_served_under_its_directory_name_unless_named() -> None:
+    from services.node_agent.config import NodeAgentConfig
+    from services.node_agent.engines.factory import vllm_model_name
+
+    assert vllm_model_name(NodeAgentConfig(engine="vllm", model_dir="/models/tiny-llama")) == "tiny-llama"
+    assert vllm_model_name(NodeAgentConfig(engine="vllm", model_dir="/models/x", model="chat")) == "chat"

