@@ -53,6 +53,9 @@ class HfTokenizer:
         from tokenizers import Tokenizer as HfTokenizerFile
 
         self._tokenizer = HfTokenizerFile.from_file(str(Path(model_dir) / "tokenizer.json"))
+        # The longest token's text in UTF-8 bytes: a prompt longer than context × this cannot fit.
+        self.max_bytes_per_token = max(
+            (len(self._tokenizer.decode([i]).encode()) for i in range(self._tokenizer.get_vocab_size())), default=1)
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids

@@ -25,6 +25,8 @@ from services.node_agent.engines.types import (
     FinishReason,
     KVEvent,
     RequestOutput,
+    RequestPhase,
+    RequestProgress,
 )
 from services.node_agent.engines.vllm.block_keys import BlockKeyMap
 from services.node_agent.engines.vllm.gpu_time import GpuTimeShare
@@ -308,6 +310,16 @@ class VllmEngine:
         self.load_changed.notify()
 
     # -- load and KV cache ---------------------------------------------------------------------------
+
+    def progress(self, request_id: str) -> RequestProgress | None:
+        """vLLM does not say where a request is in its queue: decoding once it has a first token,
+        else prefilling (which covers waiting in vLLM's own queue), as far as this node can tell."""
+        running = self._requests.get(request_id)
+        if running is None:
+            return None
+        if running.has_first_token:
+            return RequestProgress(RequestPhase.DECODING, num_prompt_tokens=running.prompt_len)
+        return RequestProgress(RequestPhase.PREFILLING, num_prompt_tokens=running.prompt_len)
 
     def expected_step_ms(self) -> float:
         """The decode step time observed on recent streams (vLLM's API does not report step times);
