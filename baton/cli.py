@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import signal
 import sys
@@ -15,6 +16,8 @@ import grpc
 from baton.client import BatonClient
 from baton.cluster import ClusterSpec, LocalCluster, StartError, default_state_path
 from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.node_agent.engines.sim.models import GPU_SPECS, SIM_MODELS
+from services.scheduler.policies import POLICIES
 from simulator.admission_study import main as admission_study_main
 from simulator.model_study import main as model_study_main
 from simulator.report import main as simulator_main
@@ -30,7 +33,31 @@ def _load_state(args: argparse.Namespace) -> dict[str, str]:
     return json.loads(path.read_text())
 
 
+def invalid_up_flag(args: argparse.Namespace) -> str | None:
+    """What is wrong with `baton up`'s flags, named, before anything starts (None: nothing)."""
+    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
+    unknown = [g for g in gpus if g not in GPU_SPECS]
+    if not gpus or unknown:
+        return f"--gpus {args.gpus!r}: unknown GPU {', '.join(map(repr, unknown)) or '(none given)'}; " \
+               f"known: {', '.join(GPU_SPECS)}"
+    if args.policy not in POLICIES:
+        return f"--policy {args.policy!r}: unknown; known: {', '.join(POLICIES)}"
+    if args.engine == "sim":
+        for flag, names in (("--model", [args.model]), ("--cold-models", args.cold_models.split(","))):
+            bad = [m for m in names if m.strip() and m.strip() not in SIM_MODELS]
+            if bad:
+                return f"{flag} {', '.join(map(repr, bad))}: not a simulated model; known: {', '.join(SIM_MODELS)}"
+    for flag in ("nodes", "schedulers", "kvindexes"):
+        if getattr(args, flag) < 1:
+            return f"--{flag} {getattr(args, flag)}: must be at least 1"
+    return None
+
+
 def cmd_up(args: argparse.Namespace) -> int:
+    problem = invalid_up_flag(args)
+    if problem is not None:
+        print(f"baton up: {problem}", file=sys.stderr)
+        return 2
     node_args: tuple[str, ...] = (f"--cold-models={args.cold_models}",) if args.cold_models else ()
     model = args.model
     if args.engine == "vllm":
@@ -80,13 +107,19 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("Ctrl-C stops the cluster.", flush=True)
         stop.wait()
     finally:
-        print("stopping...", flush=True)
+        # With piped output whose reader is gone (`make run | tee` and Ctrl-C) a print raises
+        # BrokenPipeError; it must not skip the ordered shutdown.
+        with contextlib.suppress(BrokenPipeError):
+            print("stopping...", flush=True)
         cluster.stop()
         Path(args.state).unlink(missing_ok=True)
     return 0
 
 
 async def _demo(router: str, model: str) -> None:
+    if model.startswith("sim-"):
+        print("\n(The sim engine computes no language: its tokens are a deterministic function of the context, "
+              "so the text below reads as noise. Timing, caching and resume are what it models.)")
     async with BatonClient(router) as client:
         for attempt in ("first", "repeated (now served from the prefix cache)"):
             print(f"\n--- demo: {attempt} request: {DEMO_PROMPT!r}")
@@ -219,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--nodes", type=int, default=3, help="number of node agents")
     up.add_argument("--schedulers", type=int, default=1, help="scheduler replicas (one leads, elected in etcd)")
     up.add_argument("--kvindexes", type=int, default=1, help="kvindex replicas (all active)")
-    up.add_argument("--gpus", default="h100", help="GPU generations, cycled over the nodes: h100,a100,l4")
+    up.add_argument("--gpus", default="h100", help="GPU generations, cycled over the nodes (default: h100; "
+                    f"known: {', '.join(GPU_SPECS)})")
     up.add_argument("--model", default=_SIM_MODEL, help="simulated model every node serves; with --engine vllm "
                     "the name its model is served under (default: the --model-dir's name)")
     up.add_argument("--engine", choices=("sim", "vllm"), default="sim", help="every node's engine")

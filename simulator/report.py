@@ -163,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for policy in policies:
         make_policy(policy)  # a bad name fails here, not in a worker
+    if args.workload != "agentic" and not (Path(args.traces) / TRACES[args.workload]).is_file():
+        print(f"baton sim: no {TRACES[args.workload]} in {args.traces}: the traces are expected in the folder "
+              f"`shared/traces` beside the checkout; point --traces at the folder that holds them", file=sys.stderr)
+        return 2
     loads = [float(x) for x in args.loads.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]
     jobs = [(args, policy, load, seed) for load in loads for policy in policies for seed in seeds]
