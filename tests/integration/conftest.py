@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from baton.cluster import ClusterSpec, LocalCluster
+from baton.cluster import ClusterSpec, LocalCluster, ManagedProcess, start_etcd
 from baton.v1 import router_pb2, router_pb2_grpc
 
 MODEL = "sim-llama-3-8b"
@@ -44,6 +44,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, trace_file: Path) -> Itera
                        otel_exporter=f"file:{trace_file}")
     with LocalCluster(spec, tmp_path_factory.mktemp("cluster")) as started:
         yield started
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[ManagedProcess]:
+    """One real etcd of the test's own."""
+    process = start_etcd(tmp_path)
+    try:
+        yield process
+    finally:
+        process.stop()
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:

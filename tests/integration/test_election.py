@@ -3,27 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from baton.cluster import ManagedProcess, start_etcd
+from baton.cluster import ManagedProcess
 from services.common.election import Election, NotLeader
 from services.common.etcd_session import connect
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 PREFIX = "/test/election/"
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[ManagedProcess]:
-    process = start_etcd(tmp_path)
-    try:
-        yield process
-    finally:
-        process.stop()
 
 
 async def test_the_first_candidate_leads_and_the_next_takes_over_when_it_resigns(etcd: ManagedProcess) -> None:

@@ -7,13 +7,12 @@ import asyncio
 import contextlib
 import signal
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
 
 from baton.client import BatonClient
-from baton.cluster import ClusterSpec, LocalCluster, ManagedProcess, start_etcd
+from baton.cluster import ClusterSpec, LocalCluster, ManagedProcess
 from baton.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common import etcd_keys
 from services.common.etcd_session import LeaseSession, PrefixView, connect
@@ -96,15 +95,6 @@ async def test_an_etcd_freeze_longer_than_the_ttl_fails_no_request(cluster: Loca
 
 PREFIX = "/test/view/"
 KEY = f"{PREFIX}holder"
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[ManagedProcess]:
-    process = start_etcd(tmp_path)
-    try:
-        yield process
-    finally:
-        process.stop()
 
 
 class RecordedView:
