@@ -6,7 +6,7 @@ import dataclasses
 
 from services.common.load import Load
 from services.scheduler.fleet import NodeSpec, NodeStatus
-from services.scheduler.policies import Option, PlacementRequest, choose_among, make_policy
+from services.scheduler.policies import Option, PlacementRequest, make_policy
 from services.scheduler.policies.baton import BatonPolicy
 
 MODEL = "sim-llama-3.1-8b"
@@ -151,7 +151,7 @@ def test_an_accepted_alternative_model_wins_when_the_requested_one_would_miss_it
     # On equal terms the requested model keeps it; a policy that does not weigh models takes the first one.
     relaxed = [Option(request(300, ttft_budget_ms=60_000), [node("h", "h100")], {}), options[1]]
     assert policy.choose_among(relaxed, 0.0)[0] == 0
-    assert choose_among(make_policy("dynamo"), options, 0.0)[0] == 0
+    assert make_policy("dynamo").choose_among(options, 0.0)[0] == 0
 
 
 def test_a_cold_node_has_kv_room_only_if_the_loaded_models_cache_holds_the_request() -> None:

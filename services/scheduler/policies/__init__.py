@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.scheduler.policies.base import Decision, Option, PlacementRequest, Policy, choose_among
+from services.scheduler.policies.base import Decision, Option, PlacementRequest, Policy
 from services.scheduler.policies.baton import BatonPolicy
 from services.scheduler.policies.kv_load import KvLoadPolicy
 from services.scheduler.policies.llmd import LlmdPolicy, LlmdPrecisePolicy
@@ -20,7 +20,7 @@ POLICIES = {
     "baton": BatonPolicy,
 }
 
-__all__ = ["POLICIES", "Decision", "Option", "PlacementRequest", "Policy", "choose_among", "make_policy"]
+__all__ = ["POLICIES", "Decision", "Option", "PlacementRequest", "Policy", "make_policy"]
 
 
 def make_policy(name: str, prefill_load_scale: float = 1.0) -> Policy:

@@ -106,11 +106,6 @@ class Policy:
         """Take over a predecessor's workflow_state()."""
 
 
-def choose_among(policy: Policy, options: list[Option], now: float) -> tuple[int, Decision]:
-    """policy.choose_among, for callers holding a policy and options."""
-    return policy.choose_among(options, now)
-
-
 def decision(status: NodeStatus, matched_blocks: dict[str, int], cost: float) -> Decision:
     return Decision(node_id=status.spec.node_id, address=status.spec.address,
                     matched_blocks=matched_blocks.get(status.spec.node_id, 0), cost=cost)
