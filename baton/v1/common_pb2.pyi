@@ -29,6 +29,26 @@ MODEL_STATE_COLD: ModelState
 MODEL_STATE_LOADING: ModelState
 MODEL_STATE_WARM: ModelState
 
+class RequestContext(_message.Message):
+    __slots__ = ("tenant", "priority", "ttft_budget_ms", "tpot_budget_ms", "deadline_ms", "workflow_id", "step", "total_steps")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TTFT_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    WORKFLOW_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    priority: int
+    ttft_budget_ms: int
+    tpot_budget_ms: int
+    deadline_ms: int
+    workflow_id: str
+    step: int
+    total_steps: int
+    def __init__(self, tenant: _Optional[str] = ..., priority: _Optional[int] = ..., ttft_budget_ms: _Optional[int] = ..., tpot_budget_ms: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., workflow_id: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ...) -> None: ...
+
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "seed", "max_tokens", "stop", "ignore_eos")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]

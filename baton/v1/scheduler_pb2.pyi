@@ -38,7 +38,7 @@ class LiveRequestsAck(_message.Message):
     def __init__(self, num_held: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class FinishedRequest(_message.Message):
-    __slots__ = ("request_id", "tenant", "ttft_ms", "ttft_budget_ms", "workflow_id", "step", "total_steps", "outcome", "gpu_ms_by_node")
+    __slots__ = ("request_id", "context", "ttft_ms", "outcome", "gpu_ms_by_node")
     class GpuMsByNodeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -47,24 +47,16 @@ class FinishedRequest(_message.Message):
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    TENANT_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
-    TTFT_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
-    WORKFLOW_ID_FIELD_NUMBER: _ClassVar[int]
-    STEP_FIELD_NUMBER: _ClassVar[int]
-    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     GPU_MS_BY_NODE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    tenant: str
+    context: _common_pb2.RequestContext
     ttft_ms: int
-    ttft_budget_ms: int
-    workflow_id: str
-    step: int
-    total_steps: int
     outcome: RequestOutcome
     gpu_ms_by_node: _containers.ScalarMap[str, float]
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., ttft_ms: _Optional[int] = ..., ttft_budget_ms: _Optional[int] = ..., workflow_id: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., outcome: _Optional[_Union[RequestOutcome, str]] = ..., gpu_ms_by_node: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., context: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., ttft_ms: _Optional[int] = ..., outcome: _Optional[_Union[RequestOutcome, str]] = ..., gpu_ms_by_node: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class TaskStats(_message.Message):
     __slots__ = ("tasks_succeeded", "tasks_failed", "tasks_open", "ended_cost_usd", "cost_per_successful_task_usd", "model_load_cost_usd", "fleet_cost_usd", "fleet_cost_per_successful_task_usd")
@@ -121,11 +113,11 @@ class RecentDecisions(_message.Message):
     def __init__(self, policy: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[PlacementDecision, _Mapping]]] = ...) -> None: ...
 
 class PlacementDecision(_message.Message):
-    __slots__ = ("request_id", "node_id", "score", "workflow_id", "decided_at_ms", "candidates", "model", "leader_revision")
+    __slots__ = ("request_id", "node_id", "score", "context", "decided_at_ms", "candidates", "model", "leader_revision")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
-    WORKFLOW_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
     DECIDED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -133,12 +125,12 @@ class PlacementDecision(_message.Message):
     request_id: str
     node_id: str
     score: float
-    workflow_id: str
+    context: _common_pb2.RequestContext
     decided_at_ms: int
     candidates: _containers.RepeatedCompositeFieldContainer[CandidateTerms]
     model: str
     leader_revision: int
-    def __init__(self, request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., score: _Optional[float] = ..., workflow_id: _Optional[str] = ..., decided_at_ms: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[CandidateTerms, _Mapping]]] = ..., model: _Optional[str] = ..., leader_revision: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., score: _Optional[float] = ..., context: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., decided_at_ms: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[CandidateTerms, _Mapping]]] = ..., model: _Optional[str] = ..., leader_revision: _Optional[int] = ...) -> None: ...
 
 class CandidateTerms(_message.Message):
     __slots__ = ("node_id", "gpu", "cached_tokens", "predicted_ttft_ms", "predicted_tpot_ms", "cost", "success", "workflow_spent", "has_kv_room", "score", "warm", "load_ms", "kv_free_blocks", "at_risk", "model")
@@ -175,40 +167,26 @@ class CandidateTerms(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., gpu: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., predicted_ttft_ms: _Optional[float] = ..., predicted_tpot_ms: _Optional[float] = ..., cost: _Optional[float] = ..., success: _Optional[float] = ..., workflow_spent: _Optional[float] = ..., has_kv_room: _Optional[bool] = ..., score: _Optional[float] = ..., warm: _Optional[bool] = ..., load_ms: _Optional[float] = ..., kv_free_blocks: _Optional[int] = ..., at_risk: _Optional[float] = ..., model: _Optional[str] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("request_id", "model", "num_prompt_tokens", "block_hashes", "max_tokens", "tenant", "priority", "ttft_budget_ms", "deadline_ms", "workflow_id", "step", "total_steps", "exclude_node_ids", "retry_cause", "alternative_models", "tpot_budget_ms")
+    __slots__ = ("request_id", "model", "num_prompt_tokens", "block_hashes", "max_tokens", "context", "exclude_node_ids", "retry_cause", "alternative_models")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    TENANT_FIELD_NUMBER: _ClassVar[int]
-    PRIORITY_FIELD_NUMBER: _ClassVar[int]
-    TTFT_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
-    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
-    WORKFLOW_ID_FIELD_NUMBER: _ClassVar[int]
-    STEP_FIELD_NUMBER: _ClassVar[int]
-    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     RETRY_CAUSE_FIELD_NUMBER: _ClassVar[int]
     ALTERNATIVE_MODELS_FIELD_NUMBER: _ClassVar[int]
-    TPOT_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     num_prompt_tokens: int
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
-    tenant: str
-    priority: int
-    ttft_budget_ms: int
-    deadline_ms: int
-    workflow_id: str
-    step: int
-    total_steps: int
+    context: _common_pb2.RequestContext
     exclude_node_ids: _containers.RepeatedScalarFieldContainer[str]
     retry_cause: str
     alternative_models: _containers.RepeatedScalarFieldContainer[str]
-    tpot_budget_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., ttft_budget_ms: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., workflow_id: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., exclude_node_ids: _Optional[_Iterable[str]] = ..., retry_cause: _Optional[str] = ..., alternative_models: _Optional[_Iterable[str]] = ..., tpot_budget_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., context: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., exclude_node_ids: _Optional[_Iterable[str]] = ..., retry_cause: _Optional[str] = ..., alternative_models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("node_id", "address", "matched_blocks", "cost", "model")

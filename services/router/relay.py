@@ -14,6 +14,7 @@ from baton.protocol import LEADER_KEY, is_transport_failure
 from baton.v1 import common_pb2, node_agent_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.directory import ChannelPool, LeaderDirectory, LeaderRecord
 from services.common.errors import BatonError, Unavailable, from_rpc_error
+from services.common.request_context import context_of
 from services.common.slo import Slo, classify
 from services.router.config import RouterConfig
 from services.router.generation import FailureCause, Generation, NodeFailure
@@ -135,9 +136,8 @@ class Relay:
             return
         stub = scheduler_pb2_grpc.SchedulerStub(self._leader.channel(address))
         notice = scheduler_pb2.FinishedRequest(
-            request_id=generation.request_id, tenant=request.tenant, ttft_ms=ttft_ms,
-            ttft_budget_ms=request.ttft_budget_ms, workflow_id=request.workflow_id, step=request.step,
-            total_steps=request.total_steps, outcome=outcome, gpu_ms_by_node=generation.gpu_ms_by_node)
+            request_id=generation.request_id, context=context_of(request), ttft_ms=ttft_ms, outcome=outcome,
+            gpu_ms_by_node=generation.gpu_ms_by_node)
 
         async def send() -> scheduler_pb2.FinishedAck:
             return await stub.Finished(notice, timeout=2.0)
@@ -169,14 +169,7 @@ class Relay:
             num_prompt_tokens=len(generation.context),
             block_hashes=generation.context_block_hashes(),
             max_tokens=generation.num_remaining,
-            tenant=request.tenant,
-            priority=request.priority,
-            ttft_budget_ms=request.ttft_budget_ms,
-            tpot_budget_ms=request.tpot_budget_ms,
-            deadline_ms=request.deadline_ms,
-            workflow_id=request.workflow_id,
-            step=request.step,
-            total_steps=request.total_steps,
+            context=context_of(request),
             exclude_node_ids=sorted(excluded | set(self._suspects)),
             retry_cause=retry_cause,
             alternative_models=generation.alternative_models,

@@ -23,6 +23,7 @@ from services.common.directory import ChannelPool, ServiceDirectory
 from services.common.errors import BatonError, FailedPrecondition, Unavailable, abort
 from services.common.etcd_session import Membership, PrefixView
 from services.common.load import load_from_proto, load_to_proto
+from services.common.request_context import context_fields, context_of
 from services.common.telemetry import Telemetry
 from services.scheduler.admission import Admission, pool_saturation
 from services.scheduler.config import SchedulerConfig, parse_tenant_limits
@@ -54,14 +55,7 @@ def place_ask(request: scheduler_pb2.PlaceRequest) -> PlaceAsk:
             num_prompt_blocks=len(request.block_hashes),
             max_tokens=request.max_tokens,
             block_hashes=tuple(request.block_hashes),
-            ttft_budget_ms=request.ttft_budget_ms,
-            tpot_budget_ms=request.tpot_budget_ms,
-            deadline_ms=request.deadline_ms,
-            tenant=request.tenant,
-            priority=request.priority,
-            workflow_id=request.workflow_id,
-            step=request.step,
-            total_steps=request.total_steps,
+            **context_fields(request.context),
         ),
         alternative_models=tuple(request.alternative_models),
         exclude=frozenset(request.exclude_node_ids),
@@ -333,12 +327,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     ) -> scheduler_pb2.FinishedAck:
         await self._role.wait_if_taking_over(self._config.lease_ttl_s)  # not to be overwritten by the hand-over
         self._gate.finished(request.request_id)
-        if request.ttft_ms and request.ttft_budget_ms:
-            self._ttft_ratio.record(request.ttft_ms / request.ttft_budget_ms)
+        ctx = request.context
+        if request.ttft_ms and ctx.ttft_budget_ms:
+            self._ttft_ratio.record(request.ttft_ms / ctx.ttft_budget_ms)
         if request.outcome:
             cost = sum(ms / 3_600_000 * self._prices.get(node, 0.0) for node, ms in request.gpu_ms_by_node.items())
-            if request.workflow_id:
-                self._tasks.record(request.workflow_id, request.step, request.total_steps, cost,
+            if ctx.workflow_id:
+                self._tasks.record(ctx.workflow_id, ctx.step, ctx.total_steps, cost,
                                    request.outcome == _SUCCEEDED, self._clock())
             else:
                 self._tasks.record(request.request_id, 1, 1, cost, request.outcome == _SUCCEEDED, self._clock())
@@ -407,7 +402,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         ]
         self._decisions.append(scheduler_pb2.PlacementDecision(
             request_id=placement.request_id, node_id=decision.node_id, score=decision.cost, model=placement.model,
-            workflow_id=placement.workflow_id, decided_at_ms=int(time.time() * 1000), candidates=terms,
+            context=context_of(placement), decided_at_ms=int(time.time() * 1000), candidates=terms,
             leader_revision=leader_revision))
         span = trace.get_current_span()
         span.set_attribute("baton.placement.node", decision.node_id)

@@ -12,7 +12,7 @@ import pytest
 
 from baton.client import BatonClient
 from baton.cluster import ClusterSpec, LocalCluster
-from baton.v1 import scheduler_pb2, scheduler_pb2_grpc
+from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.integration.conftest import MODEL, eventually, wait_router_serves
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -50,7 +50,7 @@ async def test_a_slot_whose_end_never_reaches_the_leader_is_freed_by_its_lease(c
     async with grpc.aio.insecure_channel(capped.scheduler.address) as channel:
         placement = await scheduler_pb2_grpc.SchedulerStub(channel).Place(
             scheduler_pb2.PlaceRequest(request_id="orphan", model=MODEL, num_prompt_tokens=8, max_tokens=8,
-                                       tenant="a"), timeout=10)
+                                       context=common_pb2.RequestContext(tenant="a")), timeout=10)
     assert placement.node_id
     async with BatonClient(capped.router.address) as client:
         assert (await status_of(client, "a")).startswith(AT_LIMIT.format("a"))

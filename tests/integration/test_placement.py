@@ -55,7 +55,7 @@ async def test_every_decision_records_each_candidates_terms(mixed: LocalCluster)
     decision = recent(mixed).decisions[0]
     assert recent(mixed).policy == "baton"
     assert decision.node_id == result.node_ids[0]
-    assert decision.workflow_id == "wf-1"
+    assert (decision.context.workflow_id, decision.context.step, decision.context.total_steps) == ("wf-1", 1, 3)
     by_node = {c.node_id: c for c in decision.candidates}
     assert set(by_node) == {"node-0", "node-1", "node-2"}
     assert {c.gpu for c in decision.candidates} == {"h100", "a100", "l4"}
