@@ -13,8 +13,19 @@ import pytest
 
 from baton.client import BatonClient, Completion
 from baton.cluster import LocalCluster
-from baton.v1 import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from tests.integration.conftest import MODEL, wait_until
+from baton.v1 import (
+    common_pb2,
+    kvindex_pb2,
+    kvindex_pb2_grpc,
+    node_agent_pb2,
+    node_agent_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
+from services.common.block_hash import block_hashes
+from tests.integration.conftest import MODEL, eventually, wait_until
 from tests.reference import reference_completion
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -80,9 +91,38 @@ async def test_a_repeated_prompt_goes_to_the_node_that_caches_it(cluster: LocalC
 
     second = await stream(cluster, prompt, max_tokens=16)
     num_prompt = len(prompt.encode())
-    assert second.node_ids == first.node_ids
     assert second.usage.cached_tokens == (num_prompt - 1) // 16 * 16
     assert second.token_ids == first.token_ids
+
+
+async def test_the_cached_prefix_alone_decides_where_a_prompt_goes(cluster: LocalCluster) -> None:
+    """Where every tie-break points at one node, the prompt goes to the node whose cache holds it:
+    an uncached prompt of the same length shows where it would go without the KV index."""
+    length = 3000
+    uncached = [(7 * i) % 200 + 32 for i in range(length)]
+    cached = [(11 * i + 3) % 200 + 32 for i in range(length)]
+    assert cluster.router is not None and cluster.kvindex is not None
+    async with BatonClient(cluster.router.address) as client:
+        blind = await client.complete(MODEL, prompt_token_ids=uncached, max_tokens=4, ignore_eos=True)
+    holder = next(node for node in cluster.nodes if node.name != blind.node_ids[0])
+    # The holder computes the prompt, unknown to the router: only its KV events tell the scheduler.
+    warm = node_agent_pb2.NodeGenerateRequest(request_id="warm-holder", model=MODEL, prompt_token_ids=cached,
+                                              sampling=common_pb2.SamplingParams(max_tokens=1, ignore_eos=True))
+    async with grpc.aio.insecure_channel(holder.address) as channel:
+        [_ async for _ in node_agent_pb2_grpc.NodeAgentStub(channel).Generate(warm, timeout=30)]
+
+    async def indexed_on_holder() -> bool:
+        async with grpc.aio.insecure_channel(cluster.kvindex.address) as channel:
+            reply = await kvindex_pb2_grpc.KVIndexStub(channel).QueryOverlap(
+                kvindex_pb2.OverlapRequest(model=MODEL, block_hashes=block_hashes(cached)), timeout=5)
+        return dict(reply.matched_blocks).get(holder.name, 0) > 0
+
+    await eventually(indexed_on_holder, 20, "the holder's blocks of the prompt in the kvindex")
+    wait_until(lambda: all(n.load.num_running == 0 for n in cluster.cluster_state().nodes), 10, "idle nodes")
+    async with BatonClient(cluster.router.address) as client:
+        placed = await client.complete(MODEL, prompt_token_ids=cached, max_tokens=4, ignore_eos=True)
+    assert placed.node_ids == [holder.name]
+    assert placed.usage.cached_tokens == (length - 1) // 16 * 16
 
 
 async def test_list_models_names_the_served_model(cluster: LocalCluster) -> None:
