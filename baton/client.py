@@ -7,6 +7,7 @@ no token lost, none repeated.
 
 from __future__ import annotations
 
+import enum
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -14,7 +15,28 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from baton.protocol import is_transport_failure
-from baton.v1 import router_pb2, router_pb2_grpc
+from baton.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+
+class FinishReason(enum.IntEnum):
+    """Why a stream ended: the wire enum (baton.v1.FinishReason) by name; prints as stop, length, abort."""
+
+    UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED  # not finished (yet)
+    STOP = common_pb2.FINISH_REASON_STOP  # a stop sequence or the model's end-of-sequence token
+    LENGTH = common_pb2.FINISH_REASON_LENGTH  # max_tokens reached
+    ABORT = common_pb2.FINISH_REASON_ABORT  # cancelled before it finished
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+def finish_reason_of(chunk: router_pb2.GenerateChunk) -> FinishReason:
+    """The chunk's finish_reason as a FinishReason (UNSPECIFIED on every chunk but the last, or for a
+    value newer than this client)."""
+    try:
+        return FinishReason(chunk.finish_reason)
+    except ValueError:
+        return FinishReason.UNSPECIFIED
 
 
 class BatonClient:
@@ -112,7 +134,7 @@ class Completion:
         self.node_ids: list[str] = []
         # The model that generated it (the request's own or an alternative the scheduler chose).
         self.model = ""
-        self.finish_reason = 0
+        self.finish_reason = FinishReason.UNSPECIFIED
         self.usage = router_pb2.GenerateChunk().usage
         self.num_chunks = 0
         self.is_exact = True
@@ -129,5 +151,5 @@ class Completion:
         if chunk.node_id and (not self.node_ids or self.node_ids[-1] != chunk.node_id):
             self.node_ids.append(chunk.node_id)
         if chunk.finish_reason:
-            self.finish_reason = chunk.finish_reason
+            self.finish_reason = finish_reason_of(chunk)
             self.usage = chunk.usage

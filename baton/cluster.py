@@ -178,6 +178,7 @@ class ClusterSpec:
     # The nodes' engine: sim, or vllm serving model_dir under the name `model`.
     engine: str = "sim"
     model_dir: str = ""
+    # Router i listens on router_port + i (0: each on a free port).
     router_port: int = 0
     speed: float = 1.0
     lease_ttl_s: int = 3
@@ -250,7 +251,7 @@ class LocalCluster:
                                                  extra=spec.scheduler_args))
         for i in range(spec.num_routers):
             flags = {**common, "instance-id": f"router-{i}"}
-            port = spec.router_port if i == 0 else 0
+            port = spec.router_port + i if spec.router_port else 0
             self.routers.append(self._service(f"router-{i}", "services.router", flags, port, spec.router_args))
         for i in range(spec.num_nodes):
             gpu = spec.gpus[i % len(spec.gpus)]
@@ -318,19 +319,6 @@ class LocalCluster:
                                  f"expected {num_nodes}; leader {state.leader_id or 'none'}")
             time.sleep(0.05)  # membership arrives through etcd watches; poll the view with a deadline
 
-    def write_state(self, path: Path) -> None:
-        """Addresses for `baton generate` and `baton status`."""
-        assert self.router is not None and self.scheduler is not None
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({
-            "router": self.router.address,
-            "routers": [p.address for p in self.routers],
-            "scheduler": self.scheduler.address,
-            "schedulers": [p.address for p in self.schedulers],
-            "etcd": self.etcd_endpoint,
-            "workdir": str(self.workdir),
-        }))
-
     def stop(self) -> None:
         """Stop what this cluster started, by pid: router first, etcd last."""
         for process in [*self.routers, *reversed(self.nodes), *self.schedulers, *self.kvindexes, self.etcd]:
@@ -345,7 +333,3 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def default_state_path() -> Path:
-    return Path(tempfile.gettempdir()) / f"baton-{os.getuid()}" / "cluster.json"

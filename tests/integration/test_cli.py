@@ -1,7 +1,8 @@
-"""The `baton` command as a user runs it: up, generate, status, then Ctrl-C."""
+"""The `baton` command as a user runs it: up with two routers, generate, status, then Ctrl-C."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -40,42 +41,69 @@ def is_alive(pid: int) -> bool:
     return state != "Z"
 
 
+def command_line(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+
+
 def test_up_generate_status_and_stop(tmp_path: Path) -> None:
-    state = tmp_path / "cluster.json"
+    # Its own state directory: clusters found there are this test's alone.
+    env = {**os.environ, "BATON_STATE_DIR": str(tmp_path / "state")}
     up = subprocess.Popen(
-        [BATON, "--state", str(state), "up", "--nodes", "2", "--gpus", "h100,l4", "--router-port", "0",
+        [BATON, "up", "--name", "lab", "--routers", "2", "--nodes", "2", "--gpus", "h100,l4", "--router-port", "0",
          "--speed", "20", "--workdir", str(tmp_path / "work")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     services: set[int] = set()
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in up.stdout], daemon=True).start()  # type: ignore[union-attr]
+
+    def baton(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([BATON, *argv], capture_output=True, text=True, timeout=30, env=env)
+
+    state = tmp_path / "state" / "lab.json"
     try:
         deadline = time.monotonic() + 60
         output = []
         while not any("Ctrl-C stops the cluster" in line for line in output):
             output.append(lines.get(timeout=max(0.1, deadline - time.monotonic())))
-        assert any(line.startswith("Baton is up: router 127.0.0.1:") for line in output), output
+        routers = json.loads(state.read_text())["routers"]
+        assert len(set(routers)) == 2
+        assert any(line.startswith(f"Baton is up: routers {', '.join(routers)}  (cluster 'lab'")
+                   for line in output), output
         services = children_of(up.pid)
-        assert len(services) == 6  # etcd, kvindex, scheduler, router, two node agents
+        assert len(services) == 7  # etcd, kvindex, scheduler, two routers, two node agents
 
-        generated = subprocess.run([BATON, "--state", str(state), "generate", "Hello there", "--max-tokens", "12"],
-                                   capture_output=True, text=True, timeout=30)
+        # The one running cluster is found unnamed; --json is one protobuf JSON object per chunk.
+        generated = baton("generate", "Hello there", "--max-tokens", "12", "--json")
         assert generated.returncode == 0, generated.stderr
-        assert len(generated.stdout.strip()) > 0
-        assert "completion 12" in generated.stderr
+        chunks = [json.loads(line) for line in generated.stdout.splitlines()]
+        assert chunks[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
+        assert chunks[-1]["usage"]["completion_tokens"] == 12
+        text = "".join(chunk.get("text", "") for chunk in chunks)
 
-        status = subprocess.run([BATON, "--state", str(state), "status"], capture_output=True, text=True,
-                                timeout=30)
+        # --stop reaches the engine: greedy output is deterministic, so it ends at the stop text.
+        stop = text[6:8]
+        stopped = baton("generate", "Hello there", "--max-tokens", "12", "--stop", stop, "--cluster", "lab")
+        assert stopped.returncode == 0, stopped.stderr
+        assert stopped.stdout.strip() == text[:text.index(stop) + len(stop)]
+        assert "stop;" in stopped.stderr
+
+        status = baton("status", "--state", str(state))  # --state after the subcommand
         assert status.returncode == 0, status.stderr
         assert "2 nodes" in status.stdout and "scheduler leader: scheduler-0" in status.stdout
         rows = {line.split()[0]: line.split()[1] for line in status.stdout.splitlines() if line.startswith("node-")}
         assert rows == {"node-0": "h100", "node-1": "l4"}
-        assert "recent placements (policy baton)" in status.stdout  # the generate above
+        assert "recent placements (policy baton)" in status.stdout  # the generates above
 
-        bad = subprocess.run([BATON, "--state", str(state), "generate", "x", "--model", "nope"],
-                             capture_output=True, text=True, timeout=30)
+        bad = baton("generate", "x", "--model", "nope")
         assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr
+
+        # With the first router gone, generate fails over to the second.
+        [router_0] = [pid for pid in services if "--instance-id=router-0" in command_line(pid)]
+        os.kill(router_0, signal.SIGKILL)
+        survived = baton("generate", "Hello there", "--max-tokens", "4")
+        assert survived.returncode == 0, survived.stderr
+        assert "completion 4" in survived.stderr
     finally:
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0

@@ -1,14 +1,54 @@
-"""`baton up` refuses a bad flag value by name before it starts anything."""
+"""The `baton` command's flags: refused by name before anything starts, defaults shown, clusters found."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
 
 from baton import cli
+from baton.client import Completion, FinishReason
+from baton.cluster import StartError, free_port
+from baton.state_files import ClusterRecord, read_record, record_path, remove_record, write_record
+from baton.v1 import common_pb2, router_pb2
 
 pytestmark = pytest.mark.timeout(10)
+
+
+@pytest.fixture(autouse=True)
+def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A state directory of this test's own: the user's real clusters are never seen."""
+    directory = tmp_path / "state"
+    monkeypatch.setenv("BATON_STATE_DIR", str(directory))
+    return directory
+
+
+@pytest.fixture
+def no_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a cluster was started with a bad flag")
+
+    monkeypatch.setattr(cli, "LocalCluster", refuse)
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def record(state_dir: Path, name: str, pid: int, routers: Sequence[str] = ("127.0.0.1:1",)) -> Path:
+    path = record_path(state_dir, name)
+    write_record(path, ClusterRecord(name=name, path=path, pid=pid, routers=tuple(routers),
+                                     schedulers=("127.0.0.1:2",)))
+    return path
 
 
 @pytest.mark.parametrize(("flags", "named"), [
@@ -17,16 +57,189 @@ pytestmark = pytest.mark.timeout(10)
     (["--cold-models", "sim-llama-2-7b,nope"], "--cold-models 'nope': not a simulated model"),
     (["--policy", "fastest"], "--policy 'fastest': unknown; known: round_robin"),
     (["--nodes", "0"], "--nodes 0: must be at least 1"),
+    (["--routers", "0"], "--routers 0: must be at least 1"),
+    (["--engines", "sim,tpu"], "--engines 'sim,tpu': unknown engine 'tpu'; known: sim, vllm"),
+    (["--engines", "sim,vllm"], "--model-dir: required when a node runs --engine vllm"),
+    (["--engine", "sim", "--engines", "sim,vllm"], "--engine 'sim' and --engines 'sim,vllm': give one"),
+    (["--name", "../x"], "--name '../x': use letters"),
 ])
 def test_a_bad_flag_is_refused_by_name_before_anything_starts(
-        flags: list[str], named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_cluster(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a cluster was started with a bad flag")
-
-    monkeypatch.setattr(cli, "LocalCluster", no_cluster)
+        flags: list[str], named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_cluster: None) -> None:
     assert cli.main(["--state", str(tmp_path / "state.json"), "up", *flags]) == 2
     assert named in capsys.readouterr().err
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "tiny-llama"
+    directory.mkdir()
+    (directory / "config.json").write_text("{}")
+    return directory
+
+
+def test_vllm_nodes_are_refused_where_vllm_is_not_installed(
+        model_dir: Path, capsys: pytest.CaptureFixture[str], no_cluster: None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "is_vllm_installed", lambda: False)
+    assert cli.main(["up", "--engines", "sim,vllm", "--model-dir", str(model_dir)]) == 2
+    assert "--engine vllm: vLLM is not installed here" in capsys.readouterr().err
+
+
+def test_a_mixed_fleet_cycles_its_engines_over_the_nodes(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[object] = []
+
+    class FakeCluster:
+        def __init__(self, spec: object, workdir: object) -> None:
+            started.append(spec)
+
+        def start(self, timeout_s: float) -> None:
+            raise StartError("not started: this test only reads the spec")
+
+    monkeypatch.setattr(cli, "LocalCluster", FakeCluster)
+    monkeypatch.setattr(cli, "is_vllm_installed", lambda: True)
+    assert cli.main(["up", "--engines", "sim,vllm", "--nodes", "3", "--model-dir", str(model_dir),
+                     "--cold-models", "sim-llama-2-7b"]) == 1
+    [spec] = started
+    nodes = [dict(flag.removeprefix("--").split("=", 1) for flag in flags) for flags in spec.per_node_args]
+    assert [node["engine"] for node in nodes] == ["sim", "vllm", "sim"]
+    assert nodes[1]["model"] == "tiny-llama" and nodes[1]["model-dir"] == str(model_dir.resolve())
+    assert nodes[0]["model"] == "sim-llama-3-8b" and nodes[0]["cold-models"] == "sim-llama-2-7b"
+    assert "model-dir" not in nodes[0] and "cold-models" not in nodes[1]
+
+
+@pytest.mark.parametrize(("command", "positional"), [("up", []), ("generate", ["hi"]), ("status", [])])
+def test_every_flag_help_shows_its_real_default(command: str, positional: list[str]) -> None:
+    parser = cli.build_parser()
+    subparser = parser._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+    defaults = parser.parse_args([command, *positional])
+    formatter = subparser._get_formatter()
+    for action in subparser._actions:
+        if not action.option_strings or isinstance(action, argparse._HelpAction):
+            continue
+        text = formatter._expand_help(action)
+        value = getattr(defaults, action.dest)
+        assert "default" in text, f"{action.option_strings[0]}: {text!r}"
+        if value not in (None, False, "", []):
+            assert str(value) in text, f"{action.option_strings[0]} defaults to {value!r}: {text!r}"
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_the_state_flag_works_before_or_after_the_subcommand(
+        after: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "elsewhere.json"
+    pid = dead_pid()
+    write_record(path, ClusterRecord(name="lab", path=path, pid=pid, routers=("127.0.0.1:1",),
+                                     schedulers=("127.0.0.1:2",)))
+    argv = ["status", "--state", str(path)] if after else ["--state", str(path), "status"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"cluster 'lab' is stale: its `baton up` (pid {pid}) is no longer running" in err
+    assert f"rm {path}" in err
+
+
+def test_a_stale_cluster_is_named_and_how_to_clean_it_said(
+        state_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pid = dead_pid()
+    path = record(state_dir, "old", pid)
+    assert cli.main(["generate", "hi", "--cluster", "old"]) == 2
+    assert f"cluster 'old' is stale: its `baton up` (pid {pid}) is no longer running" in capsys.readouterr().err
+    assert cli.main(["generate", "hi"]) == 2  # no live cluster: the stale one is explained
+    err = capsys.readouterr().err
+    assert f"no running `baton up` found in {state_dir}" in err and f"rm {path}" in err
+
+
+def test_several_running_clusters_are_named_and_one_must_be_picked(
+        state_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    record(state_dir, "50051", os.getpid(), ["127.0.0.1:50051"])
+    record(state_dir, "lab", os.getpid(), ["127.0.0.1:6000"])
+    assert cli.main(["status"]) == 2
+    err = capsys.readouterr().err
+    assert "2 clusters are running: 50051 (router 127.0.0.1:50051); lab (router 127.0.0.1:6000)" in err
+    assert "pick one with --cluster NAME" in err
+    assert cli.main(["status", "--cluster", "nope"]) == 2
+    assert "no cluster named 'nope'" in capsys.readouterr().err
+
+
+class FakeClient:
+    """BatonClient's interface: records what it was asked, streams two chunks."""
+
+    calls: list[tuple[list[str], str, str, dict[str, object]]] = []
+
+    def __init__(self, addresses: Sequence[str]) -> None:
+        self.addresses = list(addresses)
+
+    async def __aenter__(self) -> FakeClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        pass
+
+    async def generate(self, model: str, prompt: str, **fields: object) -> AsyncIterator[router_pb2.GenerateChunk]:
+        FakeClient.calls.append((self.addresses, model, prompt, fields))
+        yield router_pb2.GenerateChunk(request_id="r1", token_ids=[104], text="h", node_id="node-0")
+        last = router_pb2.GenerateChunk(request_id="r1", token_ids=[105], text="i", index=1, node_id="node-0",
+                                        finish_reason=common_pb2.FINISH_REASON_LENGTH)
+        last.usage.completion_tokens = 2
+        yield last
+
+
+@pytest.fixture
+def fake_client(monkeypatch: pytest.MonkeyPatch) -> type[FakeClient]:
+    FakeClient.calls = []
+    monkeypatch.setattr(cli, "BatonClient", FakeClient)
+    return FakeClient
+
+
+def test_generate_uses_the_one_running_cluster_and_sends_every_flag(
+        state_dir: Path, fake_client: type[FakeClient]) -> None:
+    record(state_dir, "old", dead_pid(), ["127.0.0.1:1"])
+    record(state_dir, "lab", os.getpid(), ["127.0.0.1:50051", "127.0.0.1:50052"])
+    assert cli.main(["generate", "hi", "--top-p", "0.5", "--stop", "ab", "--stop", "cd", "--tenant", "acme",
+                     "--priority", "2", "--max-tokens", "2"]) == 0
+    [(routers, model, prompt, fields)] = fake_client.calls
+    assert routers == ["127.0.0.1:50051", "127.0.0.1:50052"]  # both routers: the client fails over
+    assert fields["top_p"] == 0.5 and fields["stop"] == ["ab", "cd"] and fields["tenant"] == "acme"
+    assert fields["priority"] == 2 and fields["max_tokens"] == 2
+    router_pb2.GenerateRequest(model=model, prompt=prompt, **fields)  # every field is the proto's
+
+
+def test_generate_json_prints_one_object_per_chunk(
+        state_dir: Path, fake_client: type[FakeClient], capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["generate", "hi", "--router", "127.0.0.1:1", "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["text"] for line in lines] == ["h", "i"]
+    assert lines[-1]["finish_reason"] == "FINISH_REASON_LENGTH" and lines[-1]["usage"]["completion_tokens"] == 2
+
+
+def test_generate_names_the_routers_that_did_not_answer(
+        state_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    port = free_port()  # nothing listens there
+    path = record(state_dir, "lab", os.getpid(), [f"127.0.0.1:{port}"])
+    assert cli.main(["generate", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert f"UNAVAILABLE: no router answered at 127.0.0.1:{port} (cluster 'lab', recorded in {path})" in err
+
+
+def test_up_refuses_a_name_a_running_cluster_holds(
+        state_dir: Path, capsys: pytest.CaptureFixture[str], no_cluster: None) -> None:
+    record(state_dir, "lab", os.getpid())
+    assert cli.main(["up", "--name", "lab"]) == 2
+    assert "cluster 'lab' is already running" in capsys.readouterr().err
+
+
+def test_a_cluster_exiting_removes_only_its_own_record(tmp_path: Path) -> None:
+    path = record(tmp_path, "50051", os.getpid())
+    remove_record(path, dead_pid())  # an earlier cluster of the same name exits late
+    assert read_record(path).pid == os.getpid()
+    remove_record(path, os.getpid())
+    assert not path.exists()
+
+
+def test_the_client_reports_finish_reason_by_name() -> None:
+    completion = Completion()
+    completion.add(router_pb2.GenerateChunk(token_ids=[1], finish_reason=common_pb2.FINISH_REASON_STOP))
+    assert completion.finish_reason is FinishReason.STOP and str(completion.finish_reason) == "stop"
+    assert {reason.value for reason in FinishReason} == set(common_pb2.FinishReason.values())
 
 
 def test_sim_without_the_traces_says_where_they_are_expected(tmp_path: Path,
