@@ -50,6 +50,8 @@ def invalid_up_flag(args: argparse.Namespace) -> str | None:
     for flag in ("nodes", "schedulers", "kvindexes"):
         if getattr(args, flag) < 1:
             return f"--{flag} {getattr(args, flag)}: must be at least 1"
+    if not -1 <= args.http_port <= 65535:
+        return f"--http-port {args.http_port}: must be a port, 0 (any free port) or -1 (no HTTP API)"
     return None
 
 
@@ -77,6 +79,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         engine=args.engine,
         model_dir=str(Path(args.model_dir).resolve()) if args.model_dir else "",
         router_port=args.router_port,
+        http_port=args.http_port if args.http_port >= 0 else None,
         speed=args.speed,
         lease_ttl_s=args.lease_ttl_s,
         otel_exporter=args.otel_exporter,
@@ -98,6 +101,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         assert cluster.router is not None and cluster.scheduler is not None
         print(f"Baton is up: router {cluster.router.address}  (etcd {cluster.etcd_endpoint}, "
               f"logs in {cluster.workdir})")
+        if cluster.http_address:
+            print(f"  OpenAI-compatible HTTP API: http://{cluster.http_address}/v1")
         for process in [*cluster.schedulers, *cluster.kvindexes, *cluster.nodes]:
             print(f"  {process.name}: {process.address}")
         baton = sys.argv[0]
@@ -266,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--cold-models", default="", help="models every node also has on disk, cold (comma-separated)")
     up.add_argument("--policy", default="baton", help="the scheduler's placement policy (baton, dynamo, ...)")
     up.add_argument("--router-port", type=int, default=50051, help="router port (0: any free port)")
+    up.add_argument("--http-port", type=int, default=8000, help="the router's OpenAI-compatible HTTP API port "
+                    "(0: any free port; -1: no HTTP API)")
     up.add_argument("--speed", type=float, default=1.0, help="sim engine time scale (0: no timing)")
     up.add_argument("--lease-ttl-s", type=int, default=3, help="etcd lease TTL of every service")
     up.add_argument("--otel-exporter", default="none", help="span exporter: none, console or file:PATH")

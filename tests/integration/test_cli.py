@@ -44,7 +44,7 @@ def test_up_generate_status_and_stop(tmp_path: Path) -> None:
     state = tmp_path / "cluster.json"
     up = subprocess.Popen(
         [BATON, "--state", str(state), "up", "--nodes", "2", "--gpus", "h100,l4", "--router-port", "0",
-         "--speed", "20", "--workdir", str(tmp_path / "work")],
+         "--http-port", "0", "--speed", "20", "--workdir", str(tmp_path / "work")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     services: set[int] = set()
@@ -56,6 +56,7 @@ def test_up_generate_status_and_stop(tmp_path: Path) -> None:
         while not any("Ctrl-C stops the cluster" in line for line in output):
             output.append(lines.get(timeout=max(0.1, deadline - time.monotonic())))
         assert any(line.startswith("Baton is up: router 127.0.0.1:") for line in output), output
+        assert any("OpenAI-compatible HTTP API: http://127.0.0.1:" in line for line in output), output
         services = children_of(up.pid)
         assert len(services) == 6  # etcd, kvindex, scheduler, router, two node agents
 
