@@ -11,6 +11,7 @@ not serve. Every refusal names the field as the client spelled it.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -74,6 +75,7 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
     "service_tier": (None, "auto", "default"),
 }
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+_NAME = re.compile(r"[A-Za-z_][\w-]{0,63}")
 
 
 @dataclass
@@ -96,6 +98,11 @@ def text_value(name: str, value: object) -> str:
     except UnicodeEncodeError:
         raise InvalidArgument(name, value, "is not valid Unicode (a lone surrogate)") from None
     return value
+
+
+def _key(prefix: str, key: str) -> str:
+    """An unknown key as a field name: itself when it reads as one, else JSON-quoted ("", "a b")."""
+    return prefix + (key if _NAME.fullmatch(key) else json.dumps(key))
 
 
 def _int(name: str, value: object, bounds: tuple[int, int] = _INT32) -> int:
@@ -169,7 +176,7 @@ def parse_request(kind: str, body: object, headers: Mapping[str, str],
         raise InvalidArgument("body", body, f"must be a JSON object, not {_json_type(body)}")
     for key in body:
         if key not in _FIELDS[kind] and key not in _NEUTRAL:
-            raise InvalidArgument(key, body[key], "unknown field")
+            raise InvalidArgument(_key("", key), body[key], "unknown field")
         if key in _NEUTRAL and body[key] not in _NEUTRAL[key]:
             raise InvalidArgument(key, body[key], "not supported by Baton")
     request = router_pb2.GenerateRequest()
@@ -188,7 +195,7 @@ def parse_request(kind: str, body: object, headers: Mapping[str, str],
             raise InvalidArgument("stream_options", options, f"must be an object, not {_json_type(options)}")
         for key in options:
             if key != "include_usage":
-                raise InvalidArgument(f"stream_options.{key}", options[key], "unknown field")
+                raise InvalidArgument(_key("stream_options.", key), options[key], "unknown field")
         if options.get("include_usage") is not None:
             include_usage = _bool("stream_options.include_usage", options["include_usage"])
 
@@ -275,7 +282,7 @@ def _messages(value: object) -> list[ChatMessage]:
             raise InvalidArgument(where, message, f"must be an object, not {_json_type(message)}")
         for key in message:
             if key not in ("role", "content", "name", "tool_calls", "tool_call_id", "refusal"):
-                raise InvalidArgument(f"{where}.{key}", message[key], "unknown field")
+                raise InvalidArgument(_key(f"{where}.", key), message[key], "unknown field")
             if key in ("tool_calls", "tool_call_id", "refusal") and message[key] not in (None, [], ""):
                 raise InvalidArgument(f"{where}.{key}", message[key], "not supported by Baton")
         role = text_value(f"{where}.role", message.get("role"))
@@ -304,7 +311,7 @@ def _content(where: str, content: object) -> str:
             raise InvalidArgument(f"{at}.type", part.get("type"), "only text parts are supported")
         for key in part:
             if key not in ("type", "text"):
-                raise InvalidArgument(f"{at}.{key}", part[key], "unknown field")
+                raise InvalidArgument(_key(f"{at}.", key), part[key], "unknown field")
         texts.append(text_value(f"{at}.text", part.get("text")))
     return "\n".join(texts)
 
@@ -506,9 +513,11 @@ def error_response(error: BatonError, names: Mapping[str, str] | None = None
     status = http_status(error.code)
     message = str(error)
     param = None
-    match = _FIELD_PREFIX.match(message)
-    if match:
+    if isinstance(error, InvalidArgument):
+        param = error.field
+    elif match := _FIELD_PREFIX.match(message):
         param = match.group(1)
+    if param is not None:
         spelled = _client_name(param, names or {})
         if spelled != param:
             message = spelled + message[len(param):]

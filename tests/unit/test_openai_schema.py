@@ -75,6 +75,8 @@ def test_baton_fields_come_from_the_body_or_from_headers_and_the_body_wins() -> 
     (schema.COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": "5"}, {}, "max_tokens"),
     (schema.COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": True}, {}, "max_tokens"),
     (schema.COMPLETIONS, {"model": "m", "prompt": "x", "priorty": 1}, {}, "priorty"),
+    (schema.COMPLETIONS, {"model": "m", "prompt": "x", "": 1}, {}, '""'),
+    (schema.COMPLETIONS, {"model": "m", "prompt": "x", "a b": 1}, {}, '"a b"'),
     (schema.COMPLETIONS, {"model": "m", "prompt": "x", "n": 2}, {}, "n"),
     (schema.COMPLETIONS, {"model": "m", "prompt": "x", "logprobs": 5}, {}, "logprobs"),
     (schema.COMPLETIONS, {"model": "m", "prompt": "x", "seed": -1}, {}, "seed"),
