@@ -1,8 +1,11 @@
-"""A node killed mid-stream is invisible to an HTTP client: the router resumes the generation
-elsewhere and the openai client's stream reads on, identical to an uninterrupted run."""
+"""HTTP streams and the nodes under them: a node killed mid-stream is invisible to an HTTP client
+(the router resumes the generation elsewhere and the openai client's stream reads on, identical to
+an uninterrupted run), and a client that hangs up frees its node."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import signal
 from collections.abc import Iterator
 
@@ -11,9 +14,9 @@ import openai
 import pytest
 
 from baton.cluster import ClusterSpec, LocalCluster, ManagedProcess
-from baton.v1 import node_agent_pb2, node_agent_pb2_grpc
+from baton.v1 import common_pb2, node_agent_pb2, node_agent_pb2_grpc
 from services.router.chat_template import PLAIN, ChatMessage
-from tests.integration.conftest import MODEL, wait_router_serves
+from tests.integration.conftest import MODEL, wait_router_serves, wait_until
 from tests.integration.test_http_api import expected_text
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -21,8 +24,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 NUM_TOKENS = 300
 
 
-@pytest.fixture
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+def start(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """Three h100 nodes in real time with 2 s leases; the router serves HTTP."""
     spec = ClusterSpec(num_nodes=3, speed=1.0, lease_ttl_s=2, http_port=0)
     with LocalCluster(spec, tmp_path_factory.mktemp("cluster")) as started:
@@ -30,14 +32,26 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield started
 
 
+@pytest.fixture
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A cluster of the test's own: it kills a node."""
+    yield from start(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A cluster for the tests that leave every node as they found it."""
+    yield from start(tmp_path_factory)
+
+
+def load_of(node: ManagedProcess) -> common_pb2.NodeLoad:
+    with grpc.insecure_channel(node.address) as channel:
+        return node_agent_pb2_grpc.NodeAgentStub(channel).GetLoad(node_agent_pb2.GetLoadRequest(), timeout=5)
+
+
 def serving_node(cluster: LocalCluster) -> ManagedProcess:
     """The one node running a request now."""
-    running = []
-    for node in cluster.nodes:
-        with grpc.insecure_channel(node.address) as channel:
-            load = node_agent_pb2_grpc.NodeAgentStub(channel).GetLoad(node_agent_pb2.GetLoadRequest(), timeout=5)
-        if load.num_running:
-            running.append(node)
+    running = [node for node in cluster.nodes if load_of(node).num_running]
     assert len(running) == 1, [n.name for n in running]
     return running[0]
 
@@ -73,3 +87,27 @@ def test_sigkill_of_the_serving_node_mid_stream_leaves_the_stream_identical(clus
     assert last is not None and last.choices[0].finish_reason == "length"
     baton = last.model_extra["baton"]  # type: ignore[index]
     assert baton["num_migrations"] == 1 and baton["node_ids"][0] == victim.name and len(baton["node_ids"]) == 2
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_hangs_up_frees_its_node(shared_cluster: LocalCluster, stream: bool) -> None:
+    cluster = shared_cluster
+    baseline = {node.name: load_of(node).kv_blocks_used for node in cluster.nodes}
+    host, _, port = cluster.http_address.rpartition(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        connection.request("POST", "/v1/completions", body=json.dumps({
+            "model": MODEL, "prompt": "hang up on me " * 40, "max_tokens": 3000, "ignore_eos": True,
+            "stream": stream}))
+        if stream:
+            response = connection.getresponse()
+            assert response.status == 200 and response.readline().startswith(b"data: ")
+        else:  # nothing comes back before the end: wait until a node runs it
+            wait_until(lambda: any(load_of(node).num_running for node in cluster.nodes), 10, "the request to run")
+        serving = serving_node(cluster)
+        assert load_of(serving).kv_blocks_used > baseline[serving.name]
+    finally:
+        connection.close()
+    # 3000 tokens in real time take far longer than this wait: only the hang-up can end the request.
+    wait_until(lambda: load_of(serving).num_running == 0 and load_of(serving).kv_blocks_used == baseline[serving.name],
+               10, "the node to drop the abandoned request and free its KV blocks")
