@@ -140,3 +140,12 @@ def test_curl_streams_server_sent_events_and_gets_error_codes(http_cluster: Loca
                              capture_output=True, text=True, timeout=60, check=True)
     assert refused.stdout == "400"
     assert json.loads((tmp_path / "body").read_text())["error"]["param"] == "prompt"
+
+
+def test_an_impossible_ttft_budget_is_a_429_with_retry_after(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.completions.create(model=MODEL, prompt="a long prompt that cannot be read in time. " * 150,
+                                  max_tokens=8, stream=True, extra_headers={"X-Baton-Ttft-Budget-Ms": "1"})
+    assert "deadline cannot be met" in caught.value.message
+    assert int(caught.value.response.headers["Retry-After"]) >= 1
+    assert int(caught.value.response.headers["retry-after-ms"]) > 0
