@@ -99,6 +99,8 @@ def invalid_up_flag(args: argparse.Namespace) -> str | None:
         return f"--router-port {args.router_port} with --routers {args.routers}: ports past 65535"
     if args.name and not is_valid_name(args.name):
         return f"--name {args.name!r}: use letters, digits, '.', '_' and '-' (it names a file)"
+    if not -1 <= args.http_port <= 65535:
+        return f"--http-port {args.http_port}: must be a port, 0 (any free port) or -1 (no HTTP API)"
     return None
 
 
@@ -127,6 +129,7 @@ def up_spec(args: argparse.Namespace) -> ClusterSpec:
         engine="vllm" if is_vllm_only else "sim",
         model_dir=model_dir,
         router_port=args.router_port,
+        http_port=args.http_port if args.http_port >= 0 else None,
         speed=args.speed,
         lease_ttl_s=args.lease_ttl_s,
         otel_exporter=args.otel_exporter,
@@ -181,6 +184,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         routers = ", ".join(p.address for p in cluster.routers)
         print(f"Baton is up: router{'s' if len(cluster.routers) > 1 else ''} {routers}  (cluster {name!r}, "
               f"etcd {cluster.etcd_endpoint}, logs in {cluster.workdir})")
+        if cluster.http_address:
+            print(f"  OpenAI-compatible HTTP API: http://{cluster.http_address}/v1")
         for process in [*cluster.schedulers, *cluster.kvindexes, *cluster.nodes]:
             print(f"  {process.name}: {process.address}")
         baton = sys.argv[0]
@@ -417,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(comma-separated)")
     up.add_argument("--policy", default="baton", help=f"the scheduler's placement policy ({', '.join(POLICIES)})")
     up.add_argument("--router-port", type=int, default=50051, help="first router's port (0: any free ports)")
+    up.add_argument("--http-port", type=int, default=8000, help="the first router's OpenAI-compatible HTTP API "
+                    "port (0: any free port; -1: no HTTP API)")
     up.add_argument("--speed", type=float, default=1.0, help="sim engine time scale (0: no timing)")
     up.add_argument("--lease-ttl-s", type=int, default=3, help="etcd lease TTL of every service")
     up.add_argument("--otel-exporter", default="none", help="span exporter: none, console or file:PATH")

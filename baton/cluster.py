@@ -180,6 +180,8 @@ class ClusterSpec:
     model_dir: str = ""
     # Router i listens on router_port + i (0: each on a free port).
     router_port: int = 0
+    # The first router's OpenAI-compatible HTTP API port (0: a free one; None: no HTTP API).
+    http_port: int | None = None
     speed: float = 1.0
     lease_ttl_s: int = 3
     kv_blocks: int = 0
@@ -206,6 +208,8 @@ class LocalCluster:
         self.schedulers: list[ManagedProcess] = []
         self.routers: list[ManagedProcess] = []
         self.nodes: list[ManagedProcess] = []
+        # The first router's HTTP API, host:port (empty: none).
+        self.http_address = ""
 
     @property
     def router(self) -> ManagedProcess | None:
@@ -252,6 +256,9 @@ class LocalCluster:
         for i in range(spec.num_routers):
             flags = {**common, "instance-id": f"router-{i}"}
             port = spec.router_port + i if spec.router_port else 0
+            if i == 0 and spec.http_port is not None:
+                self.http_address = f"127.0.0.1:{spec.http_port or free_port()}"
+                flags["http-listen"] = self.http_address
             self.routers.append(self._service(f"router-{i}", "services.router", flags, port, spec.router_args))
         for i in range(spec.num_nodes):
             gpu = spec.gpus[i % len(spec.gpus)]

@@ -14,7 +14,11 @@ async def main() -> int:
     config = parse_config(RouterConfig, "BATON_ROUTER")
     setup_logging(config.log_level)
     telemetry = Telemetry("router", config.otel_exporter)
-    return await serve(RouterService(config, telemetry), config.listen, telemetry)
+    service = RouterService(config, telemetry)
+    if not await service.open_http():
+        await service.close()
+        return 2
+    return await serve(service, config.listen, telemetry)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.config import ServiceConfig, doc
+from services.common.config import ServiceConfig, check_listen, doc
 from services.common.slo import DEFAULT_TPOT_BUDGET_MS, DEFAULT_TTFT_BUDGET_MS, Slo
 from services.router.validation import InputLimits
 
@@ -15,6 +15,7 @@ class RouterConfig(ServiceConfig):
 
     listen: str = doc("host:port to serve gRPC on", "127.0.0.1:50100")
     instance_id: str = doc("this router's id in etcd", "router-0")
+    http_listen: str = doc("host:port to serve the OpenAI-compatible HTTP API on (empty: no HTTP API)", "")
     default_max_tokens: int = doc("max_tokens when a request leaves it unset", 256)
     placement_timeout_s: float = doc("longest a placement may take, admission queueing included, when the "
                                      "client set no deadline", 60.0)
@@ -40,6 +41,8 @@ class RouterConfig(ServiceConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.http_listen:
+            check_listen("http_listen", self.http_listen)
         if self.default_max_tokens < 1:
             raise ValueError(f"--default-max-tokens: must be positive, got {self.default_max_tokens}")
         if self.max_migrations < 0:

@@ -6,7 +6,8 @@ import asyncio
 import logging
 import random
 from collections import Counter
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from contextlib import aclosing
 from typing import Any
 
 import grpc
@@ -28,6 +29,7 @@ from services.common.telemetry import Telemetry
 from services.router.catalogue import models_from_registrations
 from services.router.config import RouterConfig
 from services.router.generation import Generation
+from services.router.http_api import HttpApi
 from services.router.node_stream import NodeLiveness
 from services.router.relay import Relay
 from services.router.tokenizer import TOKENIZERS
@@ -75,6 +77,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._relayed_tokens = telemetry.meter.create_counter(
             "baton.router.relayed_tokens", description="completion tokens relayed to clients"
         )
+        self._http = (HttpApi(self, config.http_listen, config.max_prompt_bytes) if config.http_listen
+                      else None)
 
     def register(self, server: grpc.aio.Server) -> None:
         router_pb2_grpc.add_RouterServicer_to_server(self, server)
@@ -112,32 +116,63 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._models = models_from_registrations(items, self._nodes.lapsed)
         self._liveness.update({key.removeprefix(etcd_keys.NODES) for key in items})
 
+    async def open_http(self) -> bool:
+        """Serve the OpenAI-compatible HTTP API when --http-listen asks for it; False when its
+        address cannot be bound. Called before the gRPC server starts, so a router reported
+        SERVING serves HTTP too."""
+        if self._http is None:
+            return True
+        return await self._http.start()
+
     async def before_stop(self) -> None:
+        if self._http is not None:
+            self._http.stop_accepting()
         await self._member.leave()
 
     async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
         await self._leader.close()
         await self._node_channels.close()
         await self._member.close()
 
+    def served_models(self) -> list[router_pb2.ServedModel]:
+        """The models the cluster serves now, by name."""
+        return [
+            router_pb2.ServedModel(
+                name=m.name,
+                max_context_tokens=m.max_context_tokens,
+                tokenizer=m.tokenizer,
+                num_warm_nodes=m.num_warm_nodes,
+            )
+            for _, m in sorted(self._models.items())
+        ]
+
     async def ListModels(
         self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ListModelsResponse:
-        return router_pb2.ListModelsResponse(
-            models=[
-                router_pb2.ServedModel(
-                    name=m.name,
-                    max_context_tokens=m.max_context_tokens,
-                    tokenizer=m.tokenizer,
-                    num_warm_nodes=m.num_warm_nodes,
-                )
-                for _, m in sorted(self._models.items())
-            ]
-        )
+        return router_pb2.ListModelsResponse(models=self.served_models())
+
+    @property
+    def models(self) -> dict[str, ModelEntry]:
+        """What validation knows of each served model, by name."""
+        return self._models
 
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateChunk]:
+        try:
+            async with aclosing(self.generate(request, context.time_remaining)) as replies:
+                async for reply in replies:
+                    yield reply
+        except BatonError as error:
+            await abort(context, error)
+
+    async def generate(
+        self, request: router_pb2.GenerateRequest, time_remaining: Callable[[], float | None]
+    ) -> AsyncIterator[router_pb2.GenerateChunk]:
+        """The request's stream, for every front end (gRPC, HTTP): validated, placed, relayed and
+        resumed on node failures; BatonError, naming what was wrong, when it cannot be served."""
         outcome = "OK"
         live_id: str | None = None
         try:
@@ -159,35 +194,38 @@ class RouterService(router_pb2_grpc.RouterServicer):
             self._live[live_id] += 1
             # Tokens that come faster than one message per stream interval, or while the client is
             # behind, go out merged; a migration never shares a message (node_id names one node).
-            chunks = coalesce(self._relay.stream(generation, request, context.time_remaining), merge_chunks,
+            chunks = coalesce(self._relay.stream(generation, request, time_remaining), merge_chunks,
                               min_interval_s=self._config.stream_interval_s,
                               max_pending=self._config.max_pending_chunks, key=lambda chunk: chunk.node_id)
             # A stream that passes its end-to-end deadline ends there: the tokens sent so far stay sent.
             deadline_at = (asyncio.get_running_loop().time() + request.deadline_ms / 1000
                            if request.deadline_ms else None)
-            async for chunk in until(chunks, deadline_at, lambda: DeadlineExceeded(
-                    f"deadline_ms={request.deadline_ms}: passed after {len(generation.generated)} generated "
-                    f"tokens of request {generation.request_id}; the tokens sent so far stand")):
-                self._relayed_tokens.add(len(chunk.token_ids), {"model": generation.model})
-                reply = router_pb2.GenerateChunk(
-                    request_id=generation.request_id,
-                    token_ids=chunk.token_ids,
-                    text=decoder.decode(list(chunk.token_ids)),
-                    index=chunk.index,
-                    node_id=chunk.node_id,
-                    finish_reason=chunk.finish_reason,
-                    inexact=not generation.is_exact,
-                    model=generation.model,
-                )
-                if is_first and generation.sampling.HasField("seed"):
-                    reply.seed = generation.sampling.seed
-                is_first = False
-                if chunk.finish_reason:
-                    reply.usage.CopyFrom(generation.usage(chunk.usage))
-                yield reply
+            # Closed at once, whoever stops reading (a client gone): the relay stops its node stream.
+            passed = until(chunks, deadline_at, lambda: DeadlineExceeded(
+                f"deadline_ms={request.deadline_ms}: passed after {len(generation.generated)} generated "
+                f"tokens of request {generation.request_id}; the tokens sent so far stand"))
+            async with aclosing(passed) as relayed:
+                async for chunk in relayed:
+                    self._relayed_tokens.add(len(chunk.token_ids), {"model": generation.model})
+                    reply = router_pb2.GenerateChunk(
+                        request_id=generation.request_id,
+                        token_ids=chunk.token_ids,
+                        text=decoder.decode(list(chunk.token_ids)),
+                        index=chunk.index,
+                        node_id=chunk.node_id,
+                        finish_reason=chunk.finish_reason,
+                        inexact=not generation.is_exact,
+                        model=generation.model,
+                    )
+                    if is_first and generation.sampling.HasField("seed"):
+                        reply.seed = generation.sampling.seed
+                    is_first = False
+                    if chunk.finish_reason:
+                        reply.usage.CopyFrom(generation.usage(chunk.usage))
+                    yield reply
         except BatonError as error:
             outcome = error.code.name
-            await abort(context, error)
+            raise
         finally:
             if live_id is not None:
                 self._live[live_id] -= 1

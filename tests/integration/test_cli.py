@@ -50,7 +50,7 @@ def test_up_generate_status_and_stop(tmp_path: Path) -> None:
     env = {**os.environ, "BATON_STATE_DIR": str(tmp_path / "state")}
     up = subprocess.Popen(
         [BATON, "up", "--name", "lab", "--routers", "2", "--nodes", "2", "--gpus", "h100,l4", "--router-port", "0",
-         "--speed", "20", "--workdir", str(tmp_path / "work")],
+         "--http-port", "0", "--speed", "20", "--workdir", str(tmp_path / "work")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     services: set[int] = set()
@@ -70,6 +70,7 @@ def test_up_generate_status_and_stop(tmp_path: Path) -> None:
         assert len(set(routers)) == 2
         assert any(line.startswith(f"Baton is up: routers {', '.join(routers)}  (cluster 'lab'")
                    for line in output), output
+        assert any("OpenAI-compatible HTTP API: http://127.0.0.1:" in line for line in output), output
         services = children_of(up.pid)
         assert len(services) == 7  # etcd, kvindex, scheduler, two routers, two node agents
 

@@ -1,0 +1,203 @@
+"""The router's OpenAI-compatible HTTP API (--http-listen): a thin front end over the same
+generate() the gRPC Generate serves, so validation, placement and resumption are the router's own.
+
+GET /v1/models, GET /v1/models/{model}, POST /v1/completions, POST /v1/chat/completions (streamed
+as server-sent events, or whole), GET /health. See docs/http-api.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import aclosing
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from baton.v1 import router_pb2
+from services.common.errors import BatonError, InvalidArgument
+from services.router import openai_schema as schema
+from services.router.chat_template import PLAIN, ChatTemplate, template_for
+from services.router.validation import ModelEntry
+
+log = logging.getLogger(__name__)
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# JSON escapes make a body longer than the text it carries (up to 6 bytes per character, "\u00e9").
+_BODY_BYTES_PER_PROMPT_BYTE = 8
+
+
+class GenerateService(Protocol):
+    """What the HTTP API needs of the router: its served models and its one generate path."""
+
+    @property
+    def models(self) -> Mapping[str, ModelEntry]: ...
+
+    def served_models(self) -> list[router_pb2.ServedModel]: ...
+
+    def generate(self, request: router_pb2.GenerateRequest,
+                 time_remaining: Callable[[], float | None]) -> AsyncIterator[router_pb2.GenerateChunk]: ...
+
+
+def tenant_for(request: web.Request, body: Mapping[str, Any]) -> str:
+    """The tenant a request is served for, decided here and nowhere else: the body's `tenant`
+    (extra_body), else the X-Baton-Tenant header, else none."""
+    if body.get(schema.TENANT_FIELD) is not None:
+        return schema.text_value(schema.TENANT_FIELD, body[schema.TENANT_FIELD])
+    return schema.text_value(schema.TENANT_HEADER, request.headers.get(schema.TENANT_HEADER, ""))
+
+
+def _json_response(status: int, body: dict[str, Any], headers: Mapping[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, text=json.dumps(body), content_type="application/json",
+                        headers=dict(headers or {}))
+
+
+def _error(error: BatonError, names: Mapping[str, str] | None = None) -> web.Response:
+    status, body, headers = schema.error_response(error, names)
+    return _json_response(status, body, headers)
+
+
+@web.middleware
+async def _openai_errors(request: web.Request,
+                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """Every failure in OpenAI's error shape: a refusal with its status, aiohttp's own (404, 405,
+    413) too; anything else is a bug, logged, and 500."""
+    try:
+        return await handler(request)
+    except BatonError as error:
+        return _error(error)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        if exc.status == 413:
+            return _json_response(413, schema.refusal("body", f"{request.content_length} bytes",
+                                                      f"longer than {request.client_max_size} bytes", 413))
+        param = "path" if exc.status in (404, 405) else None
+        message = f"{request.method} {request.path}: {exc.reason}"
+        code = exc.reason.lower().replace(" ", "_")
+        return _json_response(exc.status, schema.error_json(exc.status, message, param, code))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("HTTP %s %s failed", request.method, request.path)
+        return _json_response(500, schema.error_json(500, "internal error", None, "internal"))
+
+
+class HttpApi:
+    """The aiohttp application, bound to --http-listen, in the router's event loop."""
+
+    def __init__(self, service: GenerateService, listen: str, max_prompt_bytes: int,
+                 shutdown_timeout_s: float = 10.0) -> None:
+        self._service = service
+        self._listen = listen
+        self.app = app = web.Application(middlewares=[_openai_errors],
+                                         client_max_size=max_prompt_bytes * _BODY_BYTES_PER_PROMPT_BYTE
+                                         + (64 << 10))
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._list_models)
+        app.router.add_get("/v1/models/{model:.+}", self._get_model)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat_completions)
+        # Handler cancellation: a client that hangs up cancels its generation (freeing the node).
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=shutdown_timeout_s)
+        self._closing: asyncio.Task[None] | None = None
+
+    async def start(self) -> bool:
+        """Bind and serve; False (logged) when the address cannot be bound."""
+        host, _, port = self._listen.rpartition(":")
+        await self._runner.setup()
+        try:
+            await web.TCPSite(self._runner, host.strip("[]"), int(port), reuse_port=False).start()
+        except OSError as exc:
+            log.error("cannot bind the HTTP API to %s: %s", self._listen, exc)
+            return False
+        log.info("serving the OpenAI-compatible HTTP API on %s", self._listen)
+        return True
+
+    def stop_accepting(self) -> None:
+        """Stop taking connections; requests in flight run on until close() (or its timeout)."""
+        if self._closing is None:
+            self._closing = asyncio.get_running_loop().create_task(self._runner.cleanup())
+
+    async def close(self) -> None:
+        self.stop_accepting()
+        assert self._closing is not None
+        await self._closing
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return _json_response(200, {"status": "serving"})
+
+    async def _list_models(self, request: web.Request) -> web.Response:
+        return _json_response(200, schema.models_json(self._service.served_models()))
+
+    async def _get_model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        for model in self._service.served_models():
+            if model.name == name:
+                return _json_response(200, schema.model_json(model))
+        known = ", ".join(m.name for m in self._service.served_models()) or "none"
+        return _json_response(404, schema.error_json(404, f"model={name!r}: not served by this cluster "
+                                                          f"(served: {known})", "model", "not_found"))
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, schema.COMPLETIONS)
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, schema.CHAT)
+
+    def _template_for_model(self, model: str) -> ChatTemplate:
+        entry = self._service.models.get(model)
+        return PLAIN if entry is None else template_for(entry.tokenizer)
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        body = await _read_json(request)
+        parsed = schema.parse_request(kind, body, request.headers, self._template_for_model)
+        parsed.request.tenant = tenant_for(request, body)
+        builder = schema.ResponseBuilder(parsed, created=int(time.time()))
+        async with aclosing(self._service.generate(parsed.request, lambda: None)) as chunks:
+            try:
+                # Refusals (validation, admission, no node) come before the first chunk: they get
+                # their own HTTP status, streamed or not.
+                first = await anext(chunks)
+            except BatonError as error:
+                return _error(error, parsed.names)
+            if not parsed.stream:
+                try:
+                    builder.add(first)
+                    async for chunk in chunks:
+                        builder.add(chunk)
+                except BatonError as error:
+                    return _error(error, parsed.names)
+                return _json_response(200, builder.response())
+            response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+            await response.prepare(request)
+            try:
+                await _send_events(response, builder.stream_events(first))
+                async for chunk in chunks:
+                    await _send_events(response, builder.stream_events(chunk))
+            except BatonError as error:
+                # Past the headers a failure can only be an event; the openai client raises it.
+                _, error_body, _ = schema.error_response(error, parsed.names)
+                await _send_events(response, [error_body])
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+
+
+async def _send_events(response: web.StreamResponse, events: list[dict[str, Any]]) -> None:
+    if events:
+        await response.write(b"".join(b"data: " + json.dumps(e, ensure_ascii=False).encode() + b"\n\n"
+                                      for e in events))
+
+
+async def _read_json(request: web.Request) -> object:
+    """The request's JSON body; InvalidArgument naming "body" when it is none."""
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidArgument("body", raw[:40].decode(errors="replace"), f"not valid JSON: {exc}") from None

@@ -1,0 +1,135 @@
+"""The HTTP API as the official openai client sees it, in front of a fake router core: how refusals
+before and during a stream arrive, and what a malformed request gets."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Mapping
+
+import grpc
+import openai
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from baton.v1 import common_pb2, router_pb2
+from services.common.errors import BatonError, ResourceExhausted, Unavailable
+from services.router.http_api import HttpApi
+from services.router.validation import ModelEntry
+
+pytestmark = pytest.mark.timeout(30)
+
+MODEL = ModelEntry(name="m", max_context_tokens=64, tokenizer="byte", vocab_size=257, num_warm_nodes=1)
+
+
+class _FakeRouter:
+    """Answers every request with `texts`, then `failure` (if any) or a finish."""
+
+    def __init__(self, texts: list[str], failure: BatonError | None = None) -> None:
+        self.texts = texts
+        self.failure = failure
+        self.requests: list[router_pb2.GenerateRequest] = []
+
+    @property
+    def models(self) -> Mapping[str, ModelEntry]:
+        return {MODEL.name: MODEL}
+
+    def served_models(self) -> list[router_pb2.ServedModel]:
+        return [router_pb2.ServedModel(name="m", max_context_tokens=64, tokenizer="byte", num_warm_nodes=1)]
+
+    async def generate(self, request: router_pb2.GenerateRequest,
+                       time_remaining: Callable[[], float | None]) -> AsyncIterator[router_pb2.GenerateChunk]:
+        self.requests.append(request)
+        for i, text in enumerate(self.texts):
+            yield router_pb2.GenerateChunk(request_id="r", text=text, index=i, node_id="n", model="m")
+        if self.failure is not None:
+            raise self.failure
+        yield router_pb2.GenerateChunk(request_id="r", index=len(self.texts), node_id="n", model="m",
+                                       finish_reason=common_pb2.FINISH_REASON_LENGTH,
+                                       usage=common_pb2.Usage(prompt_tokens=1, completion_tokens=len(self.texts)))
+
+
+async def _client(router: _FakeRouter) -> tuple[TestClient, openai.AsyncOpenAI]:
+    http = TestClient(TestServer(HttpApi(router, "127.0.0.1:0", max_prompt_bytes=1024).app))
+    await http.start_server()
+    return http, openai.AsyncOpenAI(base_url=str(http.make_url("/v1")), api_key="k", max_retries=0)
+
+
+async def test_a_refusal_to_retry_later_is_a_429_the_client_sees_with_its_retry_after() -> None:
+    http, client = await _client(_FakeRouter([], ResourceExhausted("tenant 'a' over its share", 2500)))
+    try:
+        with pytest.raises(openai.RateLimitError) as caught:
+            await client.completions.create(model="m", prompt="x", stream=True)
+        assert caught.value.response.headers["Retry-After"] == "3"
+        assert caught.value.response.headers["retry-after-ms"] == "2500"
+        assert caught.value.body["type"] == "rate_limit_error"  # type: ignore[index]
+    finally:
+        await client.close()
+        await http.close()
+
+
+@pytest.mark.parametrize(("code", "error_class"), [
+    (grpc.StatusCode.UNAUTHENTICATED, openai.AuthenticationError),
+    (grpc.StatusCode.UNAVAILABLE, openai.InternalServerError),
+])
+async def test_a_refusal_before_the_first_token_has_its_own_status(code: grpc.StatusCode,
+                                                                    error_class: type[Exception]) -> None:
+    failure = BatonError("refused for a reason")
+    failure.code = code
+    http, client = await _client(_FakeRouter([], failure))
+    try:
+        with pytest.raises(error_class) as caught:
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        assert "refused for a reason" in str(caught.value)
+    finally:
+        await client.close()
+        await http.close()
+
+
+async def test_a_failure_mid_stream_reaches_the_client_as_an_error_after_the_text_so_far() -> None:
+    http, client = await _client(_FakeRouter(["Hel", "lo"], Unavailable("request r: migration limit of 3 reached")))
+    received = []
+    try:
+        stream = await client.completions.create(model="m", prompt="x", stream=True)
+        with pytest.raises(openai.APIError) as caught:
+            async for event in stream:
+                received.append(event.choices[0].text)
+        assert "migration limit" in caught.value.message
+        assert "".join(received) == "Hello"
+    finally:
+        await client.close()
+        await http.close()
+
+
+@pytest.mark.parametrize(("method", "path", "data", "status", "param"), [
+    ("POST", "/v1/completions", b"{not json", 400, "body"),
+    ("POST", "/v1/completions", b"\xff\xfe\x00", 400, "body"),
+    ("POST", "/v1/completions", b"[" * 50_000, 400, "body"),
+    ("POST", "/v1/completions", b"x" * 200_000, 413, "body"),
+    ("GET", "/v1/nowhere", None, 404, "path"),
+    ("GET", "/v1/completions", None, 405, "path"),
+    ("GET", "/v1/models/nope", None, 404, "model"),
+])
+async def test_malformed_requests_get_openai_shaped_errors_naming_what_was_wrong(
+        method: str, path: str, data: bytes | None, status: int, param: str) -> None:
+    http, client = await _client(_FakeRouter(["x"]))
+    try:
+        response = await http.request(method, path, data=data)
+        assert response.status == status
+        error = (await response.json())["error"]
+        assert error["param"] == param and error["message"]
+    finally:
+        await client.close()
+        await http.close()
+
+
+async def test_the_tenant_comes_from_the_body_or_the_tenant_header() -> None:
+    router = _FakeRouter(["x"])
+    http, client = await _client(router)
+    try:
+        await client.completions.create(model="m", prompt="x", extra_body={"tenant": "acme"})
+        await client.completions.create(model="m", prompt="x", extra_headers={"X-Baton-Tenant": "globex"})
+        assert [r.tenant for r in router.requests] == ["acme", "globex"]
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["m"]
+    finally:
+        await client.close()
+        await http.close()

@@ -1,0 +1,211 @@
+"""OpenAI request bodies as GenerateRequests, responses as OpenAI objects, refusals as OpenAI errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from baton.v1 import common_pb2, router_pb2
+from services.common.errors import BatonError, DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted
+from services.router import openai_schema as schema
+from services.router.chat_template import PLAIN, ChatMessage, template_for
+
+
+def _parse(kind: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> schema.ParsedRequest:
+    return schema.parse_request(kind, body, headers or {}, lambda model: PLAIN)
+
+
+def _refused(kind: str, body: object, headers: dict[str, str] | None = None) -> InvalidArgument:
+    with pytest.raises(InvalidArgument) as caught:
+        schema.parse_request(kind, body, headers or {}, lambda model: PLAIN)
+    return caught.value
+
+
+def test_a_completions_body_becomes_the_generate_request_grpc_clients_send() -> None:
+    parsed = _parse(schema.COMPLETIONS, {"model": "m", "prompt": "Hello", "max_tokens": 7, "temperature": 0,
+                                         "top_p": 0.5, "seed": 9, "stop": "\n", "stream": True,
+                                         "stream_options": {"include_usage": True}, "n": 1, "user": "u"})
+    assert parsed.request == router_pb2.GenerateRequest(model="m", prompt="Hello", max_tokens=7, temperature=0,
+                                                        top_p=0.5, seed=9, stop=["\n"])
+    assert parsed.stream and parsed.include_usage
+
+
+def test_temperature_defaults_to_openais_one_and_max_tokens_to_the_routers_default() -> None:
+    request = _parse(schema.COMPLETIONS, {"model": "m", "prompt": "x"}).request
+    assert request.temperature == 1.0
+    assert not request.HasField("max_tokens") and not request.HasField("seed")
+
+
+def test_token_id_prompts_and_a_batch_of_one_are_accepted_and_a_batch_of_two_refused() -> None:
+    assert list(_parse(schema.COMPLETIONS, {"model": "m", "prompt": [1, 2]}).request.prompt_token_ids.ids) == [1, 2]
+    assert list(_parse(schema.COMPLETIONS, {"model": "m", "prompt": [[3]]}).request.prompt_token_ids.ids) == [3]
+    assert _parse(schema.COMPLETIONS, {"model": "m", "prompt": ["hi"]}).request.prompt == "hi"
+    assert _refused(schema.COMPLETIONS, {"model": "m", "prompt": ["a", "b"]}).field == "prompt"
+
+
+def test_chat_messages_render_with_the_plain_template_and_max_completion_tokens_wins() -> None:
+    parsed = _parse(schema.CHAT, {"model": "m", "max_tokens": 3, "max_completion_tokens": 5, "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}],
+         "name": "ann"}]})
+    assert parsed.request.prompt == "<|system|>\nBe brief.\n<|user name=ann|>\nHi\nthere\n<|assistant|>\n"
+    assert parsed.request.max_tokens == 5
+    assert parsed.names["max_tokens"] == "max_completion_tokens" and parsed.names["prompt"] == "messages"
+
+
+def test_baton_fields_come_from_the_body_or_from_headers_and_the_body_wins() -> None:
+    headers = {"X-Baton-Priority": "3", "X-Baton-Workflow-Id": "wf", "X-Baton-Step": "2", "X-Baton-Total-Steps": "5",
+               "X-Baton-Alternative-Models": "a, b", "X-Baton-Deadline-Ms": "900", "X-Baton-Ignore-Eos": "true"}
+    request = _parse(schema.COMPLETIONS, {"model": "m", "prompt": "x", "priority": 7, "ttft_budget_ms": 50,
+                                          "tpot_budget_ms": 20, "request_id": "r1"}, headers).request
+    assert (request.priority, request.workflow_id, request.step, request.total_steps) == (7, "wf", 2, 5)
+    assert list(request.alternative_models) == ["a", "b"]
+    assert (request.deadline_ms, request.ttft_budget_ms, request.tpot_budget_ms) == (900, 50, 20)
+    assert request.ignore_eos and request.request_id == "r1"
+
+
+@pytest.mark.parametrize(("kind", "body", "headers", "field"), [
+    (schema.COMPLETIONS, ["not", "an", "object"], {}, "body"),
+    (schema.COMPLETIONS, {"prompt": "x"}, {}, "model"),
+    (schema.COMPLETIONS, {"model": "m"}, {}, "prompt"),
+    (schema.COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": "5"}, {}, "max_tokens"),
+    (schema.COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": True}, {}, "max_tokens"),
+    (schema.COMPLETIONS, {"model": "m", "prompt": "x", "priorty": 1}, {}, "priorty"),
+    (schema.COMPLETIONS, {"model": "m", "prompt": "x", "": 1}, {}, '""'),
+    (schema.COMPLETIONS, {"model": "m", "prompt": "x", "a b": 1}, {}, '"a b"'),
+    (schema.COMPLETIONS, {"model": "m", "prompt": "x", "n": 2}, {}, "n"),
+    (schema.COMPLETIONS, {"model": "m", "prompt": "x", "logprobs": 5}, {}, "logprobs"),
+    (schema.COMPLETIONS, {"model": "m", "prompt": "x", "seed": -1}, {}, "seed"),
+    (schema.COMPLETIONS, {"model": "m", "prompt": "x", "priority": 1 << 31}, {}, "priority"),
+    (schema.COMPLETIONS, {"model": "m", "prompt": "\ud800"}, {}, "prompt"),
+    (schema.COMPLETIONS, {"model": "m", "prompt": [1, -1]}, {}, "prompt[1]"),
+    (schema.COMPLETIONS, {"model": "m", "prompt": "x", "stop": [1]}, {}, "stop[0]"),
+    (schema.COMPLETIONS, {"model": "m", "prompt": "x", "temperature": "hot"}, {}, "temperature"),
+    (schema.COMPLETIONS, {"model": "m", "prompt": "x", "stream_options": {"foo": 1}}, {}, "stream_options.foo"),
+    (schema.COMPLETIONS, {"model": "m", "prompt": "x"}, {"X-Baton-Priority": "high"}, "X-Baton-Priority"),
+    (schema.CHAT, {"model": "m", "messages": []}, {}, "messages"),
+    (schema.CHAT, {"model": "m", "messages": [{"role": "user", "content": "a"}, {"role": "robot"}]}, {},
+     "messages[1].role"),
+    (schema.CHAT, {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, {},
+     "messages[0].content[0].type"),
+    (schema.CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, {}, "tools"),
+])
+def test_what_a_generate_request_cannot_hold_is_refused_naming_the_clients_field(
+        kind: str, body: object, headers: dict[str, str], field: str) -> None:
+    refused = _refused(kind, body, headers)
+    assert refused.field == field
+    assert str(refused).startswith(f"{field}=")
+
+
+def test_a_core_refusal_names_the_field_as_the_client_spelled_it() -> None:
+    parsed = _parse(schema.CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                  "max_completion_tokens": 10 ** 6})
+    status, body, _ = schema.error_response(InvalidArgument("max_tokens", 10 ** 6, "exceeds the context"),
+                                            parsed.names)
+    assert status == 400
+    assert body["error"]["param"] == "max_completion_tokens"
+    assert body["error"]["message"].startswith("max_completion_tokens=1000000: ")
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == "invalid_argument"
+
+    tokens = _parse(schema.COMPLETIONS, {"model": "m", "prompt": [1, 2, 3, 4]})
+    _, body, _ = schema.error_response(InvalidArgument("prompt_token_ids[3]", 999, "outside"), tokens.names)
+    assert body["error"]["param"] == "prompt[3]"
+
+
+def _with_code(code: grpc.StatusCode, message: str) -> BatonError:
+    error = BatonError(message)
+    error.code = code
+    return error
+
+
+@pytest.mark.parametrize(("error", "status", "param"), [
+    (NotFound("model='x': not served by this cluster"), 404, "model"),
+    (_with_code(grpc.StatusCode.UNAUTHENTICATED, "no API key"), 401, None),
+    (_with_code(grpc.StatusCode.UNAVAILABLE, "no live node"), 503, None),
+    (DeadlineExceeded("deadline_ms=5: passed"), 408, "deadline_ms"),
+    (_with_code(grpc.StatusCode.INTERNAL, "boom"), 500, None),
+])
+def test_grpc_codes_become_http_statuses(error: BatonError, status: int, param: str | None) -> None:
+    got_status, body, headers = schema.error_response(error)
+    assert (got_status, body["error"]["param"], headers) == (status, param, {})
+    assert body["error"]["message"] == str(error)
+
+
+def test_a_refusal_to_retry_later_is_429_with_retry_after_in_seconds_and_ms() -> None:
+    status, body, headers = schema.error_response(ResourceExhausted("tenant 'a': over its share", 1500))
+    assert status == 429 and body["error"]["type"] == "rate_limit_error"
+    assert headers == {"Retry-After": "2", "retry-after-ms": "1500"}
+
+
+def _chunks(texts: list[str], finish: int) -> list[router_pb2.GenerateChunk]:
+    chunks = [router_pb2.GenerateChunk(request_id="r", text=t, node_id="n1", model="m") for t in texts]
+    chunks[0].seed = 5
+    chunks[-1].finish_reason = finish
+    chunks[-1].usage.CopyFrom(common_pb2.Usage(prompt_tokens=4, cached_tokens=2, completion_tokens=9))
+    return chunks
+
+
+@pytest.mark.parametrize("kind", [schema.COMPLETIONS, schema.CHAT])
+def test_streamed_text_equals_the_whole_response_and_the_stop_string_is_cut(kind: str) -> None:
+    body: dict[str, Any] = {"model": "m", "stop": ["END", "!"], "stream_options": {"include_usage": True}}
+    body.update({"prompt": "p"} if kind == schema.COMPLETIONS else {"messages": [{"role": "user", "content": "p"}]})
+    parsed = _parse(kind, body)
+    chunks = _chunks(["Hel", "lo E", "N", "D"], common_pb2.FINISH_REASON_STOP)
+
+    whole = schema.ResponseBuilder(parsed, created=1)
+    for chunk in chunks:
+        whole.add(chunk)
+    response = whole.response()
+    streamed = schema.ResponseBuilder(parsed, created=1)
+    events = [event for chunk in chunks for event in streamed.stream_events(chunk)]
+
+    if kind == schema.CHAT:
+        assert response["choices"][0]["message"] == {"role": "assistant", "content": "Hello "}
+        assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+        assert events[0]["object"] == "chat.completion.chunk"
+    else:
+        assert response["choices"][0]["text"] == "Hello "
+        text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    assert text == "Hello "
+    assert response["choices"][0]["finish_reason"] == "stop"
+    assert response["id"] == events[0]["id"] and response["id"].endswith("-r")
+    usage = {"prompt_tokens": 4, "completion_tokens": 9, "total_tokens": 13,
+             "prompt_tokens_details": {"cached_tokens": 2}}
+    assert response["usage"] == usage
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == usage
+    assert all(e["usage"] is None for e in events[:-1])
+    assert events[-2]["baton"]["seed"] == 5 and response["baton"]["node_ids"] == ["n1"]
+
+
+def test_without_a_stop_finish_the_text_ending_like_a_stop_string_stays() -> None:
+    parsed = _parse(schema.COMPLETIONS, {"model": "m", "prompt": "p", "stop": "!"})
+    builder = schema.ResponseBuilder(parsed, created=1)
+    for chunk in _chunks(["Hi", "!"], common_pb2.FINISH_REASON_LENGTH):
+        builder.add(chunk)
+    assert builder.response()["choices"][0] == {"index": 0, "text": "Hi!", "logprobs": None, "finish_reason": "length"}
+
+
+def test_a_vllm_models_own_chat_template_is_used(tmp_path: Path) -> None:
+    template = ("{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+                "{% if add_generation_prompt %}[assistant]{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "<s>"}))
+    rendered = template_for(f"hf:{tmp_path}").render([ChatMessage("user", "hi")])
+    assert rendered == "<s>[user]hi[assistant]"
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400_naming_messages(tmp_path: Path) -> None:
+    template = "{% if messages[0].role != 'user' %}{{ raise_exception('must start with user') }}{% endif %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    with pytest.raises(InvalidArgument) as caught:
+        template_for(f"hf:{tmp_path}").render([ChatMessage("system", "x")])
+    assert caught.value.field == "messages" and "must start with user" in str(caught.value)
+
+
+def test_a_vllm_model_without_a_template_gets_the_plain_one(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    assert template_for(f"hf:{tmp_path}") is PLAIN
