@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"| {_cell(s, 'cost_per_successful_task', '.5f')} "
                          f"| {_cell(s, 'busy_cost_per_successful_task', '.5f')} "
                          f"| {s['ttft_p50']:.2f} / {s['ttft_p99']:.2f} |")
-        lines += ["", f"Baton: {verdict(rows)}.", ""]
+        if "baton" in rows and len(rows) > 1:
+            lines += ["", f"Baton: {verdict(rows)}.", ""]
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.md").write_text("\n".join(lines) + "\n")

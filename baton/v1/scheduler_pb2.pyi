@@ -38,7 +38,7 @@ class LiveRequestsAck(_message.Message):
     def __init__(self, num_held: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class FinishedRequest(_message.Message):
-    __slots__ = ("request_id", "context", "ttft_ms", "outcome", "gpu_ms_by_node")
+    __slots__ = ("request_id", "context", "ttft_ms", "outcome", "gpu_ms_by_node", "model", "num_output_tokens")
     class GpuMsByNodeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -51,12 +51,16 @@ class FinishedRequest(_message.Message):
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     GPU_MS_BY_NODE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context: _common_pb2.RequestContext
     ttft_ms: int
     outcome: RequestOutcome
     gpu_ms_by_node: _containers.ScalarMap[str, float]
-    def __init__(self, request_id: _Optional[str] = ..., context: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., ttft_ms: _Optional[int] = ..., outcome: _Optional[_Union[RequestOutcome, str]] = ..., gpu_ms_by_node: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    model: str
+    num_output_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., context: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., ttft_ms: _Optional[int] = ..., outcome: _Optional[_Union[RequestOutcome, str]] = ..., gpu_ms_by_node: _Optional[_Mapping[str, float]] = ..., model: _Optional[str] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
 
 class TaskStats(_message.Message):
     __slots__ = ("tasks_succeeded", "tasks_failed", "tasks_open", "ended_cost_usd", "cost_per_successful_task_usd", "model_load_cost_usd", "fleet_cost_usd", "fleet_cost_per_successful_task_usd")

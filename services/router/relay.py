@@ -137,7 +137,8 @@ class Relay:
         stub = scheduler_pb2_grpc.SchedulerStub(self._leader.channel(address))
         notice = scheduler_pb2.FinishedRequest(
             request_id=generation.request_id, context=context_of(request), ttft_ms=ttft_ms, outcome=outcome,
-            gpu_ms_by_node=generation.gpu_ms_by_node)
+            gpu_ms_by_node=generation.gpu_ms_by_node, model=generation.model,
+            num_output_tokens=len(generation.generated))
 
         async def send() -> scheduler_pb2.FinishedAck:
             return await stub.Finished(notice, timeout=2.0)

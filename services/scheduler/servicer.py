@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 _DECISIONS_KEPT = 200
 _WORKFLOWS_HANDED_OVER = 10_000
 _SUCCEEDED = scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
+_LATE = scheduler_pb2.REQUEST_OUTCOME_LATE
 # How long a Place without a deadline is held while the leader's lease is unconfirmed.
 _UNCONFIRMED_HOLD_S = 30.0
 
@@ -330,6 +331,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         ctx = request.context
         if request.ttft_ms and ctx.ttft_budget_ms:
             self._ttft_ratio.record(request.ttft_ms / ctx.ttft_budget_ms)
+        if request.outcome in (_SUCCEEDED, _LATE) and request.model:  # ran to its end: a length to learn
+            self._policy.observe_finished(request.model, request.num_output_tokens)
         if request.outcome:
             cost = sum(ms / 3_600_000 * self._prices.get(node, 0.0) for node, ms in request.gpu_ms_by_node.items())
             if ctx.workflow_id:

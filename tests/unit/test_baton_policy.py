@@ -160,3 +160,29 @@ def test_a_cold_node_has_kv_room_only_if_the_loaded_models_cache_holds_the_reque
     policy = BatonPolicy()
     assert policy.terms(request(30_000, ttft_budget_ms=600_000), NodeStatus(spec=spec), 0).has_kv_room is False
     assert policy.terms(request(10_000, ttft_budget_ms=600_000), NodeStatus(spec=spec), 0).has_kv_room is True
+
+
+def test_a_long_prompt_spares_the_node_where_short_requests_are_about_to_decode() -> None:
+    """Its prefill chunks would ride in their first decode steps: a 3-token answer with one 2,048-token
+    chunk step in it misses a 30 ms TPOT budget. The cached prefix on that node does not buy it back."""
+    policy = BatonPolicy()
+    for _ in range(50):
+        policy.observe_finished(MODEL, 3)
+    crowded = node("h1", "h100", num_waiting=4, pending_prefill_tokens=400)
+    nodes = [crowded, node("h2", "h100")]
+    long_prompt = dataclasses.replace(request(12_000, ttft_budget_ms=5000), tpot_budget_ms=30)
+    assert chosen(policy, long_prompt, nodes, {"h1": 250}) == "h2"
+    # With no one about to decode there, the cache wins.
+    assert chosen(policy, long_prompt, [node("h1", "h100", pending_prefill_tokens=400), nodes[1]], {"h1": 250}) == "h1"
+
+
+def test_sparing_others_never_sends_a_request_where_it_would_surely_miss() -> None:
+    """An idle L4 harms no one, but it cannot decode within 30 ms a token: the busy H100 it is."""
+    policy = BatonPolicy()
+    for _ in range(50):
+        policy.observe_finished(MODEL, 3)
+    busy = node("h", "h100", num_waiting=6, num_running=20, pending_prefill_tokens=600, active_decode_blocks=1500)
+    long_prompt = dataclasses.replace(request(12_000, ttft_budget_ms=5000), tpot_budget_ms=30)
+    terms = {t.node_id: t for t in (policy.terms(long_prompt, n, 0) for n in (busy, node("l", "l4"))) if t}
+    assert terms["l"].success < 0.01
+    assert chosen(policy, long_prompt, [busy, node("l", "l4")]) == "h"

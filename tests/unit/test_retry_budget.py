@@ -14,6 +14,7 @@ from baton.v1 import common_pb2, scheduler_pb2
 from services.common import etcd_keys
 from services.common.telemetry import Telemetry
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.policies import PlacementRequest
 from services.scheduler.retry_budget import RetryBudget
 from services.scheduler.servicer import SchedulerService
 from tests.unit.leading import fake_leadership
@@ -188,3 +189,18 @@ async def test_a_move_that_is_placed_spends_one_retry(scheduler: SchedulerServic
     placement = await scheduler.Place(_move([]), _Context())  # type: ignore[arg-type]
     assert placement.node_id == "node-a"
     assert scheduler._retry_budget.num_retries(time.monotonic()) == 1
+
+
+async def test_the_live_policy_learns_output_lengths_from_finished_notices(scheduler: SchedulerService) -> None:
+    """The simulator's policy learns how long outputs run; the live one must too, from the routers'
+    Finished notices (it is never told a request's length in advance)."""
+    before = scheduler._policy.expected_output_tokens(_placement_request())
+    for i in range(200):
+        await scheduler.Finished(scheduler_pb2.FinishedRequest(
+            request_id=f"done-{i}", model="m", num_output_tokens=3, outcome=scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED),
+            _Context())
+    assert scheduler._policy.expected_output_tokens(_placement_request()) < before / 10
+
+
+def _placement_request() -> PlacementRequest:
+    return PlacementRequest(request_id="r", model="m", num_prompt_tokens=10, num_prompt_blocks=0, max_tokens=2048)

@@ -19,9 +19,17 @@ its load and what it caches of the prompt:
 - on a node where the model is not warm (its GPU free, the model on its disk): the time left to
   load it, added to the TTFT, and the GPU time the load takes, added to the cost.
 
-The score is (cost + (1 − p) · at_risk) / p: the cost of this step per success, plus — weighted by
-the chance of failing — what a failure would forfeit: what the workflow has already spent, and the
-request's priority as a stake of priority × its own cost. A fresh request with slack goes to the
+- the successes it would cost others there: its prefill chunks ride in the decode steps of the
+  requests decoding on that node, and a short answer among them (a 3-token reply with one
+  2,048-token chunk step in it averages over 30 ms) misses its TPOT budget. Over the output
+  lengths it has seen end (as a histogram; those found decoding are likelier long ones), with the
+  requests queued ahead of it counted as fresh: they start decoding just as its chunks run.
+
+The score is (cost · (1 + lost) + (1 − p) · at_risk) / p: the cost of this step per success, each
+success it costs others counted as a failure of its own, plus — weighted by the chance of failing —
+what a failure would forfeit: what the workflow has already spent, and the request's priority as a
+stake of priority × its own cost. (Subtracting the others' losses from p instead sent requests to a
+node where they would surely miss, since it harms no one there.) A fresh request with slack goes to the
 cheapest node that meets its budget; a tight budget pays for a fast GPU; a late step of an
 expensive workflow, or a high-priority request, buys certainty; a cold node wins only when the
 warm ones would likely miss a budget that allows the load. Nodes without KV room are avoided.
@@ -56,6 +64,8 @@ DEFAULT_OUTPUT_TOKENS = 256.0
 OUTPUT_SMOOTHING = 0.02
 # The prompt tokens sent to a node over this many seconds give the prefill rate its decode steps carry.
 RATE_WINDOW_S = 10.0
+# Output lengths of ended requests are kept per model in power-of-two bins (1, 2–3, 4–7, … tokens).
+OUTPUT_BINS = 16
 
 
 def _success(budget_ms: float, predicted_ms: float) -> float:
@@ -95,6 +105,9 @@ class BatonPolicy(Policy):
         # with max_tokens bounds the decode a request is expected to run; it is never told the true length.
         self._default_output_tokens = default_output_tokens
         self._output_tokens: dict[str, float] = {}
+        # Per model: how many ended requests made 2^i … 2^(i+1) − 1 tokens, for the harm a prefill does
+        # to the short ones decoding beside it.
+        self._output_bins: dict[str, list[int]] = {}
         self._fallback = KvLoadPolicy()
         # Per node: (when, uncached prompt tokens) of the placements of the last RATE_WINDOW_S, and their sum.
         self._sent: dict[str, deque[tuple[float, int]]] = {}
@@ -158,10 +171,43 @@ class BatonPolicy(Policy):
             free = needed if capacity is None else capacity
         spent = self.workflow_spent.get(request.workflow_id, 0.0) if request.workflow_id else 0.0
         at_risk = spent + PRIORITY_STAKE * max(0, request.priority) * cost
-        p = max(success, MIN_SUCCESS)
+        # Successes this placement costs others: its prefill chunks ride in the decode steps of the
+        # requests decoding there, and a short one among them may be pushed past its TPOT budget. Those
+        # queued ahead of it start decoding as its chunks run; those already decoding are likelier long.
+        lost = 0.0
+        if warm:
+            base_tpot_ms = _tpot_ms(timing, decode_ms, self._prefill_rate(status.spec.node_id, now), chunk)
+            chunk_ms = timing.b_ms_per_tok * chunk + timing.c_ms_per_tok2 * chunk * chunk
+            fresh = load.num_waiting + status.placed_requests
+            for victims, bias in ((fresh, 0), (load.num_running, 1)):
+                if victims:
+                    lost += victims * self._harm(request.model, tpot_budget, base_tpot_ms, own_prefill_ms,
+                                                 chunk_ms, bias)
+        # The score is the cost per success, the successes it costs others counted as failures of its own.
+        score = (cost * (1.0 + lost) + (1.0 - success) * at_risk) / max(success, MIN_SUCCESS)
         return Terms(status.spec.node_id, status.spec.gpu, cached, ttft_ms, tpot_ms, cost, success, spent,
-                     needed <= free, (cost + (1.0 - p) * at_risk) / p, warm, load_s * 1000, free, at_risk,
-                     request.model)
+                     needed <= free, score, warm, load_s * 1000, free, at_risk, request.model)
+
+    def _harm(self, model: str, tpot_budget_ms: float, tpot_ms: float, extra_ms: float, chunk_ms: float,
+              length_bias: int) -> float:
+        """The chance that a request decoding on the node misses its TPOT budget because extra_ms of
+        prefill, in chunks of chunk_ms, joins its steps: over the output lengths seen so far (weighted
+        by length when length_bias is 1: a request found decoding is likelier a long one), each step
+        carrying at most one chunk."""
+        bins = self._output_bins.get(model)
+        if not bins or extra_ms <= 0:
+            return 0.0
+        base = _success(tpot_budget_ms, tpot_ms)
+        weight = harm = 0.0
+        for i, count in enumerate(bins):
+            if count:
+                tokens = 1.5 * (1 << i)
+                share = count * tokens ** length_bias
+                weight += share
+                if tokens >= 2:
+                    added = min(extra_ms / (tokens - 1), chunk_ms)
+                    harm += share * (base - _success(tpot_budget_ms, tpot_ms + added))
+        return harm / weight
 
     def choose(
         self, request: PlacementRequest, candidates: list[NodeStatus], matched_blocks: dict[str, int], now: float
@@ -200,6 +246,8 @@ class BatonPolicy(Policy):
         return min(float(request.max_tokens), typical) if request.max_tokens else typical
 
     def observe_finished(self, model: str, num_output_tokens: int) -> None:
+        bins = self._output_bins.setdefault(model, [0] * OUTPUT_BINS)
+        bins[min(max(num_output_tokens, 1).bit_length() - 1, OUTPUT_BINS - 1)] += 1
         mean = self._output_tokens.get(model)
         self._output_tokens[model] = float(num_output_tokens) if mean is None else (
             mean + OUTPUT_SMOOTHING * (num_output_tokens - mean))
@@ -224,3 +272,4 @@ class BatonPolicy(Policy):
         terms = [t for s in candidates
                  if (t := self.terms(request, s, matched_blocks.get(s.spec.node_id, 0), now))]
         return min(t.ttft_ms for t in terms) / 1000 if terms else 0.0
+

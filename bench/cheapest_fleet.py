@@ -1,0 +1,128 @@
+"""The cheapest fleet each policy needs to hold an SLO target at a given load.
+
+For each policy and each fleet family (k H100s, k A100s, k L4s, k × (one H100 + two L4s)) it
+searches the smallest k whose run meets the target SLO attainment (a binary search: attainment
+grows with k), then reports per policy the cheapest of those fleets by price per hour, with its
+whole-fleet cost per successful task. A policy that needs a smaller fleet for the same load and SLO
+is the one an operator saves with; this is the comparison the whole-fleet KPI implies.
+
+    python -m bench.cheapest_fleet --out results/cheapest      # the table in docs/evaluation.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.node_agent.engines.sim.models import GPU_SPECS
+from simulator.report import parse_args, run_one
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    fleet: Callable[[int], str]
+    max_k: int
+
+
+FAMILIES = (
+    Family("H100", lambda k: f"{k}xh100", 8),
+    Family("A100", lambda k: f"{k}xa100", 8),
+    Family("L4", lambda k: f"{k}xl4", 16),
+    Family("H100 + 2 L4", lambda k: f"{k}xh100,{2 * k}xl4", 6),
+)
+
+
+def price_per_hour(fleet: str) -> float:
+    return sum(int(count) * GPU_SPECS[gpu].price_per_hour
+               for count, gpu in (part.split("x") for part in fleet.split(",")))
+
+
+def _run(job: tuple[argparse.Namespace, str]) -> dict:
+    args, policy = job
+    return run_one((args, policy, float(args.loads), int(args.seeds)))[3]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.cheapest_fleet", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", default="mooncake-conversation")
+    parser.add_argument("--load", type=float, default=1.0)
+    parser.add_argument("--limit", type=int, default=600)
+    parser.add_argument("--target", type=float, default=0.99, help="SLO attainment to hold")
+    parser.add_argument("--ttft-slo", type=float, default=5.0)
+    parser.add_argument("--tpot-slo", type=float, default=0.1)
+    parser.add_argument("--timing-error", type=float, default=0.3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policies", default="baton,weighted_least_loaded,llm_d_precise")
+    parser.add_argument("--traces", default="")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--out", default="results/cheapest")
+    options = parser.parse_args(argv)
+    policies = options.policies.split(",")
+
+    def args_for(fleet: str) -> argparse.Namespace:
+        argv = ["--workload", options.workload, "--fleet", fleet, "--loads", f"{options.load:g}",
+                "--limit", str(options.limit), "--ttft-slo", str(options.ttft_slo), "--tpot-slo",
+                str(options.tpot_slo), "--timing-error", str(options.timing_error), "--seeds", str(options.seed)]
+        return parse_args(argv + (["--traces", options.traces] if options.traces else []))
+
+    started = time.perf_counter()
+    runs: dict[tuple[str, str], dict] = {}
+    # One binary search per (policy, family), advanced in lock step so each round's runs go in parallel.
+    bounds = {(p, f.name): [1, f.max_k + 1] for p in policies for f in FAMILIES}  # [lo, hi): hi passes
+    families = {f.name: f for f in FAMILIES}
+    with ProcessPoolExecutor(max_workers=options.jobs) as pool:
+        while open_ := [key for key, (lo, hi) in bounds.items() if lo < hi]:
+            probes = {key: (bounds[key][0] + bounds[key][1]) // 2 for key in open_}
+            jobs = [(key, families[key[1]].fleet(k)) for key, k in probes.items()]
+            todo = [(key[0], fleet) for key, fleet in jobs if (key[0], fleet) not in runs]
+            for (policy, fleet), summary in zip(todo, pool.map(_run, [(args_for(f), p) for p, f in todo]),
+                                                strict=True):
+                runs[(policy, fleet)] = summary
+            for key, fleet in jobs:
+                k = probes[key]
+                if runs[(key[0], fleet)]["slo_attainment"] >= options.target:
+                    bounds[key][1] = k
+                else:
+                    bounds[key][0] = k + 1
+    wall_s = time.perf_counter() - started
+
+    lines = [f"Cheapest fleet holding {options.target:.0%} SLO attainment (TTFT {options.ttft_slo:g} s, TPOT "
+             f"{options.tpot_slo * 1000:.0f} ms): {options.workload}, first {options.limit} requests at "
+             f"{options.load:g}x, ±{options.timing_error:.0%} timing error (seed {options.seed}); "
+             f"{len(runs)} runs in {wall_s / 60:.0f} min.", "",
+             "| policy | " + " | ".join(f.name for f in FAMILIES) + " | cheapest | $/h | whole-fleet $ per success |",
+             "|---|" + "---|" * len(FAMILIES) + "---|---:|---:|"]
+    best: dict[str, tuple[float, str]] = {}
+    for policy in policies:
+        cells = []
+        for family in FAMILIES:
+            k = bounds[(policy, family.name)][0]
+            if k > family.max_k:
+                cells.append("none")
+                continue
+            fleet = family.fleet(k)
+            cells.append(fleet)
+            if policy not in best or price_per_hour(fleet) < best[policy][0]:
+                best[policy] = (price_per_hour(fleet), fleet)
+        price, fleet = best.get(policy, (0.0, "none"))
+        cost = runs[(policy, fleet)]["cost_per_successful_task"] if fleet != "none" else 0.0
+        lines.append(f"| {policy} | " + " | ".join(cells) + f" | {fleet} | {price:.2f} | {cost:.5f} |")
+    text = "\n".join(lines) + "\n"
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(text)
+    (out / "results.json").write_text(json.dumps({f"{p}@{f}": s for (p, f), s in runs.items()}, indent=1))
+    sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
