@@ -151,9 +151,9 @@ class Simulation:
         # generation's true speed against the timing model the scheduler reads: the engines run the
         # fitted coefficients scaled by a factor drawn once per generation from [1 − e, 1 + e].
         self._max_tokens = max_tokens
-        draw = random.Random(seed)
-        self._timing_scale = {gpu: 1.0 + draw.uniform(-timing_error, timing_error)
-                              for gpu in sorted({config.gpu for config in nodes})}
+        # Drawn per (seed, generation), so that an H100 runs at the same speed in every fleet of a seed.
+        self._timing_scale = {gpu: 1.0 + random.Random(f"{seed}:{gpu}").uniform(-timing_error, timing_error)
+                              for gpu in {config.gpu for config in nodes}}
         self._max_num_batched_tokens = max_num_batched_tokens
         self._nodes: dict[str, _Node] = {}
         for config in nodes:
@@ -310,8 +310,7 @@ class Simulation:
             busy_s={n: node.busy_s for n, node in self._nodes.items()},
             price_per_hour={n: node.config.price_per_hour for n, node in self._nodes.items()},
             makespan_s=self._now,
-            provisioned_s=self._now if self._min_think_s < math.inf else max(
-                (r.arrival_s for r in workload.requests), default=0.0),
+            provisioned_s=self._now,
             num_steps=self._num_steps,
         )
 
@@ -449,6 +448,7 @@ class Simulation:
             try:
                 options = self._placer.after_queueing(pending.plan, options, self._now)
             except BatonError as error:
+                self._admission.release(ticket.request_id)
                 self._fail(pending.record, str(error))
                 continue
             self._commit(pending, options)

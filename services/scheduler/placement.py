@@ -55,6 +55,8 @@ class Plan:
     candidates: dict[str, list[NodeStatus]] = field(default_factory=dict)
     # When a retry took its unit of the retry budget (None: a first placement, or not yet charged).
     charged_at: float | None = None
+    # When placement started (the request's arrival at the scheduler): its deadline counts from here.
+    started_at: float = 0.0
 
     @property
     def has_candidates(self) -> bool:
@@ -83,7 +85,9 @@ class Placer:
         self.policy = policy
         self.retry_budget = retry_budget
         self.planner = planner
-        self._predictor = predictor or BatonPolicy()
+        # Baton's own policy predicts for admission with what it knows (the prompt tokens it has been
+        # sending each node); other policies get a predictor of their own.
+        self._predictor = predictor or (policy if isinstance(policy, BatonPolicy) else BatonPolicy())
 
     def start(self, ask: PlaceAsk, now: float, changing: Changing = _none_changing) -> Plan:
         """Charge the retry budget (or count the request), find the models some node has and their
@@ -109,7 +113,7 @@ class Placer:
             raise NotFound(f"model={request.model!r}: no registered node has it"
                            + (f" (nor {', '.join(ask.alternative_models)})" if ask.alternative_models else ""))
         needed = math.ceil((request.num_prompt_tokens + request.max_tokens) / SIZING_BLOCK)
-        plan = Plan(ask, models, needed, charged_at=charged_at)
+        plan = Plan(ask, models, needed, charged_at=charged_at, started_at=now)
         self.refresh(plan, now, changing)
         if not plan.has_candidates and not plan.is_retry:
             self.planner.note_demand(models[0], now)  # the models are only on busy nodes' disks: make room
@@ -162,19 +166,22 @@ class Placer:
                           for o in options)
         return ticket, best_ttft_s
 
-    def _check_deadline(self, request: PlacementRequest, options: list[Option], now: float) -> None:
-        """Refuse at once a request that could not end by its deadline on any candidate: TTFT plus
-        max_tokens decode steps, predicted on the fleet as it is (no timing model: no refusal)."""
+    def _check_deadline(self, request: PlacementRequest, options: list[Option], now: float,
+                        waited_s: float = 0.0) -> None:
+        """Refuse a request that could not end by its deadline on any candidate: the time it has waited
+        plus TTFT plus max_tokens decode steps, predicted on the fleet as it is (no timing model: no
+        refusal)."""
         if not request.deadline_ms:
             return
         ends = [end for o in options
                 if (end := self._predictor.best_finish_s(o.request, o.candidates, o.matched_blocks, now)) is not None]
-        if not ends or min(ends) * 1000 <= request.deadline_ms:
+        if not ends or (waited_s + min(ends)) * 1000 <= request.deadline_ms:
             return
-        best_ms = min(ends) * 1000
+        best_ms = (waited_s + min(ends)) * 1000
         raise ResourceExhausted(
             f"deadline_ms={request.deadline_ms}: cannot be met; the first token and max_tokens={request.max_tokens} "
-            f"are predicted to take {best_ms:.0f} ms on the best node now (ask for fewer tokens or a later deadline)",
+            f"are predicted to take {best_ms:.0f} ms on the best node now"
+            + (f", after {waited_s:.1f} s queued" if waited_s else "") + " (ask for fewer tokens or a later deadline)",
             retry_after_ms=max(1000, int(best_ms - request.deadline_ms)))
 
     def after_queueing(self, plan: Plan, options: list[Option], now: float,
@@ -185,6 +192,7 @@ class Placer:
         fresh = [o for o in fresh if o.candidates]
         if not fresh:
             raise Unavailable(f"model={plan.ask.request.model!r}: no live node left for it after queueing")
+        self._check_deadline(plan.ask.request, fresh, now, waited_s=now - plan.started_at)
         return fresh
 
     def decide(self, options: list[Option], now: float) -> Placed:

@@ -4,6 +4,8 @@ the routed-prefix index SGLang and llm-d keep."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from services.common.load import Load
@@ -192,9 +194,14 @@ def test_llmd_long_queue_loses_to_idle_node_when_prefixes_are_equal() -> None:
     assert _choose(policy, [_status("a", num_waiting=40), _status("b")]) == "b"
 
 
-def test_llmd_ties_go_to_the_first_candidate() -> None:
-    assert _choose(LlmdPolicy(), [_status("a"), _status("b")]) == "a"
-    assert _choose(LlmdPolicy(), [_status("b"), _status("a")]) == "b"
+def test_llmd_breaks_ties_at_random_like_its_max_score_picker_but_replayably() -> None:
+    """llm-d shuffles the pods before picking the highest score: a tie is no win for the first node."""
+    picks = [_choose(LlmdPolicy(), [_status("a"), _status("b")], dataclasses.replace(_request(), request_id=f"r{i}"),
+                     matched_blocks={}) for i in range(40)]
+    assert 10 < picks.count("a") < 30
+    # The same request, in any candidate order, gets the same node: a simulated run replays exactly.
+    again = dataclasses.replace(_request(), request_id="r7")
+    assert _choose(LlmdPolicy(), [_status("b"), _status("a")], again) == picks[7]
 
 
 def test_llmd_precise_scores_the_engines_cached_prefix_min_max_normalised() -> None:

@@ -145,3 +145,18 @@ def test_a_deadline_no_node_could_meet_is_refused_at_once_with_a_hint() -> None:
     # Room to finish: admitted.
     roomy = placer.start(_ask(model=model, max_tokens=2000, deadline_ms=600_000), 1.0)
     assert placer.ticket(roomy, placer.options(roomy, lambda _: {}), 1.0) is not None
+
+
+def test_a_request_that_queued_past_what_its_deadline_allows_is_refused_before_it_is_placed() -> None:
+    """Admitted with room, it waited in the admission queue: placing it now would burn GPU time on a
+    stream the router must cut at its deadline."""
+    model = "sim-llama-3.1-8b"
+    placer = _placer(_spec("a", warm=(model,)))
+    ask = _ask(model=model, max_tokens=200, deadline_ms=10_000)
+    plan = placer.start(ask, 1.0)
+    options = placer.options(plan, lambda _: {})
+    assert placer.ticket(plan, options, 1.0) is not None
+    assert placer.after_queueing(plan, options, 2.0)  # a second in the queue: still in time
+    placer.cluster.report_load("a", Load(kv_blocks_total=1000), 10.5)
+    with pytest.raises(ResourceExhausted, match=r"deadline_ms=10000: cannot be met; .*after 10.0 s queued"):
+        placer.after_queueing(plan, options, 11.0)

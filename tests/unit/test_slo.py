@@ -49,3 +49,14 @@ def test_the_router_counts_a_stream_too_slow_per_token_as_late_with_the_cluster_
     assert _outcome(length, lax, DEFAULTS, 0.0, 0.2, 1.7, 11, 1.7) == scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
     abort = common_pb2.FINISH_REASON_ABORT
     assert _outcome(abort, request, DEFAULTS, 0.0, 0.2, 0.7, 11, 0.7) == scheduler_pb2.REQUEST_OUTCOME_CANCELLED
+
+
+def test_every_hop_carries_the_budgets_the_request_will_be_judged_by() -> None:
+    """The router fills the cluster's defaults into the context: the scheduler's policy and its
+    admission queue then hold a request to the budgets its outcome is classified against."""
+    from baton.v1 import router_pb2
+    from services.common.request_context import context_of
+
+    cluster = Slo(ttft_ms=2000, tpot_ms=50, deadline_ms=0)
+    context = context_of(router_pb2.GenerateRequest(tenant="t", tpot_budget_ms=30), cluster)
+    assert (context.tenant, context.ttft_budget_ms, context.tpot_budget_ms, context.deadline_ms) == ("t", 2000, 30, 0)

@@ -14,6 +14,8 @@ Weighted scorers, each in [0, 1], summed; the highest total wins (ANCHORS.md). Q
 
 from __future__ import annotations
 
+import hashlib
+
 from services.scheduler.fleet import NodeStatus
 from services.scheduler.policies.base import Decision, PlacementRequest, Policy, decision
 from services.scheduler.policies.routed_prefix import RoutedPrefixIndex
@@ -60,8 +62,10 @@ class LlmdPolicy(Policy):
         self, request: PlacementRequest, candidates: list[NodeStatus], matched_blocks: dict[str, int], now: float
     ) -> Decision:
         scores = self.scores(request, candidates, matched_blocks)
-        # Highest score; ties go to the earlier candidate (node-id order).
-        chosen = max(candidates, key=lambda s: scores[s.spec.node_id])
+        # Highest score; ties broken at random, as llm-d's max-score picker does (it shuffles the
+        # pods first): here by a hash of request and node, so that a run can be replayed.
+        chosen = max(candidates, key=lambda s: (scores[s.spec.node_id],
+                                                _shuffle_key(request.request_id, s.spec.node_id)))
         self._prefixes.record(chosen.spec.node_id, request.block_hashes)
         return decision(chosen, matched_blocks, scores[chosen.spec.node_id])
 
@@ -80,3 +84,7 @@ class LlmdPrecisePolicy(LlmdPolicy):
         low, high = min(held.values(), default=0), max(held.values(), default=0)
         return {s.spec.node_id: 0.0 if s.spec.node_id not in held
                 else 1.0 if high == low else (held[s.spec.node_id] - low) / (high - low) for s in candidates}
+
+
+def _shuffle_key(request_id: str, node_id: str) -> bytes:
+    return hashlib.blake2b(f"{request_id}/{node_id}".encode(), digest_size=8).digest()
