@@ -117,6 +117,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             prompt_token_ids=tuple(request.prompt_token_ids),
             sampling=sampling_from_proto(request.sampling),
             num_resumed_tokens=request.num_resumed_tokens,
+            cache_salt=request.cache_salt,
         )
         try:
             outputs = engine.generate(engine_request, self._config.heartbeat_interval_s)
