@@ -1,4 +1,5 @@
-"""The `baton` command: up (a local cluster), generate (stream a completion), status, sim (the simulator)."""
+"""The `baton` command: up (a local cluster), generate (stream a completion), status, tenants (API keys), sim
+(the simulator)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -13,8 +15,10 @@ from pathlib import Path
 
 import grpc
 
+from baton import tenants as tenants_cli
 from baton.client import BatonClient
 from baton.cluster import ClusterSpec, LocalCluster, StartError, default_state_path
+from baton.protocol import AUTHORIZATION_KEY
 from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.node_agent.engines.sim.models import GPU_SPECS, SIM_MODELS
 from services.scheduler.policies import POLICIES
@@ -82,6 +86,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         otel_exporter=args.otel_exporter,
         node_args=node_args,
         scheduler_args=(f"--policy={args.policy}",),
+        auth=args.auth,
     )
     timeout_s = args.timeout_s or (300.0 if args.engine == "vllm" else 60.0)
     cluster = LocalCluster(spec, Path(args.workdir) if args.workdir else None)
@@ -100,10 +105,13 @@ def cmd_up(args: argparse.Namespace) -> int:
               f"logs in {cluster.workdir})")
         for process in [*cluster.schedulers, *cluster.kvindexes, *cluster.nodes]:
             print(f"  {process.name}: {process.address}")
+        if cluster.admin_key:
+            print(f"Auth is on: tenant 'admin' (an administrator) has key {cluster.admin_key}\n"
+                  f"  (recorded in {args.state} for baton generate/status; `baton tenants add NAME` issues more)")
         baton = sys.argv[0]
         print(f"Try: {baton} generate --router {cluster.router.address} 'Hello'   |   {baton} status")
         if args.demo:
-            asyncio.run(_demo(cluster.router.address, spec.model))
+            asyncio.run(_demo(cluster.router.address, spec.model, cluster.admin_key or None))
         print("Ctrl-C stops the cluster.", flush=True)
         stop.wait()
     finally:
@@ -116,11 +124,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _demo(router: str, model: str) -> None:
+async def _demo(router: str, model: str, api_key: str | None = None) -> None:
     if model.startswith("sim-"):
         print("\n(The sim engine computes no language: its tokens are a deterministic function of the context, "
               "so the text below reads as noise. Timing, caching and resume are what it models.)")
-    async with BatonClient(router) as client:
+    async with BatonClient(router, api_key=api_key) as client:
         for attempt in ("first", "repeated (now served from the prefix cache)"):
             print(f"\n--- demo: {attempt} request: {DEMO_PROMPT!r}")
             node = ""
@@ -134,6 +142,24 @@ async def _demo(router: str, model: str) -> None:
                           f"cached {usage.cached_tokens}, completion {usage.completion_tokens} tokens; "
                           f"GPU time {usage.gpu_ms:.1f} ms]")
     print("\n(`baton status` shows why each request went where it did, and the cost per successful task.)")
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $BATON_API_KEY, else the running `baton up --auth`'s administrator key."""
+    return args.api_key or os.environ.get("BATON_API_KEY") or _load_state(args).get("api_key") or None
+
+
+def _metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    key = _api_key(args)
+    return ((AUTHORIZATION_KEY, f"Bearer {key}"),) if key else ()
+
+
+def cmd_tenants(args: argparse.Namespace) -> int:
+    etcd = args.etcd or _load_state(args).get("etcd")
+    if not etcd:
+        print("baton tenants: no --etcd given and no running `baton up` found", file=sys.stderr)
+        return 2
+    return tenants_cli.cmd_tenants(args, etcd)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -150,7 +176,7 @@ async def _generate(router: str, args: argparse.Namespace) -> int:
         fields["max_tokens"] = args.max_tokens
     if args.seed is not None:
         fields["seed"] = args.seed
-    async with BatonClient(router) as client:
+    async with BatonClient(router, api_key=_api_key(args)) as client:
         try:
             async for chunk in client.generate(args.model, args.prompt, **fields):
                 sys.stdout.write(chunk.text)
@@ -178,11 +204,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         try:
             with grpc.insecure_channel(address) as channel:
                 state = scheduler_pb2_grpc.SchedulerStub(channel).GetClusterState(
-                    scheduler_pb2.GetClusterStateRequest(), timeout=3.0
+                    scheduler_pb2.GetClusterStateRequest(), timeout=3.0, metadata=_metadata(args)
                 )
             break
         except grpc.RpcError as exc:
-            errors.append(f"{address}: {exc.code().name}")
+            errors.append(f"{address}: {exc.code().name}" + (
+                f" ({exc.details()})" if exc.code() in (grpc.StatusCode.UNAUTHENTICATED,
+                                                        grpc.StatusCode.PERMISSION_DENIED) else ""))
     if state is None:
         print(f"baton status: no scheduler answered ({'; '.join(errors)})", file=sys.stderr)
         return 1
@@ -190,7 +218,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         try:
             with grpc.insecure_channel(state.leader_address) as channel:
                 state = scheduler_pb2_grpc.SchedulerStub(channel).GetClusterState(
-                    scheduler_pb2.GetClusterStateRequest(), timeout=3.0)
+                    scheduler_pb2.GetClusterStateRequest(), timeout=3.0, metadata=_metadata(args))
             address = state.leader_address
         except grpc.RpcError:
             pass
@@ -219,18 +247,18 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"cost per successful task: {fleet} for the whole fleet (idle GPUs included), {busy} busy time only")
     for action in state.model_actions[:5]:
         print(f"  model {action.kind} {action.model} on {action.node_id}: {action.result} ({action.reason})")
-    _print_recent_decisions(address)
+    _print_recent_decisions(address, _metadata(args))
     return 0
 
 
 _STATE_MARKS = {common_pb2.MODEL_STATE_LOADING: " (loading)"}
 
 
-def _print_recent_decisions(scheduler: str, limit: int = 5) -> None:
+def _print_recent_decisions(scheduler: str, metadata: tuple[tuple[str, str], ...] = (), limit: int = 5) -> None:
     try:
         with grpc.insecure_channel(scheduler) as channel:
             recent = scheduler_pb2_grpc.SchedulerStub(channel).GetRecentDecisions(
-                scheduler_pb2.GetRecentDecisionsRequest(limit=limit), timeout=3.0)
+                scheduler_pb2.GetRecentDecisionsRequest(limit=limit), timeout=3.0, metadata=metadata)
     except grpc.RpcError:
         return
     if not recent.decisions:
@@ -273,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--timeout-s", type=float, default=0.0,
                     help="how long to wait for readiness (0: 60 s, or 300 s with --engine vllm)")
     up.add_argument("--demo", action="store_true", help="send a demo request once the cluster is up")
+    up.add_argument("--auth", action="store_true", help="require API keys at the routers and for the schedulers' "
+                    "introspection; issues an administrator key for tenant 'admin' (docs/security.md)")
     up.set_defaults(func=cmd_up)
 
     gen = commands.add_parser("generate", help="stream a completion to the terminal")
@@ -282,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=None)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--api-key", default="", help="the tenant's API key with auth on (default: $BATON_API_KEY, "
+                     "else the running `baton up --auth`'s administrator key)")
     gen.set_defaults(func=cmd_generate)
 
     # `baton sim ...` is handed whole to the simulator's own parser (see main).
@@ -291,7 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", help="nodes, models, load and KV usage")
     status.add_argument("--scheduler", default="", help="scheduler host:port (default: the running `baton up`)")
+    status.add_argument("--api-key", default="", help="an administrator's API key with auth on (default: "
+                        "$BATON_API_KEY, else the running `baton up --auth`'s)")
     status.set_defaults(func=cmd_status)
+    tenants_cli.add_parser(commands).set_defaults(func=cmd_tenants)
     return parser
 
 

@@ -18,10 +18,13 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from baton.protocol import AUTHORIZATION_KEY
+from baton.tenants import add_tenant, run_sync
 from baton.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -189,6 +192,8 @@ class ClusterSpec:
     per_node_args: tuple[tuple[str, ...], ...] = ()
     router_args: tuple[str, ...] = ()
     scheduler_args: tuple[str, ...] = ()
+    # Routers and schedulers require API keys (--auth); an administrator's key is issued at start.
+    auth: bool = False
 
 
 class LocalCluster:
@@ -205,6 +210,8 @@ class LocalCluster:
         self.schedulers: list[ManagedProcess] = []
         self.routers: list[ManagedProcess] = []
         self.nodes: list[ManagedProcess] = []
+        # With spec.auth: the key of tenant "admin" (an administrator), issued when etcd is up.
+        self.admin_key = ""
 
     @property
     def router(self) -> ManagedProcess | None:
@@ -239,17 +246,19 @@ class LocalCluster:
         spec = self.spec
         self.etcd = start_etcd(self.workdir, timeout_s)
         self.etcd_endpoint = self.etcd.address
+        if spec.auth:
+            self.admin_key = self.add_tenant("admin", is_admin=True)
 
         common = self._common_flags()
         for i in range(spec.num_kvindexes):
             flags = {**common, "instance-id": f"kvindex-{i}"}
             self.kvindexes.append(self._service(f"kvindex-{i}", "services.kvindex", flags))
         for i in range(spec.num_schedulers):
-            flags = {**common, "instance-id": f"scheduler-{i}"}
+            flags = {**common, **self._auth_flags(), "instance-id": f"scheduler-{i}"}
             self.schedulers.append(self._service(f"scheduler-{i}", "services.scheduler", flags,
                                                  extra=spec.scheduler_args))
         for i in range(spec.num_routers):
-            flags = {**common, "instance-id": f"router-{i}"}
+            flags = {**common, **self._auth_flags(), "instance-id": f"router-{i}"}
             port = spec.router_port if i == 0 else 0
             self.routers.append(self._service(f"router-{i}", "services.router", flags, port, spec.router_args))
         for i in range(spec.num_nodes):
@@ -271,11 +280,24 @@ class LocalCluster:
         spec = self.spec
         return {"lease-ttl-s": spec.lease_ttl_s, "otel-exporter": spec.otel_exporter, "log-level": spec.log_level}
 
+    def _auth_flags(self) -> dict[str, object]:
+        return {"auth": "true"} if self.spec.auth else {}
+
+    def add_tenant(self, tenant: str, **fields: Any) -> str:
+        """Issue an API key for tenant (baton.tenants.add_tenant's fields); the key."""
+        _, key = run_sync(add_tenant(self.etcd_endpoint, tenant, **fields))
+        return key
+
+    @property
+    def admin_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata that authenticates as the administrator (nothing without auth)."""
+        return ((AUTHORIZATION_KEY, f"Bearer {self.admin_key}"),) if self.admin_key else ()
+
     def add_scheduler(self, timeout_s: float = 30.0) -> ManagedProcess:
         """Start one more scheduler replica and wait until it is SERVING."""
         spec = self.spec
         index = len(self.schedulers)
-        flags = {**self._common_flags(), "instance-id": f"scheduler-{index}"}
+        flags = {**self._common_flags(), **self._auth_flags(), "instance-id": f"scheduler-{index}"}
         process = self._service(f"scheduler-{index}", "services.scheduler", flags, extra=spec.scheduler_args)
         self.schedulers.append(process)
         process.start()
@@ -300,7 +322,8 @@ class LocalCluster:
             with grpc.insecure_channel(scheduler.address) as channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)
                 try:
-                    return stub.GetClusterState(scheduler_pb2.GetClusterStateRequest(), timeout=timeout_s)
+                    return stub.GetClusterState(scheduler_pb2.GetClusterStateRequest(), timeout=timeout_s,
+                                                metadata=self.admin_metadata)
                 except grpc.RpcError as exc:
                     error = exc
         raise StartError(f"no scheduler answered GetClusterState: {error}")
@@ -322,14 +345,20 @@ class LocalCluster:
         """Addresses for `baton generate` and `baton status`."""
         assert self.router is not None and self.scheduler is not None
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({
-            "router": self.router.address,
-            "routers": [p.address for p in self.routers],
-            "scheduler": self.scheduler.address,
-            "schedulers": [p.address for p in self.schedulers],
-            "etcd": self.etcd_endpoint,
-            "workdir": str(self.workdir),
-        }))
+        # Readable by its owner alone from the start: with auth it holds the administrator's key.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as state:
+            state.write(json.dumps({
+                "router": self.router.address,
+                "routers": [p.address for p in self.routers],
+                "scheduler": self.scheduler.address,
+                "schedulers": [p.address for p in self.schedulers],
+                "etcd": self.etcd_endpoint,
+                "workdir": str(self.workdir),
+                # The administrator's key (with auth), for `baton generate` and `baton status`.
+                **({"api_key": self.admin_key} if self.admin_key else {}),
+            }))
 
     def stop(self) -> None:
         """Stop what this cluster started, by pid: router first, etcd last."""

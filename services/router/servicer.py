@@ -25,6 +25,7 @@ from services.common.directory import ChannelPool, LeaderDirectory
 from services.common.errors import BatonError, DeadlineExceeded, abort
 from services.common.etcd_session import Membership, PrefixView
 from services.common.telemetry import Telemetry
+from services.common.tenant_directory import TenantDirectory
 from services.router.catalogue import models_from_registrations
 from services.router.config import RouterConfig
 from services.router.generation import Generation
@@ -63,6 +64,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         # A node whose lease lapsed stays for a TTL: an etcd freeze expires every lease at once.
         self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed,
                                  grace_s=config.lease_ttl_s)
+        # With --auth: every call names its tenant by API key (services/common/auth.py).
+        self._tenants = TenantDirectory(self._member.client) if config.auth else None
         self._leader = LeaderDirectory(self._member.client, etcd_keys.SCHEDULER_ELECTION, telemetry)
         self._node_channels = ChannelPool(telemetry)
         self._liveness = NodeLiveness()
@@ -86,6 +89,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             self._nodes.run(),
             self._leader.run(),
             self._report_live(),
+            *([self._tenants.run()] if self._tenants is not None else []),
         ]
 
     async def _report_live(self) -> None:
@@ -120,9 +124,25 @@ class RouterService(router_pb2_grpc.RouterServicer):
         await self._node_channels.close()
         await self._member.close()
 
+    async def _cache_salt(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
+        """With --auth, the caller's tenant replaces the request's own, and its prefix-cache namespace is
+        returned; Unauthenticated without a valid key. Without --auth, the shared namespace ("")."""
+        if self._tenants is None:
+            return ""
+        await self._tenants.ready(self._config.leader_wait_s)
+        record = self._tenants.tenant_from_metadata(context.invocation_metadata())
+        request.tenant = record.tenant
+        return record.cache_salt
+
     async def ListModels(
         self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ListModelsResponse:
+        if self._tenants is not None:
+            try:
+                await self._tenants.ready(self._config.leader_wait_s)
+                self._tenants.tenant_from_metadata(context.invocation_metadata())
+            except BatonError as error:
+                await abort(context, error)
         return router_pb2.ListModelsResponse(
             models=[
                 router_pb2.ServedModel(
@@ -141,6 +161,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         outcome = "OK"
         live_id: str | None = None
         try:
+            cache_salt = await self._cache_salt(request, context)
             valid = validate(request, self._models, self._config.default_max_tokens, self._rng,
                              self._config.input_limits)
             generation = Generation(
@@ -150,6 +171,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 sampling=valid.sampling,
                 generated=list(valid.resume_token_ids),
                 alternative_models=valid.alternative_models,
+                cache_salt=cache_salt,
             )
             decoder = TOKENIZERS[valid.model.tokenizer].decoder()
             # A resumed stream's text continues where the client's left off, mid-character or not.
