@@ -9,8 +9,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from baton.client import BatonClient, Completion
 from baton.cli import main as baton_main
+from baton.client import BatonClient, Completion
 from baton.cluster import ClusterSpec, LocalCluster
 from baton.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.integration.conftest import MODEL, eventually, wait_until
