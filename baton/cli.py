@@ -17,9 +17,10 @@ import grpc
 
 from baton import tenants as tenants_cli
 from baton.client import BatonClient
-from baton.cluster import ClusterSpec, LocalCluster, StartError, default_state_path
+from baton.cluster import ClusterSpec, LocalCluster, StartError, default_state_path, sync_channel
 from baton.protocol import AUTHORIZATION_KEY
 from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.common.tls import TlsFiles, channel_credentials
 from services.node_agent.engines.sim.models import GPU_SPECS, SIM_MODELS
 from services.scheduler.policies import POLICIES
 from simulator.admission_study import main as admission_study_main
@@ -87,6 +88,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         node_args=node_args,
         scheduler_args=(f"--policy={args.policy}",),
         auth=args.auth,
+        tls=args.tls,
     )
     timeout_s = args.timeout_s or (300.0 if args.engine == "vllm" else 60.0)
     cluster = LocalCluster(spec, Path(args.workdir) if args.workdir else None)
@@ -105,13 +107,17 @@ def cmd_up(args: argparse.Namespace) -> int:
               f"logs in {cluster.workdir})")
         for process in [*cluster.schedulers, *cluster.kvindexes, *cluster.nodes]:
             print(f"  {process.name}: {process.address}")
+        if cluster.pki is not None:
+            print(f"TLS is on: the throwaway CA is {cluster.pki.ca}; internal ports require client certificates "
+                  f"(an operator's: {cluster.pki.client.cert})")
         if cluster.admin_key:
             print(f"Auth is on: tenant 'admin' (an administrator) has key {cluster.admin_key}\n"
                   f"  (recorded in {args.state} for baton generate/status; `baton tenants add NAME` issues more)")
         baton = sys.argv[0]
         print(f"Try: {baton} generate --router {cluster.router.address} 'Hello'   |   {baton} status")
         if args.demo:
-            asyncio.run(_demo(cluster.router.address, spec.model, cluster.admin_key or None))
+            asyncio.run(_demo(cluster.router.address, spec.model, cluster.admin_key or None,
+                              cluster.client_credentials))
         print("Ctrl-C stops the cluster.", flush=True)
         stop.wait()
     finally:
@@ -124,11 +130,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _demo(router: str, model: str, api_key: str | None = None) -> None:
+async def _demo(router: str, model: str, api_key: str | None = None,
+                credentials: grpc.ChannelCredentials | None = None) -> None:
     if model.startswith("sim-"):
         print("\n(The sim engine computes no language: its tokens are a deterministic function of the context, "
               "so the text below reads as noise. Timing, caching and resume are what it models.)")
-    async with BatonClient(router, api_key=api_key) as client:
+    async with BatonClient(router, api_key=api_key, credentials=credentials) as client:
         for attempt in ("first", "repeated (now served from the prefix cache)"):
             print(f"\n--- demo: {attempt} request: {DEMO_PROMPT!r}")
             node = ""
@@ -147,6 +154,14 @@ async def _demo(router: str, model: str, api_key: str | None = None) -> None:
 def _api_key(args: argparse.Namespace) -> str | None:
     """--api-key, else $BATON_API_KEY, else the running `baton up --auth`'s administrator key."""
     return args.api_key or os.environ.get("BATON_API_KEY") or _load_state(args).get("api_key") or None
+
+
+def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    """TLS from --tls-ca (with --tls-cert/--tls-key for internal ports), else the running `baton up --tls`'s."""
+    files = TlsFiles(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key) if args.tls_ca else None
+    if files is None and "tls" in _load_state(args):
+        files = TlsFiles(**_load_state(args)["tls"])
+    return channel_credentials(files) if files is not None else None
 
 
 def _metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
@@ -176,7 +191,7 @@ async def _generate(router: str, args: argparse.Namespace) -> int:
         fields["max_tokens"] = args.max_tokens
     if args.seed is not None:
         fields["seed"] = args.seed
-    async with BatonClient(router, api_key=_api_key(args)) as client:
+    async with BatonClient(router, api_key=_api_key(args), credentials=_credentials(args)) as client:
         try:
             async for chunk in client.generate(args.model, args.prompt, **fields):
                 sys.stdout.write(chunk.text)
@@ -202,7 +217,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     state, errors = None, []
     for address in addresses:  # any replica answers: each keeps the whole view
         try:
-            with grpc.insecure_channel(address) as channel:
+            with sync_channel(address, _credentials(args)) as channel:
                 state = scheduler_pb2_grpc.SchedulerStub(channel).GetClusterState(
                     scheduler_pb2.GetClusterStateRequest(), timeout=3.0, metadata=_metadata(args)
                 )
@@ -216,7 +231,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 1
     if state.leader_address and state.leader_address != address:  # the KPI and model actions are the leader's
         try:
-            with grpc.insecure_channel(state.leader_address) as channel:
+            with sync_channel(state.leader_address, _credentials(args)) as channel:
                 state = scheduler_pb2_grpc.SchedulerStub(channel).GetClusterState(
                     scheduler_pb2.GetClusterStateRequest(), timeout=3.0, metadata=_metadata(args))
             address = state.leader_address
@@ -247,16 +262,17 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"cost per successful task: {fleet} for the whole fleet (idle GPUs included), {busy} busy time only")
     for action in state.model_actions[:5]:
         print(f"  model {action.kind} {action.model} on {action.node_id}: {action.result} ({action.reason})")
-    _print_recent_decisions(address, _metadata(args))
+    _print_recent_decisions(address, _metadata(args), _credentials(args))
     return 0
 
 
 _STATE_MARKS = {common_pb2.MODEL_STATE_LOADING: " (loading)"}
 
 
-def _print_recent_decisions(scheduler: str, metadata: tuple[tuple[str, str], ...] = (), limit: int = 5) -> None:
+def _print_recent_decisions(scheduler: str, metadata: tuple[tuple[str, str], ...] = (),
+                            credentials: grpc.ChannelCredentials | None = None, limit: int = 5) -> None:
     try:
-        with grpc.insecure_channel(scheduler) as channel:
+        with sync_channel(scheduler, credentials) as channel:
             recent = scheduler_pb2_grpc.SchedulerStub(channel).GetRecentDecisions(
                 scheduler_pb2.GetRecentDecisionsRequest(limit=limit), timeout=3.0, metadata=metadata)
     except grpc.RpcError:
@@ -268,6 +284,13 @@ def _print_recent_decisions(scheduler: str, metadata: tuple[tuple[str, str], ...
         why = ", ".join(f"{c.node_id}: ttft {c.predicted_ttft_ms:.0f} ms, p {c.success:.2f}, ${c.cost:.5f}"
                         + ("" if c.warm else f", cold: {c.load_ms / 1000:.0f} s load") for c in d.candidates)
         print(f"  {d.request_id[:12]:<12} -> {d.node_id:<8} score {d.score:.6g}" + (f"  [{why}]" if why else ""))
+
+
+def _add_tls_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-ca", default="", help="PEM CA to check the cluster's certificates by (default: the "
+                        "running `baton up --tls`'s; neither: plaintext)")
+    parser.add_argument("--tls-cert", default="", help="PEM client certificate, for internal ports (with --tls-ca)")
+    parser.add_argument("--tls-key", default="", help="PEM key of --tls-cert")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -301,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--timeout-s", type=float, default=0.0,
                     help="how long to wait for readiness (0: 60 s, or 300 s with --engine vllm)")
     up.add_argument("--demo", action="store_true", help="send a demo request once the cluster is up")
+    up.add_argument("--tls", action="store_true", help="TLS on every port, certificates from a throwaway CA made "
+                    "in the workdir; internal ports require client certificates (docs/security.md)")
     up.add_argument("--auth", action="store_true", help="require API keys at the routers and for the schedulers' "
                     "introspection; issues an administrator key for tenant 'admin' (docs/security.md)")
     up.set_defaults(func=cmd_up)
@@ -314,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--api-key", default="", help="the tenant's API key with auth on (default: $BATON_API_KEY, "
                      "else the running `baton up --auth`'s administrator key)")
+    _add_tls_flags(gen)
     gen.set_defaults(func=cmd_generate)
 
     # `baton sim ...` is handed whole to the simulator's own parser (see main).
@@ -325,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--scheduler", default="", help="scheduler host:port (default: the running `baton up`)")
     status.add_argument("--api-key", default="", help="an administrator's API key with auth on (default: "
                         "$BATON_API_KEY, else the running `baton up --auth`'s)")
+    _add_tls_flags(status)
     status.set_defaults(func=cmd_status)
     tenants_cli.add_parser(commands).set_defaults(func=cmd_tenants)
     return parser

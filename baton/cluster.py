@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from baton.protocol import AUTHORIZATION_KEY
 from baton.tenants import add_tenant, run_sync
 from baton.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.tls import ThrowawayPki, channel_credentials, generate_throwaway_pki
 
 
 def free_port() -> int:
@@ -108,10 +109,16 @@ class ManagedProcess:
             return ""
 
 
-def wait_grpc_serving(process: ManagedProcess, timeout_s: float) -> None:
+def sync_channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    """A blocking channel to address: over TLS with credentials, else plaintext."""
+    return grpc.secure_channel(address, credentials) if credentials is not None else grpc.insecure_channel(address)
+
+
+def wait_grpc_serving(process: ManagedProcess, timeout_s: float,
+                      credentials: grpc.ChannelCredentials | None = None) -> None:
     """Block until process's gRPC health service reports SERVING (a Watch, not a poll)."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(process.address) as channel:
+    with sync_channel(process.address, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             remaining = deadline - time.monotonic()
@@ -194,6 +201,9 @@ class ClusterSpec:
     scheduler_args: tuple[str, ...] = ()
     # Routers and schedulers require API keys (--auth); an administrator's key is issued at start.
     auth: bool = False
+    # Every port speaks TLS with certificates from a throwaway CA made at start; internal ports
+    # (all but the routers') require client certificates.
+    tls: bool = False
 
 
 class LocalCluster:
@@ -212,6 +222,8 @@ class LocalCluster:
         self.nodes: list[ManagedProcess] = []
         # With spec.auth: the key of tenant "admin" (an administrator), issued when etcd is up.
         self.admin_key = ""
+        # With spec.tls: the throwaway CA and its certificates, under workdir/tls.
+        self.pki: ThrowawayPki | None = None
 
     @property
     def router(self) -> ManagedProcess | None:
@@ -244,6 +256,8 @@ class LocalCluster:
 
     def _start(self, timeout_s: float) -> None:
         spec = self.spec
+        if spec.tls:
+            self.pki = generate_throwaway_pki(self.workdir / "tls")
         self.etcd = start_etcd(self.workdir, timeout_s)
         self.etcd_endpoint = self.etcd.address
         if spec.auth:
@@ -273,12 +287,19 @@ class LocalCluster:
         for process in services:
             process.start()
         for process in services:
-            wait_grpc_serving(process, timeout_s)
+            wait_grpc_serving(process, timeout_s, self.client_credentials)
         self.wait_nodes_visible(spec.num_nodes, timeout_s)
 
     def _common_flags(self) -> dict[str, object]:
         spec = self.spec
-        return {"lease-ttl-s": spec.lease_ttl_s, "otel-exporter": spec.otel_exporter, "log-level": spec.log_level}
+        tls = self.pki.service if self.pki is not None else None
+        return {"lease-ttl-s": spec.lease_ttl_s, "otel-exporter": spec.otel_exporter, "log-level": spec.log_level,
+                **({"tls-cert": tls.cert, "tls-key": tls.key, "tls-ca": tls.ca} if tls is not None else {})}
+
+    @property
+    def client_credentials(self) -> grpc.ChannelCredentials | None:
+        """An operator's TLS credentials (the CA and a client certificate) with spec.tls; None without."""
+        return channel_credentials(self.pki.client) if self.pki is not None else None
 
     def _auth_flags(self) -> dict[str, object]:
         return {"auth": "true"} if self.spec.auth else {}
@@ -301,7 +322,7 @@ class LocalCluster:
         process = self._service(f"scheduler-{index}", "services.scheduler", flags, extra=spec.scheduler_args)
         self.schedulers.append(process)
         process.start()
-        wait_grpc_serving(process, timeout_s)
+        wait_grpc_serving(process, timeout_s, self.client_credentials)
         return process
 
     def restart(self, process: ManagedProcess, timeout_s: float = 30.0) -> None:
@@ -311,7 +332,7 @@ class LocalCluster:
         if process is self.etcd:
             wait_etcd_healthy(process, timeout_s)
         else:
-            wait_grpc_serving(process, timeout_s)
+            wait_grpc_serving(process, timeout_s, self.client_credentials)
 
     def cluster_state(self, timeout_s: float = 2.0) -> scheduler_pb2.ClusterState:
         """The fleet as the first scheduler replica that answers sees it."""
@@ -319,7 +340,7 @@ class LocalCluster:
         for scheduler in self.schedulers:
             if not scheduler.is_running():
                 continue
-            with grpc.insecure_channel(scheduler.address) as channel:
+            with sync_channel(scheduler.address, self.client_credentials) as channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)
                 try:
                     return stub.GetClusterState(scheduler_pb2.GetClusterStateRequest(), timeout=timeout_s,
@@ -358,6 +379,9 @@ class LocalCluster:
                 "workdir": str(self.workdir),
                 # The administrator's key (with auth), for `baton generate` and `baton status`.
                 **({"api_key": self.admin_key} if self.admin_key else {}),
+                # The CA and an operator's client certificate, with TLS.
+                **({"tls": {"ca": self.pki.client.ca, "cert": self.pki.client.cert, "key": self.pki.client.key}}
+                   if self.pki is not None else {}),
             }))
 
     def stop(self) -> None:

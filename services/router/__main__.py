@@ -13,8 +13,9 @@ from services.router.servicer import RouterService
 async def main() -> int:
     config = parse_config(RouterConfig, "BATON_ROUTER")
     setup_logging(config.log_level)
-    telemetry = Telemetry("router", config.otel_exporter)
-    return await serve(RouterService(config, telemetry), config.listen, telemetry)
+    telemetry = Telemetry("router", config.otel_exporter, config.channel_credentials())
+    return await serve(RouterService(config, telemetry), config.listen, telemetry,
+                       credentials=config.server_credentials())
 
 
 if __name__ == "__main__":

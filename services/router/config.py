@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from services.common.config import ServiceConfig, doc
 from services.common.slo import DEFAULT_TPOT_BUDGET_MS, DEFAULT_TTFT_BUDGET_MS, Slo
@@ -39,6 +40,9 @@ class RouterConfig(ServiceConfig):
                            "KPI", DEFAULT_TTFT_BUDGET_MS)
     slo_tpot_ms: int = doc("mean time per output token a request that sets no tpot_budget_ms is held to, "
                            "for the KPI", DEFAULT_TPOT_BUDGET_MS)
+
+    # The public port: clients prove who they are with API keys, not certificates.
+    requires_client_cert: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
