@@ -174,7 +174,7 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     if not etcd:
         print("baton tenants: no --etcd given and no running `baton up` found", file=sys.stderr)
         return 2
-    return tenants_cli.cmd_tenants(args, etcd)
+    return tenants_cli.cmd_tenants(args, etcd, _credentials(args))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -353,7 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "$BATON_API_KEY, else the running `baton up --auth`'s)")
     _add_tls_flags(status)
     status.set_defaults(func=cmd_status)
-    tenants_cli.add_parser(commands).set_defaults(func=cmd_tenants)
+    tenants = tenants_cli.add_parser(commands)
+    _add_tls_flags(tenants)
+    tenants.set_defaults(func=cmd_tenants)
     return parser
 
 

@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -26,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from baton.protocol import AUTHORIZATION_KEY
 from baton.tenants import add_tenant, run_sync
 from baton.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.common.tls import ThrowawayPki, channel_credentials, generate_throwaway_pki
+from services.common.tls import ThrowawayPki, TlsFiles, channel_credentials, generate_throwaway_pki
 
 
 def free_port() -> int:
@@ -138,11 +139,17 @@ def wait_grpc_serving(process: ManagedProcess, timeout_s: float,
     )
 
 
-def wait_etcd_healthy(process: ManagedProcess, timeout_s: float) -> None:
+def wait_etcd_healthy(process: ManagedProcess, timeout_s: float, tls: TlsFiles | None = None) -> None:
+    """Until etcd's /health says so; over TLS, showing tls's client certificate, when tls is given."""
     deadline = time.monotonic() + timeout_s
+    context = None
+    if tls is not None:
+        context = ssl.create_default_context(cafile=tls.ca)
+        context.load_cert_chain(tls.cert, tls.key)
+    url = f"{'https' if tls is not None else 'http'}://{process.address}/health"
     while time.monotonic() < deadline and process.is_running():
         try:
-            with urllib.request.urlopen(f"http://{process.address}/health", timeout=1.0) as reply:
+            with urllib.request.urlopen(url, timeout=1.0, context=context) as reply:
                 if json.loads(reply.read()).get("health") == "true":
                     return
         except OSError:
@@ -151,24 +158,28 @@ def wait_etcd_healthy(process: ManagedProcess, timeout_s: float) -> None:
     raise StartError(f"etcd not healthy within {timeout_s:.0f}s; log {process.log_path}:\n{process.log_tail()}")
 
 
-def start_etcd(workdir: Path, timeout_s: float = 30.0) -> ManagedProcess:
-    """A single-member etcd on free loopback ports with its data under workdir, once healthy."""
+def start_etcd(workdir: Path, timeout_s: float = 30.0, pki: ThrowawayPki | None = None) -> ManagedProcess:
+    """A single-member etcd on free loopback ports with its data under workdir, once healthy; with pki,
+    its client port speaks TLS only and requires a client certificate the CA signed."""
     client_port, peer_port = free_port(), free_port()
-    client_url, peer_url = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
+    scheme = "https" if pki is not None else "http"
+    client_url, peer_url = f"{scheme}://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
+    tls_args = ["--cert-file", pki.service.cert, "--key-file", pki.service.key, "--trusted-ca-file", str(pki.ca),
+                "--client-cert-auth"] if pki is not None else []
     etcd = ManagedProcess(
         name="etcd",
         args=[
             etcd_binary(), "--name", "baton-local", "--data-dir", str(workdir / "etcd"),
             "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"baton-local={peer_url}", "--log-level", "warn",
+            "--initial-cluster", f"baton-local={peer_url}", "--log-level", "warn", *tls_args,
         ],
         log_path=workdir / "etcd.log",
         address=f"127.0.0.1:{client_port}",
     )
     etcd.start()
     try:
-        wait_etcd_healthy(etcd, timeout_s)
+        wait_etcd_healthy(etcd, timeout_s, pki.client if pki is not None else None)
     except BaseException:
         etcd.stop()
         raise
@@ -258,7 +269,7 @@ class LocalCluster:
         spec = self.spec
         if spec.tls:
             self.pki = generate_throwaway_pki(self.workdir / "tls")
-        self.etcd = start_etcd(self.workdir, timeout_s)
+        self.etcd = start_etcd(self.workdir, timeout_s, self.pki)
         self.etcd_endpoint = self.etcd.address
         if spec.auth:
             self.admin_key = self.add_tenant("admin", is_admin=True)
@@ -294,7 +305,8 @@ class LocalCluster:
         spec = self.spec
         tls = self.pki.service if self.pki is not None else None
         return {"lease-ttl-s": spec.lease_ttl_s, "otel-exporter": spec.otel_exporter, "log-level": spec.log_level,
-                **({"tls-cert": tls.cert, "tls-key": tls.key, "tls-ca": tls.ca} if tls is not None else {})}
+                **({"tls-cert": tls.cert, "tls-key": tls.key, "tls-ca": tls.ca, "etcd-ca": tls.ca}
+                   if tls is not None else {})}
 
     @property
     def client_credentials(self) -> grpc.ChannelCredentials | None:
@@ -306,7 +318,7 @@ class LocalCluster:
 
     def add_tenant(self, tenant: str, **fields: Any) -> str:
         """Issue an API key for tenant (baton.tenants.add_tenant's fields); the key."""
-        _, key = run_sync(add_tenant(self.etcd_endpoint, tenant, **fields))
+        _, key = run_sync(add_tenant(self.etcd_endpoint, tenant, credentials=self.client_credentials, **fields))
         return key
 
     @property
@@ -330,7 +342,7 @@ class LocalCluster:
         process.stop()
         process.start()
         if process is self.etcd:
-            wait_etcd_healthy(process, timeout_s)
+            wait_etcd_healthy(process, timeout_s, self.pki.client if self.pki is not None else None)
         else:
             wait_grpc_serving(process, timeout_s, self.client_credentials)
 

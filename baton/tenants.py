@@ -10,6 +10,8 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+import grpc
+
 from services.common import etcd_keys
 from services.common.auth import TenantRecord, new_api_key
 from services.common.etcd_session import connect
@@ -34,10 +36,11 @@ async def _read(client: Any, tenant: str) -> TenantRecord | None:
 
 async def add_tenant(etcd: str, tenant: str, *, weight: float | None = None, max_concurrency: int | None = None,
                      tokens_per_minute: int | None = None, cache_group: str | None = None,
-                     is_admin: bool | None = None) -> tuple[TenantRecord, str]:
+                     is_admin: bool | None = None,
+                     credentials: grpc.ChannelCredentials | None = None) -> tuple[TenantRecord, str]:
     """Issue a new API key for tenant (creating it); the fields given replace the record's. Returns the
     record and the key, which exists nowhere else: etcd keeps only its hash."""
-    async with connect(etcd) as client:
+    async with connect(etcd, credentials=credentials) as client:
         record = await _read(client, tenant) or TenantRecord(tenant=tenant)
         fields = {"weight": weight, "max_concurrency": max_concurrency, "tokens_per_minute": tokens_per_minute,
                   "cache_group": cache_group, "is_admin": is_admin}
@@ -48,16 +51,17 @@ async def add_tenant(etcd: str, tenant: str, *, weight: float | None = None, max
     return record, key
 
 
-async def list_tenants(etcd: str) -> list[TenantRecord]:
-    async with connect(etcd) as client:
+async def list_tenants(etcd: str, credentials: grpc.ChannelCredentials | None = None) -> list[TenantRecord]:
+    async with connect(etcd, credentials=credentials) as client:
         listing = await client.get_prefix(etcd_keys.TENANTS.encode())
     return sorted((TenantRecord.from_json(kv.value) for kv in listing if kv.value), key=lambda r: r.tenant)
 
 
-async def revoke(etcd: str, tenant: str, key_id: str | None = None) -> TenantRecord:
+async def revoke(etcd: str, tenant: str, key_id: str | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> TenantRecord:
     """Revoke one key of tenant's (every key when key_id is None); LookupError naming what is unknown.
     The record stays, so a revoked key is refused as revoked, not as unknown."""
-    async with connect(etcd) as client:
+    async with connect(etcd, credentials=credentials) as client:
         record = await _read(client, tenant)
         if record is None:
             raise LookupError(f"tenant {tenant!r}: no such tenant")
@@ -78,21 +82,22 @@ def _describe(record: TenantRecord) -> str:
             f"{', ' + limits if limits else ''}; cache group {record.cache_group or record.tenant}; keys {keys}")
 
 
-def cmd_tenants(args: argparse.Namespace, etcd: str) -> int:
+def cmd_tenants(args: argparse.Namespace, etcd: str, credentials: grpc.ChannelCredentials | None = None) -> int:
+    """credentials: TLS to etcd (None: plaintext)."""
     try:
         if args.action == "add":
             record, key = run_sync(add_tenant(
                 etcd, args.tenant, weight=args.weight, max_concurrency=args.max_concurrency,
                 tokens_per_minute=args.tokens_per_minute, cache_group=args.cache_group,
-                is_admin=True if args.admin else None))
+                is_admin=True if args.admin else None, credentials=credentials))
             print(_describe(record), file=sys.stderr)
             print("the new key (shown once; etcd keeps only its hash):", file=sys.stderr)
             print(key)
         elif args.action == "list":
-            for record in run_sync(list_tenants(etcd)):
+            for record in run_sync(list_tenants(etcd, credentials)):
                 print(_describe(record))
         else:
-            record = run_sync(revoke(etcd, args.tenant, args.key_id))
+            record = run_sync(revoke(etcd, args.tenant, args.key_id, credentials))
             print(_describe(record))
     except (LookupError, ValueError) as exc:
         print(f"baton tenants {args.action}: {exc}", file=sys.stderr)

@@ -94,6 +94,9 @@ class ServiceConfig:
     tls_ca: str = doc("PEM CA that peers' certificates chain to: calls to other services go over TLS, and an "
                       "internal service (not the router) refuses clients without a certificate it signed", "")
 
+    etcd_ca: str = doc("PEM CA of etcd's certificate: the etcd connection goes over TLS, showing --tls-cert "
+                       "when given (for etcd's --client-cert-auth); empty: plaintext", "")
+
     # Whether this service's port demands client certificates when it has a CA (mutual TLS).
     requires_client_cert: ClassVar[bool] = True
 
@@ -101,6 +104,7 @@ class ServiceConfig:
         TlsFiles(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca)  # ValueError naming a bad TLS flag
         if self.tls_ca and not self.tls_cert:
             raise ValueError("--tls-ca needs --tls-cert and --tls-key: a service shows its own certificate")
+        TlsFiles(ca=self.etcd_ca)  # ValueError when the file is missing
         check_listen("listen", self.listen)
         check_listen("etcd", self.etcd)
         if self.lease_ttl_s < 1:
@@ -117,6 +121,10 @@ class ServiceConfig:
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
         """What this service calls the others with (None: plaintext)."""
         return channel_credentials(self.tls)
+
+    def etcd_credentials(self) -> grpc.ChannelCredentials | None:
+        """What this service talks to etcd with (None: plaintext)."""
+        return channel_credentials(TlsFiles(cert=self.tls_cert, key=self.tls_key, ca=self.etcd_ca))
 
 
 def check_listen(name: str, value: str) -> None:

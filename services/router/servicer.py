@@ -60,7 +60,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._config = config
         self._rng = random.Random()
         self._models: dict[str, ModelEntry] = {}
-        self._member = Membership(config.etcd, config.lease_ttl_s)
+        self._member = Membership(config.etcd, config.lease_ttl_s, config.etcd_credentials())
         # A node whose lease lapsed stays for a TTL: an etcd freeze expires every lease at once.
         self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed,
                                  grace_s=config.lease_ttl_s)

@@ -106,7 +106,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                     lease_s=config.admission_lease_s)
         self._gate = AdmissionGate(self._admission, self._is_saturated, telemetry.meter, clock)
         self._node_infos: dict[str, common_pb2.NodeInfo] = {}
-        self._member = Membership(config.etcd, config.lease_ttl_s)
+        self._member = Membership(config.etcd, config.lease_ttl_s, config.etcd_credentials())
         self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed,
                                  grace_s=config.lease_ttl_s)
         # Tenant records (`baton tenants`): their limits feed admission; with --auth, their keys guard

@@ -1,5 +1,5 @@
 """TLS on every port, from a throwaway CA: clients check the router's certificate; internal ports
-(scheduler, node agent) refuse a client that shows no certificate of the cluster's CA."""
+(scheduler, node agent) and etcd refuse a client that shows no certificate of the cluster's CA."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import pytest
 from baton.client import BatonClient
 from baton.cluster import ClusterSpec, LocalCluster
 from baton.v1 import node_agent_pb2, node_agent_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.common import etcd_keys
+from services.common.etcd_session import connect
 from tests.integration.conftest import MODEL
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -59,3 +61,19 @@ def test_an_internal_port_refuses_a_client_without_a_certificate(encrypted: Loca
         ask(trusting_the_ca(encrypted))
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert ask(encrypted.client_credentials)  # the operator's certificate is let in
+
+
+@pytest.mark.parametrize("client", ["plaintext", "without a certificate"])
+async def test_etcd_refuses_a_client_without_a_certificate_and_the_services_reach_it(
+        encrypted: LocalCluster, client: str) -> None:
+    refused = connect(encrypted.etcd_endpoint, timeout_s=2,
+                      credentials=None if client == "plaintext" else trusting_the_ca(encrypted))
+    try:
+        with pytest.raises(Exception):  # noqa: B017 - aetcd wraps the refused handshake in its own errors
+            await refused.get_prefix(etcd_keys.NODES.encode())
+    finally:
+        await refused.close()
+
+    async with connect(encrypted.etcd_endpoint, timeout_s=5, credentials=encrypted.client_credentials) as operator:
+        registered = await operator.get_prefix(etcd_keys.NODES.encode())
+    assert [kv.key.decode() for kv in registered] == [etcd_keys.node_key("node-0")]  # the node got in over TLS
