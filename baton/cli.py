@@ -20,7 +20,7 @@ from baton.client import BatonClient
 from baton.cluster import ClusterSpec, LocalCluster, StartError, default_state_path, sync_channel
 from baton.protocol import AUTHORIZATION_KEY
 from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from services.common.tls import TlsFiles, channel_credentials
+from services.common.tls import TlsFiles, channel_credentials, generate_throwaway_pki
 from services.node_agent.engines.sim.models import GPU_SPECS, SIM_MODELS
 from services.scheduler.policies import POLICIES
 from simulator.admission_study import main as admission_study_main
@@ -175,6 +175,17 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         print("baton tenants: no --etcd given and no running `baton up` found", file=sys.stderr)
         return 2
     return tenants_cli.cmd_tenants(args, etcd, _credentials(args))
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip())
+    if not hosts:
+        print("baton certs: --hosts names no host", file=sys.stderr)
+        return 2
+    pki = generate_throwaway_pki(Path(args.out), hosts, days=args.days)
+    print(f"CA {pki.ca}\nservices (server and client use, for {', '.join(hosts)}): {pki.service.cert} "
+          f"{pki.service.key}\noperator (client use): {pki.client.cert} {pki.client.key}")
+    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -353,6 +364,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "$BATON_API_KEY, else the running `baton up --auth`'s)")
     _add_tls_flags(status)
     status.set_defaults(func=cmd_status)
+    certs = commands.add_parser("certs", help="write a throwaway CA and certificates for the services and an operator "
+                                "(a compose deployment, a test; not for production)")
+    certs.add_argument("out", help="directory to write ca.pem, service.pem, client.pem and their keys to")
+    certs.add_argument("--hosts", default="127.0.0.1,localhost", help="names and IPs the service certificate is "
+                       "valid for: the hosts of the addresses services register (--listen)")
+    certs.add_argument("--days", type=int, default=7, help="validity")
+    certs.set_defaults(func=cmd_certs)
     tenants = tenants_cli.add_parser(commands)
     _add_tls_flags(tenants)
     tenants.set_defaults(func=cmd_tenants)

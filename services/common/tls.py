@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,9 +85,11 @@ def generate_throwaway_pki(directory: Path, hosts: tuple[str, ...] = ("127.0.0.1
 
     def write_key(name: str, key: ec.EllipticCurvePrivateKey) -> Path:
         path = directory / name
-        path.touch(mode=0o600)
-        path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # an older file of that name may have been readable by others
+        with os.fdopen(fd, "wb") as out:
+            out.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                        serialization.NoEncryption()))
         return path
 
     def write_cert(name: str, cert: x509.Certificate) -> Path:
