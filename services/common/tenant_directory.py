@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import aetcd
 
@@ -49,7 +49,7 @@ class TenantDirectory:
         """The tenant of a valid API key; Unauthenticated naming what is wrong (never echoing the key)."""
         return self.keys.tenant_from_key(key)
 
-    def tenant_from_metadata(self, metadata) -> TenantRecord:  # noqa: ANN001 - grpc's Metadata or tuples
+    def tenant_from_metadata(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> TenantRecord:
         """The tenant of a gRPC call, from its `authorization: Bearer <key>` metadata."""
         return self.keys.tenant_from_metadata(metadata)
 

@@ -124,7 +124,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         await self._node_channels.close()
         await self._member.close()
 
-    async def _cache_salt(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
+    async def _authenticate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
         """With --auth, the caller's tenant replaces the request's own, and its prefix-cache namespace is
         returned; Unauthenticated without a valid key. Without --auth, the shared namespace ("")."""
         if self._tenants is None:
@@ -161,7 +161,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         outcome = "OK"
         live_id: str | None = None
         try:
-            cache_salt = await self._cache_salt(request, context)
+            cache_salt = await self._authenticate(request, context)
             valid = validate(request, self._models, self._config.default_max_tokens, self._rng,
                              self._config.input_limits)
             generation = Generation(
