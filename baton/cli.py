@@ -1,4 +1,5 @@
-"""The `baton` command: up (a local cluster), generate (stream a completion), status, sim (the simulator)."""
+"""The `baton` command: up (a local cluster), generate (stream a completion), status, tenants (API keys), sim
+(the simulator)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from pathlib import Path
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from baton import tenants as tenants_cli
 from baton.client import BatonClient, finish_reason_of
-from baton.cluster import ClusterSpec, LocalCluster, StartError
-from baton.protocol import is_transport_failure
+from baton.cluster import ClusterSpec, LocalCluster, StartError, sync_channel
+from baton.protocol import AUTHORIZATION_KEY, is_transport_failure
 from baton.state_files import (
     STATE_DIR_ENV,
     ClusterRecord,
@@ -33,6 +35,7 @@ from baton.state_files import (
     write_record,
 )
 from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.common.tls import TlsFiles, channel_credentials, generate_throwaway_pki
 from services.node_agent.engines.sim.models import GPU_SPECS, SIM_MODELS
 from services.scheduler.policies import POLICIES
 from simulator.admission_study import main as admission_study_main
@@ -135,6 +138,8 @@ def up_spec(args: argparse.Namespace) -> ClusterSpec:
         otel_exporter=args.otel_exporter,
         per_node_args=tuple(per_engine[engines[i % len(engines)]] for i in range(args.nodes)),
         scheduler_args=(f"--policy={args.policy}",),
+        auth=args.auth,
+        tls=args.tls,
     )
 
 
@@ -180,7 +185,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         write_record(path, ClusterRecord(
             name=name, path=path, pid=os.getpid(), routers=tuple(p.address for p in cluster.routers),
             schedulers=tuple(p.address for p in cluster.schedulers), etcd=cluster.etcd_endpoint,
-            workdir=str(cluster.workdir)))
+            workdir=str(cluster.workdir), api_key=cluster.admin_key,
+            tls={"ca": cluster.pki.client.ca, "cert": cluster.pki.client.cert, "key": cluster.pki.client.key}
+            if cluster.pki is not None else None))
         routers = ", ".join(p.address for p in cluster.routers)
         print(f"Baton is up: router{'s' if len(cluster.routers) > 1 else ''} {routers}  (cluster {name!r}, "
               f"etcd {cluster.etcd_endpoint}, logs in {cluster.workdir})")
@@ -188,11 +195,18 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"  OpenAI-compatible HTTP API: http://{cluster.http_address}/v1")
         for process in [*cluster.schedulers, *cluster.kvindexes, *cluster.nodes]:
             print(f"  {process.name}: {process.address}")
+        if cluster.pki is not None:
+            print(f"TLS is on: the throwaway CA is {cluster.pki.ca}; internal ports require client certificates "
+                  f"(an operator's: {cluster.pki.client.cert})")
+        if cluster.admin_key:
+            print(f"Auth is on: tenant 'admin' (an administrator) has key {cluster.admin_key}\n"
+                  f"  (recorded in {path} for baton generate/status; `baton tenants add NAME` issues more)")
         baton = sys.argv[0]
         which = f" --cluster {name}" if others else ""  # alone, generate and status find it unnamed
         print(f"Try: {baton} generate{which} 'Hello'   |   {baton} status{which}")
         if args.demo:
-            asyncio.run(_demo([p.address for p in cluster.routers], spec.model))
+            asyncio.run(_demo([p.address for p in cluster.routers], spec.model, cluster.admin_key or None,
+                              cluster.client_credentials))
         print("Ctrl-C stops the cluster.", flush=True)
         stop.wait()
     finally:
@@ -206,11 +220,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _demo(routers: list[str], model: str) -> None:
+async def _demo(routers: list[str], model: str, api_key: str | None = None,
+                credentials: grpc.ChannelCredentials | None = None) -> None:
     if model.startswith("sim-"):
         print("\n(The sim engine computes no language: its tokens are a deterministic function of the context, "
               "so the text below reads as noise. Timing, caching and resume are what it models.)")
-    async with BatonClient(routers) as client:
+    async with BatonClient(routers, api_key=api_key, credentials=credentials) as client:
         for attempt in ("first", "repeated (now served from the prefix cache)"):
             print(f"\n--- demo: {attempt} request: {DEMO_PROMPT!r}")
             node = ""
@@ -226,9 +241,56 @@ async def _demo(routers: list[str], model: str) -> None:
 
 
 def _find_cluster(args: argparse.Namespace) -> ClusterRecord:
-    if args.state and args.cluster:
-        raise StateError(f"--state {args.state!r} and --cluster {args.cluster!r}: give one")
-    return find_cluster(Path(args.state_dir), args.cluster, Path(args.state) if args.state else None)
+    cluster = getattr(args, "cluster", "")
+    if args.state and cluster:
+        raise StateError(f"--state {args.state!r} and --cluster {cluster!r}: give one")
+    return find_cluster(Path(args.state_dir), cluster, Path(args.state) if args.state else None)
+
+
+def _recorded(args: argparse.Namespace) -> ClusterRecord:
+    """The running cluster's record, or an empty one when none is found (flags then say it all)."""
+    try:
+        return _find_cluster(args)
+    except (StateError, FileNotFoundError):
+        return ClusterRecord(name="", path=Path(), pid=0, routers=(), schedulers=())
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $BATON_API_KEY, else the running `baton up --auth`'s administrator key."""
+    return args.api_key or os.environ.get("BATON_API_KEY") or _recorded(args).api_key or None
+
+
+def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    """TLS from --tls-ca (with --tls-cert/--tls-key for internal ports), else the running `baton up --tls`'s."""
+    files = TlsFiles(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key) if args.tls_ca else None
+    recorded_tls = _recorded(args).tls
+    if files is None and recorded_tls:
+        files = TlsFiles(**recorded_tls)
+    return channel_credentials(files) if files is not None else None
+
+
+def _metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    key = _api_key(args)
+    return ((AUTHORIZATION_KEY, f"Bearer {key}"),) if key else ()
+
+
+def cmd_tenants(args: argparse.Namespace) -> int:
+    etcd = args.etcd or _recorded(args).etcd
+    if not etcd:
+        print("baton tenants: no --etcd given and no running `baton up` found", file=sys.stderr)
+        return 2
+    return tenants_cli.cmd_tenants(args, etcd, _credentials(args))
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip())
+    if not hosts:
+        print("baton certs: --hosts names no host", file=sys.stderr)
+        return 2
+    pki = generate_throwaway_pki(Path(args.out), hosts, days=args.days)
+    print(f"CA {pki.ca}\nservices (server and client use, for {', '.join(hosts)}): {pki.service.cert} "
+          f"{pki.service.key}\noperator (client use): {pki.client.cert} {pki.client.key}")
+    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -258,7 +320,7 @@ def generate_fields(args: argparse.Namespace) -> dict[str, object]:
 
 
 async def _generate(routers: list[str], origin: str, args: argparse.Namespace) -> int:
-    async with BatonClient(routers) as client:
+    async with BatonClient(routers, api_key=_api_key(args), credentials=_credentials(args)) as client:
         try:
             async for chunk in client.generate(args.model, args.prompt, **generate_fields(args)):
                 if args.json:
@@ -294,21 +356,23 @@ def cmd_status(args: argparse.Namespace) -> int:
     state, errors = None, []
     for address in addresses:  # any replica answers: each keeps the whole view
         try:
-            with grpc.insecure_channel(address) as channel:
+            with sync_channel(address, _credentials(args)) as channel:
                 state = scheduler_pb2_grpc.SchedulerStub(channel).GetClusterState(
-                    scheduler_pb2.GetClusterStateRequest(), timeout=3.0
+                    scheduler_pb2.GetClusterStateRequest(), timeout=3.0, metadata=_metadata(args)
                 )
             break
         except grpc.RpcError as exc:
-            errors.append(f"{address}: {exc.code().name}")
+            errors.append(f"{address}: {exc.code().name}" + (
+                f" ({exc.details()})" if exc.code() in (grpc.StatusCode.UNAUTHENTICATED,
+                                                        grpc.StatusCode.PERMISSION_DENIED) else ""))
     if state is None:
         print(f"baton status: no scheduler answered ({'; '.join(errors)})", file=sys.stderr)
         return 1
     if state.leader_address and state.leader_address != address:  # the KPI and model actions are the leader's
         try:
-            with grpc.insecure_channel(state.leader_address) as channel:
+            with sync_channel(state.leader_address, _credentials(args)) as channel:
                 state = scheduler_pb2_grpc.SchedulerStub(channel).GetClusterState(
-                    scheduler_pb2.GetClusterStateRequest(), timeout=3.0)
+                    scheduler_pb2.GetClusterStateRequest(), timeout=3.0, metadata=_metadata(args))
             address = state.leader_address
         except grpc.RpcError:
             pass
@@ -337,18 +401,19 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"cost per successful task: {fleet} for the whole fleet (idle GPUs included), {busy} busy time only")
     for action in state.model_actions[:5]:
         print(f"  model {action.kind} {action.model} on {action.node_id}: {action.result} ({action.reason})")
-    _print_recent_decisions(address)
+    _print_recent_decisions(address, _metadata(args), _credentials(args))
     return 0
 
 
 _STATE_MARKS = {common_pb2.MODEL_STATE_LOADING: " (loading)"}
 
 
-def _print_recent_decisions(scheduler: str, limit: int = 5) -> None:
+def _print_recent_decisions(scheduler: str, metadata: tuple[tuple[str, str], ...] = (),
+                            credentials: grpc.ChannelCredentials | None = None, limit: int = 5) -> None:
     try:
-        with grpc.insecure_channel(scheduler) as channel:
+        with sync_channel(scheduler, credentials) as channel:
             recent = scheduler_pb2_grpc.SchedulerStub(channel).GetRecentDecisions(
-                scheduler_pb2.GetRecentDecisionsRequest(limit=limit), timeout=3.0)
+                scheduler_pb2.GetRecentDecisionsRequest(limit=limit), timeout=3.0, metadata=metadata)
     except grpc.RpcError:
         return
     if not recent.decisions:
@@ -385,6 +450,13 @@ def _add_state_flags(parser: argparse.ArgumentParser, default: object) -> None:
     parser.add_argument("--state", default=default if default is argparse.SUPPRESS else "",
                         help="one cluster record file to use instead (up writes it, generate and status read "
                              "it; default: none, the --state-dir record)")
+
+
+def _add_tls_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-ca", default="", help="PEM CA to check the cluster's certificates by (default: the "
+                        "running `baton up --tls`'s; neither: plaintext)")
+    parser.add_argument("--tls-cert", default="", help="PEM client certificate, for internal ports (with --tls-ca)")
+    parser.add_argument("--tls-key", default="", help="PEM key of --tls-cert")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -431,6 +503,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--timeout-s", type=float, default=0.0,
                     help="how long to wait for readiness (default: 0, meaning 60 s, or 300 s with vllm nodes)")
     up.add_argument("--demo", action="store_true", help="send a demo request once the cluster is up")
+    up.add_argument("--tls", action="store_true", help="TLS on every port, certificates from a throwaway CA made "
+                    "in the workdir; internal ports require client certificates (docs/security.md)")
+    up.add_argument("--auth", action="store_true", help="require API keys at the routers and for the schedulers' "
+                    "introspection; issues an administrator key for tenant 'admin' (docs/security.md)")
     up.set_defaults(func=cmd_up)
 
     gen = command("generate", help="stream a completion to the terminal")
@@ -454,6 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print each streamed chunk as one JSON object per line "
                      "(the protobuf JSON of GenerateChunk; the last carries finish_reason and usage; a failure "
                      "is a final {\"error\": {\"code\", \"message\"}})")
+    gen.add_argument("--api-key", default="", help="the tenant's API key with auth on (default: $BATON_API_KEY, "
+                     "else the running `baton up --auth`'s administrator key)")
+    _add_tls_flags(gen)
     gen.set_defaults(func=cmd_generate)
 
     # `baton sim ...` is handed whole to the simulator's own parser (see main).
@@ -465,7 +544,20 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--cluster", default="", help="the running `baton up` to ask, by --name (default: the "
                         "only one running)")
     status.add_argument("--scheduler", default="", help="scheduler host:port (default: the cluster's)")
+    status.add_argument("--api-key", default="", help="an administrator's API key with auth on (default: "
+                        "$BATON_API_KEY, else the running `baton up --auth`'s)")
+    _add_tls_flags(status)
     status.set_defaults(func=cmd_status)
+    certs = commands.add_parser("certs", help="write a throwaway CA and certificates for the services and an operator "
+                                "(a compose deployment, a test; not for production)")
+    certs.add_argument("out", help="directory to write ca.pem, service.pem, client.pem and their keys to")
+    certs.add_argument("--hosts", default="127.0.0.1,localhost", help="names and IPs the service certificate is "
+                       "valid for: the hosts of the addresses services register (--listen)")
+    certs.add_argument("--days", type=int, default=7, help="validity")
+    certs.set_defaults(func=cmd_certs)
+    tenants = tenants_cli.add_parser(commands)
+    _add_tls_flags(tenants)
+    tenants.set_defaults(func=cmd_tenants)
     return parser
 
 

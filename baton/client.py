@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from baton.protocol import is_transport_failure
+from baton.protocol import AUTHORIZATION_KEY, is_transport_failure
 from baton.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
@@ -42,12 +42,17 @@ def finish_reason_of(chunk: router_pb2.GenerateChunk) -> FinishReason:
 class BatonClient:
     """Streams completions from one of several routers, failing over between them mid-stream."""
 
-    def __init__(self, addresses: str | Sequence[str], max_failovers: int = 3) -> None:
+    def __init__(self, addresses: str | Sequence[str], max_failovers: int = 3, *, api_key: str | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        """api_key: the tenant's key (`baton tenants add`), for routers run with --auth; credentials: TLS
+        to the routers (grpc.ssl_channel_credentials with the cluster's CA), plaintext when None."""
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses:
             raise ValueError("BatonClient: at least one router address is needed")
         self.max_failovers = max_failovers
-        self._channels = {address: grpc.aio.insecure_channel(address) for address in self.addresses}
+        self._metadata = ((AUTHORIZATION_KEY, f"Bearer {api_key}"),) if api_key else ()
+        self._channels = {address: grpc.aio.secure_channel(address, credentials) if credentials is not None
+                          else grpc.aio.insecure_channel(address) for address in self.addresses}
         self._current = 0
 
     @property
@@ -83,7 +88,7 @@ class BatonClient:
                 del request.resume.token_ids[:]
                 request.resume.token_ids.extend(received)
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            call = self._stub().Generate(request, timeout=remaining)
+            call = self._stub().Generate(request, timeout=remaining, metadata=self._metadata)
             try:
                 async for chunk in call:
                     if chunk.HasField("seed"):
@@ -110,7 +115,7 @@ class BatonClient:
         return result
 
     async def list_models(self) -> list[router_pb2.ServedModel]:
-        reply = await self._stub().ListModels(router_pb2.ListModelsRequest(), timeout=5.0)
+        reply = await self._stub().ListModels(router_pb2.ListModelsRequest(), timeout=5.0, metadata=self._metadata)
         return list(reply.models)
 
     async def close(self) -> None:

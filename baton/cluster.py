@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -18,11 +19,15 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from baton.protocol import AUTHORIZATION_KEY
+from baton.tenants import add_tenant, run_sync
 from baton.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.tls import ThrowawayPki, TlsFiles, channel_credentials, generate_throwaway_pki
 
 
 def free_port() -> int:
@@ -105,10 +110,16 @@ class ManagedProcess:
             return ""
 
 
-def wait_grpc_serving(process: ManagedProcess, timeout_s: float) -> None:
+def sync_channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    """A blocking channel to address: over TLS with credentials, else plaintext."""
+    return grpc.secure_channel(address, credentials) if credentials is not None else grpc.insecure_channel(address)
+
+
+def wait_grpc_serving(process: ManagedProcess, timeout_s: float,
+                      credentials: grpc.ChannelCredentials | None = None) -> None:
     """Block until process's gRPC health service reports SERVING (a Watch, not a poll)."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(process.address) as channel:
+    with sync_channel(process.address, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             remaining = deadline - time.monotonic()
@@ -128,11 +139,17 @@ def wait_grpc_serving(process: ManagedProcess, timeout_s: float) -> None:
     )
 
 
-def wait_etcd_healthy(process: ManagedProcess, timeout_s: float) -> None:
+def wait_etcd_healthy(process: ManagedProcess, timeout_s: float, tls: TlsFiles | None = None) -> None:
+    """Until etcd's /health says so; over TLS, showing tls's client certificate, when tls is given."""
     deadline = time.monotonic() + timeout_s
+    context = None
+    if tls is not None:
+        context = ssl.create_default_context(cafile=tls.ca)
+        context.load_cert_chain(tls.cert, tls.key)
+    url = f"{'https' if tls is not None else 'http'}://{process.address}/health"
     while time.monotonic() < deadline and process.is_running():
         try:
-            with urllib.request.urlopen(f"http://{process.address}/health", timeout=1.0) as reply:
+            with urllib.request.urlopen(url, timeout=1.0, context=context) as reply:
                 if json.loads(reply.read()).get("health") == "true":
                     return
         except OSError:
@@ -141,24 +158,28 @@ def wait_etcd_healthy(process: ManagedProcess, timeout_s: float) -> None:
     raise StartError(f"etcd not healthy within {timeout_s:.0f}s; log {process.log_path}:\n{process.log_tail()}")
 
 
-def start_etcd(workdir: Path, timeout_s: float = 30.0) -> ManagedProcess:
-    """A single-member etcd on free loopback ports with its data under workdir, once healthy."""
+def start_etcd(workdir: Path, timeout_s: float = 30.0, pki: ThrowawayPki | None = None) -> ManagedProcess:
+    """A single-member etcd on free loopback ports with its data under workdir, once healthy; with pki,
+    its client port speaks TLS only and requires a client certificate the CA signed."""
     client_port, peer_port = free_port(), free_port()
-    client_url, peer_url = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
+    scheme = "https" if pki is not None else "http"
+    client_url, peer_url = f"{scheme}://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
+    tls_args = ["--cert-file", pki.service.cert, "--key-file", pki.service.key, "--trusted-ca-file", str(pki.ca),
+                "--client-cert-auth"] if pki is not None else []
     etcd = ManagedProcess(
         name="etcd",
         args=[
             etcd_binary(), "--name", "baton-local", "--data-dir", str(workdir / "etcd"),
             "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"baton-local={peer_url}", "--log-level", "warn",
+            "--initial-cluster", f"baton-local={peer_url}", "--log-level", "warn", *tls_args,
         ],
         log_path=workdir / "etcd.log",
         address=f"127.0.0.1:{client_port}",
     )
     etcd.start()
     try:
-        wait_etcd_healthy(etcd, timeout_s)
+        wait_etcd_healthy(etcd, timeout_s, pki.client if pki is not None else None)
     except BaseException:
         etcd.stop()
         raise
@@ -192,6 +213,11 @@ class ClusterSpec:
     per_node_args: tuple[tuple[str, ...], ...] = ()
     router_args: tuple[str, ...] = ()
     scheduler_args: tuple[str, ...] = ()
+    # Routers and schedulers require API keys (--auth); an administrator's key is issued at start.
+    auth: bool = False
+    # Every port speaks TLS with certificates from a throwaway CA made at start; internal ports
+    # (all but the routers') require client certificates.
+    tls: bool = False
 
 
 class LocalCluster:
@@ -210,6 +236,10 @@ class LocalCluster:
         self.nodes: list[ManagedProcess] = []
         # The first router's HTTP API, host:port (empty: none).
         self.http_address = ""
+        # With spec.auth: the key of tenant "admin" (an administrator), issued when etcd is up.
+        self.admin_key = ""
+        # With spec.tls: the throwaway CA and its certificates, under workdir/tls.
+        self.pki: ThrowawayPki | None = None
 
     @property
     def router(self) -> ManagedProcess | None:
@@ -242,19 +272,23 @@ class LocalCluster:
 
     def _start(self, timeout_s: float) -> None:
         spec = self.spec
-        self.etcd = start_etcd(self.workdir, timeout_s)
+        if spec.tls:
+            self.pki = generate_throwaway_pki(self.workdir / "tls")
+        self.etcd = start_etcd(self.workdir, timeout_s, self.pki)
         self.etcd_endpoint = self.etcd.address
+        if spec.auth:
+            self.admin_key = self.add_tenant("admin", is_admin=True)
 
         common = self._common_flags()
         for i in range(spec.num_kvindexes):
             flags = {**common, "instance-id": f"kvindex-{i}"}
             self.kvindexes.append(self._service(f"kvindex-{i}", "services.kvindex", flags))
         for i in range(spec.num_schedulers):
-            flags = {**common, "instance-id": f"scheduler-{i}"}
+            flags = {**common, **self._auth_flags(), "instance-id": f"scheduler-{i}"}
             self.schedulers.append(self._service(f"scheduler-{i}", "services.scheduler", flags,
                                                  extra=spec.scheduler_args))
         for i in range(spec.num_routers):
-            flags = {**common, "instance-id": f"router-{i}"}
+            flags = {**common, **self._auth_flags(), "instance-id": f"router-{i}"}
             port = spec.router_port + i if spec.router_port else 0
             if i == 0 and spec.http_port is not None:
                 self.http_address = f"127.0.0.1:{spec.http_port or free_port()}"
@@ -272,22 +306,43 @@ class LocalCluster:
         for process in services:
             process.start()
         for process in services:
-            wait_grpc_serving(process, timeout_s)
+            wait_grpc_serving(process, timeout_s, self.client_credentials)
         self.wait_nodes_visible(spec.num_nodes, timeout_s)
 
     def _common_flags(self) -> dict[str, object]:
         spec = self.spec
-        return {"lease-ttl-s": spec.lease_ttl_s, "otel-exporter": spec.otel_exporter, "log-level": spec.log_level}
+        tls = self.pki.service if self.pki is not None else None
+        return {"lease-ttl-s": spec.lease_ttl_s, "otel-exporter": spec.otel_exporter, "log-level": spec.log_level,
+                **({"tls-cert": tls.cert, "tls-key": tls.key, "tls-ca": tls.ca, "etcd-ca": tls.ca}
+                   if tls is not None else {})}
+
+    @property
+    def client_credentials(self) -> grpc.ChannelCredentials | None:
+        """An operator's TLS credentials (the CA and a client certificate) with spec.tls; None without."""
+        return channel_credentials(self.pki.client) if self.pki is not None else None
+
+    def _auth_flags(self) -> dict[str, object]:
+        return {"auth": "true"} if self.spec.auth else {}
+
+    def add_tenant(self, tenant: str, **fields: Any) -> str:
+        """Issue an API key for tenant (baton.tenants.add_tenant's fields); the key."""
+        _, key = run_sync(add_tenant(self.etcd_endpoint, tenant, credentials=self.client_credentials, **fields))
+        return key
+
+    @property
+    def admin_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata that authenticates as the administrator (nothing without auth)."""
+        return ((AUTHORIZATION_KEY, f"Bearer {self.admin_key}"),) if self.admin_key else ()
 
     def add_scheduler(self, timeout_s: float = 30.0) -> ManagedProcess:
         """Start one more scheduler replica and wait until it is SERVING."""
         spec = self.spec
         index = len(self.schedulers)
-        flags = {**self._common_flags(), "instance-id": f"scheduler-{index}"}
+        flags = {**self._common_flags(), **self._auth_flags(), "instance-id": f"scheduler-{index}"}
         process = self._service(f"scheduler-{index}", "services.scheduler", flags, extra=spec.scheduler_args)
         self.schedulers.append(process)
         process.start()
-        wait_grpc_serving(process, timeout_s)
+        wait_grpc_serving(process, timeout_s, self.client_credentials)
         return process
 
     def restart(self, process: ManagedProcess, timeout_s: float = 30.0) -> None:
@@ -295,9 +350,9 @@ class LocalCluster:
         process.stop()
         process.start()
         if process is self.etcd:
-            wait_etcd_healthy(process, timeout_s)
+            wait_etcd_healthy(process, timeout_s, self.pki.client if self.pki is not None else None)
         else:
-            wait_grpc_serving(process, timeout_s)
+            wait_grpc_serving(process, timeout_s, self.client_credentials)
 
     def cluster_state(self, timeout_s: float = 2.0) -> scheduler_pb2.ClusterState:
         """The fleet as the first scheduler replica that answers sees it."""
@@ -305,10 +360,11 @@ class LocalCluster:
         for scheduler in self.schedulers:
             if not scheduler.is_running():
                 continue
-            with grpc.insecure_channel(scheduler.address) as channel:
+            with sync_channel(scheduler.address, self.client_credentials) as channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)
                 try:
-                    return stub.GetClusterState(scheduler_pb2.GetClusterStateRequest(), timeout=timeout_s)
+                    return stub.GetClusterState(scheduler_pb2.GetClusterStateRequest(), timeout=timeout_s,
+                                                metadata=self.admin_metadata)
                 except grpc.RpcError as exc:
                     error = exc
         raise StartError(f"no scheduler answered GetClusterState: {error}")

@@ -17,3 +17,5 @@ def is_transport_failure(error: grpc.aio.AioRpcError) -> bool:
                             grpc.StatusCode.INTERNAL):
         return False
     return not any(key == ORIGIN_KEY for key, _ in (error.trailing_metadata() or ()))
+# Request metadata carrying a tenant's API key, as HTTP carries it: "authorization: Bearer <key>".
+AUTHORIZATION_KEY = "authorization"

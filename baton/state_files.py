@@ -60,6 +60,10 @@ class ClusterRecord:
     schedulers: tuple[str, ...]
     etcd: str = ""
     workdir: str = ""
+    # With `baton up --auth`: the administrator's API key; with --tls: the CA and an operator's
+    # client certificate and key (paths). The file is its owner's alone (mode 0600).
+    api_key: str = ""
+    tls: dict[str, str] | None = None
 
     @property
     def is_live(self) -> bool:
@@ -76,16 +80,22 @@ class ClusterRecord:
 def write_record(path: Path, record: ClusterRecord) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}")
-    temporary.write_text(json.dumps({
-        "name": record.name,
-        "pid": record.pid,
-        "router": record.routers[0],
-        "routers": list(record.routers),
-        "scheduler": record.schedulers[0],
-        "schedulers": list(record.schedulers),
-        "etcd": record.etcd,
-        "workdir": record.workdir,
-    }, indent=1))
+    # Readable by its owner alone from the start: with auth it holds the administrator's key.
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(json.dumps({
+            "name": record.name,
+            "pid": record.pid,
+            "router": record.routers[0],
+            "routers": list(record.routers),
+            "scheduler": record.schedulers[0],
+            "schedulers": list(record.schedulers),
+            "etcd": record.etcd,
+            "workdir": record.workdir,
+            **({"api_key": record.api_key} if record.api_key else {}),
+            **({"tls": record.tls} if record.tls else {}),
+        }, indent=1))
     temporary.replace(path)  # readers never see half a file
 
 
@@ -96,7 +106,8 @@ def read_record(path: Path) -> ClusterRecord:
         schedulers = data.get("schedulers") or [data["scheduler"]]
         return ClusterRecord(name=str(data.get("name") or path.stem), path=path, pid=int(data.get("pid", 0)),
                              routers=tuple(routers), schedulers=tuple(schedulers),
-                             etcd=str(data.get("etcd", "")), workdir=str(data.get("workdir", "")))
+                             etcd=str(data.get("etcd", "")), workdir=str(data.get("workdir", "")),
+                             api_key=str(data.get("api_key", "")), tls=data.get("tls") or None)
     except FileNotFoundError:
         raise
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:

@@ -17,6 +17,15 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
     return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little")
 
 
+def salted_root(cache_salt: str) -> int:
+    """The parent of a chain's first block under cache_salt: every key of the chain depends on it, so
+    blocks cached under one salt never match a prompt under another. The empty salt is the shared root."""
+    if not cache_salt:
+        return ROOT_PARENT_HASH
+    digest = hashlib.blake2b(cache_salt.encode(), digest_size=8, person=b"baton-salt").digest()
+    return int.from_bytes(digest, "little")
+
+
 def block_hashes(
     token_ids: Sequence[int],
     block_size: int = DEFAULT_BLOCK_SIZE,

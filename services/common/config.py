@@ -8,7 +8,11 @@ import os
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
+
+import grpc
+
+from services.common.tls import TlsFiles, channel_credentials, server_credentials
 
 T = TypeVar("T")
 
@@ -84,12 +88,43 @@ class ServiceConfig:
     lease_ttl_s: int = doc("etcd lease TTL in seconds; a dead process leaves the cluster within it", 3)
     otel_exporter: str = doc("span exporter: none, console or file:PATH", "none")
     log_level: str = doc("logging level", "INFO")
+    tls_cert: str = doc("PEM certificate this process serves (and shows when it calls another service with "
+                        "--tls-ca); empty: plaintext", "")
+    tls_key: str = doc("PEM private key of --tls-cert", "")
+    tls_ca: str = doc("PEM CA that peers' certificates chain to: calls to other services go over TLS, and an "
+                      "internal service (not the router) refuses clients without a certificate it signed", "")
+
+    etcd_ca: str = doc("PEM CA of etcd's certificate: the etcd connection goes over TLS, showing --tls-cert "
+                       "when given (for etcd's --client-cert-auth); empty: plaintext", "")
+
+    # Whether this service's port demands client certificates when it has a CA (mutual TLS).
+    requires_client_cert: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
+        TlsFiles(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca)  # ValueError naming a bad TLS flag
+        if self.tls_ca and not self.tls_cert:
+            raise ValueError("--tls-ca needs --tls-cert and --tls-key: a service shows its own certificate")
+        TlsFiles(ca=self.etcd_ca)  # ValueError when the file is missing
         check_listen("listen", self.listen)
         check_listen("etcd", self.etcd)
         if self.lease_ttl_s < 1:
             raise ValueError(f"--lease-ttl-s: must be at least 1, got {self.lease_ttl_s}")
+
+    @property
+    def tls(self) -> TlsFiles:
+        return TlsFiles(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca)
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        """What this service listens with (None: plaintext)."""
+        return server_credentials(self.tls, self.requires_client_cert)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        """What this service calls the others with (None: plaintext)."""
+        return channel_credentials(self.tls)
+
+    def etcd_credentials(self) -> grpc.ChannelCredentials | None:
+        """What this service talks to etcd with (None: plaintext)."""
+        return channel_credentials(TlsFiles(cert=self.tls_cert, key=self.tls_key, ca=self.etcd_ca))
 
 
 def check_listen(name: str, value: str) -> None:

@@ -29,7 +29,7 @@ class ChannelPool:
 
     def get(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = self._telemetry.insecure_channel(address, self._options)
+            self._channels[address] = self._telemetry.channel(address, self._options)
         return self._channels[address]
 
     async def close(self) -> None:

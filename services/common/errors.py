@@ -57,6 +57,16 @@ class DeadlineExceeded(BatonError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class Unauthenticated(BatonError):
+    """No valid API key; the message says what is wrong with it and never echoes the key."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(BatonError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class ResourceExhausted(BatonError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 

@@ -7,6 +7,8 @@ SERVICES = PREFIX + "services/"
 SCHEDULER_ELECTION = PREFIX + "election/scheduler/"
 # What a scheduler leader hands its successor; written only under its leadership (fenced).
 SCHEDULER_STATE = PREFIX + "scheduler/state"
+# One JSON record per tenant: its API keys (hashed), limits, weight and cache group (services/common/auth.py).
+TENANTS = PREFIX + "tenants/"
 
 
 def node_key(node_id: str) -> str:
@@ -20,3 +22,7 @@ def service_prefix(kind: str) -> str:
 
 def service_key(kind: str, instance_id: str) -> str:
     return service_prefix(kind) + instance_id
+
+
+def tenant_key(tenant: str) -> str:
+    return TENANTS + tenant

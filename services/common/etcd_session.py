@@ -16,9 +16,11 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import aetcd
+import grpc
 
 from services.common import etcd_keys
 from services.common.change_signal import ChangeSignal, wait_or_timeout
+from services.common.etcd_tls import TlsEtcdClient
 from services.common.lapsed_keys import LapsedKeys
 
 log = logging.getLogger(__name__)
@@ -37,9 +39,12 @@ _CHANNEL_OPTIONS = {
 }
 
 
-def connect(endpoint: str, timeout_s: float = 2.0) -> aetcd.Client:
-    """An etcd client for host:port (connection is lazy)."""
+def connect(endpoint: str, timeout_s: float = 2.0, credentials: grpc.ChannelCredentials | None = None) -> aetcd.Client:
+    """An etcd client for host:port (connection is lazy); over TLS with credentials."""
     host, _, port = endpoint.rpartition(":")
+    if credentials is not None:
+        return TlsEtcdClient(host=host, port=int(port), timeout=timeout_s, options=dict(_CHANNEL_OPTIONS),
+                             credentials=credentials)
     return aetcd.Client(host=host, port=int(port), timeout=timeout_s, options=dict(_CHANNEL_OPTIONS))
 
 
@@ -267,8 +272,8 @@ class PrefixView:
 class Membership:
     """This process's etcd client and the keys it holds there under one kept-alive lease."""
 
-    def __init__(self, endpoint: str, ttl_s: int) -> None:
-        self.client = connect(endpoint)
+    def __init__(self, endpoint: str, ttl_s: int, credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.client = connect(endpoint, credentials=credentials)
         self._session = LeaseSession(self.client, ttl_s)
 
     def hold(self, key: str, value: bytes) -> list[Coroutine[Any, Any, None]]:

@@ -11,6 +11,9 @@ class BlockStored:
     parent_block_hash: int | None
     token_ids: tuple[int, ...]
     block_size: int
+    # vLLM only: the cache salt of a chain's first block (parent_block_hash None), which vLLM mixed
+    # into that block's hash; Baton's keys for the chain then start from block_hash.salted_root(it).
+    root_salt: str = ""
 
 
 @dataclass(frozen=True)

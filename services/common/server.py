@@ -50,8 +50,11 @@ async def serve(
     telemetry: Telemetry,
     grace_s: float = 10.0,
     started: asyncio.Event | None = None,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> int:
-    """Serve until SIGTERM/SIGINT, then shut down in order; returns the process exit code."""
+    """Serve until SIGTERM/SIGINT, then shut down in order; returns the process exit code.
+
+    With credentials the port speaks TLS only (ServiceConfig.server_credentials), else plaintext."""
     # Decoding innermost: the trace records the INVALID_ARGUMENT an undecodable request gets.
     # No SO_REUSEPORT (gRPC's default): a second process on a port in use must fail, not silently
     # take half of the first one's connections.
@@ -64,7 +67,8 @@ async def serve(
         (*service.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     try:
-        port = server.add_insecure_port(listen)
+        port = server.add_secure_port(listen, credentials) if credentials is not None \
+            else server.add_insecure_port(listen)
     except RuntimeError:
         port = 0
     if port == 0:

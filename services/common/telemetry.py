@@ -63,7 +63,10 @@ def _plain(value: object) -> object:
 class Telemetry:
     """The process's tracer and meter providers, and the gRPC interceptors that use them."""
 
-    def __init__(self, service_name: str, exporter: str) -> None:
+    def __init__(self, service_name: str, exporter: str,
+                 channel_credentials: grpc.ChannelCredentials | None = None) -> None:
+        # TLS for calls to other services (see `channel`); None: plaintext.
+        self.channel_credentials = channel_credentials
         resource = Resource.create({"service.name": service_name})
         self.tracer_provider = TracerProvider(resource=resource)
         span_exporter: SpanExporter | None = None
@@ -98,6 +101,14 @@ class Telemetry:
     def insecure_channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
         """A channel whose calls carry the current trace context."""
         return grpc.aio.insecure_channel(address, options=list(options), interceptors=self.client_interceptors())
+
+    def channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+        """A channel to another Baton service whose calls carry the current trace context: over TLS, with
+        this process's certificate, when it was given channel credentials (--tls-ca), else plaintext."""
+        if self.channel_credentials is None:
+            return self.insecure_channel(address, options)
+        return grpc.aio.secure_channel(address, self.channel_credentials, options=list(options),
+                                       interceptors=self.client_interceptors())
 
     def shutdown(self) -> None:
         try:

@@ -13,8 +13,9 @@ from services.kvindex.servicer import KVIndexService
 async def main() -> int:
     config = parse_config(KVIndexConfig, "BATON_KVINDEX")
     setup_logging(config.log_level)
-    telemetry = Telemetry("kvindex", config.otel_exporter)
-    return await serve(KVIndexService(config, telemetry), config.listen, telemetry)
+    telemetry = Telemetry("kvindex", config.otel_exporter, config.channel_credentials())
+    return await serve(KVIndexService(config, telemetry), config.listen, telemetry,
+                       credentials=config.server_credentials())
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
         # Nodes whose registration ended, and those back since, waiting for a re-sync.
         self._departed: set[str] = set()
         self._rejoined: asyncio.Queue[str] = asyncio.Queue()
-        self._member = Membership(config.etcd, config.lease_ttl_s)
+        self._member = Membership(config.etcd, config.lease_ttl_s, config.etcd_credentials())
         self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed)
         self._node_channels = ChannelPool(telemetry)
 

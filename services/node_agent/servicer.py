@@ -56,7 +56,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     def __init__(self, config: NodeAgentConfig, host: ModelHost, telemetry: Telemetry) -> None:
         self._config = config
         self._host = host
-        self._member = Membership(config.etcd, config.lease_ttl_s)
+        self._member = Membership(config.etcd, config.lease_ttl_s, config.etcd_credentials())
         # Replicas whose lease lapsed are kept a TTL: an etcd freeze must not cut load or KV streams.
         self._schedulers = ServiceDirectory(self._member.client, "scheduler", telemetry, grace_s=config.lease_ttl_s)
         self._kvindexes = ServiceDirectory(self._member.client, "kvindex", telemetry, grace_s=config.lease_ttl_s)
@@ -117,6 +117,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             prompt_token_ids=tuple(request.prompt_token_ids),
             sampling=sampling_from_proto(request.sampling),
             num_resumed_tokens=request.num_resumed_tokens,
+            cache_salt=request.cache_salt,
         )
         try:
             outputs = engine.generate(engine_request, self._config.heartbeat_interval_s)

@@ -13,12 +13,12 @@ from services.router.servicer import RouterService
 async def main() -> int:
     config = parse_config(RouterConfig, "BATON_ROUTER")
     setup_logging(config.log_level)
-    telemetry = Telemetry("router", config.otel_exporter)
+    telemetry = Telemetry("router", config.otel_exporter, config.channel_credentials())
     service = RouterService(config, telemetry)
     if not await service.open_http():
         await service.close()
         return 2
-    return await serve(service, config.listen, telemetry)
+    return await serve(service, config.listen, telemetry, credentials=config.server_credentials())
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from services.common.config import ServiceConfig, check_listen, doc
 from services.common.slo import DEFAULT_TPOT_BUDGET_MS, DEFAULT_TTFT_BUDGET_MS, Slo
@@ -34,10 +35,15 @@ class RouterConfig(ServiceConfig):
     max_stop_sequences: int = doc("most stop strings one request may carry", 16)
     max_stop_bytes: int = doc("most UTF-8 bytes of all a request's stop strings together", 4096)
     max_id_len: int = doc("longest request_id, tenant or workflow_id, in characters", 128)
+    auth: bool = doc("require an API key (metadata 'authorization: Bearer <key>', `baton tenants add`) on every "
+                     "call; the request's tenant is then the key's, and its prefix cache is its own", False)
     slo_ttft_ms: int = doc("time to first token a request that sets no ttft_budget_ms is held to, for the "
                            "KPI", DEFAULT_TTFT_BUDGET_MS)
     slo_tpot_ms: int = doc("mean time per output token a request that sets no tpot_budget_ms is held to, "
                            "for the KPI", DEFAULT_TPOT_BUDGET_MS)
+
+    # The public port: clients prove who they are with API keys, not certificates.
+    requires_client_cert: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from baton.v1 import common_pb2, node_agent_pb2
-from services.common.block_hash import block_hashes
+from services.common.block_hash import block_hashes, salted_root
 from services.common.errors import Unavailable
 
 
@@ -46,6 +46,8 @@ class Generation:
     gpu_ms_by_node: dict[str, float] = field(default_factory=dict)
     # Models accepted instead of `model` until the first placement settles which one runs it.
     alternative_models: tuple[str, ...] = ()
+    # The prefix-cache namespace of the request's tenant (empty: shared); see block_hash.salted_root.
+    cache_salt: str = ""
 
     def settle_model(self, model: str) -> None:
         """The scheduler chose model (empty: the request's own); every later attempt keeps to it."""
@@ -70,7 +72,7 @@ class Generation:
         return sorted({failure.node_id for failure in self.failures})
 
     def context_block_hashes(self) -> list[int]:
-        return block_hashes(self.context)
+        return block_hashes(self.context, parent_hash=salted_root(self.cache_salt))
 
     def node_request(self) -> node_agent_pb2.NodeGenerateRequest:
         """The request a node runs to continue from here (the whole request when nothing came yet)."""
@@ -83,6 +85,7 @@ class Generation:
             prompt_token_ids=self.context,
             sampling=sampling,
             num_resumed_tokens=len(self.generated),
+            cache_salt=self.cache_salt,
         )
 
     def record_failure(self, failure: NodeFailure, max_migrations: int) -> None:

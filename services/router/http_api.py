@@ -38,13 +38,16 @@ class GenerateService(Protocol):
 
     def served_models(self) -> list[router_pb2.ServedModel]: ...
 
-    def generate(self, request: router_pb2.GenerateRequest,
-                 time_remaining: Callable[[], float | None]) -> AsyncIterator[router_pb2.GenerateChunk]: ...
+    async def authorize(self, authorization: str | None) -> str: ...
+
+    def generate(self, request: router_pb2.GenerateRequest, time_remaining: Callable[[], float | None],
+                 authorization: str | None = None) -> AsyncIterator[router_pb2.GenerateChunk]: ...
 
 
 def tenant_for(request: web.Request, body: Mapping[str, Any]) -> str:
-    """The tenant a request is served for, decided here and nowhere else: the body's `tenant`
-    (extra_body), else the X-Baton-Tenant header, else none."""
+    """The tenant a request asks to be served for, decided here and nowhere else: the body's `tenant`
+    (extra_body), else the X-Baton-Tenant header, else none. With --auth the router's generate
+    replaces it by the tenant of the `Authorization: Bearer <key>` header."""
     if body.get(schema.TENANT_FIELD) is not None:
         return schema.text_value(schema.TENANT_FIELD, body[schema.TENANT_FIELD])
     return schema.text_value(schema.TENANT_HEADER, request.headers.get(schema.TENANT_HEADER, ""))
@@ -132,9 +135,17 @@ class HttpApi:
         return _json_response(200, {"status": "serving"})
 
     async def _list_models(self, request: web.Request) -> web.Response:
+        try:
+            await self._service.authorize(request.headers.get("Authorization"))
+        except BatonError as error:
+            return _error(error)
         return _json_response(200, schema.models_json(self._service.served_models()))
 
     async def _get_model(self, request: web.Request) -> web.Response:
+        try:
+            await self._service.authorize(request.headers.get("Authorization"))
+        except BatonError as error:
+            return _error(error)
         name = request.match_info["model"]
         for model in self._service.served_models():
             if model.name == name:
@@ -158,7 +169,8 @@ class HttpApi:
         parsed = schema.parse_request(kind, body, request.headers, self._template_for_model)
         parsed.request.tenant = tenant_for(request, body)
         builder = schema.ResponseBuilder(parsed, created=int(time.time()))
-        async with aclosing(self._service.generate(parsed.request, lambda: None)) as chunks:
+        async with aclosing(self._service.generate(parsed.request, lambda: None,
+                                                   request.headers.get("Authorization"))) as chunks:
             try:
                 # Refusals (validation, admission, no node) come before the first chunk: they get
                 # their own HTTP status, streamed or not.

@@ -26,6 +26,7 @@ from services.common.directory import ChannelPool, LeaderDirectory
 from services.common.errors import BatonError, DeadlineExceeded, abort
 from services.common.etcd_session import Membership, PrefixView
 from services.common.telemetry import Telemetry
+from services.common.tenant_directory import TenantDirectory
 from services.router.catalogue import models_from_registrations
 from services.router.config import RouterConfig
 from services.router.generation import Generation
@@ -61,10 +62,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._config = config
         self._rng = random.Random()
         self._models: dict[str, ModelEntry] = {}
-        self._member = Membership(config.etcd, config.lease_ttl_s)
+        self._member = Membership(config.etcd, config.lease_ttl_s, config.etcd_credentials())
         # A node whose lease lapsed stays for a TTL: an etcd freeze expires every lease at once.
         self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed,
                                  grace_s=config.lease_ttl_s)
+        # With --auth: every call names its tenant by API key (services/common/auth.py).
+        self._tenants = TenantDirectory(self._member.client) if config.auth else None
         self._leader = LeaderDirectory(self._member.client, etcd_keys.SCHEDULER_ELECTION, telemetry)
         self._node_channels = ChannelPool(telemetry)
         self._liveness = NodeLiveness()
@@ -90,6 +93,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             self._nodes.run(),
             self._leader.run(),
             self._report_live(),
+            *([self._tenants.run()] if self._tenants is not None else []),
         ]
 
     async def _report_live(self) -> None:
@@ -148,9 +152,31 @@ class RouterService(router_pb2_grpc.RouterServicer):
             for _, m in sorted(self._models.items())
         ]
 
+    async def authorize(self, authorization: str | None) -> str:
+        """With --auth, the tenant of the caller's `authorization: Bearer <key>` (gRPC metadata or HTTP
+        header); Unauthenticated without a valid key. Without --auth, "" (anyone may call)."""
+        if self._tenants is None:
+            return ""
+        await self._tenants.ready(self._config.leader_wait_s)
+        return self._tenants.tenant_from_authorization(authorization).tenant
+
+    async def _authenticate(self, request: router_pb2.GenerateRequest, authorization: str | None) -> str:
+        """With --auth, the caller's tenant replaces the request's own, and its prefix-cache namespace is
+        returned; Unauthenticated without a valid key. Without --auth, the shared namespace ("")."""
+        if self._tenants is None:
+            return ""
+        await self._tenants.ready(self._config.leader_wait_s)
+        record = self._tenants.tenant_from_authorization(authorization)
+        request.tenant = record.tenant
+        return record.cache_salt
+
     async def ListModels(
         self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ListModelsResponse:
+        try:
+            await self.authorize(_authorization(context))
+        except BatonError as error:
+            await abort(context, error)
         return router_pb2.ListModelsResponse(models=self.served_models())
 
     @property
@@ -162,20 +188,22 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateChunk]:
         try:
-            async with aclosing(self.generate(request, context.time_remaining)) as replies:
+            async with aclosing(self.generate(request, context.time_remaining, _authorization(context))) as replies:
                 async for reply in replies:
                     yield reply
         except BatonError as error:
             await abort(context, error)
 
     async def generate(
-        self, request: router_pb2.GenerateRequest, time_remaining: Callable[[], float | None]
+        self, request: router_pb2.GenerateRequest, time_remaining: Callable[[], float | None],
+        authorization: str | None = None,
     ) -> AsyncIterator[router_pb2.GenerateChunk]:
         """The request's stream, for every front end (gRPC, HTTP): validated, placed, relayed and
         resumed on node failures; BatonError, naming what was wrong, when it cannot be served."""
         outcome = "OK"
         live_id: str | None = None
         try:
+            cache_salt = await self._authenticate(request, authorization)
             valid = validate(request, self._models, self._config.default_max_tokens, self._rng,
                              self._config.input_limits)
             generation = Generation(
@@ -185,6 +213,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 sampling=valid.sampling,
                 generated=list(valid.resume_token_ids),
                 alternative_models=valid.alternative_models,
+                cache_salt=cache_salt,
             )
             decoder = TOKENIZERS[valid.model.tokenizer].decoder()
             # A resumed stream's text continues where the client's left off, mid-character or not.
@@ -232,3 +261,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 if self._live[live_id] <= 0:
                     del self._live[live_id]
             self._requests.add(1, {"status": outcome})
+
+
+def _authorization(context: grpc.aio.ServicerContext) -> str | None:
+    """The call's `authorization` metadata (the API key, with --auth), if any."""
+    for name, value in context.invocation_metadata() or ():
+        if name == "authorization":
+            return value.decode(errors="replace") if isinstance(value, bytes) else value
+    return None

@@ -13,8 +13,9 @@ from services.scheduler.servicer import SchedulerService
 async def main() -> int:
     config = parse_config(SchedulerConfig, "BATON_SCHEDULER")
     setup_logging(config.log_level)
-    telemetry = Telemetry("scheduler", config.otel_exporter)
-    return await serve(SchedulerService(config, telemetry), config.listen, telemetry)
+    telemetry = Telemetry("scheduler", config.otel_exporter, config.channel_credentials())
+    return await serve(SchedulerService(config, telemetry), config.listen, telemetry,
+                       credentials=config.server_credentials())
 
 
 if __name__ == "__main__":

@@ -136,6 +136,10 @@ class Admission:
         state = self._tenants.get(tenant)
         return state.in_flight if state is not None else 0
 
+    def set_limits(self, limits: dict[str, TenantLimits]) -> None:
+        """Replace the per-tenant limits (tenant records changed); requests already admitted keep their slots."""
+        self._limits = dict(limits)
+
     def limits(self, tenant: str) -> TenantLimits:
         return self._limits.get(tenant, self._default)
 

@@ -44,7 +44,10 @@ class SchedulerConfig(ServiceConfig):
                                    "router reports it live again (or it ends); several of the routers' "
                                    "--live-report-interval-s", 15.0)
     tenant_limits: str = doc('per tenant, JSON: {"acme": {"weight": 2, "max_concurrency": 64, '
-                             '"tokens_per_minute": 1000000}}', "{}")
+                             '"tokens_per_minute": 1000000}}; a record of `baton tenants` overrides its tenant\'s '
+                             'entry', "{}")
+    auth: bool = doc("GetRecentDecisions and GetClusterState need an API key (metadata 'authorization: Bearer "
+                     "<key>'): an administrator's sees everything, a tenant's only its own decisions", False)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -18,14 +18,16 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from baton.protocol import LEADER_KEY
 from baton.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common import etcd_keys
+from services.common.auth import TenantKeys
 from services.common.change_signal import ChangeSignal, wait_or_timeout
 from services.common.directory import ChannelPool, ServiceDirectory
-from services.common.errors import BatonError, FailedPrecondition, Unavailable, abort
+from services.common.errors import BatonError, FailedPrecondition, PermissionDenied, Unavailable, abort
 from services.common.etcd_session import Membership, PrefixView
 from services.common.load import load_from_proto, load_to_proto
 from services.common.request_context import context_fields, context_of
 from services.common.telemetry import Telemetry
-from services.scheduler.admission import Admission, pool_saturation
+from services.common.tenant_directory import TenantDirectory
+from services.scheduler.admission import Admission, TenantLimits, pool_saturation
 from services.scheduler.config import SchedulerConfig, parse_tenant_limits
 from services.scheduler.fleet import ClusterView, NodeSpec
 from services.scheduler.gate import AdmissionGate
@@ -95,14 +97,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._decisions: deque[scheduler_pb2.PlacementDecision] = deque(maxlen=_DECISIONS_KEPT)
         self._ttft_ratio = telemetry.meter.create_histogram(
             "baton.scheduler.observed_ttft_ratio", description="clients' time to first token over their budget")
-        self._gate = AdmissionGate(
-            Admission(max_queued=config.max_queued, limits=parse_tenant_limits(config.tenant_limits),
-                      lease_s=config.admission_lease_s),
-            self._is_saturated, telemetry.meter, clock)
+        self._admission = Admission(max_queued=config.max_queued, limits=parse_tenant_limits(config.tenant_limits),
+                                    lease_s=config.admission_lease_s)
+        self._gate = AdmissionGate(self._admission, self._is_saturated, telemetry.meter, clock)
         self._node_infos: dict[str, common_pb2.NodeInfo] = {}
-        self._member = Membership(config.etcd, config.lease_ttl_s)
+        self._member = Membership(config.etcd, config.lease_ttl_s, config.etcd_credentials())
         self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed,
                                  grace_s=config.lease_ttl_s)
+        # Tenant records (`baton tenants`): their limits feed admission; with --auth, their keys guard
+        # what this scheduler tells about tenants.
+        self._tenants = TenantDirectory(self._member.client, self._on_tenants_changed)
         self._kvindexes = ServiceDirectory(self._member.client, "kvindex", telemetry, grace_s=config.lease_ttl_s)
         self._role = LeaderRole(self._member.client, config.instance_id, config.listen, config.lease_ttl_s,
                                 self._hand_over_state, self._take_over_state)
@@ -136,7 +140,29 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self._plan_models(),
             self._nodes.run(),
             self._kvindexes.run(),
+            self._tenants.run(),
         ]
+
+    def _on_tenants_changed(self, keys: TenantKeys) -> None:
+        limits = parse_tenant_limits(self._config.tenant_limits)
+        for name, record in keys.records.items():
+            limits[name] = TenantLimits(weight=record.weight, max_concurrency=record.max_concurrency,
+                                        tokens_per_minute=record.tokens_per_minute)
+        self._admission.set_limits(limits)
+
+    async def _caller_tenant(self, context: grpc.aio.ServicerContext, needs_admin: bool) -> str | None:
+        """With --auth, the tenant whose key made this call (None: an administrator); PermissionDenied when
+        needs_admin and it is not one. Without --auth, None: everything is shown."""
+        if not self._config.auth:
+            return None
+        await self._tenants.ready(self._config.lease_ttl_s)
+        record = self._tenants.tenant_from_metadata(context.invocation_metadata())
+        if record.is_admin:
+            return None
+        if needs_admin:
+            raise PermissionDenied(f"tenant {record.tenant!r}: the cluster state is for administrators "
+                                   "(`baton tenants add NAME --admin`)")
+        return record.tenant
 
     def _hand_over_state(self) -> dict[str, Any]:
         """What a successor needs that it cannot rebuild from etcd and node reports."""
@@ -424,7 +450,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def GetRecentDecisions(
         self, request: scheduler_pb2.GetRecentDecisionsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.RecentDecisions:
-        newest = list(reversed(self._decisions))
+        try:
+            tenant = await self._caller_tenant(context, needs_admin=False)
+        except BatonError as error:
+            await abort(context, error)
+        newest = [d for d in reversed(self._decisions) if tenant is None or d.context.tenant == tenant]
         if request.limit > 0:
             newest = newest[: request.limit]
         return scheduler_pb2.RecentDecisions(policy=self._config.policy, decisions=newest)
@@ -462,6 +492,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def GetClusterState(
         self, request: scheduler_pb2.GetClusterStateRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ClusterState:
+        try:
+            await self._caller_tenant(context, needs_admin=True)
+        except BatonError as error:
+            await abort(context, error)
         now = self._clock()
         state = scheduler_pb2.ClusterState(scheduler_id=self._config.instance_id)
         leader = self._role.leader()

@@ -165,7 +165,7 @@ class FakeClient:
 
     calls: list[tuple[list[str], str, str, dict[str, object]]] = []
 
-    def __init__(self, addresses: Sequence[str]) -> None:
+    def __init__(self, addresses: Sequence[str], **options: object) -> None:
         self.addresses = list(addresses)
 
     async def __aenter__(self) -> FakeClient:

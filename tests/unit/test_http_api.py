@@ -35,8 +35,11 @@ class _FakeRouter:
     def served_models(self) -> list[router_pb2.ServedModel]:
         return [router_pb2.ServedModel(name="m", max_context_tokens=64, tokenizer="byte", num_warm_nodes=1)]
 
-    async def generate(self, request: router_pb2.GenerateRequest,
-                       time_remaining: Callable[[], float | None]) -> AsyncIterator[router_pb2.GenerateChunk]:
+    async def authorize(self, authorization: str | None) -> str:
+        return ""
+
+    async def generate(self, request: router_pb2.GenerateRequest, time_remaining: Callable[[], float | None],
+                       authorization: str | None = None) -> AsyncIterator[router_pb2.GenerateChunk]:
         self.requests.append(request)
         for i, text in enumerate(self.texts):
             yield router_pb2.GenerateChunk(request_id="r", text=text, index=i, node_id="n", model="m")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.block_hash import block_hashes
+from services.common.block_hash import block_hashes, salted_root
 from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from services.kvindex.index import KVIndex
 from services.node_agent.engines.vllm.block_keys import BlockKeyMap
@@ -28,6 +28,15 @@ def test_vllm_blocks_index_under_the_keys_a_router_computes() -> None:
         index.apply("node-0", "tiny", translated)
     assert index.overlap("tiny", block_hashes(PROMPT + [1, 2, 3])) == {"node-0": 6}
     assert sorted(keys.cached_keys()) == sorted(block_hashes(PROMPT))
+
+
+def test_blocks_stored_under_a_cache_salt_index_under_the_salted_keys_a_router_computes() -> None:
+    keys = BlockKeyMap()
+    salted = BlockStored((7001, 7002, 7003), None, tuple(PROMPT), 32, root_salt="tenant-cache:a")
+    translated = keys.translate(salted)
+    assert translated is not None
+    assert list(translated.block_hashes) == block_hashes(PROMPT, parent_hash=salted_root("tenant-cache:a"))
+    assert not set(translated.block_hashes) & set(block_hashes(PROMPT))
 
 
 def test_removed_and_cleared_blocks_leave_the_index() -> None:

@@ -56,6 +56,9 @@ class EngineRequest:
     # The prompt's chained block keys when the caller has them already (the simulator memoises
     # them across requests sharing a prefix); computed from prompt_token_ids otherwise.
     prompt_block_hashes: tuple[int, ...] | None = None
+    # Prefix-cache namespace (NodeGenerateRequest.cache_salt): blocks cached under another salt
+    # never serve this request. Empty: the shared namespace.
+    cache_salt: str = ""
 
 
 @dataclass

@@ -187,7 +187,7 @@ class SimEngineCore:
             seq.gpu_ms += duration_ms * num_new / num_step_tokens
             seq.num_computed_tokens += num_new
             self._cache.commit_full_blocks(
-                seq.request_id, seq.block_hashes, seq.token_ids, seq.num_computed_tokens // self.block_size
+                seq.request_id, seq.cache_keys, seq.token_ids, seq.num_computed_tokens // self.block_size
             )
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a chunk of a longer prefill: no token yet
@@ -248,7 +248,7 @@ class SimEngineCore:
         if seq.prefix_match is not None and seq.prefix_match[0] == self._cache.version:
             return seq.prefix_match[1]
         # Full blocks only, and never the last token: something must be computed to sample from.
-        hits = self._cache.match_prefix(seq.block_hashes[: (seq.num_tokens - 1) // self.block_size])
+        hits = self._cache.match_prefix(seq.cache_keys[: (seq.num_tokens - 1) // self.block_size])
         seq.prefix_match = (self._cache.version, hits)
         return hits
 
@@ -290,7 +290,7 @@ class SimEngineCore:
                 seq.gpu_ms += share_ms
                 seq.num_computed_tokens += 1
                 if seq.num_computed_tokens % block_size == 0:
-                    self._cache.commit_full_blocks(seq.request_id, seq.block_hashes, seq.token_ids,
+                    self._cache.commit_full_blocks(seq.request_id, seq.cache_keys, seq.token_ids,
                                                    seq.num_computed_tokens // block_size)
                 new_token_ids, finish = self._sample(seq)
                 tokens[seq.request_id].extend(new_token_ids)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.common.block_hash import ROOT_PARENT_HASH, hash_block
+from services.common.block_hash import ROOT_PARENT_HASH, hash_block, salted_root
 from services.node_agent.engines.sim.kv_cache import KVBlock
 from services.node_agent.engines.sim.tokens import ContextHasher
 from services.node_agent.engines.types import EngineRequest, SamplingParams
@@ -20,11 +20,16 @@ class SimSequence:
         self._completion_start = self.num_prompt_tokens - request.num_resumed_tokens
         self.block_size = block_size
         # Chained keys of every full block of token_ids, kept current as tokens arrive.
+        self._cache_root = salted_root(request.cache_salt)
         if request.prompt_block_hashes is not None:
             self.block_hashes: list[int] = list(request.prompt_block_hashes)
         else:
             self.block_hashes = []
-            self._extend_block_hashes()
+        # The same blocks' keys in the prefix cache: chained from the salt's root, so another salt's
+        # blocks never match. Unsalted, the very same list. (Tokens follow the unsalted keys: the
+        # output is a function of the context alone, whoever asks.)
+        self.cache_keys: list[int] = self.block_hashes if self._cache_root == ROOT_PARENT_HASH else []
+        self._extend_block_hashes()
         # The context's digest: from the last full block's key, then the tokens after it.
         self.hasher = self._hasher_from_last_block()
         for token_id in self.token_ids[len(self.block_hashes) * block_size :]:
@@ -81,3 +86,8 @@ class SimSequence:
         for start in range(len(self.block_hashes) * size, len(self.token_ids) - size + 1, size):
             parent = self.block_hashes[-1] if self.block_hashes else ROOT_PARENT_HASH
             self.block_hashes.append(hash_block(parent, self.token_ids[start : start + size]))
+        if self.cache_keys is self.block_hashes:
+            return
+        for start in range(len(self.cache_keys) * size, len(self.block_hashes) * size, size):
+            parent = self.cache_keys[-1] if self.cache_keys else self._cache_root
+            self.cache_keys.append(hash_block(parent, self.token_ids[start : start + size]))

@@ -5,7 +5,8 @@ CPU); the router and the kvindex name prompt blocks by Baton's chained keys over
 (services.common.block_hash). Each BlockStored carries the stored blocks' tokens and their
 parent's vLLM hash, so each vLLM block maps to the Baton keys of the 16-token blocks it covers,
 chained from its parent's last key; BlockRemoved and AllBlocksCleared are translated through the
-same map. The kvindex then holds exactly the keys a router computes for a prompt.
+same map. The kvindex then holds exactly the keys a router computes for a prompt; a chain vLLM
+stored under a cache salt (a tenant's) is keyed from that salt's root, as the router keys it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from services.common.block_hash import DEFAULT_BLOCK_SIZE, ROOT_PARENT_HASH, hash_block
+from services.common.block_hash import DEFAULT_BLOCK_SIZE, hash_block, salted_root
 from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class BlockKeyMap:
                         size, len(event.token_ids), len(event.block_hashes))
             return None
         if event.parent_block_hash is None:
-            parent = ROOT_PARENT_HASH
+            parent = salted_root(event.root_salt)  # ROOT_PARENT_HASH when unsalted
         elif event.parent_block_hash in self._keys:
             parent = self._keys[event.parent_block_hash][-1]
         else:

@@ -198,7 +198,8 @@ class VllmEngine:
         prompt = list(request.prompt_token_ids)
         resumed = prompt[len(prompt) - request.num_resumed_tokens:] if request.num_resumed_tokens else []
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        pump = asyncio.get_running_loop().create_task(self._pump(request.request_id, prompt, params, queue))
+        pump = asyncio.get_running_loop().create_task(
+            self._pump(request.request_id, prompt, params, queue, request.cache_salt))
         self._requests[request.request_id] = _Running(prompt_len=len(prompt), pump=pump, queue=queue)
         self._gpu_time.start(request.request_id, asyncio.get_running_loop().time())
         self.load_changed.notify()
@@ -224,10 +225,13 @@ class VllmEngine:
             raise EngineInputError("num_resumed_tokens", request.num_resumed_tokens,
                                    f"must be below the prompt length {len(prompt)}")
 
-    async def _pump(self, request_id: str, prompt: list[int], params: Any, queue: asyncio.Queue[Any]) -> None:
+    async def _pump(self, request_id: str, prompt: list[int], params: Any, queue: asyncio.Queue[Any],
+                    cache_salt: str = "") -> None:
         """Move vLLM's outputs of one request into its queue; cancelled, vLLM aborts the request."""
         try:
-            async for output in self._llm.generate({"prompt_token_ids": prompt}, params, request_id):
+            # vLLM's cache_salt keeps its prefix cache per salt (per tenant, when authentication is on).
+            inputs = {"prompt_token_ids": prompt, **({"cache_salt": cache_salt} if cache_salt else {})}
+            async for output in self._llm.generate(inputs, params, request_id):
                 queue.put_nowait(output)
         except asyncio.CancelledError:
             raise

@@ -98,6 +98,16 @@ class KvEventSubscriber:
         return [baton_event(event) for event in self._decoder.decode(payload).events]
 
 
+def _root_salt(event: Any) -> str:
+    """The cache_salt vLLM mixed into a chain's first block: among that block's extra keys (LoRA name,
+    multimodal pairs, cache salt, prompt-embedding digests) the string one; Baton uses neither LoRA nor
+    multimodal inputs."""
+    extra_keys = getattr(event, "extra_keys", None)
+    if event.parent_block_hash is not None or not extra_keys or not extra_keys[0]:
+        return ""
+    return next((key for key in extra_keys[0] if isinstance(key, str)), "")
+
+
 def baton_event(event: Any) -> KVEvent:
     """vLLM's msgspec KV event as Baton's (same shapes; hashes still vLLM's)."""
     from vllm.distributed.kv_events import AllBlocksCleared as VllmCleared
@@ -105,7 +115,7 @@ def baton_event(event: Any) -> KVEvent:
 
     if isinstance(event, VllmStored):
         return BlockStored(tuple(event.block_hashes), event.parent_block_hash, tuple(event.token_ids),
-                           event.block_size)
+                           event.block_size, root_salt=_root_salt(event))
     if isinstance(event, VllmCleared):
         return AllBlocksCleared()
     return BlockRemoved(tuple(event.block_hashes))

@@ -1,0 +1,126 @@
+"""`baton tenants add|list|revoke`: API keys and per-tenant limits, kept hashed in etcd (services/common/auth.py)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import sys
+import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import grpc
+
+from services.common import etcd_keys
+from services.common.auth import TenantRecord, new_api_key
+from services.common.etcd_session import connect
+
+T = TypeVar("T")
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run coro to its end from synchronous code, whether or not this thread runs an event loop."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+async def _read(client: Any, tenant: str) -> TenantRecord | None:
+    kv = await client.get(etcd_keys.tenant_key(tenant).encode())
+    return TenantRecord.from_json(kv.value) if kv is not None and kv.value else None
+
+
+async def add_tenant(etcd: str, tenant: str, *, weight: float | None = None, max_concurrency: int | None = None,
+                     tokens_per_minute: int | None = None, cache_group: str | None = None,
+                     is_admin: bool | None = None,
+                     credentials: grpc.ChannelCredentials | None = None) -> tuple[TenantRecord, str]:
+    """Issue a new API key for tenant (creating it); the fields given replace the record's. Returns the
+    record and the key, which exists nowhere else: etcd keeps only its hash."""
+    async with connect(etcd, credentials=credentials) as client:
+        record = await _read(client, tenant) or TenantRecord(tenant=tenant)
+        fields = {"weight": weight, "max_concurrency": max_concurrency, "tokens_per_minute": tokens_per_minute,
+                  "cache_group": cache_group, "is_admin": is_admin}
+        record = TenantRecord(**{**record.__dict__, **{k: v for k, v in fields.items() if v is not None}})
+        key = new_api_key()
+        record = record.with_key(key, _now_ms())
+        await client.put(etcd_keys.tenant_key(tenant).encode(), record.to_json())
+    return record, key
+
+
+async def list_tenants(etcd: str, credentials: grpc.ChannelCredentials | None = None) -> list[TenantRecord]:
+    async with connect(etcd, credentials=credentials) as client:
+        listing = await client.get_prefix(etcd_keys.TENANTS.encode())
+    return sorted((TenantRecord.from_json(kv.value) for kv in listing if kv.value), key=lambda r: r.tenant)
+
+
+async def revoke(etcd: str, tenant: str, key_id: str | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> TenantRecord:
+    """Revoke one key of tenant's (every key when key_id is None); LookupError naming what is unknown.
+    The record stays, so a revoked key is refused as revoked, not as unknown."""
+    async with connect(etcd, credentials=credentials) as client:
+        record = await _read(client, tenant)
+        if record is None:
+            raise LookupError(f"tenant {tenant!r}: no such tenant")
+        try:
+            record = record.revoked(_now_ms(), key_id)
+        except KeyError:
+            raise LookupError(f"--key-id {key_id!r}: tenant {tenant!r} has keys "
+                              f"{', '.join(k.key_id for k in record.keys) or '(none)'}") from None
+        await client.put(etcd_keys.tenant_key(tenant).encode(), record.to_json())
+    return record
+
+
+def _describe(record: TenantRecord) -> str:
+    limits = ", ".join(f"{name} {value}" for name, value in (
+        ("max_concurrency", record.max_concurrency), ("tokens_per_minute", record.tokens_per_minute)) if value)
+    keys = ", ".join(k.key_id + (" (revoked)" if k.revoked_at_ms else "") for k in record.keys) or "none"
+    return (f"{record.tenant}{' [admin]' if record.is_admin else ''}: weight {record.weight:g}"
+            f"{', ' + limits if limits else ''}; cache group {record.cache_group or record.tenant}; keys {keys}")
+
+
+def cmd_tenants(args: argparse.Namespace, etcd: str, credentials: grpc.ChannelCredentials | None = None) -> int:
+    """credentials: TLS to etcd (None: plaintext)."""
+    try:
+        if args.action == "add":
+            record, key = run_sync(add_tenant(
+                etcd, args.tenant, weight=args.weight, max_concurrency=args.max_concurrency,
+                tokens_per_minute=args.tokens_per_minute, cache_group=args.cache_group,
+                is_admin=True if args.admin else None, credentials=credentials))
+            print(_describe(record), file=sys.stderr)
+            print("the new key (shown once; etcd keeps only its hash):", file=sys.stderr)
+            print(key)
+        elif args.action == "list":
+            for record in run_sync(list_tenants(etcd, credentials)):
+                print(_describe(record))
+        else:
+            record = run_sync(revoke(etcd, args.tenant, args.key_id, credentials))
+            print(_describe(record))
+    except (LookupError, ValueError) as exc:
+        print(f"baton tenants {args.action}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def add_parser(commands: Any) -> argparse.ArgumentParser:
+    """The `tenants` subcommand and its actions, under commands (argparse subparsers)."""
+    tenants = commands.add_parser("tenants", help="API keys, limits and weights per tenant (stored hashed in etcd)")
+    tenants.add_argument("--etcd", default="", help="etcd host:port (default: the running `baton up`'s)")
+    actions = tenants.add_subparsers(dest="action", required=True)
+    add = actions.add_parser("add", help="issue a new API key for a tenant (creating it); prints the key once")
+    add.add_argument("tenant")
+    add.add_argument("--weight", type=float, default=None, help="admission share under contention (default 1)")
+    add.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at once (default: "
+                     "unlimited)")
+    add.add_argument("--tokens-per-minute", type=int, default=None, help="prompt+completion tokens per minute")
+    add.add_argument("--cache-group", default=None, help="share the prefix cache with the tenants of this group "
+                     "(default: the tenant's own name, shared with nobody)")
+    add.add_argument("--admin", action="store_true", help="may read every tenant's decisions and the cluster state")
+    actions.add_parser("list", help="tenants, their limits and key ids (never keys)")
+    rev = actions.add_parser("revoke", help="revoke a tenant's keys (or one, --key-id)")
+    rev.add_argument("tenant")
+    rev.add_argument("--key-id", default=None, help="the key to revoke, as `baton tenants list` names it")
+    return tenants

@@ -1,0 +1,172 @@
+"""Tenant authentication: API keys, stored hashed, mapped to tenant records. Pure, no I/O.
+
+A tenant's record (JSON under /baton/tenants/<name> in etcd, written by `baton tenants`) holds the
+hashes of its API keys, its admission weight and limits, its prefix-cache group and whether it is an
+administrator. A key is "bt_" and 43 random URL-safe characters (256 bits): a plain SHA-256 of it
+is a safe stored form, since nobody can guess such a key from its hash. A key's id, the first 12 hex
+digits of that hash, names it in listings, revocations and errors, so no message ever carries a key.
+
+Clients send the key as request metadata `authorization: Bearer <key>` over gRPC, and in the same
+header over HTTP: both go through `TenantKeys.tenant_from_authorization`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, replace
+
+from services.common.errors import Unauthenticated
+
+KEY_PREFIX = "bt_"
+_KEY_ID_CHARS = 12
+_BEARER = "bearer "
+
+
+def hash_api_key(key: str) -> str:
+    """The stored form of a key: its SHA-256, in hex."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def key_id_of(key_hash: str) -> str:
+    """The short public name of a key (a prefix of its hash)."""
+    return key_hash[:_KEY_ID_CHARS]
+
+
+def new_api_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """One of a tenant's keys, as stored: never the key itself."""
+
+    key_hash: str
+    created_at_ms: int
+    # 0 while the key is valid.
+    revoked_at_ms: int = 0
+
+    @property
+    def key_id(self) -> str:
+        return key_id_of(self.key_hash)
+
+
+@dataclass(frozen=True)
+class TenantRecord:
+    """A tenant: its keys, its admission share and limits, the prefix cache it may see."""
+
+    tenant: str
+    keys: tuple[ApiKey, ...] = ()
+    # Admission: share of the fleet under contention, relative to other tenants' weights.
+    weight: float = 1.0
+    # Admission: requests in flight at once, prompt+completion tokens per minute (None: unlimited).
+    max_concurrency: int | None = None
+    tokens_per_minute: int | None = None
+    # Tenants with the same group share prefix-cache blocks; the default, the tenant's own name,
+    # shares with nobody (unless another tenant names this one as its group).
+    cache_group: str = ""
+    # Administrators see every tenant's decisions and the cluster state.
+    is_admin: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.tenant or "/" in self.tenant:
+            raise ValueError(f"tenant={self.tenant!r}: must be non-empty and contain no '/'")
+        if not self.weight > 0:
+            raise ValueError(f"weight={self.weight!r}: must be positive")
+        for name in ("max_concurrency", "tokens_per_minute"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value!r}: must be at least 1 (or unset: unlimited)")
+
+    @property
+    def cache_salt(self) -> str:
+        """The prefix-cache namespace of this tenant's requests (NodeGenerateRequest.cache_salt)."""
+        return "tenant-cache:" + (self.cache_group or self.tenant)
+
+    def with_key(self, key: str, now_ms: int) -> TenantRecord:
+        return replace(self, keys=(*self.keys, ApiKey(hash_api_key(key), now_ms)))
+
+    def revoked(self, now_ms: int, key_id: str | None = None) -> TenantRecord:
+        """This record with key_id revoked (every key when None); KeyError when no key has that id."""
+        if key_id is not None and not any(k.key_id == key_id for k in self.keys):
+            raise KeyError(key_id)
+        return replace(self, keys=tuple(
+            replace(k, revoked_at_ms=now_ms) if (key_id is None or k.key_id == key_id) and not k.revoked_at_ms
+            else k for k in self.keys))
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> TenantRecord:
+        raw = json.loads(data)
+        keys = tuple(ApiKey(**k) for k in raw.pop("keys", ()))
+        return cls(keys=keys, **raw)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    record: TenantRecord
+    key: ApiKey
+
+
+@dataclass
+class TenantKeys:
+    """Every tenant's keys, indexed by hash: the lookup a router or scheduler does per request."""
+
+    records: dict[str, TenantRecord] = field(default_factory=dict)
+    _by_hash: dict[str, _Entry] = field(default_factory=dict)
+
+    @classmethod
+    def from_records(cls, records: Iterable[TenantRecord]) -> TenantKeys:
+        index = cls()
+        for record in records:
+            index.records[record.tenant] = record
+            for key in record.keys:
+                index._by_hash[key.key_hash] = _Entry(record, key)
+        return index
+
+    @classmethod
+    def from_etcd_items(cls, items: Mapping[str, bytes]) -> TenantKeys:
+        """From the values under /baton/tenants/; a record that does not parse is skipped (logged by the caller)."""
+        records = []
+        for value in items.values():
+            try:
+                records.append(TenantRecord.from_json(value))
+            except (ValueError, TypeError, KeyError):
+                continue
+        return cls.from_records(records)
+
+    def tenant_from_key(self, key: str) -> TenantRecord:
+        """The tenant whose valid key this is; Unauthenticated saying what is wrong otherwise (the key
+        itself never appears in the message: only its id, a prefix of its hash)."""
+        if not key.startswith(KEY_PREFIX):
+            raise Unauthenticated(f"API key: not a Baton key (expected {KEY_PREFIX}..., "
+                                  f"from `baton tenants add`)")
+        key_hash = hash_api_key(key)
+        entry = self._by_hash.get(key_hash)
+        if entry is None:
+            raise Unauthenticated(f"API key {key_id_of(key_hash)}: unknown to this cluster")
+        if entry.key.revoked_at_ms:
+            raise Unauthenticated(f"API key {entry.key.key_id} of tenant {entry.record.tenant!r}: revoked")
+        return entry.record
+
+    def tenant_from_authorization(self, value: str | None) -> TenantRecord:
+        """The tenant named by an `authorization: Bearer <key>` value (gRPC metadata or HTTP header)."""
+        if not value:
+            raise Unauthenticated("authorization: missing; send 'authorization: Bearer <API key>' "
+                                  "(`baton tenants add` issues keys)")
+        if not value[:len(_BEARER)].lower() == _BEARER:
+            raise Unauthenticated(f"authorization: expected 'Bearer <API key>', got a value of {len(value)} "
+                                  "characters without the Bearer scheme")
+        return self.tenant_from_key(value[len(_BEARER):].strip())
+
+    def tenant_from_metadata(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> TenantRecord:
+        """The tenant of a gRPC call, from its invocation metadata."""
+        for name, value in metadata or ():
+            if name == "authorization":
+                return self.tenant_from_authorization(value.decode(errors="replace")
+                                                      if isinstance(value, bytes) else value)
+        return self.tenant_from_authorization(None)

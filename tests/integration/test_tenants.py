@@ -1,0 +1,167 @@
+"""Tenant authentication and isolation on a cluster run with --auth: keys name tenants, unknown and
+revoked keys are refused, tenants see neither each other's decisions nor each other's cached prefixes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from baton.cli import main as baton_main
+from baton.client import BatonClient, Completion
+from baton.cluster import ClusterSpec, LocalCluster
+from baton.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from tests.integration.conftest import MODEL, eventually, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """One node (so that a repeated prompt can only meet the cache it was stored in), auth on."""
+    spec = ClusterSpec(num_nodes=1, gpus=("h100",), speed=20.0, auth=True)
+    with LocalCluster(spec, tmp_path_factory.mktemp("secured")) as started:
+        yield started
+
+
+def bearer(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+def add_tenant(cluster: LocalCluster, tenant: str, **fields: object) -> str:
+    """A new key for tenant, once the router and the scheduler both know it."""
+    key = cluster.add_tenant(tenant, **fields)
+    wait_known(cluster, key)
+    return key
+
+
+def wait_known(cluster: LocalCluster, key: str) -> None:
+    """Until the router and the scheduler both accept key (each learns it through an etcd watch)."""
+    assert cluster.router is not None and cluster.scheduler is not None
+    with grpc.insecure_channel(cluster.router.address) as router, \
+            grpc.insecure_channel(cluster.scheduler.address) as scheduler:
+
+        def known() -> bool:
+            try:
+                router_pb2_grpc.RouterStub(router).ListModels(router_pb2.ListModelsRequest(), timeout=5,
+                                                              metadata=bearer(key))
+                scheduler_pb2_grpc.SchedulerStub(scheduler).GetRecentDecisions(
+                    scheduler_pb2.GetRecentDecisionsRequest(limit=1), timeout=5, metadata=bearer(key))
+                return True
+            except grpc.RpcError:
+                return False
+
+        wait_until(known, 10, "the new key to reach the router and the scheduler")
+
+
+async def complete(cluster: LocalCluster, key: str | None, prompt: str, **fields: object) -> Completion:
+    assert cluster.router is not None
+    async with BatonClient(cluster.router.address, api_key=key) as client:
+        return await client.complete(MODEL, prompt, max_tokens=4, **fields)
+
+
+async def refusal(cluster: LocalCluster, key: str | None) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await complete(cluster, key, "who goes there?")
+    return refused.value
+
+
+def recent_decisions(cluster: LocalCluster, key: str) -> list[scheduler_pb2.PlacementDecision]:
+    assert cluster.scheduler is not None
+    with grpc.insecure_channel(cluster.scheduler.address) as channel:
+        return list(scheduler_pb2_grpc.SchedulerStub(channel).GetRecentDecisions(
+            scheduler_pb2.GetRecentDecisionsRequest(), timeout=5,
+            metadata=bearer(key)).decisions)
+
+
+async def test_the_key_names_the_tenant_whatever_the_body_says(secured: LocalCluster) -> None:
+    key = add_tenant(secured, "acme")
+    result = await complete(secured, key, "whose request is this?", tenant="mallory")
+
+    placed = {d.request_id: d.context.tenant for d in recent_decisions(secured, secured.admin_key)}
+    assert placed[result.request_id] == "acme"
+
+
+async def test_a_call_without_a_valid_key_is_unauthenticated_saying_why(secured: LocalCluster) -> None:
+    missing = await refusal(secured, None)
+    assert missing.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "authorization: missing" in missing.details()
+
+    made_up = "bt_" + "x" * 43
+    unknown = await refusal(secured, made_up)
+    assert unknown.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "unknown" in unknown.details() and made_up not in unknown.details()
+
+    assert secured.router is not None
+    with grpc.insecure_channel(secured.router.address) as channel:
+        with pytest.raises(grpc.RpcError) as listing:
+            router_pb2_grpc.RouterStub(channel).ListModels(router_pb2.ListModelsRequest(), timeout=5)
+    assert listing.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_a_key_revoked_with_the_cli_is_refused_as_revoked(
+        secured: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cli = ["--state", str(tmp_path / "none.json"), "tenants", "--etcd", secured.etcd_endpoint]
+    assert baton_main([*cli, "add", "leaver"]) == 0
+    key = capsys.readouterr().out.strip()
+    wait_known(secured, key)
+    assert (await complete(secured, key, "still welcome?")).finish_reason
+    assert baton_main([*cli, "list"]) == 0
+    assert key not in capsys.readouterr().out  # only key ids are ever shown
+
+    assert baton_main([*cli, "revoke", "leaver"]) == 0
+
+    async def refused_as_revoked() -> bool:
+        try:
+            await complete(secured, key, "still welcome?")
+        except grpc.aio.AioRpcError as exc:
+            return exc.code() == grpc.StatusCode.UNAUTHENTICATED and "revoked" in exc.details()
+        return False
+
+    await eventually(refused_as_revoked, 10, "the revoked key to be refused")
+    assert key not in (await refusal(secured, key)).details()
+
+
+async def test_another_tenants_identical_prompt_finds_nothing_cached(secured: LocalCluster) -> None:
+    alice, bob = add_tenant(secured, "alice"), add_tenant(secured, "bob")
+    prompt = "A long shared system prompt that would be worth caching across requests. " * 4
+
+    await complete(secured, alice, prompt)
+    assert (await complete(secured, alice, prompt)).usage.cached_tokens > 0  # her own prefix is cached
+    assert (await complete(secured, bob, prompt)).usage.cached_tokens == 0
+
+
+async def test_tenants_of_one_cache_group_share_cached_prefixes(secured: LocalCluster) -> None:
+    team = add_tenant(secured, "team-a", cache_group="team")
+    mate = add_tenant(secured, "team-b", cache_group="team")
+    prompt = "Another long prompt, shared on purpose by the tenants of one group of tenants. " * 4
+
+    await complete(secured, team, prompt)
+    assert (await complete(secured, mate, prompt)).usage.cached_tokens > 0
+
+
+async def test_a_tenant_sees_only_its_own_decisions_and_no_cluster_state(secured: LocalCluster) -> None:
+    own, other = add_tenant(secured, "watcher"), add_tenant(secured, "watched")
+    mine = await complete(secured, own, "my own request")
+    theirs = await complete(secured, other, "someone else's request")
+
+    seen = {d.request_id for d in recent_decisions(secured, own)}
+    assert mine.request_id in seen and theirs.request_id not in seen
+    assert theirs.request_id in {d.request_id for d in recent_decisions(secured, secured.admin_key)}
+    assert secured.scheduler is not None
+    with grpc.insecure_channel(secured.scheduler.address) as channel:
+        with pytest.raises(grpc.RpcError) as state:
+            scheduler_pb2_grpc.SchedulerStub(channel).GetClusterState(
+                scheduler_pb2.GetClusterStateRequest(), timeout=5, metadata=bearer(own))
+    assert state.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+async def test_a_tenants_record_carries_its_limits(secured: LocalCluster) -> None:
+    key = add_tenant(secured, "frugal", tokens_per_minute=8)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await complete(secured, key, "a prompt longer than eight tokens")
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "'frugal' is over its limit of 8 tokens per minute" in refused.value.details()
+
