@@ -13,7 +13,7 @@ from services.router.servicer import RouterService
 async def main() -> int:
     config = parse_config(RouterConfig, "BATON_ROUTER")
     setup_logging(config.log_level)
-    telemetry = Telemetry("router", config.otel_exporter)
+    telemetry = Telemetry("router", config.otel_exporter, config.metrics_listen)
     return await serve(RouterService(config, telemetry), config.listen, telemetry)
 
 
