@@ -80,6 +80,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         speed=args.speed,
         lease_ttl_s=args.lease_ttl_s,
         otel_exporter=args.otel_exporter,
+        metrics=args.metrics,
         node_args=node_args,
         scheduler_args=(f"--policy={args.policy}",),
     )
@@ -100,6 +101,8 @@ def cmd_up(args: argparse.Namespace) -> int:
               f"logs in {cluster.workdir})")
         for process in [*cluster.schedulers, *cluster.kvindexes, *cluster.nodes]:
             print(f"  {process.name}: {process.address}")
+        for name, url in cluster.metrics_urls().items():
+            print(f"  {name} metrics: {url}")
         baton = sys.argv[0]
         print(f"Try: {baton} generate --router {cluster.router.address} 'Hello'   |   {baton} status")
         if args.demo:
@@ -268,7 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--router-port", type=int, default=50051, help="router port (0: any free port)")
     up.add_argument("--speed", type=float, default=1.0, help="sim engine time scale (0: no timing)")
     up.add_argument("--lease-ttl-s", type=int, default=3, help="etcd lease TTL of every service")
-    up.add_argument("--otel-exporter", default="none", help="span exporter: none, console or file:PATH")
+    up.add_argument("--otel-exporter", default="none",
+                    help="span exporter: none, console, file:PATH or otlp:HOST:PORT (spans and metrics)")
+    up.add_argument("--metrics", action="store_true",
+                    help="every service serves Prometheus metrics at /metrics on a free port (listed at start)")
     up.add_argument("--workdir", default="", help="where logs and etcd data go (default: a temp dir)")
     up.add_argument("--timeout-s", type=float, default=0.0,
                     help="how long to wait for readiness (0: 60 s, or 300 s with --engine vllm)")
