@@ -33,7 +33,7 @@ export VLLM_CACHE_ROOT=$WORK/vllm-cache TORCHINDUCTOR_CACHE_DIR=$WORK/inductor-c
 SHAPE=${SHAPE:-1b}
 started=$SECONDS
 # A few files come back: summary, results, and every log (steps and cluster processes) in one archive.
-trap 'tar -czf "$OUT_DIR/logs.tgz" -C "$WORK" logs $(cd "$WORK" && ls -d cluster 2>/dev/null) || true' EXIT
+trap 'tar -czf "$OUT_DIR/logs.tgz" --exclude=cluster/etcd -C "$WORK" logs $(cd "$WORK" && ls -d cluster 2>/dev/null) || true' EXIT
 
 step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, output to the terminal and LOGS/NAME.log
     local name=$1 limit=$2
