@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/baton/v1/*.proto)
 
-.PHONY: run test unit integration protos check-protos bench bench-sim clean
+.PHONY: run test unit integration protos check-protos bench bench-vllm bench-sim clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,11 +40,15 @@ integration: $(VLLM_STAMP)
 protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 
-bench: $(STAMP)
+bench: $(STAMP) bench-vllm
 	$(BIN)/python -m bench.mesh_overhead --out docs/benchmarks.md
 	$(BIN)/python -m bench.resume_stall --out docs/benchmarks.md
 	$(BIN)/python -m bench.leader_failover --out docs/benchmarks.md
 	$(BIN)/python -m bench.sim_fidelity --out docs/evaluation.md
+
+# The mesh's overhead on a real vLLM engine (the CPU build, the tiny model): about 2 minutes.
+bench-vllm: $(VLLM_STAMP)
+	$(TEST_ENV) $(BIN)/python -m bench.mesh_overhead --engine vllm --out docs/benchmarks.md
 
 bench-sim: $(STAMP)
 	$(BIN)/python -m bench.sim_matrix --out results/matrix

@@ -140,6 +140,7 @@ def up_spec(args: argparse.Namespace) -> ClusterSpec:
         scheduler_args=(f"--policy={args.policy}",),
         auth=args.auth,
         tls=args.tls,
+        metrics=args.metrics,
     )
 
 
@@ -187,7 +188,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             schedulers=tuple(p.address for p in cluster.schedulers), etcd=cluster.etcd_endpoint,
             workdir=str(cluster.workdir), api_key=cluster.admin_key,
             tls={"ca": cluster.pki.client.ca, "cert": cluster.pki.client.cert, "key": cluster.pki.client.key}
-            if cluster.pki is not None else None))
+            if cluster.pki is not None else None, metrics=cluster.metrics_urls()))
         routers = ", ".join(p.address for p in cluster.routers)
         print(f"Baton is up: router{'s' if len(cluster.routers) > 1 else ''} {routers}  (cluster {name!r}, "
               f"etcd {cluster.etcd_endpoint}, logs in {cluster.workdir})")
@@ -201,6 +202,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         if cluster.admin_key:
             print(f"Auth is on: tenant 'admin' (an administrator) has key {cluster.admin_key}\n"
                   f"  (recorded in {path} for baton generate/status; `baton tenants add NAME` issues more)")
+        for service, url in cluster.metrics_urls().items():
+            print(f"  {service} metrics: {url}")
         baton = sys.argv[0]
         which = f" --cluster {name}" if others else ""  # alone, generate and status find it unnamed
         print(f"Try: {baton} generate{which} 'Hello'   |   {baton} status{which}")
@@ -498,7 +501,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "port (0: any free port; -1: no HTTP API)")
     up.add_argument("--speed", type=float, default=1.0, help="sim engine time scale (0: no timing)")
     up.add_argument("--lease-ttl-s", type=int, default=3, help="etcd lease TTL of every service")
-    up.add_argument("--otel-exporter", default="none", help="span exporter: none, console or file:PATH")
+    up.add_argument("--otel-exporter", default="none",
+                    help="span exporter: none, console, file:PATH or otlp:HOST:PORT (spans and metrics)")
+    up.add_argument("--metrics", action="store_true",
+                    help="every service serves Prometheus metrics at /metrics on a free port (listed at start)")
     up.add_argument("--workdir", default="", help="where logs and etcd data go (default: a temp dir)")
     up.add_argument("--timeout-s", type=float, default=0.0,
                     help="how long to wait for readiness (default: 0, meaning 60 s, or 300 s with vllm nodes)")

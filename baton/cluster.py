@@ -63,6 +63,8 @@ class ManagedProcess:
     log_path: Path
     address: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    # host:port of its Prometheus endpoint (/metrics), "" when it serves none.
+    metrics_address: str = ""
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -207,6 +209,8 @@ class ClusterSpec:
     lease_ttl_s: int = 3
     kv_blocks: int = 0
     otel_exporter: str = "none"
+    # Every service serves Prometheus metrics at http://<metrics_address>/metrics, on a free port.
+    metrics: bool = False
     log_level: str = "INFO"
     node_args: tuple[str, ...] = ()
     # More flags for node i (after node_args; a flag given again overrides).
@@ -259,8 +263,12 @@ class LocalCluster:
         address = f"127.0.0.1:{port or free_port()}"
         args = [sys.executable, "-m", module, "--listen", address, "--etcd", self.etcd_endpoint]
         args += [f"--{key}={value}" for key, value in flags.items()]
+        metrics_address = f"127.0.0.1:{free_port()}" if self.spec.metrics else ""
+        if metrics_address:
+            args.append(f"--metrics-port={metrics_address.rpartition(':')[2]}")
         args += list(extra)
-        return ManagedProcess(name=name, args=args, log_path=self.workdir / f"{name}.log", address=address)
+        return ManagedProcess(name=name, args=args, log_path=self.workdir / f"{name}.log", address=address,
+                              metrics_address=metrics_address)
 
     def start(self, timeout_s: float = 60.0) -> None:
         """Start everything and wait until every service is SERVING and sees every node."""
@@ -381,6 +389,11 @@ class LocalCluster:
                 raise StartError(f"scheduler sees {len(state.nodes)} nodes ({len(reporting)} reporting), "
                                  f"expected {num_nodes}; leader {state.leader_id or 'none'}")
             time.sleep(0.05)  # membership arrives through etcd watches; poll the view with a deadline
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Each service's Prometheus endpoint, by process name (none unless spec.metrics)."""
+        return {p.name: f"http://{p.metrics_address}/metrics"
+                for p in [*self.routers, *self.schedulers, *self.kvindexes, *self.nodes] if p.metrics_address}
 
     def stop(self) -> None:
         """Stop what this cluster started, by pid: router first, etcd last."""

@@ -64,6 +64,8 @@ class ClusterRecord:
     # client certificate and key (paths). The file is its owner's alone (mode 0600).
     api_key: str = ""
     tls: dict[str, str] | None = None
+    # With `baton up --metrics`: each service's Prometheus endpoint, by process name.
+    metrics: dict[str, str] | None = None
 
     @property
     def is_live(self) -> bool:
@@ -95,6 +97,7 @@ def write_record(path: Path, record: ClusterRecord) -> None:
             "workdir": record.workdir,
             **({"api_key": record.api_key} if record.api_key else {}),
             **({"tls": record.tls} if record.tls else {}),
+            **({"metrics": record.metrics} if record.metrics else {}),
         }, indent=1))
     temporary.replace(path)  # readers never see half a file
 
@@ -107,7 +110,8 @@ def read_record(path: Path) -> ClusterRecord:
         return ClusterRecord(name=str(data.get("name") or path.stem), path=path, pid=int(data.get("pid", 0)),
                              routers=tuple(routers), schedulers=tuple(schedulers),
                              etcd=str(data.get("etcd", "")), workdir=str(data.get("workdir", "")),
-                             api_key=str(data.get("api_key", "")), tls=data.get("tls") or None)
+                             api_key=str(data.get("api_key", "")), tls=data.get("tls") or None,
+                             metrics=data.get("metrics") or None)
     except FileNotFoundError:
         raise
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:

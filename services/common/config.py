@@ -86,7 +86,9 @@ class ServiceConfig:
     listen: str = doc("host:port to serve gRPC on", "127.0.0.1:0")
     etcd: str = doc("etcd endpoint host:port", "127.0.0.1:2379")
     lease_ttl_s: int = doc("etcd lease TTL in seconds; a dead process leaves the cluster within it", 3)
-    otel_exporter: str = doc("span exporter: none, console or file:PATH", "none")
+    otel_exporter: str = doc("where spans (and metrics) go: none, console, file:PATH (spans as JSON lines) or "
+                             "otlp:HOST:PORT (an OTLP gRPC collector: spans and metrics)", "none")
+    metrics_port: int = doc("port to serve Prometheus metrics on at /metrics, on --listen's host (0: off)", 0)
     log_level: str = doc("logging level", "INFO")
     tls_cert: str = doc("PEM certificate this process serves (and shows when it calls another service with "
                         "--tls-ca); empty: plaintext", "")
@@ -109,6 +111,16 @@ class ServiceConfig:
         check_listen("etcd", self.etcd)
         if self.lease_ttl_s < 1:
             raise ValueError(f"--lease-ttl-s: must be at least 1, got {self.lease_ttl_s}")
+        check_otel_exporter(self.otel_exporter)
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port: expected 0 (off) to 65535, got {self.metrics_port}")
+
+    @property
+    def metrics_listen(self) -> str:
+        """host:port of the Prometheus endpoint (--listen's host), or "" when it is off."""
+        if not self.metrics_port:
+            return ""
+        return f"{self.listen.rpartition(':')[0]}:{self.metrics_port}"
 
     @property
     def tls(self) -> TlsFiles:
@@ -125,6 +137,17 @@ class ServiceConfig:
     def etcd_credentials(self) -> grpc.ChannelCredentials | None:
         """What this service talks to etcd with (None: plaintext)."""
         return channel_credentials(TlsFiles(cert=self.tls_cert, key=self.tls_key, ca=self.etcd_ca))
+
+
+def check_otel_exporter(value: str) -> None:
+    """Raise ValueError unless value is none, console, file:PATH or otlp:HOST:PORT."""
+    if value in ("none", "console") or (value.startswith("file:") and len(value) > len("file:")):
+        return
+    if value.startswith("otlp:"):
+        host, sep, port = value.removeprefix("otlp:").rpartition(":")
+        if sep and host and port.isdigit():
+            return
+    raise ValueError(f"--otel-exporter: expected none, console, file:PATH or otlp:HOST:PORT, got {value!r}")
 
 
 def check_listen(name: str, value: str) -> None:

@@ -75,6 +75,13 @@ async def serve(
         log.error("cannot bind %s: the address is in use or not this host's", listen)
         await service.close()
         return 2
+    try:
+        telemetry.serve_metrics()
+    except OSError as exc:
+        log.error("cannot serve metrics on %s: %s", telemetry.metrics_listen, exc)
+        await service.close()
+        telemetry.shutdown()
+        return 2
     await server.start()
 
     stopping = asyncio.Event()
@@ -89,6 +96,8 @@ async def serve(
             for name in ("", *service.service_names):
                 await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
             log.info("serving %s on %s", ", ".join(service.service_names), listen)
+            if telemetry.metrics_listen:
+                log.info("Prometheus metrics on http://%s/metrics", telemetry.metrics_listen)
             if started is not None:
                 started.set()
             await stopping.wait()

@@ -7,13 +7,15 @@ import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from opentelemetry import metrics, trace
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
 from opentelemetry.instrumentation.grpc.filters import service_prefix
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import (
@@ -22,6 +24,7 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
     SpanExportResult,
 )
+from prometheus_client import CollectorRegistry, start_http_server
 
 
 class JsonLinesSpanExporter(SpanExporter):
@@ -61,33 +64,55 @@ def _plain(value: object) -> object:
 
 
 class Telemetry:
-    """The process's tracer and meter providers, and the gRPC interceptors that use them."""
+    """The process's tracer and meter providers, and the gRPC interceptors that use them.
+
+    exporter is --otel-exporter (none, console, file:PATH or otlp:HOST:PORT); channel_credentials TLS
+    for calls to other services (None: plaintext); metrics_listen the host:port of the Prometheus
+    endpoint, "" for none. The endpoint serves once serve_metrics is called.
+    """
 
     def __init__(self, service_name: str, exporter: str,
-                 channel_credentials: grpc.ChannelCredentials | None = None) -> None:
+                 channel_credentials: grpc.ChannelCredentials | None = None, metrics_listen: str = "") -> None:
         # TLS for calls to other services (see `channel`); None: plaintext.
         self.channel_credentials = channel_credentials
         resource = Resource.create({"service.name": service_name})
         self.tracer_provider = TracerProvider(resource=resource)
         span_exporter: SpanExporter | None = None
-        metric_readers = []
+        metric_readers: list[MetricReader] = []
         if exporter == "console":
             span_exporter = ConsoleSpanExporter()
             metric_readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter(), 10_000))
         elif exporter.startswith("file:"):
             span_exporter = JsonLinesSpanExporter(exporter.removeprefix("file:"))
+        elif exporter.startswith("otlp:"):
+            span_exporter, metric_reader = _otlp(exporter.removeprefix("otlp:"))
+            metric_readers.append(metric_reader)
         elif exporter != "none":
-            raise ValueError(f"--otel-exporter: expected none, console or file:PATH, got {exporter!r}")
+            raise ValueError(f"--otel-exporter: expected none, console, file:PATH or otlp:HOST:PORT, got {exporter!r}")
         if span_exporter is not None:
             self.tracer_provider.add_span_processor(
                 BatchSpanProcessor(span_exporter, schedule_delay_millis=200)
             )
+        self.metrics_listen = metrics_listen
+        # A registry of this process's own: nothing else registers there, and tests may build several.
+        self._registry = CollectorRegistry()
+        self._metrics_server: WSGIServer | None = None
+        if metrics_listen:
+            metric_readers.append(PrometheusMetricReader(registry=self._registry))
         self.meter_provider = MeterProvider(resource=resource, metric_readers=metric_readers)
         # Make the providers global so that library instrumentation finds them too.
         trace.set_tracer_provider(self.tracer_provider)
         metrics.set_meter_provider(self.meter_provider)
         self.tracer = self.tracer_provider.get_tracer(service_name)
         self.meter = self.meter_provider.get_meter(service_name)
+
+    def serve_metrics(self) -> None:
+        """Start serving Prometheus text at http://metrics_listen/metrics (a thread of its own), if
+        there is an endpoint; OSError if its port cannot be bound."""
+        if not self.metrics_listen or self._metrics_server is not None:
+            return
+        host, _, port = self.metrics_listen.rpartition(":")
+        self._metrics_server, _ = start_http_server(int(port), addr=host.strip("[]"), registry=self._registry)
 
     def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         # Only Baton's own services: the interceptor cannot wrap grpc.health's coroutine-style
@@ -112,7 +137,23 @@ class Telemetry:
 
     def shutdown(self) -> None:
         try:
+            if self._metrics_server is not None:
+                self._metrics_server.shutdown()
+                self._metrics_server.server_close()
             self.tracer_provider.shutdown()
             self.meter_provider.shutdown()
         except Exception:  # noqa: BLE001 - telemetry must never block shutdown
             logging.getLogger(__name__).exception("telemetry shutdown failed")
+
+
+def _otlp(endpoint: str) -> tuple[SpanExporter, MetricReader]:
+    """Span exporter and metric reader for an OTLP gRPC collector at endpoint (host:port, plaintext).
+
+    Metrics go every OTEL_METRIC_EXPORT_INTERVAL ms (the SDK's variable; 60 s unset) and at shutdown.
+    """
+    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    url = f"http://{endpoint}"
+    return (OTLPSpanExporter(endpoint=url, insecure=True),
+            PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=url, insecure=True)))

@@ -38,6 +38,10 @@ class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
         self._member = Membership(config.etcd, config.lease_ttl_s, config.etcd_credentials())
         self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed)
         self._node_channels = ChannelPool(telemetry)
+        self._events = telemetry.meter.create_counter(
+            "baton.kvindex.events", description="KV events folded into the index, by node")
+        self._snapshots = telemetry.meter.create_counter(
+            "baton.kvindex.snapshots", description="re-syncs of a node's blocks from its KV snapshot")
 
     def register(self, server: grpc.aio.Server) -> None:
         kvindex_pb2_grpc.add_KVIndexServicer_to_server(self, server)
@@ -107,6 +111,7 @@ class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
             for message in batch.events:
                 self._index.apply(node_id, batch.model, event_from_proto(message))
             self._last_seq[node_id] = batch.seq
+            self._events.add(len(batch.events), {"node": node_id})
         return kvindex_pb2.PublishAck(last_seq=self._last_seq.get(node_id, 0))
 
     async def _catch_up(self, node_id: str) -> int:
@@ -121,6 +126,7 @@ class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
             raise Unavailable(f"KV snapshot of node {node_id} failed: {exc.code().name}") from None
         self._index.reset_node(node_id, snapshot.model, list(snapshot.block_hashes))
         self._last_seq[node_id] = snapshot.seq
+        self._snapshots.add(1, {"node": node_id})
         log.info("node %s: caught up from a snapshot of %d blocks at seq %d", node_id,
                  len(snapshot.block_hashes), snapshot.seq)
         return snapshot.seq

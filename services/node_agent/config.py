@@ -21,6 +21,9 @@ class NodeAgentConfig(ServiceConfig):
     kv_cache_bytes: int = doc("vllm engine: KV cache size in bytes; 0: vLLM sizes it from free memory", 0)
     max_model_len: int = doc("vllm engine: longest context in tokens; 0: the model's own", 0)
     block_size: int = doc("vllm engine: tokens per KV block, a multiple of 16 (32 on CPU); 0: vLLM's default", 0)
+    gpu_memory_utilization: float = doc("vllm engine: share of the GPU's memory that must be free when vLLM starts "
+                                        "(and that it sizes its KV cache from without --kv-cache-bytes); lower it "
+                                        "to run several engines on one GPU", 0.9)
     cold_models: str = doc("comma-separated models on local disk, cold: LoadModel makes one warm", "")
     disk_gbps: float = doc("sim engine: local disk read rate for loading weights, GB/s", 0.55)
     engine_start_s: float = doc("sim engine: engine start-up after the weights are read, seconds", 20.0)
@@ -48,6 +51,8 @@ class NodeAgentConfig(ServiceConfig):
         if self.kv_cache_bytes < 0 or self.max_model_len < 0:
             raise ValueError(f"--kv-cache-bytes and --max-model-len must be 0 or more, got "
                              f"{self.kv_cache_bytes} and {self.max_model_len}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization: expected a share in (0, 1], got {self.gpu_memory_utilization}")
         if self.speed < 0:
             raise ValueError(f"--speed: must be 0 or more, got {self.speed}")
         if self.kv_blocks < 0:

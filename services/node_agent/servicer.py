@@ -20,6 +20,7 @@ from services.node_agent.engines.base import Engine, EngineInputError
 from services.node_agent.engines.factory import model_info, node_info
 from services.node_agent.engines.types import EngineRequest, FinishReason, RequestPhase, SamplingParams
 from services.node_agent.kv_publisher import KvEventLog, publish
+from services.node_agent.load_metrics import LoadGauges
 from services.node_agent.load_reporter import load_message, report_load
 from services.node_agent.model_host import ModelHost
 
@@ -64,6 +65,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         self._tokens = telemetry.meter.create_counter(
             "baton.node.generated_tokens", description="tokens generated on this node"
         )
+        self._load_gauges = LoadGauges(host, telemetry.meter, {"node": config.node_id, "gpu": config.gpu})
 
     def register(self, server: grpc.aio.Server) -> None:
         node_agent_pb2_grpc.add_NodeAgentServicer_to_server(self, server)
@@ -92,6 +94,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             publish(self._kv_log, self._kvindexes),
             report_load(self._config.node_id, self._host, self._schedulers,
                         self._config.load_report_interval_s),
+            self._load_gauges.follow(self._config.load_report_interval_s),
         ]
 
     async def before_stop(self) -> None:

@@ -34,3 +34,15 @@ def models_from_registrations(items: dict[str, bytes], lapsed: frozenset[str] = 
                 num_warm_nodes=warm,
             )
     return entries
+
+
+def gpus_from_registrations(items: dict[str, bytes]) -> dict[str, str]:
+    """Each registered node's GPU generation, by node id."""
+    gpus: dict[str, str] = {}
+    for value in items.values():
+        try:
+            info = json_format.Parse(value, common_pb2.NodeInfo())
+        except json_format.ParseError:
+            continue  # models_from_registrations logs it
+        gpus[info.node_id] = info.gpu
+    return gpus

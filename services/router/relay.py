@@ -18,6 +18,7 @@ from services.common.request_context import context_of
 from services.common.slo import Slo, classify
 from services.router.config import RouterConfig
 from services.router.generation import FailureCause, Generation, NodeFailure
+from services.router.latency import StreamLatency
 from services.router.node_stream import NodeLiveness, watched_stream
 from services.router.stall import NodeActivity
 
@@ -28,8 +29,10 @@ class Relay:
     """Streams generations from nodes, resuming each on another node when its node fails."""
 
     def __init__(self, config: RouterConfig, leader: LeaderDirectory, node_channels: ChannelPool,
-                 liveness: NodeLiveness, meter: Meter) -> None:
+                 liveness: NodeLiveness, meter: Meter, gpu_of: Callable[[str], str]) -> None:
         self._config = config
+        # The GPU generation of a node, by id, as its registration says.
+        self._gpu_of = gpu_of
         self._slo = config.slo
         self._leader = leader
         self._node_channels = node_channels
@@ -50,6 +53,7 @@ class Relay:
         self._recomputed = meter.create_counter(
             "baton.router.recomputed_tokens", description="context tokens prefilled again on resume"
         )
+        self._latency = StreamLatency(meter)
 
     async def stream(
         self, generation: Generation, request: router_pb2.GenerateRequest,
@@ -87,9 +91,14 @@ class Relay:
                         if base and not chunk.checkpoint.exact:
                             generation.is_exact = False
                         if chunk.token_ids:
-                            last_token_at = loop.time()
+                            now = loop.time()
+                            labels = (self._gpu_of(placement.node_id), request.tenant, generation.model)
                             if first_token_at is None:
-                                first_token_at = last_token_at
+                                first_token_at = now
+                                self._latency.first_token(now - started_at, *labels)
+                            elif failed_at is None and last_token_at is not None:
+                                self._latency.next_tokens(now - last_token_at, len(chunk.token_ids), *labels)
+                            last_token_at = now
                             if failed_at is not None:
                                 self._resume_stall.record((last_token_at - failed_at) * 1000)
                                 failed_at = None

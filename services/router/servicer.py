@@ -27,7 +27,7 @@ from services.common.errors import BatonError, DeadlineExceeded, abort
 from services.common.etcd_session import Membership, PrefixView
 from services.common.telemetry import Telemetry
 from services.common.tenant_directory import TenantDirectory
-from services.router.catalogue import models_from_registrations
+from services.router.catalogue import gpus_from_registrations, models_from_registrations
 from services.router.config import RouterConfig
 from services.router.generation import Generation
 from services.router.http_api import HttpApi
@@ -71,7 +71,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._leader = LeaderDirectory(self._member.client, etcd_keys.SCHEDULER_ELECTION, telemetry)
         self._node_channels = ChannelPool(telemetry)
         self._liveness = NodeLiveness()
-        self._relay = Relay(config, self._leader, self._node_channels, self._liveness, telemetry.meter)
+        # Each node's GPU generation, by node id (kept after a node leaves: its last tokens may come later).
+        self._node_gpus: dict[str, str] = {}
+        self._relay = Relay(config, self._leader, self._node_channels, self._liveness, telemetry.meter,
+                            lambda node_id: self._node_gpus.get(node_id, ""))
         # Requests this router serves now (an id twice if a client sent it twice), reported to the leader.
         self._live: Counter[str] = Counter()
         self._requests = telemetry.meter.create_counter(
@@ -118,6 +121,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     def _on_nodes_changed(self, items: dict[str, bytes]) -> None:
         self._models = models_from_registrations(items, self._nodes.lapsed)
+        self._node_gpus.update(gpus_from_registrations(items))
         self._liveness.update({key.removeprefix(etcd_keys.NODES) for key in items})
 
     async def open_http(self) -> bool:

@@ -130,3 +130,25 @@ def test_vllm_model_is_served_under_its_directory_name_unless_named() -> None:
 
     assert vllm_model_name(NodeAgentConfig(engine="vllm", model_dir="/models/tiny-llama")) == "tiny-llama"
     assert vllm_model_name(NodeAgentConfig(engine="vllm", model_dir="/models/x", model="chat")) == "chat"
+
+
+def test_vllm_gpu_memory_share_reaches_the_engine_and_is_checked(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two vLLM engines share a GPU only with a lower share than vLLM's 0.9 (it checks it is free at start)."""
+    from services.node_agent.config import NodeAgentConfig
+    from services.node_agent.engines import factory
+    from services.node_agent.engines.vllm import engine
+
+    with pytest.raises(ValueError, match="--gpu-memory-utilization.*1.5"):
+        NodeAgentConfig(engine="vllm", model_dir="/models/m", gpu_memory_utilization=1.5)
+    started_with = []
+
+    def fake_engine(name: str, settings: engine.VllmSettings) -> None:
+        started_with.append(settings)
+        raise RuntimeError("no GPU here")
+
+    monkeypatch.setattr(engine, "VllmEngine", fake_engine)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="vLLM failed to start"):
+        factory.build_host(NodeAgentConfig(engine="vllm", model_dir=str(tmp_path), gpu_memory_utilization=0.3))
+    assert [s.gpu_memory_utilization for s in started_with] == [0.3]

@@ -54,6 +54,8 @@ class VllmSettings:
     max_num_batched_tokens: int = 2048
     # Eager mode starts in seconds; compiled graphs take minutes to build on a CPU.
     enforce_eager: bool = True
+    # Share of GPU memory that must be free at start (vLLM checks it even with kv_cache_bytes set).
+    gpu_memory_utilization: float = 0.9
 
 
 def tokenizer_name(model_dir: str) -> str:
@@ -101,6 +103,7 @@ class VllmEngine:
             enforce_eager=settings.enforce_eager,
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                             endpoint=events_endpoint, replay_endpoint=replay_endpoint,
                                             topic="kv"),
