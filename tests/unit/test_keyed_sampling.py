@@ -98,6 +98,7 @@ def test_vllms_logits_processor_leaves_only_the_keyed_choice_for_its_requests() 
         return int(result[row].argmax())
 
     expected = [choose_token(logits[0].double().numpy(), 0.7, 0.9, 9, position) for position in (80, 81)]
+    assert expected[0] != expected[1]  # so that a position not counted would be seen
     assert chosen(0) == expected[0]
     generated.append(expected[0])  # vLLM appends what it sampled to the list it handed over
     assert chosen(0) == expected[1]
