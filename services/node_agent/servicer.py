@@ -126,6 +126,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             outputs = engine.generate(engine_request, self._config.heartbeat_interval_s)
         except EngineInputError as exc:
             await abort(context, InvalidArgument(exc.field, exc.value, exc.reason))
+        exact = engine.resumes_exactly(engine_request.sampling)
         try:
             yield self._chunk(request, 0,
                               started=node_agent_pb2.StreamStarted(
@@ -140,7 +141,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
                 chunk = self._chunk(request, index, token_ids=output.new_token_ids,
                                     finish_reason=FINISH_REASONS[output.finish_reason])
                 index += len(output.new_token_ids)
-                chunk.checkpoint.CopyFrom(self._checkpoint(request, index, engine, output.gpu_ms))
+                chunk.checkpoint.CopyFrom(self._checkpoint(request, index, exact, output.gpu_ms))
                 self._tokens.add(len(output.new_token_ids), {"model": request.model})
                 if output.finish_reason is not None:
                     chunk.usage.CopyFrom(
@@ -174,12 +175,12 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             num_computed_tokens=progress.num_computed_tokens, num_prompt_tokens=progress.num_prompt_tokens)
 
     @staticmethod
-    def _checkpoint(request: node_agent_pb2.NodeGenerateRequest, num_generated: int, engine: Engine,
+    def _checkpoint(request: node_agent_pb2.NodeGenerateRequest, num_generated: int, exact: bool,
                     gpu_ms: float) -> node_agent_pb2.Checkpoint:
         checkpoint = node_agent_pb2.Checkpoint(
             num_context_tokens=len(request.prompt_token_ids) + num_generated,
             num_completion_tokens=num_generated,
-            exact=engine.exact_resume,
+            exact=exact,
             gpu_ms=gpu_ms,
         )
         if request.sampling.HasField("seed"):

@@ -23,7 +23,8 @@ from baton.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc, node_agent_pb2, 
 from services.common.block_hash import block_hashes
 from tests.integration.conftest import eventually
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+# 600 s: the first test also waits for the reference engine and two vllm nodes to start, on shared cores.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 512
@@ -33,6 +34,8 @@ PROMPT_IDS = [(7 * i + 3) % 600 + 2 for i in range(80)]
 NUM_TOKENS = 32
 # The reference run is long enough to kill its node mid-stream; shorter greedy runs are its prefixes.
 NUM_REFERENCE_TOKENS = MAX_MODEL_LEN - len(PROMPT_IDS) - 32
+# Seeded sampling: keyed by (seed, position), so a resumed run continues the uninterrupted one.
+SEEDED = dict(temperature=0.8, top_p=0.95, seed=1234)
 
 
 async def generate_directly(model_dir: Path, prompt_ids: list[int], num_tokens: int) -> list[int]:
@@ -91,6 +94,18 @@ def vllm_cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
         cluster.stop()
 
 
+@pytest.fixture(scope="module")
+def seeded_reference(vllm_cluster: LocalCluster) -> list[int]:
+    """An uninterrupted seeded run through the mesh."""
+    async def run() -> list[int]:
+        async with BatonClient(vllm_cluster.router.address) as client:
+            result = await client.complete(MODEL, prompt_token_ids=PROMPT_IDS, max_tokens=NUM_REFERENCE_TOKENS,
+                                           ignore_eos=True, timeout_s=120, **SEEDED)
+        return result.token_ids
+
+    return asyncio.run(run())
+
+
 async def test_stream_through_the_mesh_equals_vllm_run_directly(vllm_cluster: LocalCluster,
                                                                  reference: list[int]) -> None:
     assert len(reference) == NUM_REFERENCE_TOKENS
@@ -107,40 +122,65 @@ async def test_stream_through_the_mesh_equals_vllm_run_directly(vllm_cluster: Lo
     assert usage.gpu_ms > 0
 
 
-@pytest.mark.parametrize("num_received", [1, 13, 31])
-async def test_a_greedy_stream_resumed_from_its_tokens_continues_as_the_uninterrupted_run(
-        vllm_cluster: LocalCluster, reference: list[int], num_received: int) -> None:
+@pytest.mark.parametrize(("num_received", "sampling"), [(1, "greedy"), (13, "greedy"), (31, "greedy"),
+                                                       (1, "seeded"), (31, "seeded")])
+async def test_a_stream_resumed_from_its_tokens_continues_as_the_uninterrupted_run(
+        vllm_cluster: LocalCluster, reference: list[int], seeded_reference: list[int], num_received: int,
+        sampling: str) -> None:
     """What a client whose router died sends: the prompt and the tokens it has; vLLM re-prefills both."""
+    expected, fields = (reference, {}) if sampling == "greedy" else (seeded_reference, SEEDED)
     async with BatonClient(vllm_cluster.router.address) as client:
         chunks = [chunk async for chunk in client.generate(
             MODEL, prompt_token_ids=PROMPT_IDS, max_tokens=NUM_TOKENS, ignore_eos=True,
-            resume=router_pb2.Resume(token_ids=reference[:num_received]), timeout_s=120)]
-    assert reference[:num_received] + [t for chunk in chunks for t in chunk.token_ids] == reference[:NUM_TOKENS]
+            resume=router_pb2.Resume(token_ids=expected[:num_received]), timeout_s=120, **fields)]
+    assert expected[:num_received] + [t for chunk in chunks for t in chunk.token_ids] == expected[:NUM_TOKENS]
     assert chunks[-1].usage.completion_tokens == NUM_TOKENS
 
 
-async def test_killing_the_serving_node_mid_stream_the_greedy_stream_continues_as_if_uninterrupted(
-        vllm_cluster: LocalCluster, reference: list[int]) -> None:
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+async def test_killing_the_serving_node_mid_stream_the_stream_continues_exactly_as_if_uninterrupted(
+        vllm_cluster: LocalCluster, reference: list[int], seeded_reference: list[int], sampling: str) -> None:
+    expected, fields = (reference, {}) if sampling == "greedy" else (seeded_reference, SEEDED)
     tokens: list[int] = []
     node_ids: list[str] = []
+    is_exact = True
     killed = None
     try:
         async with BatonClient(vllm_cluster.router.address) as client:
             async for chunk in client.generate(MODEL, prompt_token_ids=PROMPT_IDS, max_tokens=NUM_REFERENCE_TOKENS,
-                                               ignore_eos=True, timeout_s=120):
+                                               ignore_eos=True, timeout_s=120, **fields):
                 tokens += chunk.token_ids
+                is_exact = is_exact and not chunk.inexact
                 if chunk.node_id and chunk.node_id not in node_ids:
                     node_ids.append(chunk.node_id)
                 if killed is None and len(tokens) >= 16:
                     killed = next(p for p in vllm_cluster.nodes if p.name == chunk.node_id)
                     killed.signal(signal.SIGKILL)
         assert killed is not None
-        assert tokens == reference
+        assert tokens == expected
+        assert sampling == "greedy" or expected != reference  # sampled, not greedy
         assert node_ids[0] == killed.name and len(node_ids) == 2
+        assert is_exact  # the resumed node promised it: one pinned thread, greedy or keyed by (seed, position)
     finally:
         if killed is not None:  # the other tests expect both nodes
             vllm_cluster.restart(killed, timeout_s=240)
             vllm_cluster.wait_nodes_visible(2, timeout_s=60)
+
+
+async def test_checkpoints_promise_exact_resume_for_greedy_and_seeded_requests_only(
+        vllm_cluster: LocalCluster) -> None:
+    """Sampled without a seed, vLLM's own sampler draws: a resumed run could not match, and says so."""
+    async def exact_flags(sampling: common_pb2.SamplingParams) -> set[bool]:
+        request = node_agent_pb2.NodeGenerateRequest(request_id=f"exact-{sampling.temperature}-{sampling.seed}",
+                                                     model=MODEL, prompt_token_ids=PROMPT_IDS, sampling=sampling)
+        async with grpc.aio.insecure_channel(vllm_cluster.nodes[0].address) as channel:
+            chunks = [c async for c in node_agent_pb2_grpc.NodeAgentStub(channel).Generate(request, timeout=60)]
+        return {c.checkpoint.exact for c in chunks if c.token_ids}
+
+    assert await exact_flags(common_pb2.SamplingParams(max_tokens=4, ignore_eos=True)) == {True}
+    assert await exact_flags(common_pb2.SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.8,
+                                                       seed=3)) == {True}
+    assert await exact_flags(common_pb2.SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.8)) == {False}
 
 
 async def test_repeated_prompt_reports_vllms_cached_tokens_and_the_index_holds_its_blocks(
@@ -221,29 +261,34 @@ async def test_bad_input_through_the_router_is_refused_naming_the_value(vllm_clu
     assert named in refused.value.details()
 
 
-@pytest.mark.parametrize(("prompt", "named"), [
-    ([5] * MAX_MODEL_LEN, f"max_model_len of {MAX_MODEL_LEN}"),
-    ([5, 6, 99999], "prompt_token_ids[2]=99999"),
-], ids=["too-long", "outside-vocabulary"])
-async def test_bad_input_sent_to_the_node_is_refused_and_the_node_serves_on(vllm_cluster: LocalCluster,
-                                                                           prompt: list[int], named: str) -> None:
+@pytest.mark.parametrize(("prompt", "sampling", "named"), [
+    ([5] * MAX_MODEL_LEN, {}, f"max_model_len of {MAX_MODEL_LEN}"),
+    ([5, 6, 99999], {}, "prompt_token_ids[2]=99999"),
+    ([5, 6, 7], dict(temperature=-1.0, seed=3), "temperature=-1.0"),
+    ([5, 6, 7], dict(temperature=0.8, top_p=1.5, seed=3), "top_p=1.5"),
+], ids=["too-long", "outside-vocabulary", "negative-temperature", "top-p-above-1"])
+async def test_bad_input_sent_to_the_node_is_refused_and_streams_beside_it_go_on(
+        vllm_cluster: LocalCluster, reference: list[int], prompt: list[int], sampling: dict[str, float],
+        named: str) -> None:
     node = vllm_cluster.nodes[0]
-    request = node_agent_pb2.NodeGenerateRequest(
-        request_id=f"bad-{len(prompt)}", model=MODEL, prompt_token_ids=prompt,
-        sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True))
+    bad = node_agent_pb2.NodeGenerateRequest(
+        request_id=f"bad-{named}", model=MODEL, prompt_token_ids=prompt,
+        sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True, **sampling))
+    good = node_agent_pb2.NodeGenerateRequest(
+        request_id=f"beside-{named}", model=MODEL, prompt_token_ids=PROMPT_IDS,
+        sampling=common_pb2.SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True))
     async with grpc.aio.insecure_channel(node.address) as channel:
+        stub = node_agent_pb2_grpc.NodeAgentStub(channel)
+        beside = stub.Generate(good, timeout=120)
+        tokens = list((await anext(aiter(beside))).token_ids)  # the stream has started
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            async for _ in node_agent_pb2_grpc.NodeAgentStub(channel).Generate(request, timeout=30):
+            async for _ in stub.Generate(bad, timeout=30):
                 pass
+        tokens += [t async for chunk in beside for t in chunk.token_ids]
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert named in refused.value.details()
+    assert tokens == reference[:NUM_TOKENS]
     assert node.is_running()
-    async with BatonClient(vllm_cluster.router.address) as client:
-        result = await client.complete(MODEL, prompt_token_ids=PROMPT_IDS, max_tokens=4, ignore_eos=True,
-                                       timeout_s=120)
-    assert len(result.token_ids) == 4
-
-
 
 
 async def test_seeded_sampling_reaches_vllm(vllm_cluster: LocalCluster) -> None:
@@ -281,3 +326,14 @@ def test_a_model_vllm_cannot_start_stops_the_node_agent_with_a_clear_message(tmp
         capture_output=True, text=True, timeout=180)
     assert result.returncode != 0
     assert f"--model-dir '{broken}': vLLM failed to start" in result.stderr
+
+
+def test_a_missing_model_directory_stops_the_node_agent_naming_it(tmp_path: Path) -> None:
+    """Refused before vLLM or etcd is touched."""
+    missing = tmp_path / "no-such-model"
+    result = subprocess.run(
+        [sys.executable, "-m", "services.node_agent", "--engine=vllm", f"--model-dir={missing}",
+         "--etcd=127.0.0.1:1", "--listen=127.0.0.1:0", "--node-id=node-missing"],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert f"--model-dir: '{missing}' is not a model directory" in result.stderr

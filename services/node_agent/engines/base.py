@@ -7,7 +7,13 @@ from typing import Protocol
 
 from services.common.change_signal import ChangeSignal
 from services.common.load import Load
-from services.node_agent.engines.types import EngineRequest, KVEvent, RequestOutput, RequestProgress
+from services.node_agent.engines.types import (
+    EngineRequest,
+    KVEvent,
+    RequestOutput,
+    RequestProgress,
+    SamplingParams,
+)
 
 
 class EngineInputError(ValueError):
@@ -30,8 +36,6 @@ class Engine(Protocol):
     kv_block_size: int
     #: Set when a request arrives, finishes or is aborted, so load is reported at once.
     load_changed: ChangeSignal
-    #: Whether re-running prompt + generated tokens with the same sampling continues identically.
-    exact_resume: bool
 
     async def run(self) -> None:
         """The engine loop; runs until cancelled."""
@@ -43,6 +47,9 @@ class Engine(Protocol):
         when nothing came for heartbeat_s (the engine is alive, e.g. still prefilling).
         Closing the iterator early aborts the request and frees its KV blocks.
         """
+
+    def resumes_exactly(self, sampling: SamplingParams) -> bool:
+        """Whether re-running prompt + generated tokens with this sampling continues identically."""
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; a no-op once it has finished."""

@@ -15,6 +15,7 @@ from services.node_agent.engines.types import (
     KVEvent,
     RequestOutput,
     RequestProgress,
+    SamplingParams,
 )
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,6 @@ class SimEngine:
     """Runs the simulated engine core in real time, scaled by `speed` (0: no waiting at all)."""
 
     tokenizer = "byte"
-    # Tokens are a pure function of (seed, position, context): a resumed run is identical.
-    exact_resume = True
 
     def __init__(self, core: SimEngineCore, model: str, speed: float) -> None:
         self._core = core
@@ -68,6 +67,10 @@ class SimEngine:
         self._kv_events: list[KVEvent] = []
         self._kv_ready = asyncio.Event()
         self.load_changed = ChangeSignal()
+
+    def resumes_exactly(self, sampling: SamplingParams) -> bool:
+        """Always: tokens are a pure function of (seed, position, context)."""
+        return True
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

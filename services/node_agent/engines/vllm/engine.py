@@ -27,6 +27,7 @@ from services.node_agent.engines.types import (
     RequestOutput,
     RequestPhase,
     RequestProgress,
+    SamplingParams,
 )
 from services.node_agent.engines.vllm.block_keys import BlockKeyMap
 from services.node_agent.engines.vllm.gpu_time import GpuTimeShare
@@ -80,15 +81,12 @@ class _Running:
 class VllmEngine:
     """One model served by vLLM's AsyncLLM; the model's directory is read when it starts."""
 
-    # Greedy resume re-prefills prompt + generated tokens and continues identically on single-threaded
-    # kernels, but not always on multi-threaded ones, and seeded sampling restarts its generator: the
-    # resumed stream is marked inexact.
-    exact_resume = False
-
     def __init__(self, model: str, settings: VllmSettings) -> None:
         from vllm.config import KVEventsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        from services.node_agent.engines.vllm.keyed_sampler import PositionKeyedSampler
 
         self.model = model
         self.tokenizer = tokenizer_name(settings.model_dir)
@@ -107,6 +105,9 @@ class VllmEngine:
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                             endpoint=events_endpoint, replay_endpoint=replay_endpoint,
                                             topic="kv"),
+            # Seeded requests are sampled by (seed, position) in vLLM's worker, so that they resume exactly.
+            logits_processors=[PositionKeyedSampler],
+            worker_extension_cls=f"{PositionKeyedSampler.__module__}.WorkerProbe",
         )
         if settings.kv_cache_bytes:
             args.kv_cache_memory_bytes = settings.kv_cache_bytes
@@ -127,6 +128,9 @@ class VllmEngine:
         self._kv_events: list[KVEvent] = []
         self._kv_ready = asyncio.Event()
         self._step_ms = 0.0
+        # Whether vLLM's kernels give the same logits for a context however it was computed (prefill or
+        # decode, in any batch); unknown, so False, until run() has asked the workers.
+        self._deterministic_kernels = False
         # Connected before any request runs: no batch is published before the first engine step.
         self._subscriber = KvEventSubscriber(events_endpoint, replay_endpoint)
 
@@ -156,6 +160,7 @@ class VllmEngine:
         """Follow vLLM's KV events until cancelled; then abort what is in flight and stop vLLM.
         Raises vLLM's error if its engine core dies, so that the node agent exits."""
         try:
+            self._deterministic_kernels = await self._has_deterministic_kernels()
             async with asyncio.TaskGroup() as group:
                 group.create_task(self._follow_kv_events())
                 group.create_task(self._watch_engine_core())
@@ -164,6 +169,23 @@ class VllmEngine:
                 running.pump.cancel()
             self._llm.shutdown()
             self._events_dir.cleanup()
+
+    async def _has_deterministic_kernels(self) -> bool:
+        """CPU: one thread per worker (measured in docs/vllm.md: several threads can diverge);
+        GPU: vLLM's batch-invariant mode."""
+        from vllm import envs
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return bool(envs.VLLM_BATCH_INVARIANT)
+        threads = await self._llm.collective_rpc("baton_num_threads")
+        log.info("vLLM workers of %s run %s CPU threads", self.model, threads)
+        return all(n == 1 for n in threads)
+
+    def resumes_exactly(self, sampling: SamplingParams) -> bool:
+        """Greedy and seeded requests continue token for token when re-prefilled with what they
+        generated, on deterministic kernels; a request sampled without a seed never does."""
+        return self._deterministic_kernels and (sampling.temperature == 0 or sampling.seed is not None)
 
     async def _watch_engine_core(self) -> None:
         while not self._llm.errored:
@@ -184,21 +206,26 @@ class VllmEngine:
     def generate(self, request: EngineRequest, heartbeat_s: float) -> AsyncIterator[RequestOutput | None]:
         """Admit request now (EngineInputError naming the value if vLLM could not serve it)."""
         self._check(request)
-        from vllm import SamplingParams
+        from vllm import SamplingParams as VllmSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        from services.node_agent.engines.vllm.keyed_sampler import keyed_extra_args
+
         sampling = request.sampling
-        params = SamplingParams(
+        prompt = list(request.prompt_token_ids)
+        keyed = sampling.temperature > 0 and sampling.seed is not None
+        params = VllmSamplingParams(
             n=1,
             max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            seed=sampling.seed if sampling.temperature > 0 else None,
+            # Keyed: the logits processor leaves one token finite and vLLM's greedy path emits it.
+            temperature=0.0 if keyed else sampling.temperature,
+            top_p=1.0 if keyed else sampling.top_p,
+            extra_args=keyed_extra_args(sampling.seed, sampling.temperature, sampling.top_p, len(prompt))
+            if keyed else None,
             ignore_eos=sampling.ignore_eos,
             detokenize=False,  # the router turns tokens into text
             output_kind=RequestOutputKind.DELTA,
         )
-        prompt = list(request.prompt_token_ids)
         resumed = prompt[len(prompt) - request.num_resumed_tokens:] if request.num_resumed_tokens else []
         queue: asyncio.Queue[Any] = asyncio.Queue()
         pump = asyncio.get_running_loop().create_task(
@@ -216,6 +243,11 @@ class VllmEngine:
             raise EngineInputError("prompt_token_ids", [], "must not be empty")
         if max_tokens < 1:
             raise EngineInputError("max_tokens", max_tokens, "must be >= 1")
+        temperature, top_p = request.sampling.temperature, request.sampling.top_p
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise EngineInputError("temperature", temperature, "must be >= 0 (0: greedy)")
+        if not 0 < top_p <= 1:
+            raise EngineInputError("top_p", top_p, "must be in (0, 1]")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             i, bad = next((i, t) for i, t in enumerate(prompt) if not 0 <= t < self.vocab_size)
             raise EngineInputError(f"prompt_token_ids[{i}]", bad,
