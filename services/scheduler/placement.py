@@ -55,6 +55,8 @@ class Plan:
     candidates: dict[str, list[NodeStatus]] = field(default_factory=dict)
     # When a retry took its unit of the retry budget (None: a first placement, or not yet charged).
     charged_at: float | None = None
+    # What admission could not predict, said in the decision: no candidate registered a profile.
+    unpredicted: str = ""
 
     @property
     def has_candidates(self) -> bool:
@@ -152,6 +154,10 @@ class Placer:
         if plan.is_retry:
             return None
         request = plan.ask.request
+        if not any(s.profile(o.request.model) for o in options for s in o.candidates):
+            plan.unpredicted = ("admission: no candidate registered an engine profile, so its time to first token"
+                                + (" and deadline were" if request.deadline_ms else " was")
+                                + " not predicted and nothing was refused on them")
         self._check_deadline(request, options, now)
         ticket = Ticket(request_id=request.request_id, tenant=request.tenant or "default",
                         priority=request.priority, num_tokens=request.num_prompt_tokens + request.max_tokens,
@@ -164,7 +170,8 @@ class Placer:
 
     def _check_deadline(self, request: PlacementRequest, options: list[Option], now: float) -> None:
         """Refuse at once a request that could not end by its deadline on any candidate: TTFT plus
-        max_tokens decode steps, predicted on the fleet as it is (no timing model: no refusal)."""
+        max_tokens decode steps, predicted from the candidates' registered profiles on the fleet as it
+        is (candidates without a profile: not predicted; none has one: no refusal, see ticket)."""
         if not request.deadline_ms:
             return
         ends = [end for o in options

@@ -68,6 +68,7 @@ class SimEngine:
         self._kv_events: list[KVEvent] = []
         self._kv_ready = asyncio.Event()
         self.load_changed = ChangeSignal()
+        self.profile_changed = ChangeSignal()
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -93,6 +94,10 @@ class SimEngine:
             if result.kv_events:
                 self._kv_events.extend(result.kv_events)
                 self._kv_ready.set()
+
+    def profile(self) -> None:
+        """The sim engine measures nothing: its node registers the configured coefficients it runs."""
+        return None
 
     def expected_step_ms(self) -> float:
         """Wall-clock time of the next decode step (0 when timing is off)."""
