@@ -87,7 +87,8 @@ def build_vllm_host(config: NodeAgentConfig) -> ModelHost:
     name = vllm_model_name(config)
     settings = VllmSettings(model_dir=str(model_dir), kv_cache_bytes=config.kv_cache_bytes,
                             max_model_len=config.max_model_len, block_size=config.block_size,
-                            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
+                            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                            calibrate=config.calibrate)
     started = time.monotonic()
     try:
         engine = VllmEngine(name, settings)
