@@ -77,6 +77,8 @@ def test_a_node_without_a_profile_beside_profiled_ones_is_named_not_silently_dro
     assert placed.fallback == "no engine profile registered by a: not scored, placed among the candidates that have one"
     weighted = make_policy("weighted_least_loaded").choose(request(4000), nodes, {}, 0.0)
     assert weighted.fallback == "no engine profile registered by a: counted as the slowest profiled node"
+    alone = make_policy("weighted_least_loaded").choose(request(4000), [status("a", None)], {}, 0.0)
+    assert alone.fallback == "no engine profile registered by any candidate (a): placed by fewest in flight"
 
 
 def _placer(*nodes: NodeStatus) -> Placer:

@@ -57,6 +57,8 @@ class WeightedLeastLoadedPolicy(Policy):
             return (num_in_flight(status) + 1) / (speeds[status.spec.node_id] or slowest)
 
         chosen = min(candidates, key=lambda s: (load(s), s.spec.node_id))
+        any_profiled = any(speeds.values())
         return noting_unprofiled(decision(chosen, matched_blocks, load(chosen)),
-                                 [(request.model, s) for s in candidates], "counted as the slowest profiled node",
-                                 none_scored=False)
+                                 [(request.model, s) for s in candidates],
+                                 "counted as the slowest profiled node" if any_profiled else "fewest in flight",
+                                 none_scored=not any_profiled)
