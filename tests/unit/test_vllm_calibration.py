@@ -30,4 +30,4 @@ def test_a_decode_is_read_only_when_no_prompt_is_prefilled_beside_it() -> None:
 def test_the_sweep_keeps_within_the_engines_limits() -> None:
     sweep = Sweep().fitted_to(max_model_len=512, max_num_batched_tokens=256, max_num_seqs=4)
     assert max(sweep.prefill_sizes) == 256 and len(set(sweep.prefill_sizes)) == len(sweep.prefill_sizes)
-    assert sweep.decode_batches == (1, 2, 4)
+    assert sweep.decode_batches == (1, 4) and max(sweep.decode_prompt_tokens) <= 512 - sweep.decode_steps - 2

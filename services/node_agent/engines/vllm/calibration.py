@@ -5,7 +5,8 @@ vLLM's API reports no step times, so they are timed from outside, where they can
 - a prefill step: a request's time to first token while it is alone in the engine (one step when
   its uncached prompt fits the step's token budget);
 - a decode step: the time between two outputs of a decoding request while no prompt is being
-  prefilled beside it (B = the requests decoding, C = their context tokens).
+  prefilled beside it (B = the requests decoding, C = their context tokens; the sweep decodes each
+  batch on short and on long prompts, so that C does not move only with B).
 
 Both include vLLM's own per-step overhead (scheduling, the hop between its processes): part of the
 step as the scheduler sees it. The sweep times prefills of a few sizes and decodes of a few batch
@@ -31,21 +32,23 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Sweep:
-    """What the calibration times: each prefill size `repeats` times, each decode batch for `decode_steps`."""
+    """What the calibration times: each prefill size `repeats` times, each decode batch for `decode_steps`
+    on prompts of each decode_prompt_tokens (two context lengths, or C would move only with B)."""
 
     prefill_sizes: tuple[int, ...] = (32, 128, 256, 512)
     repeats: int = 2
-    decode_batches: tuple[int, ...] = (1, 2, 4, 8)
+    decode_batches: tuple[int, ...] = (1, 4, 8)
     decode_steps: int = 8
-    decode_prompt_tokens: int = 32
+    decode_prompt_tokens: tuple[int, ...] = (32, 384)
 
     def fitted_to(self, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> Sweep:
         """This sweep within an engine's limits: one step's budget, its context and its batch."""
         longest = min(max_num_batched_tokens, max_model_len - 1)
         sizes = tuple(dict.fromkeys(min(n, longest) for n in self.prefill_sizes))
         batches = tuple(b for b in self.decode_batches if b <= max_num_seqs) or (1,)
-        prompt = max(1, min(self.decode_prompt_tokens, max_model_len - self.decode_steps - 2))
-        return Sweep(sizes, self.repeats, batches, self.decode_steps, prompt)
+        prompts = tuple(dict.fromkeys(max(1, min(n, max_model_len - self.decode_steps - 2))
+                                      for n in self.decode_prompt_tokens))
+        return Sweep(sizes, self.repeats, batches, self.decode_steps, prompts)
 
 
 async def _run(llm: Any, prompt: list[int], max_tokens: int, clock: Callable[[], float]) -> list[tuple[float, int]]:
@@ -78,21 +81,29 @@ async def calibrate(llm: Any, sweep: Sweep, vocab_size: int, is_quiet: Callable[
             if quiet and is_quiet() and times:
                 samples.append(StepSample(0, 0, (n,), (times[0][0] - started) * 1000.0))
     for batch in sweep.decode_batches:
-        quiet = is_quiet()
-        runs = await asyncio.gather(*(_run(llm, prompt(sweep.decode_prompt_tokens), sweep.decode_steps + 1, clock)
-                                      for _ in range(batch)))
-        if not (quiet and is_quiet()):
-            continue
-        # Steps after every request's first token: each output of each request, one step apart.
-        decoding_from = max(run[0][0] for run in runs if run)
-        for run in runs:
-            generated = run[0][1] if run else 0
-            for (before, _), (after, num_tokens) in zip(run, run[1:], strict=False):
-                if before >= decoding_from and num_tokens:
-                    context = batch * (sweep.decode_prompt_tokens + generated)
-                    samples.append(StepSample(batch, context, (), (after - before) * 1000.0 / num_tokens))
-                generated += num_tokens
+        for prompt_tokens in sweep.decode_prompt_tokens:
+            quiet = is_quiet()
+            runs = await asyncio.gather(*(_run(llm, prompt(prompt_tokens), sweep.decode_steps + 1, clock)
+                                          for _ in range(batch)))
+            if quiet and is_quiet():
+                samples += _decode_steps(runs, batch, prompt_tokens)
     await llm.reset_prefix_cache()  # the sweep's random prompts are nobody's prefix
+    return samples
+
+
+def _decode_steps(runs: list[list[tuple[float, int]]], batch: int, prompt_tokens: int) -> list[StepSample]:
+    """The steps after every request's first token: each output of each request, one step apart."""
+    if not all(runs):
+        return []
+    decoding_from = max(run[0][0] for run in runs)
+    samples = []
+    for run in runs:
+        generated = run[0][1]
+        for (before, _), (after, num_tokens) in zip(run, run[1:], strict=False):
+            if before >= decoding_from and num_tokens:
+                context = batch * (prompt_tokens + generated)
+                samples.append(StepSample(batch, context, (), (after - before) * 1000.0 / num_tokens))
+            generated += num_tokens
     return samples
 
 
