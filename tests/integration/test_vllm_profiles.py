@@ -16,7 +16,7 @@ from baton.cluster import ClusterSpec, LocalCluster
 from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.integration.conftest import eventually
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 MODEL = "tiny-llama"
 NUM_LONG_PROMPTS = 5
@@ -41,7 +41,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
                        per_node_args=((f"--model-dir={deeper_model_dir}",), ()),
                        router_args=("--stall-floor-s=5",))
     started = LocalCluster(spec, tmp_path_factory.mktemp("vllm-profiles"))
-    started.start(timeout_s=300)
+    started.start(timeout_s=420)  # two engines starting at once on shared cores
     try:
         yield started
     finally:
