@@ -31,7 +31,7 @@ def node_timing(status: NodeStatus, model: str) -> TimingModel | None:
 def decode_tokens_per_s(timing: TimingModel) -> float:
     """Tokens a second the node decodes at the reference batch: its speed relative to other GPUs."""
     step_ms = timing.decode_step_ms(REFERENCE_BATCH, REFERENCE_BATCH * REFERENCE_CONTEXT)
-    return REFERENCE_BATCH * 1000.0 / step_ms
+    return REFERENCE_BATCH * 1000.0 / max(step_ms, 1e-6)  # a measured profile may round a step to 0
 
 
 def unprofiled(candidates: Iterable[tuple[str, NodeStatus]]) -> list[str]:
