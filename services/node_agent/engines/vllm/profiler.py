@@ -43,7 +43,9 @@ class VllmProfiler:
         self._observer.admitted(request_id, num_in_flight, now)
 
     def first_token(self, request_id: str, num_new_tokens: int, num_computed: int, now: float) -> None:
-        self._observe(self._observer.first_token(request_id, num_new_tokens, num_computed, now), now)
+        sample = self._observer.first_token(request_id, num_new_tokens, num_computed, now)
+        if num_computed <= self._limits[0]:  # a longer prompt is prefilled in several steps: not one step's time
+            self._observe(sample, now)
 
     def decoded(self, interval_s: float, num_new_tokens: int, num_decoding: int, num_context_tokens: int,
                 num_prefilling: int, now: float) -> None:
