@@ -40,10 +40,11 @@ integration: $(VLLM_STAMP)
 protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 
-bench: $(STAMP) bench-vllm
+bench: $(VLLM_STAMP) bench-vllm
 	$(BIN)/python -m bench.mesh_overhead --out docs/benchmarks.md
 	$(BIN)/python -m bench.resume_stall --out docs/benchmarks.md
 	$(BIN)/python -m bench.leader_failover --out docs/benchmarks.md
+	$(TEST_ENV) $(BIN)/python -m bench.profile_truth --out docs/benchmarks.md
 	$(BIN)/python -m bench.sim_fidelity --out docs/evaluation.md
 
 # The mesh's overhead on a real vLLM engine (the CPU build, the tiny model): about 2 minutes.

@@ -35,6 +35,7 @@ from baton.state_files import (
     write_record,
 )
 from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.common.profile_proto import profile_from_proto
 from services.common.tls import TlsFiles, channel_credentials, generate_throwaway_pki
 from services.node_agent.engines.sim.models import GPU_SPECS, SIM_MODELS
 from services.scheduler.policies import POLICIES
@@ -394,6 +395,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{info.node_id:<10} {info.gpu:<6} {info.engine or 'sim':<6} {info.address:<22} {models:<18} "
               f"{load.num_running:>4} {load.num_waiting:>4} {f'{load.kv_blocks_used}/{load.kv_blocks_total}':>16} "
               f"{pct:>5.1f} {info.price_per_hour:>6.2f} {seen:>7}")
+        for model in info.models:  # what placement reads of this node (docs/placement.md, "Engine profiles")
+            profile = profile_from_proto(model)
+            described = profile.describe() if profile else "none registered (placed by the policy's fallback)"
+            print(f"{'':<10} profile {model.name}: {described}")
     if state.HasField("tasks"):
         tasks = state.tasks
         fleet = f"${tasks.fleet_cost_per_successful_task_usd:.6f}" if tasks.tasks_succeeded else "n/a"
@@ -426,6 +431,8 @@ def _print_recent_decisions(scheduler: str, metadata: tuple[tuple[str, str], ...
         why = ", ".join(f"{c.node_id}: ttft {c.predicted_ttft_ms:.0f} ms, p {c.success:.2f}, ${c.cost:.5f}"
                         + ("" if c.warm else f", cold: {c.load_ms / 1000:.0f} s load") for c in d.candidates)
         print(f"  {d.request_id[:12]:<12} -> {d.node_id:<8} score {d.score:.6g}" + (f"  [{why}]" if why else ""))
+        if d.fallback:
+            print(f"  {'':<12}    fallback: {d.fallback}")
 
 
 

@@ -17,12 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from baton.v1 import common_pb2
+from services.common.engine_profile import EngineProfile
 from services.common.errors import BatonError, Unavailable
 from services.common.load import Load
 from services.kvindex.index import KVIndex
 from services.node_agent.engines.sim.core import SimEngineCore
 from services.node_agent.engines.sim.models import GPU_SPECS, SimModelSpec, get_model, kv_capacity_blocks, load_time_s
-from services.node_agent.engines.sim.timing import load_coefficients
+from services.node_agent.engines.sim.profile import configured_profile
 from services.node_agent.engines.types import EngineRequest, SamplingParams, StepResult
 from services.router.generation import FailureCause, Generation, NodeFailure
 from services.scheduler.admission import Admission, Verdict, pool_saturation
@@ -155,6 +156,8 @@ class Simulation:
         self._timing_scale = {gpu: 1.0 + random.Random(f"{seed}:{gpu}").uniform(-timing_error, timing_error)
                               for gpu in {config.gpu for config in nodes}}
         self._max_num_batched_tokens = max_num_batched_tokens
+        # The profile each (GPU, model) registers; the scheduler's policy reads nothing else.
+        self._profiles: dict[tuple[str, str], EngineProfile] = {}
         self._nodes: dict[str, _Node] = {}
         for config in nodes:
             warm = model if config.warm is None else config.warm
@@ -201,9 +204,18 @@ class Simulation:
 
     # -- models on nodes -----------------------------------------------------------------------
 
+    def _profile(self, gpu: str, model: str) -> EngineProfile:
+        """What a sim node of gpu registers for model: its configured coefficients (not the true
+        speed the engines run at, which timing_error sets apart)."""
+        if (gpu, model) not in self._profiles:
+            spec = get_model(model)
+            self._profiles[(gpu, model)] = configured_profile(
+                gpu, spec, kv_capacity_blocks(GPU_SPECS[gpu].hbm_bytes, spec), self._max_num_batched_tokens)
+        return self._profiles[(gpu, model)]
+
     def _new_core(self, gpu: str, model: str) -> SimEngineCore:
         spec = get_model(model)
-        timing = load_coefficients(gpu, spec.perf_model)
+        timing = self._profile(gpu, model).timing
         scale = self._timing_scale.get(gpu, 1.0)
         timing = dataclasses.replace(timing, **{f.name: getattr(timing, f.name) * scale
                                                 for f in dataclasses.fields(timing)})
@@ -215,11 +227,13 @@ class Simulation:
         config = node.config
         on_disk = {m for m in (config.warm if config.warm is not None else self._model.name, *config.cold) if m}
         hbm = GPU_SPECS[config.gpu].hbm_bytes
+        kv_blocks = {m: kv_capacity_blocks(hbm, get_model(m)) for m in on_disk}
         return NodeSpec(config.node_id, config.node_id, config.gpu, config.price_per_hour,
                         frozenset({node.model} if node.model else ()), cold_models=frozenset(on_disk - {node.model}),
                         loading_models=frozenset({node.loading} if node.loading else ()),
                         load_time_s={m: load_time_s(get_model(m)) for m in on_disk},
-                        kv_blocks={m: kv_capacity_blocks(hbm, get_model(m)) for m in on_disk})
+                        max_num_batched_tokens=self._max_num_batched_tokens, kv_blocks=kv_blocks, engine="sim",
+                        profiles={m: self._profile(config.gpu, m) for m in on_disk})
 
     def _update_view(self) -> None:
         """The registrations as etcd would show them now (nodes whose lease ended are gone)."""

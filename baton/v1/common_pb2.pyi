@@ -14,6 +14,13 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
 
+class ProfileSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROFILE_SOURCE_UNSPECIFIED: _ClassVar[ProfileSource]
+    PROFILE_SOURCE_CONFIGURED: _ClassVar[ProfileSource]
+    PROFILE_SOURCE_CALIBRATED: _ClassVar[ProfileSource]
+    PROFILE_SOURCE_ONLINE: _ClassVar[ProfileSource]
+
 class ModelState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     MODEL_STATE_UNSPECIFIED: _ClassVar[ModelState]
@@ -24,6 +31,10 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+PROFILE_SOURCE_UNSPECIFIED: ProfileSource
+PROFILE_SOURCE_CONFIGURED: ProfileSource
+PROFILE_SOURCE_CALIBRATED: ProfileSource
+PROFILE_SOURCE_ONLINE: ProfileSource
 MODEL_STATE_UNSPECIFIED: ModelState
 MODEL_STATE_COLD: ModelState
 MODEL_STATE_LOADING: ModelState
@@ -88,7 +99,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_migrations: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., gpu_ms: _Optional[float] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "max_context_tokens", "tokenizer", "vocab_size", "is_warm", "state", "weights_bytes", "load_time_s", "kv_blocks")
+    __slots__ = ("name", "max_context_tokens", "tokenizer", "vocab_size", "is_warm", "state", "weights_bytes", "load_time_s", "kv_blocks", "profile")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +109,7 @@ class ModelInfo(_message.Message):
     WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOAD_TIME_S_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
     name: str
     max_context_tokens: int
     tokenizer: str
@@ -107,7 +119,36 @@ class ModelInfo(_message.Message):
     weights_bytes: int
     load_time_s: float
     kv_blocks: int
-    def __init__(self, name: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., is_warm: _Optional[bool] = ..., state: _Optional[_Union[ModelState, str]] = ..., weights_bytes: _Optional[int] = ..., load_time_s: _Optional[float] = ..., kv_blocks: _Optional[int] = ...) -> None: ...
+    profile: EngineProfile
+    def __init__(self, name: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., is_warm: _Optional[bool] = ..., state: _Optional[_Union[ModelState, str]] = ..., weights_bytes: _Optional[int] = ..., load_time_s: _Optional[float] = ..., kv_blocks: _Optional[int] = ..., profile: _Optional[_Union[EngineProfile, _Mapping]] = ...) -> None: ...
+
+class EngineProfile(_message.Message):
+    __slots__ = ("a_ms", "b_ms_per_tok", "c_ms_per_tok2", "prefill_floor_ms", "d_ms", "e_ms_per_seq", "f_ms_per_ctx_tok", "max_num_batched_tokens", "kv_block_size", "num_kv_blocks", "source", "num_samples")
+    A_MS_FIELD_NUMBER: _ClassVar[int]
+    B_MS_PER_TOK_FIELD_NUMBER: _ClassVar[int]
+    C_MS_PER_TOK2_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FLOOR_MS_FIELD_NUMBER: _ClassVar[int]
+    D_MS_FIELD_NUMBER: _ClassVar[int]
+    E_MS_PER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    F_MS_PER_CTX_TOK_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    a_ms: float
+    b_ms_per_tok: float
+    c_ms_per_tok2: float
+    prefill_floor_ms: float
+    d_ms: float
+    e_ms_per_seq: float
+    f_ms_per_ctx_tok: float
+    max_num_batched_tokens: int
+    kv_block_size: int
+    num_kv_blocks: int
+    source: ProfileSource
+    num_samples: int
+    def __init__(self, a_ms: _Optional[float] = ..., b_ms_per_tok: _Optional[float] = ..., c_ms_per_tok2: _Optional[float] = ..., prefill_floor_ms: _Optional[float] = ..., d_ms: _Optional[float] = ..., e_ms_per_seq: _Optional[float] = ..., f_ms_per_ctx_tok: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., source: _Optional[_Union[ProfileSource, str]] = ..., num_samples: _Optional[int] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
     __slots__ = ("node_id", "address", "gpu", "hbm_bytes", "region", "price_per_hour", "models", "kv_block_size", "engine", "draining")

@@ -9,21 +9,15 @@ from __future__ import annotations
 from typing import Any
 
 from baton.v1 import common_pb2
-from services.common.slo import Slo
 
 FIELDS = tuple(field.name for field in common_pb2.RequestContext.DESCRIPTOR.fields)
 
 
-def context_of(source: Any, slo: Slo | None = None) -> common_pb2.RequestContext:
+def context_of(source: Any) -> common_pb2.RequestContext:
     """The context of anything with the context's fields as attributes (a GenerateRequest, a
-    PlacementRequest); with the cluster's SLO, its budgets where the request sets none, so that
-    every later hop holds the request to the budgets its outcome will be judged by."""
-    context = common_pb2.RequestContext(**{name: getattr(source, name) for name in FIELDS})
-    if slo is not None:
-        own = slo.for_request(context.ttft_budget_ms, context.tpot_budget_ms, context.deadline_ms)
-        context.ttft_budget_ms, context.tpot_budget_ms = round(own.ttft_ms), round(own.tpot_ms)
-        context.deadline_ms = round(own.deadline_ms)
-    return context
+    PlacementRequest). Budgets stay as the client set them (0: the cluster's default, which the
+    scheduler's policy aims at but admission never enforces as a deadline)."""
+    return common_pb2.RequestContext(**{name: getattr(source, name) for name in FIELDS})
 
 
 def context_fields(context: common_pb2.RequestContext) -> dict[str, Any]:

@@ -20,6 +20,8 @@ class NodeAgentConfig(ServiceConfig):
     model_dir: str = doc("vllm engine: directory of the Hugging Face model to serve (config, weights, tokenizer)", "")
     kv_cache_bytes: int = doc("vllm engine: KV cache size in bytes; 0: vLLM sizes it from free memory", 0)
     max_model_len: int = doc("vllm engine: longest context in tokens; 0: the model's own", 0)
+    calibrate: bool = doc("vllm engine: measure its profile at start-up with a short sweep (registered when done); "
+                          "false: register none, and the scheduler places this node by its stated fallback", True)
     block_size: int = doc("vllm engine: tokens per KV block, a multiple of 16 (32 on CPU); 0: vLLM's default", 0)
     gpu_memory_utilization: float = doc("vllm engine: share of the GPU's memory that must be free when vLLM starts "
                                         "(and that it sizes its KV cache from without --kv-cache-bytes); lower it "

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.change_signal import ChangeSignal
+from services.common.engine_profile import EngineProfile
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
 from services.common.load import Load
 from services.node_agent.engines.base import Engine
@@ -43,6 +44,8 @@ class LocalModel:
     load_time_s: float
     # Its KV cache here when warm, in blocks.
     kv_blocks: int = 0
+    # Its engine's configured profile (the sim engine's); None when the engine measures its own.
+    profile: EngineProfile | None = None
 
 
 class ModelHost:
@@ -64,7 +67,7 @@ class ModelHost:
         self._kv_ready = asyncio.Event()
         #: Requests arrived or ended (the load report goes out at once).
         self.load_changed = ChangeSignal()
-        #: A model became warm, loading or cold (the etcd registration is rewritten).
+        #: A model became warm, loading or cold, or its engine's profile is new (the etcd registration is rewritten).
         self.models_changed = ChangeSignal()
         if warm:  # warm from the start: its engine runs once run() does
             self._install(warm)
@@ -136,6 +139,7 @@ class ModelHost:
     def _install(self, model: str) -> Engine:
         engine = self._engine = self._make_engine(model)
         engine.load_changed = self.load_changed  # its changes are the node's
+        engine.profile_changed = self.models_changed
         self.state[model] = ModelState.WARM
         return engine
 
@@ -175,6 +179,12 @@ class ModelHost:
         self.models_changed.notify()
         self.load_changed.notify()
         log.info("model %s unloaded", model)
+
+    def profile(self, model: str) -> EngineProfile | None:
+        """model's profile to register: what its engine measured while warm, else the configured one."""
+        engine = self._engine
+        measured = engine.profile() if engine is not None and engine.model == model else None
+        return measured or self._models[model].profile
 
     def local(self, model: str) -> LocalModel:
         try:

@@ -216,4 +216,4 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         return node_agent_pb2.UnloadModelResponse(model=self._model_info(request.model))
 
     def _model_info(self, model: str) -> common_pb2.ModelInfo:
-        return model_info(self._host.local(model), self._host.state[model])
+        return model_info(self._host.local(model), self._host.state[model], self._host.profile(model))

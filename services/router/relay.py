@@ -145,7 +145,7 @@ class Relay:
             return
         stub = scheduler_pb2_grpc.SchedulerStub(self._leader.channel(address))
         notice = scheduler_pb2.FinishedRequest(
-            request_id=generation.request_id, context=context_of(request, self._slo), ttft_ms=ttft_ms, outcome=outcome,
+            request_id=generation.request_id, context=context_of(request), ttft_ms=ttft_ms, outcome=outcome,
             gpu_ms_by_node=generation.gpu_ms_by_node, model=generation.model,
             num_output_tokens=len(generation.generated))
 
@@ -179,7 +179,7 @@ class Relay:
             num_prompt_tokens=len(generation.context),
             block_hashes=generation.context_block_hashes(),
             max_tokens=generation.num_remaining,
-            context=context_of(request, self._slo),
+            context=context_of(request),
             exclude_node_ids=sorted(excluded | set(self._suspects)),
             retry_cause=retry_cause,
             alternative_models=generation.alternative_models,

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 
 from services.common.config import ServiceConfig, doc
+from services.common.slo import DEFAULT_TPOT_BUDGET_MS, DEFAULT_TTFT_BUDGET_MS
 from services.scheduler.admission import TenantLimits
 from services.scheduler.policies import POLICIES
 
@@ -46,6 +47,11 @@ class SchedulerConfig(ServiceConfig):
     tenant_limits: str = doc('per tenant, JSON: {"acme": {"weight": 2, "max_concurrency": 64, '
                              '"tokens_per_minute": 1000000}}; a record of `baton tenants` overrides its tenant\'s '
                              'entry', "{}")
+    slo_ttft_ms: int = doc("time to first token the placement policy aims at for a request that sets no "
+                           "ttft_budget_ms (the routers' --slo-ttft-ms); not a deadline: admission refuses "
+                           "only on budgets the request sets", DEFAULT_TTFT_BUDGET_MS)
+    slo_tpot_ms: int = doc("mean time per output token the placement policy aims at for a request that sets no "
+                           "tpot_budget_ms (the routers' --slo-tpot-ms)", DEFAULT_TPOT_BUDGET_MS)
     auth: bool = doc("GetRecentDecisions and GetClusterState need an API key (metadata 'authorization: Bearer "
                      "<key>'): an administrator's sees everything, a tenant's only its own decisions", False)
 

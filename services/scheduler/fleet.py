@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.engine_profile import EngineProfile
 from services.common.load import Load
 
 
@@ -27,6 +28,10 @@ class NodeSpec:
     region: str = ""
     # Each local model's KV cache there when warm, in blocks (0: not registered).
     kv_blocks: dict[str, int] = field(default_factory=dict, compare=False)
+    # The engine ("sim", "vllm") and the performance profile it registered for each model: what the
+    # policies predict from. A model without one (an engine still calibrating) is placed by a fallback.
+    engine: str = ""
+    profiles: dict[str, EngineProfile] = field(default_factory=dict, compare=False)
 
     @property
     def is_empty(self) -> bool:
@@ -48,6 +53,10 @@ class NodeStatus:
     last_placed_at: float | None = None
     # Its registration is gone from etcd but held for a grace period (PrefixView.lapsed).
     is_lapsed: bool = False
+
+    def profile(self, model: str) -> EngineProfile | None:
+        """The profile the node registered for model; None when it has none."""
+        return self.spec.profiles.get(model)
 
     def kv_capacity(self, model: str) -> int | None:
         """Blocks of KV cache model has (or would have) here; None when unknown."""

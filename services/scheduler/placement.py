@@ -57,6 +57,8 @@ class Plan:
     charged_at: float | None = None
     # When placement started (the request's arrival at the scheduler): its deadline counts from here.
     started_at: float = 0.0
+    # What admission could not predict, said in the decision: no candidate registered a profile.
+    unpredicted: str = ""
 
     @property
     def has_candidates(self) -> bool:
@@ -156,6 +158,10 @@ class Placer:
         if plan.is_retry:
             return None
         request = plan.ask.request
+        if not any(s.profile(o.request.model) for o in options for s in o.candidates):
+            plan.unpredicted = ("admission: no candidate registered an engine profile, so its time to first token"
+                                + (" and deadline were" if request.deadline_ms else " was")
+                                + " not predicted and nothing was refused on them")
         self._check_deadline(request, options, now)
         ticket = Ticket(request_id=request.request_id, tenant=request.tenant or "default",
                         priority=request.priority, num_tokens=request.num_prompt_tokens + request.max_tokens,
@@ -169,8 +175,9 @@ class Placer:
     def _check_deadline(self, request: PlacementRequest, options: list[Option], now: float,
                         waited_s: float = 0.0) -> None:
         """Refuse a request that could not end by its deadline on any candidate: the time it has waited
-        plus TTFT plus max_tokens decode steps, predicted on the fleet as it is (no timing model: no
-        refusal)."""
+        plus TTFT plus max_tokens decode steps, predicted from the candidates' registered profiles on
+        the fleet as it is (candidates without a profile: not predicted; none has one: no refusal, see
+        ticket)."""
         if not request.deadline_ms:
             return
         ends = [end for o in options

@@ -24,6 +24,7 @@ from services.common.directory import ChannelPool, ServiceDirectory
 from services.common.errors import BatonError, FailedPrecondition, PermissionDenied, Unavailable, abort
 from services.common.etcd_session import Membership, PrefixView
 from services.common.load import load_from_proto, load_to_proto
+from services.common.profile_proto import profile_from_proto
 from services.common.request_context import context_fields, context_of
 from services.common.telemetry import Telemetry
 from services.common.tenant_directory import TenantDirectory
@@ -67,6 +68,9 @@ def place_ask(request: scheduler_pb2.PlaceRequest) -> PlaceAsk:
 
 
 def node_spec(info: common_pb2.NodeInfo) -> NodeSpec:
+    profiles = {m.name: p for m in info.models if (p := profile_from_proto(m)) is not None}
+    # A step's token budget is the warm model's engine's (chunked prefill); 2048 until it registers one.
+    warm = [profiles[m.name] for m in info.models if m.is_warm and m.name in profiles]
     return NodeSpec(
         node_id=info.node_id,
         address=info.address,
@@ -79,6 +83,9 @@ def node_spec(info: common_pb2.NodeInfo) -> NodeSpec:
         load_time_s={m.name: m.load_time_s for m in info.models},
         region=info.region,
         kv_blocks={m.name: m.kv_blocks for m in info.models},
+        engine=info.engine,
+        profiles=profiles,
+        **({"max_num_batched_tokens": warm[0].max_num_batched_tokens} if warm else {}),
     )
 
 
@@ -92,7 +99,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         # A lapsed registration (etcd froze, or the node died) keeps a node only while it reports load
         # within a keep-alive interval; the view holds it for one TTL (docs/etcd.md).
         self._cluster = ClusterView(load_timeout_s=config.load_timeout_s, lapsed_silence_s=config.lease_ttl_s / 3)
-        self._policy = make_policy(config.policy, config.prefill_load_scale)
+        self._policy = make_policy(config.policy, config.prefill_load_scale, config.slo_ttft_ms, config.slo_tpot_ms)
         self._retry_budget = RetryBudget(config.retry_ratio, config.retry_min_per_s)
         self._decisions: deque[scheduler_pb2.PlacementDecision] = deque(maxlen=_DECISIONS_KEPT)
         self._ttft_ratio = telemetry.meter.create_histogram(
@@ -268,7 +275,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 raise
             placed = self._placer.decide(options, self._clock())
             decision, model = placed.decision, placed.request.model
-            self._record_decision(placed.request, decision, revision)
+            self._record_decision(placed.request, decision, revision, plan.unpredicted)
             if placed.is_cold:
                 await self._load_for(request.request_id, decision, model, context.time_remaining())
             is_placed = True
@@ -419,8 +426,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await self._role.wait_successor_shown(bound_s)
             raise self._not_leader()
 
-    def _record_decision(self, placement: PlacementRequest, decision: Decision, leader_revision: int) -> None:
-        """Keep the decision and its per-axis terms for GetRecentDecisions and the trace span."""
+    def _record_decision(self, placement: PlacementRequest, decision: Decision, leader_revision: int,
+                         note: str = "") -> None:
+        """Keep the decision, its per-axis terms and what could not be predicted (note: admission's) for
+        GetRecentDecisions and the trace span."""
         terms = [
             scheduler_pb2.CandidateTerms(
                 node_id=t.node_id, gpu=t.gpu, cached_tokens=t.cached_tokens, predicted_ttft_ms=t.ttft_ms,
@@ -432,12 +441,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._decisions.append(scheduler_pb2.PlacementDecision(
             request_id=placement.request_id, node_id=decision.node_id, score=decision.cost, model=placement.model,
             context=context_of(placement), decided_at_ms=int(time.time() * 1000), candidates=terms,
-            leader_revision=leader_revision))
+            leader_revision=leader_revision, fallback="; ".join(n for n in (decision.fallback, note) if n)))
         span = trace.get_current_span()
         span.set_attribute("baton.placement.node", decision.node_id)
         span.set_attribute("baton.placement.model", placement.model)
         span.set_attribute("baton.placement.score", decision.cost)
         span.set_attribute("baton.placement.cached_blocks", decision.matched_blocks)
+        if decision.fallback:
+            span.set_attribute("baton.placement.fallback", decision.fallback)
         several_models = len({t.model for t in terms}) > 1
         for t in terms:
             span.set_attribute(

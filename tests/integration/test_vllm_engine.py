@@ -82,9 +82,11 @@ def vllm_cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
     # A 5 s stall floor: on two shared cores, right after a vllm node is SIGKILLed its engine processes
     # (orphaned until they notice) and the survivor's engine take both cores, and the survivor's node
     # agent could not send a heartbeat for over the default 1 s; the router then gave up on it.
+    # No calibration: these nodes register no profile, so the scheduler places them by its stated
+    # fallback (KV overlap, then load), which the cache-placement test below relies on.
     spec = ClusterSpec(num_nodes=2, engine="vllm", model=MODEL, model_dir=str(tiny_model_dir),
                        node_args=(f"--kv-cache-bytes={KV_CACHE_BYTES}", f"--max-model-len={MAX_MODEL_LEN}",
-                                  "--block-size=32"),
+                                  "--block-size=32", "--calibrate=false"),
                        router_args=("--stall-floor-s=5",))
     cluster = LocalCluster(spec, tmp_path_factory.mktemp("vllm-cluster"))
     cluster.start(timeout_s=240)

@@ -16,6 +16,7 @@ from services.scheduler.policies.llmd import LlmdPolicy, LlmdPrecisePolicy
 from services.scheduler.policies.routed_prefix import RoutedPrefixIndex
 from services.scheduler.policies.sglang import EVICTION_INTERVAL_S, SglangPolicy
 from services.scheduler.policies.simple import LeastLoadedPolicy, RoundRobinPolicy, WeightedLeastLoadedPolicy
+from tests.unit.sim_profiles import sim_profiles
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -27,7 +28,7 @@ OTHER = tuple(range(2000, 2010))
 
 def _status(node_id: str, placed_requests: int = 0, gpu: str = "h100", model: str = M, **load: int) -> NodeStatus:
     spec = NodeSpec(node_id=node_id, address=f"{node_id}:1", gpu=gpu, price_per_hour=1.0,
-                    warm_models=frozenset({model}))
+                    warm_models=frozenset({model}), profiles=sim_profiles(gpu, model))
     return NodeStatus(spec=spec, load=Load(**load), placed_requests=placed_requests)
 
 

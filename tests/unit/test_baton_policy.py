@@ -8,6 +8,7 @@ from services.common.load import Load
 from services.scheduler.fleet import NodeSpec, NodeStatus
 from services.scheduler.policies import Option, PlacementRequest, make_policy
 from services.scheduler.policies.baton import BatonPolicy
+from tests.unit.sim_profiles import sim_profiles
 
 MODEL = "sim-llama-3.1-8b"
 PRICE = {"h100": 4.25, "a100": 2.21, "l4": 0.80}
@@ -15,7 +16,8 @@ PRICE = {"h100": 4.25, "a100": 2.21, "l4": 0.80}
 
 def node(node_id: str, gpu: str, **load: int) -> NodeStatus:
     fields = {"kv_blocks_total": 25_000, **load}
-    return NodeStatus(spec=NodeSpec(node_id, node_id, gpu, PRICE[gpu], frozenset({MODEL})), load=Load(**fields))
+    return NodeStatus(spec=NodeSpec(node_id, node_id, gpu, PRICE[gpu], frozenset({MODEL}),
+                                    profiles=sim_profiles(gpu, MODEL)), load=Load(**fields))
 
 
 def request(prompt: int, max_tokens: int = 64, ttft_budget_ms: int = 0, workflow: str = "") -> PlacementRequest:
@@ -94,7 +96,8 @@ def test_a_prediction_far_beyond_the_budget_scores_without_overflow() -> None:
 def cold(node_id: str, gpu: str, load_s: float = 49.0, loading: bool = False, since: float = 0.0) -> NodeStatus:
     """A free GPU with MODEL on its disk (or already loading it since `since`)."""
     spec = NodeSpec(node_id, node_id, gpu, PRICE[gpu], frozenset(), cold_models=frozenset({MODEL}),
-                    loading_models=frozenset({MODEL}) if loading else frozenset(), load_time_s={MODEL: load_s})
+                    loading_models=frozenset({MODEL}) if loading else frozenset(), load_time_s={MODEL: load_s},
+                    profiles=sim_profiles(gpu, MODEL))
     return NodeStatus(spec=spec, models_since=since)
 
 
@@ -140,7 +143,8 @@ def test_priority_breaks_a_near_tie_toward_certainty() -> None:
 def test_an_accepted_alternative_model_wins_when_the_requested_one_would_miss_its_budget() -> None:
     other = "sim-llama-3-8b"
     busy = node("h", "h100", num_running=60, pending_prefill_tokens=60_000, active_decode_blocks=9000)
-    idle_other = NodeStatus(spec=NodeSpec("h2", "h2", "h100", PRICE["h100"], frozenset({other})),
+    idle_other = NodeStatus(spec=NodeSpec("h2", "h2", "h100", PRICE["h100"], frozenset({other}),
+                                          profiles=sim_profiles("h100", other)),
                             load=Load(kv_blocks_total=25_000))
     wanted = request(3000, ttft_budget_ms=1000)
     options = [Option(wanted, [busy], {}), Option(dataclasses.replace(wanted, model=other), [idle_other], {})]
@@ -156,7 +160,7 @@ def test_an_accepted_alternative_model_wins_when_the_requested_one_would_miss_it
 
 def test_a_cold_node_has_kv_room_only_if_the_loaded_models_cache_holds_the_request() -> None:
     spec = NodeSpec("l", "l", "l4", PRICE["l4"], frozenset(), cold_models=frozenset({MODEL}),
-                    load_time_s={MODEL: 49.0}, kv_blocks={MODEL: 1393})
+                    load_time_s={MODEL: 49.0}, kv_blocks={MODEL: 1393}, profiles=sim_profiles("l4", MODEL))
     policy = BatonPolicy()
     assert policy.terms(request(30_000, ttft_budget_ms=600_000), NodeStatus(spec=spec), 0).has_kv_room is False
     assert policy.terms(request(10_000, ttft_budget_ms=600_000), NodeStatus(spec=spec), 0).has_kv_room is True

@@ -13,6 +13,7 @@ from services.scheduler.model_planner import ModelPlanner
 from services.scheduler.placement import PlaceAsk, Placer
 from services.scheduler.policies import PlacementRequest, make_policy
 from services.scheduler.retry_budget import RetryBudget
+from tests.unit.sim_profiles import sim_profiles
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -23,7 +24,8 @@ HASHES = tuple(range(100, 110))
 def _spec(node_id: str, warm: tuple[str, ...] = (M,), cold: tuple[str, ...] = (), kv_blocks: int = 0) -> NodeSpec:
     return NodeSpec(node_id=node_id, address=f"{node_id}:1", gpu="h100", price_per_hour=1.0,
                     warm_models=frozenset(warm), cold_models=frozenset(cold),
-                    kv_blocks={m: kv_blocks for m in (*warm, *cold)} if kv_blocks else {})
+                    kv_blocks={m: kv_blocks for m in (*warm, *cold)} if kv_blocks else {},
+                    profiles=sim_profiles("h100", *warm, *cold))
 
 
 def _placer(*specs: NodeSpec, policy: str = "dynamo", retries_per_s: float = 5.0) -> Placer:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.slo import Outcome, Slo, classify
+from services.common.slo import DEFAULT_TPOT_BUDGET_MS, Outcome, Slo, classify
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -51,12 +51,13 @@ def test_the_router_counts_a_stream_too_slow_per_token_as_late_with_the_cluster_
     assert _outcome(abort, request, DEFAULTS, 0.0, 0.2, 0.7, 11, 0.7) == scheduler_pb2.REQUEST_OUTCOME_CANCELLED
 
 
-def test_every_hop_carries_the_budgets_the_request_will_be_judged_by() -> None:
-    """The router fills the cluster's defaults into the context: the scheduler's policy and its
-    admission queue then hold a request to the budgets its outcome is classified against."""
-    from baton.v1 import router_pb2
-    from services.common.request_context import context_of
 
-    cluster = Slo(ttft_ms=2000, tpot_ms=50, deadline_ms=0)
-    context = context_of(router_pb2.GenerateRequest(tenant="t", tpot_budget_ms=30), cluster)
-    assert (context.tenant, context.ttft_budget_ms, context.tpot_budget_ms, context.deadline_ms) == ("t", 2000, 30, 0)
+def test_the_scheduler_aims_at_the_clusters_default_budgets_for_requests_that_set_none() -> None:
+    """--slo-tpot-ms reaches Baton's policy: a request without its own TPOT budget is held to it."""
+    from services.scheduler.config import SchedulerConfig
+    from services.scheduler.policies import make_policy
+
+    strict = SchedulerConfig(etcd="127.0.0.1:1", slo_tpot_ms=1)
+    policy = make_policy(strict.policy, strict.prefill_load_scale, strict.slo_ttft_ms, strict.slo_tpot_ms)
+    assert policy._default_tpot_budget_ms == 1
+    assert make_policy("baton")._default_tpot_budget_ms == DEFAULT_TPOT_BUDGET_MS

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from services.common.change_signal import ChangeSignal
+from services.common.engine_profile import EngineProfile
 from services.common.load import Load
 from services.node_agent.engines.types import (
     EngineRequest,
@@ -36,6 +37,8 @@ class Engine(Protocol):
     kv_block_size: int
     #: Set when a request arrives, finishes or is aborted, so load is reported at once.
     load_changed: ChangeSignal
+    #: Set when profile() is new (calibrated, refined), so the registration is rewritten.
+    profile_changed: ChangeSignal
 
     async def run(self) -> None:
         """The engine loop; runs until cancelled."""
@@ -56,6 +59,10 @@ class Engine(Protocol):
 
     def progress(self, request_id: str) -> RequestProgress | None:
         """Where request_id stands now (queued, prefilling, decoding); None once it has ended."""
+
+    def profile(self) -> EngineProfile | None:
+        """The profile the engine measured of itself; None when it measures none (yet): the node then
+        registers the model's configured profile, if it has one."""
 
     def expected_step_ms(self) -> float:
         """Wall-clock time of the next decode step."""

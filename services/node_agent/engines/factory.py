@@ -7,6 +7,8 @@ import time
 from pathlib import Path
 
 from baton.v1 import common_pb2
+from services.common.engine_profile import EngineProfile
+from services.common.profile_proto import profile_to_proto
 from services.node_agent.config import NodeAgentConfig
 from services.node_agent.engines.base import Engine
 from services.node_agent.engines.sim.core import SimEngineCore
@@ -17,7 +19,7 @@ from services.node_agent.engines.sim.models import (
     kv_capacity_blocks,
     load_time_s,
 )
-from services.node_agent.engines.sim.timing import load_coefficients
+from services.node_agent.engines.sim.profile import configured_profile
 from services.node_agent.model_host import LocalModel, ModelHost, ModelState
 
 _PROTO_STATES = {
@@ -41,18 +43,18 @@ def build_host(config: NodeAgentConfig) -> ModelHost:
     for name in dict.fromkeys(names):
         try:
             spec = get_model(name)
-            timing = load_coefficients(config.gpu, spec.perf_model)
+            num_blocks = config.kv_blocks or kv_capacity_blocks(hbm_bytes, spec)
+            profile = configured_profile(config.gpu, spec, num_blocks, config.max_num_batched_tokens)
         except KeyError as exc:
             raise SystemExit(f"--model/--cold-models/--gpu: {exc.args[0]}") from None
-        num_blocks = config.kv_blocks or kv_capacity_blocks(hbm_bytes, spec)
         if num_blocks <= 0:
             raise SystemExit(f"--model/--cold-models: {hbm_bytes / 1e9:.0f} GB of {config.gpu} leaves no room for "
                              f"the KV cache of {name}")
         local.append(LocalModel(name=name, max_context_tokens=spec.max_context_tokens, vocab_size=spec.vocab_size,
                                 tokenizer=SimEngine.tokenizer, weights_bytes=int(spec.weights_bytes),
                                 load_time_s=load_time_s(spec, config.disk_gbps * 1e9, config.engine_start_s),
-                                kv_blocks=num_blocks))
-        engines[name] = (spec, timing, num_blocks)
+                                kv_blocks=num_blocks, profile=profile))
+        engines[name] = (spec, profile.timing, num_blocks)
 
     def make_engine(name: str) -> Engine:
         spec, timing, num_blocks = engines[name]
@@ -86,7 +88,8 @@ def build_vllm_host(config: NodeAgentConfig) -> ModelHost:
     settings = VllmSettings(model_dir=str(model_dir), kv_cache_bytes=config.kv_cache_bytes,
                             max_model_len=config.max_model_len, block_size=config.block_size,
                             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                            gpu_memory_utilization=config.gpu_memory_utilization)
+                            gpu_memory_utilization=config.gpu_memory_utilization,
+                            calibrate=config.calibrate)
     started = time.monotonic()
     try:
         engine = VllmEngine(name, settings)
@@ -119,15 +122,18 @@ def node_info(config: NodeAgentConfig, host: ModelHost) -> common_pb2.NodeInfo:
         hbm_bytes=hbm_bytes_of(config),
         region=config.region,
         price_per_hour=config.price_per_hour or GPU_SPECS[config.gpu].price_per_hour,
-        models=[model_info(m, host.state[m.name]) for m in host.models],
+        models=[model_info(m, host.state[m.name], host.profile(m.name)) for m in host.models],
         kv_block_size=host.kv_block_size,
         engine=config.engine,
     )
 
 
-def model_info(model: LocalModel, state: ModelState) -> common_pb2.ModelInfo:
-    return common_pb2.ModelInfo(
+def model_info(model: LocalModel, state: ModelState, profile: EngineProfile | None = None) -> common_pb2.ModelInfo:
+    info = common_pb2.ModelInfo(
         name=model.name, max_context_tokens=model.max_context_tokens, tokenizer=model.tokenizer,
         vocab_size=model.vocab_size, is_warm=state is ModelState.WARM,
         state=_PROTO_STATES[state], weights_bytes=model.weights_bytes, load_time_s=model.load_time_s,
         kv_blocks=model.kv_blocks)
+    if profile is not None:
+        info.profile.CopyFrom(profile_to_proto(profile))
+    return info

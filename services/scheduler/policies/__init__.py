@@ -23,10 +23,15 @@ POLICIES = {
 __all__ = ["POLICIES", "Decision", "Option", "PlacementRequest", "Policy", "make_policy"]
 
 
-def make_policy(name: str, prefill_load_scale: float = 1.0) -> Policy:
-    """A fresh policy called name; ValueError naming the known ones otherwise."""
+def make_policy(name: str, prefill_load_scale: float = 1.0, default_ttft_budget_ms: float = 0,
+                default_tpot_budget_ms: float = 0) -> Policy:
+    """A fresh policy called name; ValueError naming the known ones otherwise. Baton's aims at the
+    cluster's default budgets for requests that set none (0: its own defaults)."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
     if name == "dynamo":
         return KvLoadPolicy(prefill_load_scale)
+    if name == "baton":
+        return BatonPolicy(**{k: v for k, v in (("default_ttft_budget_ms", default_ttft_budget_ms),
+                                                ("default_tpot_budget_ms", default_tpot_budget_ms)) if v})
     return POLICIES[name]()

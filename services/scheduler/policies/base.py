@@ -37,6 +37,9 @@ class Decision:
     matched_blocks: int
     # The policy's own figure of merit for the chosen node (cost or score), for explanations.
     cost: float
+    # Which fallback placed it, or how candidates were treated that the policy could not predict
+    # (no registered engine profile); empty when it predicted for every candidate.
+    fallback: str = ""
 
 
 @dataclass(frozen=True)

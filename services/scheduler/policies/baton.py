@@ -44,7 +44,7 @@ from collections import OrderedDict, deque
 from services.scheduler.fleet import NodeStatus
 from services.scheduler.policies.base import Decision, Option, PlacementRequest, Policy, Terms, decision, warm_first
 from services.scheduler.policies.kv_load import KvLoadPolicy
-from services.scheduler.policies.node_timing import TimingModel, node_timing
+from services.scheduler.policies.node_timing import TimingModel, node_timing, noting_unprofiled
 
 # Budgets a request without its own is held to: Dynamo's goodput definition (TTFT 5 s, ITL 100 ms).
 DEFAULT_TTFT_BUDGET_MS = 5000.0
@@ -66,6 +66,10 @@ OUTPUT_SMOOTHING = 0.02
 RATE_WINDOW_S = 10.0
 # Output lengths of ended requests are kept per model in power-of-two bins (1, 2–3, 4–7, … tokens).
 OUTPUT_BINS = 16
+# What places a request when no candidate registered an engine profile, and what becomes of the
+# candidates without one when others have one (docs/placement.md, "Engine profiles").
+NO_PROFILE_FALLBACK = "dynamo's KV-load cost (uncached prompt blocks plus load)"
+NOT_SCORED = "not scored, placed among the candidates that have one"
 
 
 def _success(budget_ms: float, predicted_ms: float) -> float:
@@ -128,8 +132,8 @@ class BatonPolicy(Policy):
 
     def terms(self, request: PlacementRequest, status: NodeStatus, matched_blocks: int,
               now: float = 0.0) -> Terms | None:
-        """The per-axis prediction for one node; None when its GPU has no timing model."""
-        timing = node_timing(status.spec.gpu, request.model)
+        """The per-axis prediction for one node; None when it registered no profile for the model."""
+        timing = node_timing(status, request.model)
         if timing is None:
             return None
         warm = request.model in status.spec.warm_models
@@ -218,12 +222,14 @@ class BatonPolicy(Policy):
         """The best (model, node) of every model the request accepts: each priced the same way."""
         scored = [(t, i, s) for i, option in enumerate(options) for s in option.candidates
                   if (t := self.terms(option.request, s, option.matched_blocks.get(s.spec.node_id, 0), now))]
-        if not scored:  # no timing model for these GPUs or models: place by KV overlap and load
+        everyone = [(o.request.model, s) for o in options for s in o.candidates]
+        if not scored:  # no candidate registered a profile: place by KV overlap and load, and say so
             self._last_terms = []
             index = next(i for i, option in enumerate(options) if option.candidates)
             option = options[index]
-            return index, self._fallback.choose(option.request, warm_first(option.request, option.candidates),
-                                                option.matched_blocks, now)
+            chosen = self._fallback.choose(option.request, warm_first(option.request, option.candidates),
+                                           option.matched_blocks, now)
+            return index, noting_unprofiled(chosen, everyone, NO_PROFILE_FALLBACK, none_scored=True)
         roomy = [entry for entry in scored if entry[0].has_kv_room] or scored
         best_terms, index, best = min(roomy, key=lambda e: (e[0].score, e[0].ttft_ms, e[1], e[2].spec.node_id))
         self._last_terms = [t for t, _, _ in scored]
@@ -234,7 +240,8 @@ class BatonPolicy(Policy):
             self.workflow_spent.move_to_end(request.workflow_id)
             if len(self.workflow_spent) > MAX_WORKFLOWS:
                 self.workflow_spent.popitem(last=False)
-        return index, decision(best, options[index].matched_blocks, best_terms.score)
+        return index, noting_unprofiled(decision(best, options[index].matched_blocks, best_terms.score), everyone,
+                                        NOT_SCORED, none_scored=False)
 
     def last_terms(self) -> list[Terms]:
         return self._last_terms

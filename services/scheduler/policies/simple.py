@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.scheduler.fleet import NodeStatus
 from services.scheduler.policies.base import Decision, PlacementRequest, Policy, decision, num_in_flight
-from services.scheduler.policies.node_timing import decode_tokens_per_s, node_timing
+from services.scheduler.policies.node_timing import decode_tokens_per_s, node_timing, noting_unprofiled
 
 
 class RoundRobinPolicy(Policy):
@@ -38,8 +38,9 @@ class LeastLoadedPolicy(Policy):
 class WeightedLeastLoadedPolicy(Policy):
     """Least loaded counting each GPU's speed: the candidate where (in flight + 1) / decode throughput
     is smallest, so an H100 takes about twice an A100's share. GPU-aware but cache-blind and
-    price-blind: the baseline a heterogeneous fleet's operator would set up first. A GPU without a
-    timing model counts as the slowest known one."""
+    price-blind: the baseline a heterogeneous fleet's operator would set up first. A node without a
+    registered profile counts as the slowest profiled one (as 1 token/s if none has one), and the
+    decision says so."""
 
     name = "weighted_least_loaded"
 
@@ -48,7 +49,7 @@ class WeightedLeastLoadedPolicy(Policy):
     ) -> Decision:
         speeds = {}
         for status in candidates:
-            timing = node_timing(status.spec.gpu, request.model)
+            timing = node_timing(status, request.model)
             speeds[status.spec.node_id] = decode_tokens_per_s(timing) if timing else None
         slowest = min((s for s in speeds.values() if s), default=1.0)
 
@@ -56,4 +57,8 @@ class WeightedLeastLoadedPolicy(Policy):
             return (num_in_flight(status) + 1) / (speeds[status.spec.node_id] or slowest)
 
         chosen = min(candidates, key=lambda s: (load(s), s.spec.node_id))
-        return decision(chosen, matched_blocks, load(chosen))
+        any_profiled = any(speeds.values())
+        return noting_unprofiled(decision(chosen, matched_blocks, load(chosen)),
+                                 [(request.model, s) for s in candidates],
+                                 "counted as the slowest profiled node" if any_profiled else "fewest in flight",
+                                 none_scored=not any_profiled)

@@ -67,6 +67,7 @@ class SimEngine:
         self._kv_events: list[KVEvent] = []
         self._kv_ready = asyncio.Event()
         self.load_changed = ChangeSignal()
+        self.profile_changed = ChangeSignal()
 
     def resumes_exactly(self, sampling: SamplingParams) -> bool:
         """Always: tokens are a pure function of (seed, position, context)."""
@@ -96,6 +97,10 @@ class SimEngine:
             if result.kv_events:
                 self._kv_events.extend(result.kv_events)
                 self._kv_ready.set()
+
+    def profile(self) -> None:
+        """The sim engine measures nothing: its node registers the configured coefficients it runs."""
+        return None
 
     def expected_step_ms(self) -> float:
         """Wall-clock time of the next decode step (0 when timing is off)."""

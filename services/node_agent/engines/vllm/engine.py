@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.change_signal import ChangeSignal
+from services.common.engine_profile import EngineProfile
 from services.common.load import Load
 from services.node_agent.engines.base import EngineInputError
 from services.node_agent.engines.types import (
@@ -30,8 +31,10 @@ from services.node_agent.engines.types import (
     SamplingParams,
 )
 from services.node_agent.engines.vllm.block_keys import BlockKeyMap
+from services.node_agent.engines.vllm.calibration import Sweep
 from services.node_agent.engines.vllm.gpu_time import GpuTimeShare
 from services.node_agent.engines.vllm.kv_subscriber import KvEventSubscriber
+from services.node_agent.engines.vllm.profiler import VllmProfiler
 from services.node_agent.engines.vllm.stop_sequences import StopMatcher
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,9 @@ class VllmSettings:
     enforce_eager: bool = True
     # Share of GPU memory that must be free at start (vLLM checks it even with kv_cache_bytes set).
     gpu_memory_utilization: float = 0.9
+    # Measure the engine's profile at start-up (calibration.py), registered when done; without it the
+    # node has no profile and the scheduler places it by its stated fallback.
+    calibrate: bool = True
 
 
 def tokenizer_name(model_dir: str) -> str:
@@ -91,6 +97,9 @@ class VllmEngine:
         self.model = model
         self.tokenizer = tokenizer_name(settings.model_dir)
         self.load_changed = ChangeSignal()
+        #: Set when the engine's profile is new (calibrated, refined): the registration is rewritten.
+        self.profile_changed = ChangeSignal()
+        self._calibrate = settings.calibrate
         self._events_dir = tempfile.TemporaryDirectory(prefix="baton-kv-events-")
         events_endpoint = f"ipc://{self._events_dir.name}/kv-events"
         replay_endpoint = f"ipc://{self._events_dir.name}/kv-events-replay"
@@ -133,6 +142,9 @@ class VllmEngine:
         self._deterministic_kernels = False
         # Connected before any request runs: no batch is published before the first engine step.
         self._subscriber = KvEventSubscriber(events_endpoint, replay_endpoint)
+        self._step_limits = (config.scheduler_config.max_num_batched_tokens, settings.max_num_seqs)
+        self._profiler = VllmProfiler(self._step_limits[0], self.kv_block_size, self.num_kv_blocks,
+                                      lambda: self.profile_changed.notify())
 
     def _stat_logger_factory(self) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -164,6 +176,8 @@ class VllmEngine:
             async with asyncio.TaskGroup() as group:
                 group.create_task(self._follow_kv_events())
                 group.create_task(self._watch_engine_core())
+                if self._calibrate:
+                    group.create_task(self._calibrate_profile())
         finally:
             for running in self._requests.values():
                 running.pump.cancel()
@@ -186,6 +200,15 @@ class VllmEngine:
         """Greedy and seeded requests continue token for token when re-prefilled with what they
         generated, on deterministic kernels; a request sampled without a seed never does."""
         return self._deterministic_kernels and (sampling.temperature == 0 or sampling.seed is not None)
+
+    async def _calibrate_profile(self) -> None:
+        sweep = Sweep().fitted_to(self.max_context_tokens, *self._step_limits)
+        loop = asyncio.get_running_loop()
+        await self._profiler.calibrate(self._llm, sweep, self.vocab_size, lambda: not self._requests, loop.time)
+
+    def profile(self) -> EngineProfile | None:
+        """The profile measured at start-up and refined since; None until calibrated."""
+        return self._profiler.profile
 
     async def _watch_engine_core(self) -> None:
         while not self._llm.errored:
@@ -232,6 +255,7 @@ class VllmEngine:
             self._pump(request.request_id, prompt, params, queue, request.cache_salt))
         self._requests[request.request_id] = _Running(prompt_len=len(prompt), pump=pump, queue=queue)
         self._gpu_time.start(request.request_id, asyncio.get_running_loop().time())
+        self._profiler.admitted(request.request_id, len(self._requests), asyncio.get_running_loop().time())
         self.load_changed.notify()
         return self._outputs(request.request_id, StopMatcher(sampling.stop, resumed), heartbeat_s)
 
@@ -319,6 +343,7 @@ class VllmEngine:
                 finish = _FINISH_REASONS.get(completion.finish_reason or "abort", FinishReason.ABORT)
                 break
         now = asyncio.get_running_loop().time()
+        self._observe_step(request_id, running, len(new_token_ids), now)
         if running.has_first_token and new_token_ids:
             # Decode steps as this request saw them: time per token since its previous output, smoothed.
             interval_ms = (now - running.last_output_at) * 1000.0 / len(new_token_ids)
@@ -338,6 +363,19 @@ class VllmEngine:
             num_completion_tokens=running.num_completion_tokens,
             gpu_ms=gpu_ms,
         )
+
+    def _observe_step(self, request_id: str, running: _Running, num_new_tokens: int, now: float) -> None:
+        """Hand the profiler this output's reading of a step (the oldest decoding request's only)."""
+        if not num_new_tokens:
+            return
+        if not running.has_first_token:
+            self._profiler.first_token(request_id, num_new_tokens, running.prompt_len - running.num_cached_tokens, now)
+            return
+        decoding = [r for r in self._requests.values() if r.has_first_token]
+        if decoding and decoding[0] is running:
+            self._profiler.decoded(now - running.last_output_at, num_new_tokens, len(decoding),
+                                   sum(r.prompt_len + r.num_completion_tokens for r in decoding),
+                                   len(self._requests) - len(decoding), now)
 
     def abort(self, request_id: str) -> None:
         """Stop request_id in vLLM (its pump's cancellation aborts it there); a no-op once finished."""

@@ -53,8 +53,10 @@ def build_tokenizer(directory: Path, vocab_size: int) -> int:
     return len(fast)
 
 
-def build_tiny_model(directory: Path, vocab_size: int = 1024, seed: int = 0) -> Path:
-    """Write the model (config, bf16 weights, tokenizer) to directory unless it is there already."""
+def build_tiny_model(directory: Path, vocab_size: int = 1024, seed: int = 0, hidden_size: int = 256,
+                     num_layers: int = 4) -> Path:
+    """Write the model (config, bf16 weights, tokenizer) to directory unless it is there already; a
+    larger hidden_size or num_layers makes a slower model with the same tokenizer."""
     directory = Path(directory)
     if (directory / "config.json").exists():
         return directory
@@ -66,7 +68,8 @@ def build_tiny_model(directory: Path, vocab_size: int = 1024, seed: int = 0) -> 
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
     try:
         num_tokens = build_tokenizer(staging, vocab_size)
-        config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        config = LlamaConfig(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
+                             num_attention_heads=4,
                              num_key_value_heads=2, vocab_size=num_tokens, max_position_embeddings=4096,
                              bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
         torch.manual_seed(seed)
