@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/baton/v1/*.proto)
 
-.PHONY: run test unit integration protos check-protos bench bench-vllm bench-sim clean
+.PHONY: run test test-compose unit integration protos check-protos bench bench-vllm bench-sim clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ run: $(STAMP)
 
 test: $(VLLM_STAMP)
 	$(TEST_ENV) $(BIN)/python -m pytest -q tests
+
+# The docker compose deployment, built and faulted for real (installs and starts Docker when absent).
+test-compose: $(STAMP)
+	BATON_COMPOSE_TEST=1 $(BIN)/python -m pytest -q -s tests/compose
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit

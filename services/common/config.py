@@ -84,6 +84,8 @@ class ServiceConfig:
     """Fields every service has; subclasses override `listen`'s default and add their own."""
 
     listen: str = doc("host:port to serve gRPC on", "127.0.0.1:0")
+    advertise: str = doc("host:port other services dial this one at, as registered in etcd (empty: --listen); "
+                         "set it when --listen is a wildcard such as 0.0.0.0:PORT, e.g. in a container", "")
     etcd: str = doc("etcd endpoint host:port", "127.0.0.1:2379")
     lease_ttl_s: int = doc("etcd lease TTL in seconds; a dead process leaves the cluster within it", 3)
     otel_exporter: str = doc("where spans (and metrics) go: none, console, file:PATH (spans as JSON lines) or "
@@ -102,6 +104,11 @@ class ServiceConfig:
     # Whether this service's port demands client certificates when it has a CA (mutual TLS).
     requires_client_cert: ClassVar[bool] = True
 
+    @property
+    def address(self) -> str:
+        """Where other services dial this one: --advertise, else --listen."""
+        return self.advertise or self.listen
+
     def __post_init__(self) -> None:
         TlsFiles(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca)  # ValueError naming a bad TLS flag
         if self.tls_ca and not self.tls_cert:
@@ -109,6 +116,8 @@ class ServiceConfig:
         TlsFiles(ca=self.etcd_ca)  # ValueError when the file is missing
         check_listen("listen", self.listen)
         check_listen("etcd", self.etcd)
+        if self.advertise:
+            check_listen("advertise", self.advertise)
         if self.lease_ttl_s < 1:
             raise ValueError(f"--lease-ttl-s: must be at least 1, got {self.lease_ttl_s}")
         check_otel_exporter(self.otel_exporter)

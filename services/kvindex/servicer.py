@@ -49,7 +49,7 @@ class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
     def background(self) -> Sequence[Coroutine[Any, Any, None]]:
         config = self._config
         return [
-            *self._member.hold_service("kvindex", config.instance_id, config.listen),
+            *self._member.hold_service("kvindex", config.instance_id, config.address),
             self._nodes.run(),
             self._resync_rejoined(),
         ]

@@ -92,7 +92,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
     def background(self) -> Sequence[Coroutine[Any, Any, None]]:
         config = self._config
         return [
-            *self._member.hold_service("router", config.instance_id, config.listen),
+            *self._member.hold_service("router", config.instance_id, config.address),
             self._nodes.run(),
             self._leader.run(),
             self._report_live(),

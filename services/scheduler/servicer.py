@@ -115,7 +115,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         # what this scheduler tells about tenants.
         self._tenants = TenantDirectory(self._member.client, self._on_tenants_changed)
         self._kvindexes = ServiceDirectory(self._member.client, "kvindex", telemetry, grace_s=config.lease_ttl_s)
-        self._role = LeaderRole(self._member.client, config.instance_id, config.listen, config.lease_ttl_s,
+        self._role = LeaderRole(self._member.client, config.instance_id, config.address, config.lease_ttl_s,
                                 self._hand_over_state, self._take_over_state)
         self._placements = telemetry.meter.create_counter(
             "baton.scheduler.placements", description="placement decisions, by outcome"
@@ -141,7 +141,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def background(self) -> Sequence[Coroutine[Any, Any, None]]:
         config = self._config
         return [
-            *self._member.hold_service("scheduler", config.instance_id, config.listen),
+            *self._member.hold_service("scheduler", config.instance_id, config.address),
             *self._role.loops(),
             self._gate.run(),
             self._plan_models(),

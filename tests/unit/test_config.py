@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from services.common.config import doc, parse_config
+from services.node_agent.config import NodeAgentConfig
+from services.node_agent.engines.factory import build_host, node_info
 from services.router.config import RouterConfig
 
 PREFIX = "BATON_ROUTER"
@@ -152,3 +154,16 @@ def test_vllm_gpu_memory_share_reaches_the_engine_and_is_checked(tmp_path: Path,
     with pytest.raises(SystemExit, match="vLLM failed to start"):
         factory.build_host(NodeAgentConfig(engine="vllm", model_dir=str(tmp_path), gpu_memory_utilization=0.3))
     assert [s.gpu_memory_utilization for s in started_with] == [0.3]
+
+
+def test_a_node_registers_its_advertised_address_not_a_wildcard_listen() -> None:
+    argv = ["--listen", "0.0.0.0:50400", "--advertise", "node-h100:50400"]
+    config = parse_config(NodeAgentConfig, "BATON_NODE", argv)
+    assert node_info(config, build_host(config)).address == "node-h100:50400"
+    plain = parse_config(NodeAgentConfig, "BATON_NODE", ["--listen", "127.0.0.1:50401"])
+    assert node_info(plain, build_host(plain)).address == "127.0.0.1:50401"
+
+
+def test_a_bad_advertise_address_exits_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    message = _exit_message(capsys, RouterConfig, PREFIX, ["--advertise", "router-1"])
+    assert "--advertise: expected host:port, got 'router-1'" in message

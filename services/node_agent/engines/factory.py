@@ -117,7 +117,7 @@ def node_info(config: NodeAgentConfig, host: ModelHost) -> common_pb2.NodeInfo:
     """This node's registration as of now: which models are warm, loading or cold."""
     return common_pb2.NodeInfo(
         node_id=config.node_id,
-        address=config.listen,
+        address=config.address,
         gpu=config.gpu,
         hbm_bytes=hbm_bytes_of(config),
         region=config.region,
