@@ -227,6 +227,7 @@ class Relay:
         leader = self._leader.leader() or await self._leader.wait_for_other(None, wait_s())
         address = leader.address if leader is not None else ""
         num_hints = 0
+        backoff_s = 0.025
         timed_out: str | None = None
         while leader is not None:
             # Admission may hold a placement while the fleet is saturated: wait up to the client's deadline.
@@ -245,6 +246,16 @@ class Relay:
                 if not (is_transport_failure(exc) or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                         or exc.code() == grpc.StatusCode.FAILED_PRECONDITION):
                     raise from_rpc_error(exc) from None
+                if (exc.code() == grpc.StatusCode.FAILED_PRECONDITION and at == tried.address
+                        and self._leader.leader() == tried):
+                    # etcd already shows it leading, but it has not taken office yet (its own view lags
+                    # etcd's by a watch event): call it again shortly, unless etcd shows another first.
+                    backoff_s = min(2 * backoff_s, 1.0)
+                    other = await self._leader.wait_for_other(tried, min(backoff_s, wait_s()))
+                    if other is not None or wait_s() > 0:
+                        leader = other or tried
+                        address = leader.address
+                        continue
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     timed_out = f"scheduler {at} did not place the request within {timeout_s:.1f} s"
                 log.warning("scheduler %s did not place (%s); waiting for a leader", at, exc.code().name)
