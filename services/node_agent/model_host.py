@@ -9,8 +9,10 @@ vLLM does per GPU: its engine takes the HBM left after the weights for KV cache.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,14 +48,19 @@ class LocalModel:
     kv_blocks: int = 0
     # Its engine's configured profile (the sim engine's); None when the engine measures its own.
     profile: EngineProfile | None = None
+    # Whether load_time_s is a model the host waits out (the sim engine) or a measurement of the
+    # engine's own start-up (vLLM: starting the engine is the load, re-measured on every load).
+    load_is_modelled: bool = True
 
 
 class ModelHost:
     """The node's models and the engine of the warm one; the node agent's one view of its engine."""
 
     def __init__(self, node_id: str, models: list[LocalModel], make_engine: Callable[[str], Engine],
-                 warm: str = "", speed: float = 1.0, kv_block_size: int = 16) -> None:
+                 warm: str = "", speed: float = 1.0, kv_block_size: int = 16,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._node_id = node_id
+        self._clock = clock
         self._models = {m.name: m for m in models}
         self._make_engine = make_engine
         self._speed = speed
@@ -123,14 +130,19 @@ class ModelHost:
         return loop.time() - started
 
     async def _load(self, model: str) -> None:
-        seconds = self._models[model].load_time_s
-        log.info("loading %s: %.1f s modelled", model, seconds)
-        try:
-            await asyncio.sleep(seconds / self._speed if self._speed > 0 else 0)
-        except asyncio.CancelledError:
-            self.state[model] = ModelState.COLD
-            raise
+        local = self._models[model]
+        if local.load_is_modelled:
+            log.info("loading %s: %.1f s modelled", model, local.load_time_s)
+            try:
+                await asyncio.sleep(local.load_time_s / self._speed if self._speed > 0 else 0)
+            except asyncio.CancelledError:
+                self.state[model] = ModelState.COLD
+                raise
+        started = self._clock()
         engine = self._install(model)
+        if not local.load_is_modelled:  # the engine's start was the load: report what it took this time
+            self._models[model] = dataclasses.replace(local, load_time_s=self._clock() - started)
+            log.info("loaded %s in %.1f s", model, self._models[model].load_time_s)
         self._engine_task = asyncio.get_running_loop().create_task(self._drive(engine))
         self.models_changed.notify()
         self.load_changed.notify()

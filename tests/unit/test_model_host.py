@@ -103,3 +103,25 @@ async def test_an_engine_that_fails_takes_the_node_down_with_it() -> None:
     with pytest.raises(ExceptionGroup) as failed:
         await asyncio.wait_for(host.run(), 5)
     assert failed.group_contains(Broken)
+
+
+async def test_an_engine_whose_start_is_the_load_is_not_made_to_wait_a_modelled_time_and_reports_its_start() -> None:
+    """vLLM: loading is starting the engine. The host must not first sleep the last start's duration
+    (a reload took twice as long), and load_time_s is what this start took."""
+    clock = [100.0]
+
+    def starting_engine(name: str) -> SimEngine:
+        clock[0] += 7.0  # the engine's start-up, on the injected clock
+        return make_engine(name)
+
+    measured = LocalModel(A, 8192, 128256, "byte", 1, load_time_s=3600.0, load_is_modelled=False)
+    host = ModelHost("n0", [measured], starting_engine, speed=1.0, clock=lambda: clock[0])
+    task = asyncio.get_running_loop().create_task(host.run())
+    try:
+        await asyncio.wait_for(host.load_model(A), timeout=5)  # an hour's sleep would time out
+        assert host.state[A] is ModelState.WARM
+        assert host.local(A).load_time_s == 7.0
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -98,7 +98,7 @@ def build_vllm_host(config: NodeAgentConfig) -> ModelHost:
     weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     local = LocalModel(name=name, max_context_tokens=engine.max_context_tokens, vocab_size=engine.vocab_size,
                        tokenizer=engine.tokenizer, weights_bytes=weights, load_time_s=time.monotonic() - started,
-                       kv_blocks=engine.num_kv_blocks)
+                       kv_blocks=engine.num_kv_blocks, load_is_modelled=False)
     started_engines = [engine]
 
     def make_engine(_: str) -> Engine:
