@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """One node (so that a repeated prompt can only meet the cache it was stored in), auth on."""
-    spec = ClusterSpec(num_nodes=1, gpus=("h100",), speed=20.0, auth=True)
+    spec = ClusterSpec(num_nodes=1, gpus=("h100",), speed=20.0, auth=True, http_port=0)
     with LocalCluster(spec, tmp_path_factory.mktemp("secured")) as started:
         yield started
 
@@ -165,3 +165,26 @@ async def test_a_tenants_record_carries_its_limits(secured: LocalCluster) -> Non
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "'frugal' is over its limit of 8 tokens per minute" in refused.value.details()
 
+
+
+def test_over_http_the_bearer_key_names_the_tenant_and_a_bad_key_gets_401(secured: LocalCluster) -> None:
+    """The OpenAI-compatible API authenticates as gRPC does: the Authorization header's key decides the
+    tenant (not extra_body's `tenant`), and its prefix cache is that tenant's own."""
+    import openai
+
+    key = add_tenant(secured, "http-a")
+    base = f"http://{secured.http_address}/v1"
+    prompt = "an HTTP prompt whose prefix only its own tenant may find cached " * 3
+    with openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=30) as client:
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body={"tenant": "someone-else"})
+        again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+    assert again.usage is not None and again.usage.prompt_tokens_details.cached_tokens > 0
+    decisions = recent_decisions(secured, secured.admin_key)
+    assert {d.context.tenant for d in decisions if d.context.tenant.startswith(("http-a", "someone"))} == {"http-a"}
+    for bad in ("not-a-baton-key", "bt_not-a-real-key"):
+        with openai.OpenAI(base_url=base, api_key=bad, max_retries=0, timeout=30) as client:
+            with pytest.raises(openai.AuthenticationError):
+                client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+            with pytest.raises(openai.AuthenticationError):
+                client.models.list()
