@@ -31,7 +31,7 @@ def build_workload(args: argparse.Namespace, load: float) -> Workload:
                                  output_len=256, think_s=2.0, rate_per_s=load)
     path = Path(args.traces) / TRACES[args.workload]
     loader = load_mooncake if args.workload.startswith("mooncake") else load_azure
-    return loader(path, speedup=load, prompt_scale=args.prompt_scale, limit=args.limit)
+    return loader(path, speedup=load, prompt_scale=args.prompt_scale, limit=args.limit, skip=args.skip)
 
 
 def run_one(job: tuple[argparse.Namespace, str, float, int]) -> tuple[str, float, int, dict, list[float], float]:
@@ -144,6 +144,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--loads", default="1", help="comma-separated trace speed-ups, e.g. 0.5,1,2")
     parser.add_argument("--prompt-scale", type=float, default=1.0, help="multiply every prompt length")
     parser.add_argument("--limit", type=int, default=None, help="first N requests (or N agent tasks)")
+    parser.add_argument("--skip", type=int, default=0,
+                        help="start after the trace's first N requests (a window to tune on, disjoint from the first)")
     parser.add_argument("--ttft-slo", type=float, default=5.0, help="seconds")
     parser.add_argument("--tpot-slo", type=float, default=0.1, help="seconds per output token")
     parser.add_argument("--max-tokens", type=int, default=2048,

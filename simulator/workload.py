@@ -123,11 +123,15 @@ def _sessions(rows: Sequence[tuple[int, ...]], prompt_lens: Sequence[int]) -> li
 
 
 def load_mooncake(path: Path, speedup: float = 1.0, prompt_scale: float = 1.0,
-                  limit: int | None = None) -> Workload:
-    """A Mooncake trace (timestamp ms, input_length, output_length, hash_ids); sessions become tasks."""
+                  limit: int | None = None, skip: int = 0) -> Workload:
+    """A Mooncake trace (timestamp ms, input_length, output_length, hash_ids); sessions become tasks.
+
+    skip: start after the trace's first skip requests (a window disjoint from the first, to tune on)."""
     rows = []
     with open(path) as trace:
-        for line in trace:
+        for j, line in enumerate(trace):
+            if j < skip:
+                continue
             rows.append(json.loads(line))
             if limit is not None and len(rows) >= limit:
                 break
@@ -150,14 +154,17 @@ def load_mooncake(path: Path, speedup: float = 1.0, prompt_scale: float = 1.0,
     return workload
 
 
-def load_azure(path: Path, speedup: float = 1.0, prompt_scale: float = 1.0, limit: int | None = None) -> Workload:
+def load_azure(path: Path, speedup: float = 1.0, prompt_scale: float = 1.0, limit: int | None = None,
+               skip: int = 0) -> Workload:
     """An Azure LLM inference trace (TIMESTAMP, ContextTokens, GeneratedTokens): no shared prefixes."""
     requests: list[SimRequest] = []
     next_hash = 10**9  # far from any id a real trace uses: every prompt is unique
     with open(path) as trace:
         start = None
         for j, row in enumerate(csv.DictReader(trace)):
-            if limit is not None and j >= limit:
+            if j < skip:
+                continue
+            if limit is not None and j >= skip + limit:
                 break
             stamp = datetime.datetime.fromisoformat(row["TIMESTAMP"][:26])
             start = start or stamp
