@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -23,7 +24,7 @@ from services.common import etcd_keys
 from services.common.coalesce import coalesce
 from services.common.deadline import until
 from services.common.directory import ChannelPool, LeaderDirectory
-from services.common.errors import BatonError, DeadlineExceeded, abort
+from services.common.errors import BatonError, DeadlineExceeded, ResourceExhausted, abort
 from services.common.etcd_session import Membership, PrefixView
 from services.common.telemetry import Telemetry
 from services.common.tenant_directory import TenantDirectory
@@ -83,8 +84,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._relayed_tokens = telemetry.meter.create_counter(
             "baton.router.relayed_tokens", description="completion tokens relayed to clients"
         )
-        self._http = (HttpApi(self, config.http_listen, config.max_prompt_bytes) if config.http_listen
-                      else None)
+        # One bucket per client connection, gRPC and HTTP alike (None: --max-requests-per-connection-per-s 0).
+        self._connection_rates = config.connection_rates()
+        self._http = (HttpApi(self, config.http_listen, config.max_prompt_bytes, self.check_connection_rate)
+                      if config.http_listen else None)
 
     def register(self, server: grpc.aio.Server) -> None:
         router_pb2_grpc.add_RouterServicer_to_server(self, server)
@@ -156,6 +159,19 @@ class RouterService(router_pb2_grpc.RouterServicer):
             for _, m in sorted(self._models.items())
         ]
 
+    def check_connection_rate(self, connection: str) -> None:
+        """Count one request against connection's rate (a TCP connection, as its front end names it);
+        ResourceExhausted naming the limits and when to retry if it is over them."""
+        if self._connection_rates is None:
+            return
+        wait_s = self._connection_rates.acquire(connection, asyncio.get_running_loop().time())
+        if wait_s > 0:
+            config = self._config
+            raise ResourceExhausted(
+                f"connection {connection}: more requests than --max-requests-per-connection-per-s="
+                f"{config.max_requests_per_connection_per_s:g} after a burst of --connection-request-burst="
+                f"{config.connection_request_burst}", retry_after_ms=max(1, math.ceil(wait_s * 1000)))
+
     async def authorize(self, authorization: str | None) -> str:
         """With --auth, the tenant of the caller's `authorization: Bearer <key>` (gRPC metadata or HTTP
         header); Unauthenticated without a valid key. Without --auth, "" (anyone may call)."""
@@ -178,6 +194,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ListModelsResponse:
         try:
+            self.check_connection_rate(context.peer())
             await self.authorize(_authorization(context))
         except BatonError as error:
             await abort(context, error)
@@ -192,6 +209,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateChunk]:
         try:
+            # First, before any work: a connection over its rate costs the router as little as can be.
+            self.check_connection_rate(context.peer())
             async with aclosing(self.generate(request, context.time_remaining, _authorization(context))) as replies:
                 async for reply in replies:
                     yield reply
