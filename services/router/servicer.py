@@ -34,12 +34,14 @@ from services.router.generation import Generation
 from services.router.http_api import HttpApi
 from services.router.node_stream import NodeLiveness
 from services.router.relay import Relay
+from services.router.request_scope import cluster_request_id, name_as_client
 from services.router.tokenizer import TOKENIZERS
 from services.router.validation import ModelEntry, validate
 
 log = logging.getLogger(__name__)
 
-# Request ids per ReportLiveRequests call (well under gRPC's 4 MiB message limit at 128 characters each).
+# Request ids per ReportLiveRequests call (well under gRPC's 4 MiB message limit at 257 characters each:
+# a tenant's name and its request id, each at most --max-id-len 128 by default).
 _LIVE_IDS_PER_REPORT = 10_000
 
 
@@ -225,12 +227,17 @@ class RouterService(router_pb2_grpc.RouterServicer):
         resumed on node failures; BatonError, naming what was wrong, when it cannot be served."""
         outcome = "OK"
         live_id: str | None = None
+        # The request as the cluster knows it (with --auth, in its tenant's namespace) and as the client does.
+        cluster_id = client_id = request.request_id
         try:
             cache_salt = await self._authenticate(request, authorization)
             valid = validate(request, self._models, self._config.default_max_tokens, self._rng,
                              self._config.input_limits)
+            client_id = cluster_id = valid.request_id
+            if self._tenants is not None:  # request.tenant is the key's: another tenant cannot reach this id
+                cluster_id = cluster_request_id(request.tenant, client_id)
             generation = Generation(
-                request_id=valid.request_id,
+                request_id=cluster_id,
                 model=valid.model.name,
                 prompt_token_ids=valid.prompt_token_ids,
                 sampling=valid.sampling,
@@ -255,12 +262,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
             # Closed at once, whoever stops reading (a client gone): the relay stops its node stream.
             passed = until(chunks, deadline_at, lambda: DeadlineExceeded(
                 f"deadline_ms={request.deadline_ms}: passed after {len(generation.generated)} generated "
-                f"tokens of request {generation.request_id}; the tokens sent so far stand"))
+                f"tokens of request {client_id}; the tokens sent so far stand"))
             async with aclosing(passed) as relayed:
                 async for chunk in relayed:
                     self._relayed_tokens.add(len(chunk.token_ids), {"model": generation.model})
                     reply = router_pb2.GenerateChunk(
-                        request_id=generation.request_id,
+                        request_id=client_id,
                         token_ids=chunk.token_ids,
                         text=decoder.decode(list(chunk.token_ids)),
                         index=chunk.index,
@@ -277,6 +284,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     yield reply
         except BatonError as error:
             outcome = error.code.name
+            name_as_client(error, cluster_id, client_id)
             raise
         finally:
             if live_id is not None:
