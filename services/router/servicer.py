@@ -83,6 +83,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._requests = telemetry.meter.create_counter(
             "baton.router.requests", description="Generate requests, by final status"
         )
+        self._rate_limited = telemetry.meter.create_counter(
+            "baton.router.rate_limited", description="requests refused: over their connection's request rate"
+        )
         self._relayed_tokens = telemetry.meter.create_counter(
             "baton.router.relayed_tokens", description="completion tokens relayed to clients"
         )
@@ -168,6 +171,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             return
         wait_s = self._connection_rates.acquire(connection, asyncio.get_running_loop().time())
         if wait_s > 0:
+            self._rate_limited.add(1)
             config = self._config
             raise ResourceExhausted(
                 f"connection {connection}: more requests than --max-requests-per-connection-per-s="

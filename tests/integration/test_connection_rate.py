@@ -14,6 +14,7 @@ from baton.cluster import ClusterSpec, LocalCluster
 from baton.protocol import RETRY_AFTER_KEY
 from baton.v1 import router_pb2, router_pb2_grpc
 from tests.integration.conftest import MODEL, wait_until
+from tests.integration.test_metrics import scrape, value
 from tests.reference import reference_completion
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -28,7 +29,7 @@ OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)
 
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    spec = ClusterSpec(num_nodes=1, speed=0.0, http_port=0, router_args=(
+    spec = ClusterSpec(num_nodes=1, speed=0.0, http_port=0, metrics=True, router_args=(
         "--max-requests-per-connection-per-s", str(RATE_PER_S), "--connection-request-burst", str(BURST)))
     with LocalCluster(spec, tmp_path_factory.mktemp("limited")) as cluster:
         assert cluster.router is not None
@@ -50,6 +51,7 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 async def test_a_grpc_connection_over_its_burst_is_refused_and_another_is_served(limited: LocalCluster) -> None:
     assert limited.router is not None
     address = limited.router.address
+    refused_before = value(scrape(limited.router), "baton_router_rate_limited_total")
     async with grpc.aio.insecure_channel(address, options=OWN_CONNECTION) as flooding, \
             grpc.aio.insecure_channel(address, options=OWN_CONNECTION) as calm:
         flood = router_pb2_grpc.RouterStub(flooding)
@@ -68,6 +70,7 @@ async def test_a_grpc_connection_over_its_burst_is_refused_and_another_is_served
     retry_after_ms = int(dict(refused.value.trailing_metadata() or ())[RETRY_AFTER_KEY])
     assert retry_after_ms > 1000 and f"retry after {retry_after_ms} ms" in refused.value.details()
     assert tokens == reference_completion(list(b"calm"), 4)[0]
+    assert value(scrape(limited.router), "baton_router_rate_limited_total") >= refused_before + 1
 
 
 def test_an_http_connection_over_its_burst_gets_429_with_retry_after_and_another_is_served(
