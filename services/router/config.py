@@ -95,4 +95,3 @@ class RouterConfig(ServiceConfig):
         if self.max_requests_per_connection_per_s == 0:
             return None
         return ConnectionRates(self.max_requests_per_connection_per_s, self.connection_request_burst)
-
