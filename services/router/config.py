@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 from services.common.config import ServiceConfig, check_listen, doc
 from services.common.slo import DEFAULT_TPOT_BUDGET_MS, DEFAULT_TTFT_BUDGET_MS, Slo
+from services.router.connection_rate import ConnectionRates
 from services.router.validation import InputLimits
 
 
@@ -35,6 +37,11 @@ class RouterConfig(ServiceConfig):
     max_stop_sequences: int = doc("most stop strings one request may carry", 16)
     max_stop_bytes: int = doc("most UTF-8 bytes of all a request's stop strings together", 4096)
     max_id_len: int = doc("longest request_id, tenant or workflow_id, in characters", 128)
+    max_requests_per_connection_per_s: float = doc(
+        "requests one client connection (a gRPC channel's TCP connection, an HTTP connection) may send per "
+        "second on average, past its burst; more are refused with RESOURCE_EXHAUSTED / 429 (0: no limit)", 500.0)
+    connection_request_burst: int = doc("requests one connection may send at once before "
+                                        "--max-requests-per-connection-per-s applies", 1000)
     auth: bool = doc("require an API key (metadata 'authorization: Bearer <key>', `baton tenants add`) on every "
                      "call; the request's tenant is then the key's, and its prefix cache is its own", False)
     slo_ttft_ms: int = doc("time to first token a request that sets no ttft_budget_ms is held to, for the "
@@ -65,8 +72,11 @@ class RouterConfig(ServiceConfig):
             raise ValueError(f"--leader-wait-s: must be positive, got {self.leader_wait_s}")
         if self.placement_timeout_s <= 0:
             raise ValueError(f"--placement-timeout-s: must be positive, got {self.placement_timeout_s}")
+        if not 0 <= self.max_requests_per_connection_per_s < math.inf:
+            raise ValueError("--max-requests-per-connection-per-s: must be 0 (no limit) or positive, got "
+                             f"{self.max_requests_per_connection_per_s}")
         for name in ("live_report_interval_s", "max_prompt_bytes", "max_stop_sequences", "max_stop_bytes",
-                     "max_id_len", "slo_ttft_ms", "slo_tpot_ms"):
+                     "max_id_len", "connection_request_burst", "slo_ttft_ms", "slo_tpot_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}: must be positive, got {getattr(self, name)}")
 
@@ -79,3 +89,9 @@ class RouterConfig(ServiceConfig):
     def input_limits(self) -> InputLimits:
         return InputLimits(max_prompt_bytes=self.max_prompt_bytes, max_stop_sequences=self.max_stop_sequences,
                            max_stop_bytes=self.max_stop_bytes, max_id_len=self.max_id_len)
+
+    def connection_rates(self) -> ConnectionRates | None:
+        """A fresh per-connection rate limit as the flags set it; None with the limit off."""
+        if self.max_requests_per_connection_per_s == 0:
+            return None
+        return ConnectionRates(self.max_requests_per_connection_per_s, self.connection_request_burst)

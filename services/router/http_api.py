@@ -89,14 +89,41 @@ async def _openai_errors(request: web.Request,
         return _json_response(500, schema.error_json(500, "internal error", None, "internal"))
 
 
+def connection_of(request: web.Request) -> str:
+    """The TCP connection a request came on, by its peer's address and port: each connection (not
+    each client host) has its own request rate."""
+    peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return f"http:{peer[0]}:{peer[1]}"
+    return f"http:{request.remote or 'unknown'}"
+
+
+def _rate_per_connection(check: Callable[[str], None]) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """A middleware counting each /v1/ request against its connection's rate (check raises
+    ResourceExhausted, a 429 with Retry-After, when it is over); /health is not counted."""
+
+    @web.middleware
+    async def middleware(request: web.Request,
+                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        if request.path.startswith("/v1/"):
+            check(connection_of(request))
+        return await handler(request)
+
+    return middleware
+
+
 class HttpApi:
     """The aiohttp application, bound to --http-listen, in the router's event loop."""
 
     def __init__(self, service: GenerateService, listen: str, max_prompt_bytes: int,
+                 check_connection_rate: Callable[[str], None] | None = None,
                  shutdown_timeout_s: float = 10.0) -> None:
         self._service = service
         self._listen = listen
-        self.app = app = web.Application(middlewares=[_openai_errors],
+        middlewares = [_openai_errors]
+        if check_connection_rate is not None:
+            middlewares.append(_rate_per_connection(check_connection_rate))
+        self.app = app = web.Application(middlewares=middlewares,
                                          client_max_size=max_prompt_bytes * _BODY_BYTES_PER_PROMPT_BYTE
                                          + (64 << 10))
         app.router.add_get("/health", self._health)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -23,7 +24,7 @@ from services.common import etcd_keys
 from services.common.coalesce import coalesce
 from services.common.deadline import until
 from services.common.directory import ChannelPool, LeaderDirectory
-from services.common.errors import BatonError, DeadlineExceeded, abort
+from services.common.errors import BatonError, DeadlineExceeded, ResourceExhausted, abort
 from services.common.etcd_session import Membership, PrefixView
 from services.common.telemetry import Telemetry
 from services.common.tenant_directory import TenantDirectory
@@ -33,12 +34,14 @@ from services.router.generation import Generation
 from services.router.http_api import HttpApi
 from services.router.node_stream import NodeLiveness
 from services.router.relay import Relay
+from services.router.request_scope import cluster_request_id, name_as_client
 from services.router.tokenizer import TOKENIZERS
 from services.router.validation import ModelEntry, validate
 
 log = logging.getLogger(__name__)
 
-# Request ids per ReportLiveRequests call (well under gRPC's 4 MiB message limit at 128 characters each).
+# Request ids per ReportLiveRequests call (well under gRPC's 4 MiB message limit at 257 characters each:
+# a tenant's name and its request id, each at most --max-id-len 128 by default).
 _LIVE_IDS_PER_REPORT = 10_000
 
 
@@ -80,11 +83,16 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._requests = telemetry.meter.create_counter(
             "baton.router.requests", description="Generate requests, by final status"
         )
+        self._rate_limited = telemetry.meter.create_counter(
+            "baton.router.rate_limited", description="requests refused: over their connection's request rate"
+        )
         self._relayed_tokens = telemetry.meter.create_counter(
             "baton.router.relayed_tokens", description="completion tokens relayed to clients"
         )
-        self._http = (HttpApi(self, config.http_listen, config.max_prompt_bytes) if config.http_listen
-                      else None)
+        # One bucket per client connection, gRPC and HTTP alike (None: --max-requests-per-connection-per-s 0).
+        self._connection_rates = config.connection_rates()
+        self._http = (HttpApi(self, config.http_listen, config.max_prompt_bytes, self.check_connection_rate)
+                      if config.http_listen else None)
 
     def register(self, server: grpc.aio.Server) -> None:
         router_pb2_grpc.add_RouterServicer_to_server(self, server)
@@ -156,6 +164,20 @@ class RouterService(router_pb2_grpc.RouterServicer):
             for _, m in sorted(self._models.items())
         ]
 
+    def check_connection_rate(self, connection: str) -> None:
+        """Count one request against connection's rate (a TCP connection, as its front end names it);
+        ResourceExhausted naming the limits and when to retry if it is over them."""
+        if self._connection_rates is None:
+            return
+        wait_s = self._connection_rates.acquire(connection, asyncio.get_running_loop().time())
+        if wait_s > 0:
+            self._rate_limited.add(1)
+            config = self._config
+            raise ResourceExhausted(
+                f"connection {connection}: more requests than --max-requests-per-connection-per-s="
+                f"{config.max_requests_per_connection_per_s:g} after a burst of --connection-request-burst="
+                f"{config.connection_request_burst}", retry_after_ms=max(1, math.ceil(wait_s * 1000)))
+
     async def authorize(self, authorization: str | None) -> str:
         """With --auth, the tenant of the caller's `authorization: Bearer <key>` (gRPC metadata or HTTP
         header); Unauthenticated without a valid key. Without --auth, "" (anyone may call)."""
@@ -178,6 +200,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ListModelsResponse:
         try:
+            self.check_connection_rate(context.peer())
             await self.authorize(_authorization(context))
         except BatonError as error:
             await abort(context, error)
@@ -192,6 +215,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateChunk]:
         try:
+            # First, before any work: a connection over its rate costs the router as little as can be.
+            self.check_connection_rate(context.peer())
             async with aclosing(self.generate(request, context.time_remaining, _authorization(context))) as replies:
                 async for reply in replies:
                     yield reply
@@ -206,12 +231,17 @@ class RouterService(router_pb2_grpc.RouterServicer):
         resumed on node failures; BatonError, naming what was wrong, when it cannot be served."""
         outcome = "OK"
         live_id: str | None = None
+        # The request as the cluster knows it (with --auth, in its tenant's namespace) and as the client does.
+        cluster_id = client_id = request.request_id
         try:
             cache_salt = await self._authenticate(request, authorization)
             valid = validate(request, self._models, self._config.default_max_tokens, self._rng,
                              self._config.input_limits)
+            client_id = cluster_id = valid.request_id
+            if self._tenants is not None:  # request.tenant is the key's: another tenant cannot reach this id
+                cluster_id = cluster_request_id(request.tenant, client_id)
             generation = Generation(
-                request_id=valid.request_id,
+                request_id=cluster_id,
                 model=valid.model.name,
                 prompt_token_ids=valid.prompt_token_ids,
                 sampling=valid.sampling,
@@ -236,12 +266,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
             # Closed at once, whoever stops reading (a client gone): the relay stops its node stream.
             passed = until(chunks, deadline_at, lambda: DeadlineExceeded(
                 f"deadline_ms={request.deadline_ms}: passed after {len(generation.generated)} generated "
-                f"tokens of request {generation.request_id}; the tokens sent so far stand"))
+                f"tokens of request {client_id}; the tokens sent so far stand"))
             async with aclosing(passed) as relayed:
                 async for chunk in relayed:
                     self._relayed_tokens.add(len(chunk.token_ids), {"model": generation.model})
                     reply = router_pb2.GenerateChunk(
-                        request_id=generation.request_id,
+                        request_id=client_id,
                         token_ids=chunk.token_ids,
                         text=decoder.decode(list(chunk.token_ids)),
                         index=chunk.index,
@@ -258,6 +288,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     yield reply
         except BatonError as error:
             outcome = error.code.name
+            name_as_client(error, cluster_id, client_id)
             raise
         finally:
             if live_id is not None:

@@ -13,7 +13,9 @@ from baton.cli import main as baton_main
 from baton.client import BatonClient, Completion
 from baton.cluster import ClusterSpec, LocalCluster
 from baton.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.router.request_scope import cluster_request_id
 from tests.integration.conftest import MODEL, eventually, wait_until
+from tests.reference import reference_completion
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -81,7 +83,7 @@ async def test_the_key_names_the_tenant_whatever_the_body_says(secured: LocalClu
     result = await complete(secured, key, "whose request is this?", tenant="mallory")
 
     placed = {d.request_id: d.context.tenant for d in recent_decisions(secured, secured.admin_key)}
-    assert placed[result.request_id] == "acme"
+    assert placed[cluster_request_id("acme", result.request_id)] == "acme"
 
 
 async def test_a_call_without_a_valid_key_is_unauthenticated_saying_why(secured: LocalCluster) -> None:
@@ -147,9 +149,12 @@ async def test_a_tenant_sees_only_its_own_decisions_and_no_cluster_state(secured
     mine = await complete(secured, own, "my own request")
     theirs = await complete(secured, other, "someone else's request")
 
+    # Decisions name requests as the cluster knows them: in their tenant's namespace.
+    mine_id = cluster_request_id("watcher", mine.request_id)
+    theirs_id = cluster_request_id("watched", theirs.request_id)
     seen = {d.request_id for d in recent_decisions(secured, own)}
-    assert mine.request_id in seen and theirs.request_id not in seen
-    assert theirs.request_id in {d.request_id for d in recent_decisions(secured, secured.admin_key)}
+    assert mine_id in seen and theirs_id not in seen
+    assert theirs_id in {d.request_id for d in recent_decisions(secured, secured.admin_key)}
     assert secured.scheduler is not None
     with grpc.insecure_channel(secured.scheduler.address) as channel:
         with pytest.raises(grpc.RpcError) as state:
@@ -165,6 +170,31 @@ async def test_a_tenants_record_carries_its_limits(secured: LocalCluster) -> Non
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "'frugal' is over its limit of 8 tokens per minute" in refused.value.details()
 
+
+
+async def test_another_tenant_reusing_a_running_requests_id_is_served_and_disturbs_nothing(
+        secured: LocalCluster) -> None:
+    """Request ids are the client's choice: tenant B sending a live request's id of tenant A's is served
+    its own tokens under that id, while A's stream goes on untouched and A keeps its admission slot."""
+    first, second = add_tenant(secured, "ids-a", max_concurrency=1), add_tenant(secured, "ids-b")
+    prompt = "a generation long enough to still run while the other tenant calls"
+    num_tokens = 8192 - len(prompt) - 1  # about 3 s at this cluster's speed: the other calls take far less
+    assert secured.router is not None
+    async with BatonClient(secured.router.address, api_key=first) as client:
+        stream = client.generate(MODEL, prompt, max_tokens=num_tokens, ignore_eos=True, request_id="same-id")
+        chunks = [await anext(stream)]  # placed: it runs on the only node and holds its tenant's one slot
+        theirs = await complete(secured, second, "the other tenant's prompt", request_id="same-id")
+        with pytest.raises(grpc.aio.AioRpcError) as over:  # A's slot is still A's while A runs
+            await complete(secured, first, "a second request of the first tenant")
+        chunks += [chunk async for chunk in stream]
+
+    assert (theirs.request_id, theirs.token_ids) == (
+        "same-id", reference_completion(list(b"the other tenant's prompt"), 4)[0])
+    assert over.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, over.value.details()
+    assert "concurrency limit of 1" in over.value.details()
+    assert {chunk.request_id for chunk in chunks} == {"same-id"}
+    assert [t for chunk in chunks for t in chunk.token_ids] == reference_completion(
+        list(prompt.encode()), num_tokens, ignore_eos=True)[0]
 
 
 def test_over_http_the_bearer_key_names_the_tenant_and_a_bad_key_gets_401(secured: LocalCluster) -> None:

@@ -97,6 +97,17 @@ def test_invalid_listen_env_var_exits_naming_the_flag(
     assert "--listen" in _exit_message(capsys, RouterConfig, PREFIX, [])
 
 
+def test_the_connection_rate_limit_is_on_by_default_off_at_zero_and_checked(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    rates = RouterConfig().connection_rates()
+    assert rates is not None and (rates.rate_per_s, rates.burst) == (500.0, 1000)
+    assert parse_config(RouterConfig, PREFIX, ["--max-requests-per-connection-per-s", "0"]).connection_rates() is None
+    assert "--max-requests-per-connection-per-s" in _exit_message(
+        capsys, RouterConfig, PREFIX, ["--max-requests-per-connection-per-s", "-1"])
+    assert "--connection-request-burst" in _exit_message(
+        capsys, RouterConfig, PREFIX, ["--connection-request-burst", "0"])
+
+
 def test_unconvertible_flag_exits_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--verbose" in _exit_message(capsys, FlagsConfig, "BATON_TEST", ["--verbose", "maybe"])
     assert "--retries" in _exit_message(capsys, FlagsConfig, "BATON_TEST", ["--retries", "1.5"])

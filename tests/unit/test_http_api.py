@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping
 
+import aiohttp
 import grpc
 import openai
 import pytest
@@ -136,3 +137,19 @@ async def test_the_tenant_comes_from_the_body_or_the_tenant_header() -> None:
     finally:
         await client.close()
         await http.close()
+
+
+async def test_each_v1_request_counts_against_its_own_connection_and_health_probes_do_not() -> None:
+    counted: list[str] = []
+    http = TestClient(TestServer(HttpApi(_FakeRouter(["a"]), "127.0.0.1:0", 1024, counted.append).app))
+    await http.start_server()
+    try:
+        for path in ("/health", "/v1/models", "/v1/models"):
+            assert (await http.get(path)).status == 200
+        async with aiohttp.ClientSession() as another_connection:
+            async with another_connection.get(http.make_url("/v1/models")) as response:
+                assert response.status == 200
+    finally:
+        await http.close()
+    assert len(counted) == 3 and counted[0] == counted[1] != counted[2]
+    assert counted[0].startswith("http:127.0.0.1:")
