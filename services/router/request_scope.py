@@ -3,7 +3,8 @@
 Clients choose request ids. Node agents (engine requests), the scheduler (admission slots, tasks)
 and this router's live reports key state by the id, so with --auth each tenant's ids are a
 namespace of their own: "<tenant>/<request_id>" (tenant names hold no "/"), never shown to the
-client, whose chunks and messages carry its own id.
+client, whose chunks and messages carry its own id. Workflow ids likewise: the scheduler keeps a
+workflow's steps (the KPI's task) and its spend (what placement protects) by the id.
 """
 
 from __future__ import annotations

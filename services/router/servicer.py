@@ -240,6 +240,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             client_id = cluster_id = valid.request_id
             if self._tenants is not None:  # request.tenant is the key's: another tenant cannot reach this id
                 cluster_id = cluster_request_id(request.tenant, client_id)
+                if request.workflow_id:  # nor its workflow's task, whose steps and spend the scheduler keeps
+                    request.workflow_id = cluster_request_id(request.tenant, request.workflow_id)
             generation = Generation(
                 request_id=cluster_id,
                 model=valid.model.name,

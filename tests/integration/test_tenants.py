@@ -197,6 +197,25 @@ async def test_another_tenant_reusing_a_running_requests_id_is_served_and_distur
         list(prompt.encode()), num_tokens, ignore_eos=True)[0]
 
 
+async def test_tenants_using_the_same_workflow_id_keep_separate_tasks(secured: LocalCluster) -> None:
+    """A workflow id is the client's choice too: tenant A's step 1 and tenant B's step 2 of "shared-wf"
+    are two unfinished tasks, not one two-step task that B's step completed in A's name."""
+    first, second = add_tenant(secured, "wf-a"), add_tenant(secured, "wf-b")
+
+    def open_tasks() -> int:
+        assert secured.scheduler is not None
+        with grpc.insecure_channel(secured.scheduler.address) as channel:
+            return scheduler_pb2_grpc.SchedulerStub(channel).GetClusterState(
+                scheduler_pb2.GetClusterStateRequest(), timeout=5,
+                metadata=bearer(secured.admin_key)).tasks.tasks_open
+
+    before = open_tasks()
+    for key, step in ((first, 1), (second, 2)):
+        await complete(secured, key, f"step {step} of a two-step workflow", workflow_id="shared-wf",
+                       step=step, total_steps=2)
+    await eventually(lambda: open_tasks() >= before + 2, 20, "each tenant's step to open a task of its own")
+
+
 def test_over_http_the_bearer_key_names_the_tenant_and_a_bad_key_gets_401(secured: LocalCluster) -> None:
     """The OpenAI-compatible API authenticates as gRPC does: the Authorization header's key decides the
     tenant (not extra_body's `tenant`), and its prefix cache is that tenant's own."""
