@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
@@ -93,9 +94,10 @@ class HttpApi:
     """The aiohttp application, bound to --http-listen, in the router's event loop."""
 
     def __init__(self, service: GenerateService, listen: str, max_prompt_bytes: int,
-                 shutdown_timeout_s: float = 10.0) -> None:
+                 shutdown_timeout_s: float = 10.0, ssl_context: ssl.SSLContext | None = None) -> None:
         self._service = service
         self._listen = listen
+        self._ssl_context = ssl_context  # None: plaintext HTTP
         self.app = app = web.Application(middlewares=[_openai_errors],
                                          client_max_size=max_prompt_bytes * _BODY_BYTES_PER_PROMPT_BYTE
                                          + (64 << 10))
@@ -114,11 +116,13 @@ class HttpApi:
         host, _, port = self._listen.rpartition(":")
         await self._runner.setup()
         try:
-            await web.TCPSite(self._runner, host.strip("[]"), int(port), reuse_port=False).start()
+            await web.TCPSite(self._runner, host.strip("[]"), int(port), reuse_port=False,
+                              ssl_context=self._ssl_context).start()
         except OSError as exc:
             log.error("cannot bind the HTTP API to %s: %s", self._listen, exc)
             return False
-        log.info("serving the OpenAI-compatible HTTP API on %s", self._listen)
+        log.info("serving the OpenAI-compatible HTTP API on %s://%s", "https" if self._ssl_context else "http",
+                 self._listen)
         return True
 
     def stop_accepting(self) -> None:

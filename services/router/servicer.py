@@ -27,6 +27,7 @@ from services.common.errors import BatonError, DeadlineExceeded, abort
 from services.common.etcd_session import Membership, PrefixView
 from services.common.telemetry import Telemetry
 from services.common.tenant_directory import TenantDirectory
+from services.common.tls import server_ssl_context
 from services.router.catalogue import gpus_from_registrations, models_from_registrations
 from services.router.config import RouterConfig
 from services.router.generation import Generation
@@ -83,8 +84,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._relayed_tokens = telemetry.meter.create_counter(
             "baton.router.relayed_tokens", description="completion tokens relayed to clients"
         )
-        self._http = (HttpApi(self, config.http_listen, config.max_prompt_bytes) if config.http_listen
-                      else None)
+        # HTTPS with the certificate the gRPC port serves (--tls-cert), else plaintext HTTP.
+        self._http = (HttpApi(self, config.http_listen, config.max_prompt_bytes,
+                              ssl_context=server_ssl_context(config.tls)) if config.http_listen else None)
 
     def register(self, server: grpc.aio.Server) -> None:
         router_pb2_grpc.add_RouterServicer_to_server(self, server)
