@@ -194,7 +194,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"Baton is up: router{'s' if len(cluster.routers) > 1 else ''} {routers}  (cluster {name!r}, "
               f"etcd {cluster.etcd_endpoint}, logs in {cluster.workdir})")
         if cluster.http_address:
-            print(f"  OpenAI-compatible HTTP API: http://{cluster.http_address}/v1")
+            scheme = "https" if cluster.pki is not None else "http"
+            print(f"  OpenAI-compatible HTTP API: {scheme}://{cluster.http_address}/v1")
         for process in [*cluster.schedulers, *cluster.kvindexes, *cluster.nodes]:
             print(f"  {process.name}: {process.address}")
         if cluster.pki is not None:

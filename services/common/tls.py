@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,17 @@ def server_credentials(files: TlsFiles, require_client_cert: bool) -> grpc.Serve
     ca = Path(files.ca).read_bytes() if files.ca else None
     return grpc.ssl_server_credentials([pair], root_certificates=ca,
                                        require_client_auth=require_client_cert and ca is not None)
+
+
+def server_ssl_context(files: TlsFiles) -> ssl.SSLContext | None:
+    """What an HTTP server (the router's OpenAI-compatible API) serves HTTPS with: files' certificate
+    and key; None (plaintext HTTP) without them. It asks no client certificate: the public HTTP API,
+    like the router's gRPC port, authenticates callers with API keys."""
+    if not files.enabled:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(files.cert, files.key)
+    return context
 
 
 def channel_credentials(files: TlsFiles) -> grpc.ChannelCredentials | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
@@ -117,9 +118,10 @@ class HttpApi:
 
     def __init__(self, service: GenerateService, listen: str, max_prompt_bytes: int,
                  check_connection_rate: Callable[[str], None] | None = None,
-                 shutdown_timeout_s: float = 10.0) -> None:
+                 shutdown_timeout_s: float = 10.0, ssl_context: ssl.SSLContext | None = None) -> None:
         self._service = service
         self._listen = listen
+        self._ssl_context = ssl_context  # None: plaintext HTTP
         middlewares = [_openai_errors]
         if check_connection_rate is not None:
             middlewares.append(_rate_per_connection(check_connection_rate))
@@ -141,11 +143,13 @@ class HttpApi:
         host, _, port = self._listen.rpartition(":")
         await self._runner.setup()
         try:
-            await web.TCPSite(self._runner, host.strip("[]"), int(port), reuse_port=False).start()
+            await web.TCPSite(self._runner, host.strip("[]"), int(port), reuse_port=False,
+                              ssl_context=self._ssl_context).start()
         except OSError as exc:
             log.error("cannot bind the HTTP API to %s: %s", self._listen, exc)
             return False
-        log.info("serving the OpenAI-compatible HTTP API on %s", self._listen)
+        log.info("serving the OpenAI-compatible HTTP API on %s://%s", "https" if self._ssl_context else "http",
+                 self._listen)
         return True
 
     def stop_accepting(self) -> None:

@@ -28,6 +28,7 @@ from services.common.errors import BatonError, DeadlineExceeded, ResourceExhaust
 from services.common.etcd_session import Membership, PrefixView
 from services.common.telemetry import Telemetry
 from services.common.tenant_directory import TenantDirectory
+from services.common.tls import server_ssl_context
 from services.router.catalogue import gpus_from_registrations, models_from_registrations
 from services.router.config import RouterConfig
 from services.router.generation import Generation
@@ -91,8 +92,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         )
         # One bucket per client connection, gRPC and HTTP alike (None: --max-requests-per-connection-per-s 0).
         self._connection_rates = config.connection_rates()
-        self._http = (HttpApi(self, config.http_listen, config.max_prompt_bytes, self.check_connection_rate)
-                      if config.http_listen else None)
+        # HTTPS with the certificate the gRPC port serves (--tls-cert), else plaintext HTTP.
+        self._http = (HttpApi(self, config.http_listen, config.max_prompt_bytes, self.check_connection_rate,
+                              ssl_context=server_ssl_context(config.tls)) if config.http_listen else None)
 
     def register(self, server: grpc.aio.Server) -> None:
         router_pb2_grpc.add_RouterServicer_to_server(self, server)

@@ -9,21 +9,16 @@ builds the base images locally (deploy/compose/local/build-bases.sh), since no r
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
 from baton.client import BatonClient, Completion
 from baton.v1 import common_pb2
-from tests.compose.engine import compose_command, docker_engine, run
-from tests.integration.conftest import MODEL, eventually, wait_until
+from tests.compose.deployment import Deployment, Images, brought_up
+from tests.compose.engine import run
+from tests.integration.conftest import MODEL, eventually
 from tests.integration.load import SteadyLoad
 
 pytestmark = [
@@ -32,106 +27,14 @@ pytestmark = [
     pytest.mark.timeout(900),
 ]
 
-ROOT = Path(__file__).resolve().parents[2]
-COMPOSE_DIR = ROOT / "deploy" / "compose"
 PROJECT = "batontest"
-LOCAL_BASES = {"PY_BASE": "baton-local/python:3.11", "ETCD_IMAGE": "baton-local/etcd:3.5.1"}
-NUM_NODES = 4
 NUM_TOKENS = 600
 
 
-@dataclass
-class Deployment:
-    """The compose project under test and how to reach it."""
-
-    compose: list[str]
-    env: dict[str, str]
-    routers: list[str]
-    log: Path
-
-    def __call__(self, *args: str, timeout_s: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return run([*self.compose, *args], self.log, timeout_s=timeout_s, env=self.env, check=check)
-
-    def container_ids(self, service: str = "") -> list[str]:
-        return self("ps", "-q", *([service] if service else [])).stdout.split()
-
-    def etcdctl(self, *args: str) -> str:
-        return self("exec", "-T", "etcd-1", "/usr/local/bin/etcdctl", *args).stdout
-
-    def scheduler_leader(self) -> str:
-        """The instance id holding the scheduler election (the lowest create revision leads)."""
-        values = self.etcdctl("get", "--prefix", "--sort-by=CREATE", "--order=ASCEND", "--print-value-only",
-                              "/baton/election/scheduler/").splitlines()
-        return json.loads(values[0])["instance_id"] if values else ""
-
-    def num_registered_nodes(self) -> int:
-        return len(self.etcdctl("get", "--prefix", "--keys-only", "/baton/nodes/").split())
-
-    def are_all_healthy(self) -> bool:
-        ids = self.container_ids()
-        states = subprocess.run(
-            ["docker", "inspect", "-f", "{{if .State.Health}}{{.State.Health.Status}}{{else}}none{{end}}", *ids],
-            capture_output=True, text=True, timeout=30).stdout.split()
-        return len(states) == len(ids) and all(state == "healthy" for state in states)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class Stopwatch:
-    """Wall-clock time of each phase, printed at the end (the issue asks how long the test takes)."""
-
-    def __init__(self) -> None:
-        self.start = time.monotonic()
-        self.phases: list[tuple[str, float]] = []
-        self._mark = self.start
-
-    def lap(self, phase: str) -> None:
-        now = time.monotonic()
-        self.phases.append((phase, now - self._mark))
-        self._mark = now
-
-    def report(self) -> str:
-        laps = ", ".join(f"{phase} {seconds:.0f} s" for phase, seconds in self.phases)
-        return f"compose test: {time.monotonic() - self.start:.0f} s in all ({laps})"
-
-
 @pytest.fixture(scope="module")
-def deployment() -> Iterator[Deployment]:
-    logs = ROOT / ".cache" / "test" / "compose"
-    logs.mkdir(parents=True, exist_ok=True)
-    log = logs / "compose.log"
-    log.write_text("")
-    clock = Stopwatch()
-    with docker_engine(log):
-        clock.lap("docker")
-        run([str(COMPOSE_DIR / "local" / "build-bases.sh")], log, timeout_s=420, env=LOCAL_BASES)
-        clock.lap("base images")
-        env = {**LOCAL_BASES, "PIP_NO_INDEX": "1", "BATON_IMAGE": "baton:compose-test",
-               "ROUTER_1_PORT": str(free_port()), "ROUTER_2_PORT": str(free_port())}
-        deployment = Deployment([*compose_command(), "-f", str(COMPOSE_DIR / "docker-compose.yml"), "-p", PROJECT],
-                                env, [f"127.0.0.1:{env['ROUTER_1_PORT']}", f"127.0.0.1:{env['ROUTER_2_PORT']}"],
-                                log)
-        deployment("down", "--volumes", "--remove-orphans", "--timeout", "5")  # what a killed run left
-        deployment("build", timeout_s=420)
-        clock.lap("build")
-        try:
-            deployment("up", "-d", timeout_s=300)
-            wait_until(deployment.are_all_healthy, 180, "every container healthy")
-            wait_until(lambda: deployment.num_registered_nodes() == NUM_NODES, 30, f"{NUM_NODES} nodes in etcd")
-            clock.lap("up")
-            yield deployment
-            clock.lap("tests")
-        finally:
-            deployment("logs", "--no-color", "--tail", "200", check=False)
-            deployment("down", "--volumes", "--remove-orphans", "--timeout", "10", timeout_s=180)
-            clock.lap("down")
-    clock.lap("docker stop")
-    print("\n" + clock.report())
-    (logs / "timings.txt").write_text(clock.report() + "\n")
+def deployment(compose_images: Images) -> Iterator[Deployment]:
+    with brought_up(compose_images, PROJECT, ["docker-compose.yml"]) as started:
+        yield started
 
 
 async def stream(client: BatonClient, prompt: str, on_chunk=None, **fields: object) -> Completion:

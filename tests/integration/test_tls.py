@@ -1,8 +1,14 @@
-"""TLS on every port, from a throwaway CA: clients check the router's certificate; internal ports
-(scheduler, node agent) and etcd refuse a client that shows no certificate of the cluster's CA."""
+"""TLS on every port, from a throwaway CA: clients check the router's certificate (gRPC and the HTTP
+API); internal ports (scheduler, node agent) and etcd refuse a client that shows no certificate of the
+cluster's CA."""
 
 from __future__ import annotations
 
+import http.client
+import json
+import ssl
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +27,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 @pytest.fixture(scope="module")
 def encrypted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    spec = ClusterSpec(num_nodes=1, gpus=("h100",), speed=20.0, tls=True)
+    spec = ClusterSpec(num_nodes=1, gpus=("h100",), speed=20.0, tls=True, http_port=0)
     with LocalCluster(spec, tmp_path_factory.mktemp("encrypted")) as started:
         yield started
 
@@ -43,6 +49,24 @@ async def test_a_client_trusting_the_ca_streams_from_the_router_and_a_plaintext_
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await plaintext.complete(MODEL, "in the clear", max_tokens=8, timeout_s=5)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_http_api_serves_https_to_a_client_trusting_the_ca_and_refuses_plain_http(
+        encrypted: LocalCluster) -> None:
+    assert encrypted.pki is not None and encrypted.http_address
+    body = json.dumps({"model": MODEL, "prompt": "over HTTPS", "max_tokens": 4}).encode()
+
+    def complete(scheme: str, context: ssl.SSLContext | None = None) -> dict[str, object]:
+        request = urllib.request.Request(f"{scheme}://{encrypted.http_address}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10, context=context) as reply:
+            return json.load(reply)
+
+    reply = complete("https", ssl.create_default_context(cafile=str(encrypted.pki.ca)))
+    assert reply["usage"]["completion_tokens"] == 4  # type: ignore[index]
+    # The server answers a plaintext request with a TLS alert and hangs up: no HTTP reply comes back.
+    with pytest.raises((urllib.error.URLError, http.client.HTTPException, ConnectionError)):
+        complete("http")
 
 
 @pytest.mark.parametrize("port", ["scheduler", "node agent"])
