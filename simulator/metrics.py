@@ -2,31 +2,38 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.slo import DEFAULT_TPOT_BUDGET_MS, DEFAULT_TTFT_BUDGET_MS, Outcome, classify
 from services.common.slo import Slo as RequestSlo
+from services.scheduler.tasks import TaskLedger, TaskStats
 from simulator.simulation import RequestRecord, RunResult
 from simulator.workload import Workload
 
 
 class Slo:
-    """The run's SLO, every request held to it (services/common/slo.py classifies, as the live router does).
+    """The run's default SLO; each request is held to its own budgets, these where it sets none
+    (services/common/slo.py classifies, as the live router does).
 
-    Given in seconds, for the command line; a request meets it when it finished within both budgets."""
+    Given in seconds, for the command line; a request meets it when it finished within its budgets."""
 
     def __init__(self, ttft_s: float = DEFAULT_TTFT_BUDGET_MS / 1000, tpot_s: float = DEFAULT_TPOT_BUDGET_MS / 1000,
                  deadline_s: float = 0.0) -> None:
         self.ttft_s, self.tpot_s = ttft_s, tpot_s
         self._slo = RequestSlo(ttft_s * 1000, tpot_s * 1000, deadline_s * 1000)
 
-    def is_met(self, record: RequestRecord) -> bool:
+    def outcome(self, record: RequestRecord) -> Outcome:
+        request = record.request
+        slo = self._slo.for_request(request.ttft_budget_ms, request.tpot_budget_ms, request.deadline_ms)
         ttft, tpot = record.ttft_s, record.tpot_s
-        outcome = classify(self._slo, finished=record.finish_s is not None,
-                           ttft_ms=None if ttft is None else ttft * 1000, tpot_ms=None if tpot is None else tpot * 1000,
-                           elapsed_ms=((record.finish_s or 0.0) - record.arrival_s) * 1000)
-        return outcome == Outcome.SUCCEEDED
+        return classify(slo, finished=record.finish_s is not None,
+                        ttft_ms=None if ttft is None else ttft * 1000, tpot_ms=None if tpot is None else tpot * 1000,
+                        elapsed_ms=((record.finish_s or 0.0) - record.arrival_s) * 1000)
+
+    def is_met(self, record: RequestRecord) -> bool:
+        return self.outcome(record) == Outcome.SUCCEEDED
 
 
 @dataclass(frozen=True)
@@ -64,16 +71,13 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def summarize(result: RunResult, workload: Workload, slo: Slo) -> Summary:
-    records = {r.request.request_id: r for r in result.records}
     done = [r for r in result.records if r.finish_s is not None]
     ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
     tpots = [t for r in done if (t := r.tpot_s) is not None]
     met = [r for r in result.records if slo.is_met(r)]
     prompt_tokens = sum(r.request.prompt_len for r in done)
-    tasks_ok = sum(
-        1 for steps in workload.tasks.values()
-        if all(s.request_id in records and slo.is_met(records[s.request_id]) for s in steps)
-    )
+    tasks = task_stats(result, slo)
+    tasks_ok = tasks.succeeded
     gpu_cost, fleet_cost = result.gpu_cost, result.fleet_cost
     return Summary(
         num_requests=len(result.records),
@@ -92,10 +96,25 @@ def summarize(result: RunResult, workload: Workload, slo: Slo) -> Summary:
         fleet_cost=fleet_cost,
         num_tasks=len(workload.tasks),
         num_tasks_ok=tasks_ok,
-        cost_per_successful_task=fleet_cost / tasks_ok if tasks_ok else float("inf"),
-        busy_cost_per_successful_task=gpu_cost / tasks_ok if tasks_ok else float("inf"),
+        cost_per_successful_task=tasks.fleet_cost_per_successful_task if tasks_ok else float("inf"),
+        busy_cost_per_successful_task=tasks.cost_per_successful_task if tasks_ok else float("inf"),
         num_migrations=sum(r.num_migrations for r in result.records),
     )
+
+
+def task_stats(result: RunResult, slo: Slo) -> TaskStats:
+    """The run's tasks as the live scheduler's ledger counts them (services/scheduler/tasks.py): each
+    request's end, in the order they ended, with its outcome and the GPU time it used at its nodes'
+    prices; GPU time no request used (model loads) as overhead; the whole fleet for the run."""
+    ledger = TaskLedger(timeout_s=0.0)
+    for record in sorted(result.records, key=lambda r: r.ended_s):
+        request = record.request
+        ledger.record(request.task_id, request.step, request.total_steps, record.gpu_cost, slo.is_met(record),
+                      record.ended_s)
+    ledger.expire(math.inf)  # the run is over: a task still missing a successful step failed
+    ledger.add_overhead(max(0.0, result.gpu_cost - sum(r.gpu_cost for r in result.records)))
+    ledger.add_fleet_time(result.provisioned_s, sum(result.price_per_hour.values()))
+    return ledger.stats()
 
 
 def ttft_values(result: RunResult) -> list[float]:

@@ -14,7 +14,15 @@ from pathlib import Path
 from services.scheduler.policies import POLICIES, make_policy
 from simulator.metrics import Slo, summarize, ttft_values
 from simulator.simulation import Simulation, fleet
-from simulator.workload import Workload, agentic_workflows, load_azure, load_mooncake
+from simulator.workload import (
+    SloClass,
+    Workload,
+    agentic_workflows,
+    load_azure,
+    load_mooncake,
+    parse_slo_mix,
+    with_slo_mix,
+)
 
 TRACES = {
     "mooncake-conversation": "conversation_trace.jsonl",
@@ -27,11 +35,15 @@ TRACES = {
 def build_workload(args: argparse.Namespace, load: float) -> Workload:
     """The workload at a load level: trace arrivals sped up by `load` (a closed-loop agent rate scaled)."""
     if args.workload == "agentic":
+        if args.slo_mix:
+            return with_slo_mix(build_workload(argparse.Namespace(**{**vars(args), "slo_mix": ()}), load),
+                                args.slo_mix)
         return agentic_workflows(num_tasks=args.limit or 200, steps=5, system_len=2048, step_len=512,
                                  output_len=256, think_s=2.0, rate_per_s=load)
     path = Path(args.traces) / TRACES[args.workload]
     loader = load_mooncake if args.workload.startswith("mooncake") else load_azure
-    return loader(path, speedup=load, prompt_scale=args.prompt_scale, limit=args.limit, skip=args.skip)
+    workload = loader(path, speedup=load, prompt_scale=args.prompt_scale, limit=args.limit, skip=args.skip)
+    return with_slo_mix(workload, args.slo_mix) if args.slo_mix else workload
 
 
 def run_one(job: tuple[argparse.Namespace, str, float, int]) -> tuple[str, float, int, dict, list[float], float]:
@@ -133,6 +145,13 @@ def plot(out: Path, rows: list[tuple[str, float, dict]], ttfts: dict[tuple[str, 
     return written
 
 
+def _slo_mix(text: str) -> tuple[SloClass, ...]:
+    try:
+        return parse_slo_mix(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="baton sim", description=__doc__)
     parser.add_argument("--workload", choices=[*TRACES, "agentic"], default="mooncake-conversation")
@@ -148,6 +167,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="start after the trace's first N requests (a window to tune on, disjoint from the first)")
     parser.add_argument("--ttft-slo", type=float, default=5.0, help="seconds")
     parser.add_argument("--tpot-slo", type=float, default=0.1, help="seconds per output token")
+    parser.add_argument("--slo-mix", type=_slo_mix, default=(),
+                        help="SHARE:TTFT_S:TPOT_S,...: each task drawn into a class that sets its own budgets "
+                        "(its tenant class0, class1, ...), e.g. 0.3:1:0.03,0.7:30:0.2; the shares add up to 1")
     parser.add_argument("--max-tokens", type=int, default=2048,
                         help="what every client asks for; the scheduler never sees a request's true output length")
     parser.add_argument("--timing-error", type=float, default=0.0,

@@ -72,6 +72,21 @@ class RequestRecord:
     cached_tokens: int = 0
     num_migrations: int = 0
     failed: str = ""  # why, when it could not complete
+    # The node it was last placed on ("": none).
+    node_id: str = ""
+    # GPU time it used at its nodes' prices (every attempt's: as the router reports it to the ledger).
+    gpu_cost: float = 0.0
+    # The running attempt's share so far, added to gpu_cost when the attempt ends.
+    attempt_cost: float = 0.0
+
+    @property
+    def ended_s(self) -> float:
+        """When it finished, or when it was given up (its arrival, if never placed)."""
+        return self.finish_s if self.finish_s is not None else self.arrival_s
+
+    def end_attempt(self) -> None:
+        self.gpu_cost += self.attempt_cost
+        self.attempt_cost = 0.0
 
     @property
     def ttft_s(self) -> float | None:
@@ -364,7 +379,8 @@ class Simulation:
         ask = PlaceAsk(PlacementRequest(
             request_id=generation.request_id, model=generation.model, num_prompt_tokens=len(generation.context),
             num_prompt_blocks=len(block_hashes), max_tokens=self._asked_tokens(generation),
-            block_hashes=block_hashes, ttft_budget_ms=self._ttft_budget_ms, tpot_budget_ms=self._tpot_budget_ms,
+            block_hashes=block_hashes, ttft_budget_ms=request.ttft_budget_ms or self._ttft_budget_ms,
+            tpot_budget_ms=request.tpot_budget_ms or self._tpot_budget_ms, deadline_ms=request.deadline_ms,
             tenant=request.tenant, priority=request.priority, workflow_id=request.task_id, step=request.step,
             total_steps=request.total_steps),
             exclude=frozenset(generation.excluded_nodes()) | frozenset(self._suspects), retry_cause=retry_cause)
@@ -412,6 +428,7 @@ class Simulation:
         placed = self._placer.decide(options, self._now)
         generation, record, block_hashes = pending.generation, pending.record, pending.block_hashes
         node = self._nodes[placed.decision.node_id]
+        record.node_id = node.config.node_id
         if not node.is_alive:  # placed on a dead node the fleet view still lists: the stream breaks at once
             self._migrate(generation, record, NodeFailure(node.config.node_id, FailureCause.CONNECT_FAILED))
             return
@@ -470,6 +487,7 @@ class Simulation:
     def _fail(self, record: RequestRecord, why: str) -> None:
         record.failed = why
         record.finish_s = None
+        record.end_attempt()
 
     # -- nodes ---------------------------------------------------------------------------------
 
@@ -498,6 +516,7 @@ class Simulation:
             if generation is None:
                 continue
             record = self._records[output.request_id]
+            record.attempt_cost = output.gpu_ms / 3_600_000.0 * node.config.price_per_hour
             if output.new_token_ids and record.first_token_s is None:
                 record.first_token_s = self._now
                 record.cached_tokens = output.num_cached_tokens
@@ -506,6 +525,7 @@ class Simulation:
             if output.finish_reason is not None:
                 del node.flights[output.request_id]
                 record.finish_s = self._now
+                record.end_attempt()
                 self._policy.observe_finished(generation.model, record.num_generated)
                 if self._admission is not None:
                     self._admission.release(output.request_id)
@@ -540,6 +560,7 @@ class Simulation:
         self._index.remove_node(node_id)
 
     def _migrate(self, generation: Generation, record: RequestRecord, failure: NodeFailure) -> None:
+        record.end_attempt()  # the lost attempt's GPU time is paid for
         self._suspects[failure.node_id] = self._now + self._suspect_s
         try:
             generation.record_failure(failure, self._max_migrations)

@@ -41,6 +41,10 @@ class SimRequest:
     priority: int = 0
     # The model it asks for ("": the simulation's model).
     model: str = ""
+    # Its own SLO, as a client sets it in GenerateRequest (0: the run's default).
+    ttft_budget_ms: int = 0
+    tpot_budget_ms: int = 0
+    deadline_ms: int = 0
 
 
 @dataclass
@@ -236,4 +240,47 @@ def assign_classes(workload: Workload, seed: int = 0) -> Workload:
         priority = rng.choices([1, 0, -1], weights=[2, 6, 2])[0]
         classes[task] = (tenant, priority)
     requests = [replace(r, tenant=classes[r.task_id][0], priority=classes[r.task_id][1]) for r in workload.requests]
+    return Workload(name=workload.name, requests=requests)
+
+
+@dataclass(frozen=True)
+class SloClass:
+    """A share of a workload's tasks that set their own budgets (a tenant of one kind of client)."""
+
+    name: str
+    share: float
+    ttft_budget_ms: int
+    tpot_budget_ms: int
+
+
+def parse_slo_mix(text: str) -> tuple[SloClass, ...]:
+    """`share:ttft_s:tpot_s,...`, e.g. 0.3:1:0.03,0.7:30:0.2 — the shares must add up to 1."""
+    classes = []
+    for i, part in enumerate(p for p in text.split(",") if p.strip()):
+        try:
+            share, ttft_s, tpot_s = (float(x) for x in part.split(":"))
+        except ValueError:
+            raise ValueError(f"{part!r} is not share:ttft_s:tpot_s") from None
+        if share <= 0 or ttft_s <= 0 or tpot_s <= 0:
+            raise ValueError(f"{part!r} needs a positive share and budgets")
+        classes.append(SloClass(f"class{i}", share, round(ttft_s * 1000), round(tpot_s * 1000)))
+    if not classes or abs(sum(c.share for c in classes) - 1.0) > 1e-6:
+        raise ValueError(f"the shares of {text!r} must add up to 1")
+    return tuple(classes)
+
+
+def with_slo_mix(workload: Workload, classes: Sequence[SloClass], seed: int = 0) -> Workload:
+    """The workload with each task drawn into one SLO class (every step of a task alike): its requests
+    carry the class's budgets, and the class's name as their tenant."""
+    draw = random.Random(f"slo-mix:{seed}")
+    chosen: dict[str, SloClass] = {}
+    for task_id in workload.tasks:  # in first-arrival order, so the draw is the same whatever the policy
+        pick, edge = draw.random(), 0.0
+        for slo_class in classes:
+            edge += slo_class.share
+            if pick < edge:
+                break
+        chosen[task_id] = slo_class
+    requests = [replace(r, tenant=chosen[r.task_id].name, ttft_budget_ms=chosen[r.task_id].ttft_budget_ms,
+                        tpot_budget_ms=chosen[r.task_id].tpot_budget_ms) for r in workload.requests]
     return Workload(name=workload.name, requests=requests)

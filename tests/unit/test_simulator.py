@@ -168,6 +168,36 @@ def test_summary_with_a_huge_slo_counts_every_task() -> None:
     assert summary.busy_cost_per_successful_task == pytest.approx(summary.gpu_cost / summary.num_tasks)
 
 
+def test_each_request_is_held_to_its_own_budgets_and_the_policy_reads_them() -> None:
+    """Two identical requests on an H100 and an A100: the one whose own TPOT budget is 14 ms goes to the
+    H100 (an A100 decode step is about 11 ms, too close), the one that allows 300 ms to the A100, which
+    serves a token for less; each is then classified by its own budgets, not the run's default (here
+    1 ms, which no request could make)."""
+    tight, loose = (dataclasses.replace(_request((9100 + i,), 2048, request_id=f"r{i}", output_len=64),
+                                        ttft_budget_ms=budget, tpot_budget_ms=tpot)
+                    for i, (budget, tpot) in enumerate(((5000, 14), (60_000, 300))))
+    result = Simulation(fleet("1xh100,1xa100"), make_policy("baton"), ttft_budget_ms=1,
+                        tpot_budget_ms=1).run(Workload("budgets", [tight, loose]))
+    h100, a100 = (n.node_id for n in fleet("1xh100,1xa100"))
+    assert {r.request.request_id: r.node_id for r in result.records} == {"r0": h100, "r1": a100}
+    summary = summarize(result, Workload("budgets", [tight, loose]), Slo(ttft_s=0.001, tpot_s=0.001))
+    assert (summary.num_tasks_ok, summary.slo_attainment) == (2, 1.0)
+
+
+def test_a_migrated_requests_lost_attempt_is_paid_for() -> None:
+    """Per-request GPU cost, which the task ledger sums, includes the attempt a node failure lost: the
+    requests' costs add up to the fleet's busy cost."""
+    workload = Workload("long", [_request((1, 2), 1024, output_len=2000)])
+    ran_on = Simulation(fleet("2xh100"), make_policy("dynamo")).run(workload).records[0].node_id
+    result = Simulation(fleet("2xh100"), make_policy("dynamo"), failures=((1.0, ran_on),)).run(workload)
+    [record] = result.records
+    assert record.num_migrations == 1 and record.finish_s is not None and record.node_id != ran_on
+    # All but the step the failure cut short, whose output never came (the ledger's overhead keeps it).
+    assert record.gpu_cost == pytest.approx(result.gpu_cost, rel=0.01)
+    summary = summarize(result, workload, Slo(ttft_s=1e9, tpot_s=1e9))
+    assert summary.busy_cost_per_successful_task == pytest.approx(result.gpu_cost)
+
+
 def test_summary_with_zero_ttft_slo_has_no_successful_task() -> None:
     workload, result = _agentic_run()
     summary = summarize(result, workload, Slo(ttft_s=0.0))
@@ -226,3 +256,17 @@ def test_the_fleet_is_paid_until_the_last_request_ends() -> None:
         assert result.makespan_s > 10.0  # the last request ends after it arrives...
         # ...and the operator pays both GPUs until then, idle or not: a slow drain costs.
         assert summary.fleet_cost == pytest.approx(2 * fleet("1xh100")[0].price_per_hour * result.makespan_s / 3600)
+
+
+def test_an_slo_mix_gives_every_step_of_a_task_its_class_budgets(tmp_path: Path) -> None:
+    from simulator.report import parse_args
+    from simulator.workload import parse_slo_mix, with_slo_mix
+
+    workload = load_mooncake(_write_trace(tmp_path / "t.jsonl"))
+    mixed = with_slo_mix(workload, parse_slo_mix("0.5:1:0.03,0.5:30:0.2"))
+    classes = {"class0": (1000, 30), "class1": (30_000, 200)}
+    for steps in mixed.tasks.values():
+        assert len({(r.tenant, r.ttft_budget_ms, r.tpot_budget_ms) for r in steps}) == 1
+        assert (steps[0].ttft_budget_ms, steps[0].tpot_budget_ms) == classes[steps[0].tenant]
+    with pytest.raises(SystemExit):
+        parse_args(["--slo-mix", "0.5:1:0.03"])  # shares that do not add up to 1 are refused
