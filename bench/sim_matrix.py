@@ -37,6 +37,8 @@ class Setting:
     tpot_s: float = 0.1
     # Agent tasks for the agentic workload (five requests each); None: --limit requests.
     limit: int | None = None
+    # Tasks that set their own budgets (`baton sim --slo-mix`); ttft_s/tpot_s are then only the default.
+    slo_mix: str = ""
 
 
 MIXED = "4xh100,4xa100,4xl4"
@@ -51,6 +53,8 @@ SETTINGS = (
     Setting("Mooncake conversation, 8xH100, 2x", "mooncake-conversation", "8xh100", 2.0),
     Setting("Mooncake conversation, 8xH100, 1x, TPOT 30 ms", "mooncake-conversation", "8xh100", 1.0, tpot_s=0.03),
     Setting("Mooncake conversation, 2xH100+8xL4, 1x", "mooncake-conversation", "2xh100,8xl4", 1.0),
+    Setting("SLO mix: Mooncake conversation, mixed, 1x, 30 % of tasks TTFT 1 s / TPOT 30 ms, 70 % TTFT 30 s / "
+            "TPOT 200 ms", "mooncake-conversation", MIXED, 1.0, slo_mix="0.3:1:0.03,0.7:30:0.2"),
 ) + tuple(
     Setting(f"SLO sweep: Mooncake conversation, mixed, 1x, TTFT {t:g} s, TPOT {p * 1000:.0f} ms",
             "mooncake-conversation", MIXED, 1.0, ttft_s=t, tpot_s=p)
@@ -62,6 +66,8 @@ def _args(setting: Setting, options: argparse.Namespace) -> argparse.Namespace:
     argv = ["--workload", setting.workload, "--fleet", setting.fleet, "--loads", f"{setting.load:g}",
             "--ttft-slo", str(setting.ttft_s), "--tpot-slo", str(setting.tpot_s),
             "--timing-error", str(options.timing_error), "--max-tokens", str(options.max_tokens)]
+    if setting.slo_mix:
+        argv += ["--slo-mix", setting.slo_mix]
     limit = setting.limit or options.limit
     if limit:
         argv += ["--limit", str(limit)]
@@ -135,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
             runs = [next(runs_of) for _ in seeds_of(setting)]
             rows[policy] = merge_seeds([summary for _, _, _, summary, _, _ in runs])
         merged[setting.name] = rows
-        lines += [f"### {setting.name} (TTFT {setting.ttft_s:g} s, TPOT {setting.tpot_s * 1000:.0f} ms)", "",
+        budgets = "each task's own budgets" if setting.slo_mix else (
+            f"TTFT {setting.ttft_s:g} s, TPOT {setting.tpot_s * 1000:.0f} ms")
+        lines += [f"### {setting.name} ({budgets})", "",
                   "| policy | SLO attainment (%) | whole fleet ($) | busy-time floor ($) | TTFT p50 / p99 (s) |",
                   "|---|---:|---:|---:|---|"]
         for policy, s in rows.items():
