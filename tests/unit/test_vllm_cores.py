@@ -57,6 +57,22 @@ def test_a_block_whose_parent_was_never_seen_is_not_indexed() -> None:
     assert keys.num_orphans == 1
 
 
+def test_the_cached_prefix_of_a_queued_prompt_is_what_vllm_holds_of_it_under_its_salt() -> None:
+    """The node's pending prefill leaves out what its cache holds of a prompt (as the sim engine's
+    does), before vLLM reports the request's cached tokens: the leading blocks held, for its salt."""
+    keys = BlockKeyMap()
+    keys.translate(stored([7001, 7002], None, PROMPT[:64]))
+    follow_up = PROMPT[:64] + [1] * 40
+    assert keys.cached_prefix_tokens(follow_up) == 64
+    assert keys.cached_prefix_tokens(PROMPT[:64]) == 63  # the last token is always computed
+    assert keys.cached_prefix_tokens(follow_up, cache_salt="tenant-cache:b") == 0
+    assert keys.cached_prefix_tokens([5] + PROMPT[1:64]) == 0  # a prefix, or nothing
+    keys.translate(BlockRemoved((7002,)))
+    assert keys.cached_prefix_tokens(follow_up) == 32
+    keys.translate(AllBlocksCleared())
+    assert keys.cached_prefix_tokens(follow_up) == 0
+
+
 def test_gpu_time_is_the_busy_time_shared_among_the_requests_held() -> None:
     share = GpuTimeShare()
     share.start("a", 10.0)

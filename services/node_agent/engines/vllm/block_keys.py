@@ -26,6 +26,8 @@ class BlockKeyMap:
     def __init__(self, key_block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         self.key_block_size = key_block_size
         self._keys: dict[int, tuple[int, ...]] = {}
+        # Every Baton key those blocks hold, with how many vLLM blocks hold it.
+        self._held: dict[int, int] = {}
         #: BlockStored events whose parent was unknown (an event was lost): their blocks are not indexed.
         self.num_orphans = 0
 
@@ -33,9 +35,15 @@ class BlockKeyMap:
         """The Baton event for one vLLM event; None when it changes nothing Baton can name."""
         if isinstance(event, AllBlocksCleared):
             self._keys.clear()
+            self._held.clear()
             return event
         if isinstance(event, BlockRemoved):
             removed = [key for h in event.block_hashes for key in self._keys.pop(h, ())]
+            for key in removed:
+                if self._held.get(key, 0) <= 1:
+                    self._held.pop(key, None)
+                else:
+                    self._held[key] -= 1
             return BlockRemoved(tuple(removed)) if removed else None
         return self._stored(event)
 
@@ -55,10 +63,26 @@ class BlockKeyMap:
         stored: list[int] = []
         for i, vllm_hash in enumerate(event.block_hashes):
             keys = chained_keys(event.token_ids[i * size:(i + 1) * size], self.key_block_size, parent)
+            if vllm_hash in self._keys:  # stored again: its old keys are no longer held by it
+                self.translate(BlockRemoved((vllm_hash,)))
             self._keys[vllm_hash] = keys
+            for key in keys:
+                self._held[key] = self._held.get(key, 0) + 1
             stored.extend(keys)
             parent = keys[-1]
         return BlockStored(tuple(stored), None, tuple(event.token_ids), self.key_block_size)
+
+    def cached_prefix_tokens(self, prompt: Sequence[int], cache_salt: str = "") -> int:
+        """How many of prompt's leading tokens vLLM holds cached (for its salt), in whole key blocks;
+        never the last token, which vLLM always computes. What the node's pending prefill leaves out
+        before vLLM itself reports the request's cached tokens (at its first output)."""
+        parent, cached = salted_root(cache_salt), 0
+        for start in range(0, len(prompt) - self.key_block_size + 1, self.key_block_size):
+            parent = hash_block(parent, prompt[start:start + self.key_block_size])
+            if parent not in self._held:
+                break
+            cached = start + self.key_block_size
+        return min(cached, max(0, len(prompt) - 1))
 
     def cached_keys(self) -> list[int]:
         """Every Baton key of every block vLLM holds now (a snapshot)."""

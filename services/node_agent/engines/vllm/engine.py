@@ -78,6 +78,7 @@ class _Running:
     pump: asyncio.Task[None]
     queue: asyncio.Queue[Any]
     num_completion_tokens: int = 0
+    # Until vLLM reports it (at the first output): what this node's cache held of the prompt when it came.
     num_cached_tokens: int = 0
     has_first_token: bool = False
     # Loop time of its latest output.
@@ -253,7 +254,9 @@ class VllmEngine:
         queue: asyncio.Queue[Any] = asyncio.Queue()
         pump = asyncio.get_running_loop().create_task(
             self._pump(request.request_id, prompt, params, queue, request.cache_salt))
-        self._requests[request.request_id] = _Running(prompt_len=len(prompt), pump=pump, queue=queue)
+        self._requests[request.request_id] = _Running(
+            prompt_len=len(prompt), pump=pump, queue=queue,
+            num_cached_tokens=self._keys.cached_prefix_tokens(prompt, request.cache_salt))
         self._gpu_time.start(request.request_id, asyncio.get_running_loop().time())
         self._profiler.admitted(request.request_id, len(self._requests), asyncio.get_running_loop().time())
         self.load_changed.notify()
@@ -417,7 +420,9 @@ class VllmEngine:
             kv_blocks_total=self.num_kv_blocks,
             active_decode_blocks=sum(math.ceil((r.prompt_len + r.num_completion_tokens) / block)
                                      for r in self._requests.values() if r.has_first_token),
-            pending_prefill_tokens=sum(r.prompt_len for r in self._requests.values() if not r.has_first_token),
+            # As the sim engine counts it: what is left to compute, the cached prefix left out.
+            pending_prefill_tokens=sum(r.prompt_len - r.num_cached_tokens for r in self._requests.values()
+                                       if not r.has_first_token),
         )
 
     async def next_kv_events(self) -> list[KVEvent]:
