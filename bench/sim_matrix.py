@@ -3,8 +3,8 @@
 Each setting (workload × fleet × load × SLO) is replayed under every policy, over several seeds of
 the timing-model error (each GPU generation runs ±e off the model the scheduler reads), with
 max_tokens the scheduler sees instead of true output lengths. For each setting it reports, per
-policy, SLO attainment and cost per successful task two ways — the whole fleet for the trace's
-span (the headline) and busy GPU time (the floor) — with 95 % intervals over the seeds, and a
+policy, SLO attainment and cost per successful task two ways — the whole fleet until the last
+request ends (the headline) and busy GPU time (the floor) — with 95 % intervals over the seeds, and a
 verdict line: Baton against the best baseline on each.
 
     python -m bench.sim_matrix --out results/matrix            # the matrix in docs/evaluation.md
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
              f"timing-model error per GPU "
              f"generation; the scheduler sees max_tokens={options.max_tokens}, never true output lengths; first "
              f"{options.limit} requests (agentic: tasks) of each trace. Cost per successful task in $ "
-             f"(whole fleet for the trace's span, and busy GPU time); ± is a 95 % interval over the seeds. "
+             f"(whole fleet until the last request ends, and busy GPU time); ± is a 95 % interval over the seeds. "
              f"{len(jobs)} runs in {wall_s / 60:.0f} min.", ""]
     merged: dict[str, dict[str, dict]] = {}
     runs_of = iter(outcomes)

@@ -135,9 +135,8 @@ class RunResult:
     price_per_hour: dict[str, float]
     makespan_s: float
     num_steps: int
-    # How long the operator provisions the fleet for: the trace's span (its last arrival) when every
-    # arrival is fixed in advance — the same for every policy, so the headline compares what a fixed
-    # fleet and period achieve — or the makespan when steps follow completions (closed loop).
+    # How long the operator provisions the fleet for: until the last request ends (the makespan), so a
+    # slow drain after the last arrival is paid for.
     provisioned_s: float = 0.0
 
     @property
