@@ -53,6 +53,14 @@ def test_a_prefix_hit_wins_when_load_is_equal() -> None:
     assert chosen(BatonPolicy(), request(6000, ttft_budget_ms=5000), nodes, {"a2": 300}) == "a2"
 
 
+def test_a_prefix_cached_on_a_busy_node_does_not_outweigh_an_idle_gpu() -> None:
+    """On a provisioned fleet the idle H100 is paid for anyway: computing the whole prompt there beats
+    queueing beside two decoding requests to reuse a third of it (priced in full, the reuse won)."""
+    busy = node("h1", "h100", num_running=2, active_decode_blocks=128)
+    req = request(4096, max_tokens=256, ttft_budget_ms=5000)
+    assert chosen(BatonPolicy(), req, [busy, node("h2", "h100")], {"h1": 128}) == "h2"
+
+
 def test_a_busy_node_loses_to_an_idle_one_of_the_same_kind() -> None:
     busy = node("a1", "a100", num_running=60, pending_prefill_tokens=40_000, active_decode_blocks=6000)
     assert chosen(BatonPolicy(), request(2000, ttft_budget_ms=2000), [busy, node("a2", "a100")]) == "a2"
