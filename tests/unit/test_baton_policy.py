@@ -143,9 +143,9 @@ def test_priority_breaks_a_near_tie_toward_certainty() -> None:
 
     policy = BatonPolicy()
     assert chosen(policy, prioritised(0), nodes) == "a"  # cheaper; 94% sure to meet the budget
-    assert chosen(policy, prioritised(2), nodes) == "h"  # a failure would forfeit more: certainty is worth it
+    assert chosen(policy, prioritised(4), nodes) == "h"  # a failure would forfeit more: certainty is worth it
     terms = {t.node_id: t for t in policy.last_terms()}
-    assert terms["a"].at_risk == 2 * terms["a"].cost
+    assert terms["a"].at_risk == 4 * terms["a"].cost
 
 
 def test_an_accepted_alternative_model_wins_when_the_requested_one_would_miss_its_budget() -> None:

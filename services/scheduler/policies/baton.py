@@ -13,8 +13,9 @@ its load and what it caches of the prompt:
   to run, at the node's price. The steps are not divided by the batch they share: on a provisioned
   fleet an idle GPU is paid for anyway, so packing earns the operator nothing, while a fuller batch
   slows every request in it (an earlier version shared the steps and packed work onto few GPUs).
-  For the same reason the time is priced at what it displaces: half the price on an idle node,
-  all of it on a busy one, so a prefix cached on a busy node does not outweigh an idle GPU;
+  For the same reason prefill time is priced at what it displaces: half the price on an idle
+  node, all of it on a busy one, so a prefix cached on a busy node does not outweigh an idle GPU
+  (decode time is not discounted: a slow idle GPU decoding a long answer holds the fleet late);
 - the chance of meeting the request's own SLO (TTFT and TPOT budgets, deadline; the cluster's
   defaults where it sets none): a smooth function of the predicted slack, so a prediction error of
   a quarter of the budget is not fatal;
@@ -53,7 +54,9 @@ DEFAULT_TTFT_BUDGET_MS = 5000.0
 DEFAULT_TPOT_BUDGET_MS = 100.0
 # Spread of the success curve, as a fraction of the budget.
 SLACK_SPREAD = 0.25
-MIN_SUCCESS = 1e-3
+# The least success chance a score divides by: small enough that between two nodes that would both
+# likely miss, the one nearer its budget still wins (at 1e-3 both floored, and the cheaper won).
+MIN_SUCCESS = 1e-9
 # Predictions ignore the requests that will join the batch later, so aim well inside the budgets (0.4 was
 # tuned in the simulator on the first 2,500 requests of the Mooncake conversation trace).
 BUDGET_MARGIN = 0.4
@@ -62,11 +65,12 @@ BUDGET_MARGIN = 0.4
 # a coin flip and the score followed noise (tuned over 0.4–1.0 on requests 3,000–3,600 and 6,000–6,600
 # of the Mooncake conversation trace, TPOT 30 ms, 8 H100 and the mixed fleet: 0.6–0.8 all alike).
 TPOT_BUDGET_MARGIN = 0.7
-# GPU time on a node is priced at IDLE_COST_SHARE of its price when the node is idle, rising to all of
-# it once BUSY_BATCH requests (or that many chunks of queued prefill) are there: an idle GPU of a
+# Prefill time on a node is priced at IDLE_COST_SHARE of its price when the node is idle, rising to all
+# of it once BUSY_BATCH requests (or that many chunks of queued prefill) are there: an idle GPU of a
 # provisioned fleet is paid for anyway, so a prefix cached on a busy node is worth less than the time
-# an idle one would take to compute it (chosen among (8, 0.5), (16, 0.5), (8, 0.25), (32, 0.5) on the
-# windows TPOT_BUDGET_MARGIN was chosen on, and 8 H100 / mixed / 2 H100 + 8 L4 at TPOT 100 ms there).
+# an idle one would take to compute it (chosen among (8, 0.5), (16, 0.5), (8, 0.25), (32, 0.5), on
+# prefill and decode time alike, then on prefill time only, on the windows TPOT_BUDGET_MARGIN was
+# chosen on and at TPOT 100 ms on 8 H100, the mixed fleet, 2 H100 + 8 L4 and an SLO mix there).
 IDLE_COST_SHARE = 0.5
 BUSY_BATCH = 8
 # A priority-k request's failure forfeits k times its own cost beyond that cost (k ≤ 0: nothing).
@@ -174,13 +178,15 @@ class BatonPolicy(Policy):
                            self._prefill_rate(status.spec.node_id, now), chunk)
         own_prefill_ms = timing.b_ms_per_tok * own + timing.c_ms_per_tok2 * min(own, chunk) * own
         decode_tokens = self.expected_output_tokens(request)
-        gpu_ms = own_prefill_ms + decode_tokens * tpot_ms
-        # Serving time is priced at what it displaces: an idle GPU's time is paid for whether used or
-        # not, so there it costs half (a request that stays long keeps it from work that may come). A
-        # load takes the GPU out of service whatever else would come: it is paid in full.
+        # Prefill is priced at what it displaces: an idle GPU's time is paid for whether used or not, so
+        # computing a prompt there costs half, and a prefix cached on a busy node is worth less than an
+        # idle GPU's time. Decoding is not discounted: a slow idle GPU decoding a long answer holds it,
+        # and the fleet, for minutes (discounted, batch work drifted to idle L4s and the fleet drained
+        # late). A load takes the GPU out of service whatever else would come: it is paid in full.
         busy = min(1.0, (batch + ahead / chunk) / BUSY_BATCH)
         displaced = IDLE_COST_SHARE + (1.0 - IDLE_COST_SHARE) * busy
-        cost = (gpu_ms * displaced + load_s * 1000) / 3_600_000.0 * status.spec.price_per_hour
+        cost = (own_prefill_ms * displaced + decode_tokens * tpot_ms + load_s * 1000) / 3_600_000.0 * (
+            status.spec.price_per_hour)
         ttft_budget = (request.ttft_budget_ms or self._default_ttft_budget_ms) * BUDGET_MARGIN
         tpot_budget = (request.tpot_budget_ms or self._default_tpot_budget_ms) * TPOT_BUDGET_MARGIN
         success = _success(ttft_budget, ttft_ms) * _success(tpot_budget, tpot_ms)
