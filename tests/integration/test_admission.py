@@ -75,8 +75,11 @@ async def test_a_tenant_over_its_concurrency_limit_is_refused_naming_the_limit(s
 async def test_a_flooding_tenant_does_not_starve_another(small: LocalCluster) -> None:
     assert small.router is not None
     async with BatonClient(small.router.address) as client:
-        flood = [asyncio.create_task(outcome(client, f"flood {i}", max_tokens=60, ignore_eos=True, tenant="flood",
-                                             priority=1)) for i in range(20)]
+        # Long enough that the leader's backlog of the flood is still there when the calm tenant comes
+        # (at 60 tokens the whole flood could reach the node first, and the calm tenant, admitted at
+        # once behind it in the node's queue, finished last: a test of timing, not of fair share).
+        flood = [asyncio.create_task(outcome(client, f"flood {i}", max_tokens=200, ignore_eos=True,
+                                             tenant="flood", priority=1)) for i in range(20)]
         while small.cluster_state().nodes[0].load.num_waiting < 4:
             await asyncio.sleep(0.02)  # the flood holds the node, and its backlog queues at the leader
         calm = [asyncio.create_task(outcome(client, f"calm {i}", max_tokens=60, ignore_eos=True, tenant="calm",
@@ -89,11 +92,9 @@ async def test_a_flooding_tenant_does_not_starve_another(small: LocalCluster) ->
     # saturated and the leader queues the rest, 12 at most). First come, first served, the calm tenant
     # would be refused (the queue is full of flood) or served after all of it; with fair share it takes
     # a flood entry's place in the queue and leaves the queue ahead of the flood's backlog.
-    # An order of events, not a race of latencies (comparing the calm tenant's slowest latency with the
-    # flood's failed by 15 ms on a loaded CI machine): two of the three calm requests are done before the
-    # flood is (the third may share the node's last batch with the flood's last, and end just after it).
+    # An order of events, not a race of latencies: the calm tenant is done before the flood is.
     calm_finishes = sorted(t for _, _, t in calm_done)
-    assert calm_finishes[1] < flood_finishes[-1], (
+    assert calm_finishes[-1] < flood_finishes[-1], (
         [round(t - flood_finishes[0], 2) for t in calm_finishes],
         [round(t - flood_finishes[0], 2) for t in flood_finishes])
 
