@@ -35,14 +35,12 @@ TRACES = {
 def build_workload(args: argparse.Namespace, load: float) -> Workload:
     """The workload at a load level: trace arrivals sped up by `load` (a closed-loop agent rate scaled)."""
     if args.workload == "agentic":
-        if args.slo_mix:
-            return with_slo_mix(build_workload(argparse.Namespace(**{**vars(args), "slo_mix": ()}), load),
-                                args.slo_mix)
-        return agentic_workflows(num_tasks=args.limit or 200, steps=5, system_len=2048, step_len=512,
-                                 output_len=256, think_s=2.0, rate_per_s=load)
-    path = Path(args.traces) / TRACES[args.workload]
-    loader = load_mooncake if args.workload.startswith("mooncake") else load_azure
-    workload = loader(path, speedup=load, prompt_scale=args.prompt_scale, limit=args.limit, skip=args.skip)
+        workload = agentic_workflows(num_tasks=args.limit or 200, steps=5, system_len=2048, step_len=512,
+                                     output_len=256, think_s=2.0, rate_per_s=load)
+    else:
+        path = Path(args.traces) / TRACES[args.workload]
+        loader = load_mooncake if args.workload.startswith("mooncake") else load_azure
+        workload = loader(path, speedup=load, prompt_scale=args.prompt_scale, limit=args.limit, skip=args.skip)
     return with_slo_mix(workload, args.slo_mix) if args.slo_mix else workload
 
 
