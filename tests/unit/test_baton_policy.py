@@ -55,10 +55,18 @@ def test_a_prefix_hit_wins_when_load_is_equal() -> None:
 
 def test_a_prefix_cached_on_a_busy_node_does_not_outweigh_an_idle_gpu() -> None:
     """On a provisioned fleet the idle H100 is paid for anyway: computing the whole prompt there beats
-    queueing beside two decoding requests to reuse a third of it (priced in full, the reuse won)."""
-    busy = node("h1", "h100", num_running=2, active_decode_blocks=128)
+    queueing beside two decoding requests to reuse half of it (priced in full, the reuse won)."""
+    busy = node("h1", "h100", num_running=2, num_waiting=1, active_decode_blocks=256)
     req = request(4096, max_tokens=256, ttft_budget_ms=5000)
     assert chosen(BatonPolicy(), req, [busy, node("h2", "h100")], {"h1": 128}) == "h2"
+
+
+def test_a_wait_behind_another_prefill_outweighs_a_cached_prompt() -> None:
+    """Nearly all of the prompt is cached on h1, but an 8,000-token prefill is queued there: the idle
+    GPU answers sooner, and the wait is priced (unpriced, the cheaper GPU time of the cached node won)."""
+    queued = node("h1", "h100", num_waiting=1, pending_prefill_tokens=8000)
+    req = request(4096, max_tokens=256, ttft_budget_ms=5000)
+    assert chosen(BatonPolicy(), req, [queued, node("h2", "h100")], {"h1": 250}) == "h2"
 
 
 def test_a_busy_node_loses_to_an_idle_one_of_the_same_kind() -> None:
