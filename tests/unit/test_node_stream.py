@@ -254,16 +254,14 @@ async def test_a_node_that_goes_silent_after_starting_is_stalled() -> None:
         await never.wait()
         yield _finish(1, 98)
 
-    loop = asyncio.get_running_loop()
     received: list[Chunk] = []
     async with _node(generate) as channel:
-        began = loop.time()
         failure = await _node_failure(_collect(channel, stall_floor_s=0.2, on_chunk=received.append))
-        waited = loop.time() - began
     assert failure.cause is FailureCause.STALLED
     assert [list(chunk.token_ids) for chunk in received] == [[97]]
     # The announced pace (30 ms of heartbeats, 10 ms of steps) is below the floor: the floor decides.
-    assert waited >= 0.2
+    # Read from the failure, not timed: a wall-clock bound on the wait failed once in a full unit run.
+    assert "deadline 0.20s" in str(failure)
 
 
 async def test_a_node_that_never_sends_anything_is_stalled_after_the_floor() -> None:
