@@ -408,6 +408,9 @@ def cmd_status(args: argparse.Namespace) -> int:
               f"whole fleet ${tasks.fleet_cost_usd:.6f}; busy GPU time ${tasks.ended_cost_usd:.6f} "
               f"+ ${tasks.model_load_cost_usd:.6f} of model loads")
         print(f"cost per successful task: {fleet} for the whole fleet (idle GPUs included), {busy} busy time only")
+    if state.leading_revision:
+        queued = ", ".join(f"{tenant} {n}" for tenant, n in sorted(state.queued_by_tenant.items()))
+        print(f"admission queue: {sum(state.queued_by_tenant.values())} waiting{f' ({queued})' if queued else ''}")
     for action in state.model_actions[:5]:
         print(f"  model {action.kind} {action.model} on {action.node_id}: {action.result} ({action.reason})")
     _print_recent_decisions(address, _metadata(args), _credentials(args))

@@ -227,7 +227,14 @@ class NodeState(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.NodeLoad, _Mapping]] = ..., load_age_ms: _Optional[int] = ...) -> None: ...
 
 class ClusterState(_message.Message):
-    __slots__ = ("scheduler_id", "nodes", "leader_id", "leader_address", "tasks", "model_actions", "leading_revision")
+    __slots__ = ("scheduler_id", "nodes", "leader_id", "leader_address", "tasks", "model_actions", "leading_revision", "queued_by_tenant")
+    class QueuedByTenantEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     LEADER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +242,7 @@ class ClusterState(_message.Message):
     TASKS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ACTIONS_FIELD_NUMBER: _ClassVar[int]
     LEADING_REVISION_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_BY_TENANT_FIELD_NUMBER: _ClassVar[int]
     scheduler_id: str
     nodes: _containers.RepeatedCompositeFieldContainer[NodeState]
     leader_id: str
@@ -242,4 +250,5 @@ class ClusterState(_message.Message):
     tasks: TaskStats
     model_actions: _containers.RepeatedCompositeFieldContainer[ModelAction]
     leading_revision: int
-    def __init__(self, scheduler_id: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ..., leader_id: _Optional[str] = ..., leader_address: _Optional[str] = ..., tasks: _Optional[_Union[TaskStats, _Mapping]] = ..., model_actions: _Optional[_Iterable[_Union[ModelAction, _Mapping]]] = ..., leading_revision: _Optional[int] = ...) -> None: ...
+    queued_by_tenant: _containers.ScalarMap[str, int]
+    def __init__(self, scheduler_id: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ..., leader_id: _Optional[str] = ..., leader_address: _Optional[str] = ..., tasks: _Optional[_Union[TaskStats, _Mapping]] = ..., model_actions: _Optional[_Iterable[_Union[ModelAction, _Mapping]]] = ..., leading_revision: _Optional[int] = ..., queued_by_tenant: _Optional[_Mapping[str, int]] = ...) -> None: ...

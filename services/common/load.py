@@ -17,6 +17,9 @@ class Load:
     active_decode_blocks: int = 0
     # Prompt tokens admitted but not yet prefilled.
     pending_prefill_tokens: int = 0
+    # Requests the engine has been handed since it started, refused ones included: the scheduler counts
+    # a placement as load the node has not reported until this count shows the request arrived.
+    num_received: int = 0
 
 
 def load_to_proto(node_id: str, load: Load, reported_at_ms: int = 0) -> common_pb2.NodeLoad:
@@ -28,6 +31,7 @@ def load_to_proto(node_id: str, load: Load, reported_at_ms: int = 0) -> common_p
         kv_blocks_total=load.kv_blocks_total,
         active_decode_blocks=load.active_decode_blocks,
         pending_prefill_tokens=load.pending_prefill_tokens,
+        num_received=load.num_received,
         reported_at_ms=reported_at_ms,
     )
 
@@ -40,4 +44,5 @@ def load_from_proto(message: common_pb2.NodeLoad) -> Load:
         kv_blocks_total=message.kv_blocks_total,
         active_decode_blocks=message.active_decode_blocks,
         pending_prefill_tokens=message.pending_prefill_tokens,
+        num_received=message.num_received,
     )

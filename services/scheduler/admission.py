@@ -122,6 +122,13 @@ class Admission:
     def num_queued(self) -> int:
         return len(self._queued)
 
+    def queued_by_tenant(self) -> dict[str, int]:
+        """How many requests each tenant has waiting in the queue (tenants with none left out)."""
+        counts: dict[str, int] = {}
+        for ticket in self._queued.values():
+            counts[ticket.tenant] = counts.get(ticket.tenant, 0) + 1
+        return counts
+
     @property
     def num_held(self) -> int:
         """Admitted requests holding a concurrency slot."""

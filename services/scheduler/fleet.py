@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from services.common.engine_profile import EngineProfile
 from services.common.load import Load
+
+
+# Seconds after which a placement its node never reported receiving stops counting as its load (the
+# router failed before sending it on, or the node's engine predates Load.num_received).
+PLACEMENT_TRANSIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -45,9 +51,13 @@ class NodeStatus:
     load: Load = field(default_factory=Load)
     # When the last load report arrived (scheduler clock, seconds); None before the first.
     reported_at: float | None = None
-    # Prompt blocks placed here since that report: load the node has not told us about yet.
+    # Placed here but not yet received by the node as of that report: load it has not told us about.
     placed_prefill_blocks: int = 0
     placed_requests: int = 0
+    # Those placements, (when, prompt blocks), oldest first; and the node's count of requests received
+    # as of its last report (Load.num_received; None before the first report).
+    unreceived: deque[tuple[float, int]] = field(default_factory=deque)
+    num_received: int | None = None
     # When its models last changed (warm set or loading set) and when it was last given a request.
     models_since: float = 0.0
     last_placed_at: float | None = None
@@ -108,18 +118,34 @@ class ClusterView:
         self._nodes = nodes
 
     def report_load(self, node_id: str, load: Load, now: float) -> None:
-        """A fresh report supersedes the placements made before it."""
+        """A fresh report supersedes the placements it shows arrived (Load.num_received), oldest first.
+
+        Those still on their way stay counted: a report sent while the router was still connecting to
+        the node used to wipe them, and the admission gate, seeing room, released its whole queue onto
+        one node. A placement the node never receives stops counting after PLACEMENT_TRANSIT_S; one
+        whose engine restarted (its count went back) is taken as arrived.
+        """
         status = self._nodes.get(node_id)
         if status is None:
             return
+        previous = status.num_received
+        arrived = len(status.unreceived) if previous is None or load.num_received < previous else (
+            load.num_received - previous)
+        for _ in range(min(arrived, len(status.unreceived))):
+            status.unreceived.popleft()
+        while status.unreceived and status.unreceived[0][0] < now - PLACEMENT_TRANSIT_S:
+            status.unreceived.popleft()
+        status.num_received = load.num_received
         status.load = load
         status.reported_at = now
-        status.placed_prefill_blocks = 0
-        status.placed_requests = 0
+        status.placed_requests = len(status.unreceived)
+        status.placed_prefill_blocks = sum(blocks for _, blocks in status.unreceived)
 
     def record_placement(self, node_id: str, num_prompt_blocks: int, now: float | None = None) -> None:
         status = self._nodes.get(node_id)
         if status is not None:
+            placed_at = now if now is not None else status.reported_at or 0.0
+            status.unreceived.append((placed_at, num_prompt_blocks))
             status.placed_prefill_blocks += num_prompt_blocks
             status.placed_requests += 1
             if now is not None:

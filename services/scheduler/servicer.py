@@ -516,6 +516,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if state.leading_revision:
             state.tasks.CopyFrom(self._task_stats())
             state.model_actions.extend(reversed(self._loader.log))
+            state.queued_by_tenant.update(self._admission.queued_by_tenant())
         for status in self._cluster.nodes():
             if not self._cluster.is_listed(status, now):
                 continue  # lapsed and silent: gone, though its grace has not ended

@@ -95,6 +95,7 @@ def test_up_generate_status_and_stop(tmp_path: Path) -> None:
         rows = {line.split()[0]: line.split()[1] for line in status.stdout.splitlines() if line.startswith("node-")}
         assert rows == {"node-0": "h100", "node-1": "l4"}
         assert "recent placements (policy baton)" in status.stdout  # the generates above
+        assert "admission queue: 0 waiting" in status.stdout  # nothing is queued at an idle leader
 
         bad = baton("generate", "x", "--model", "nope")
         assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr

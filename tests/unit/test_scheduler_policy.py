@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.common.load import Load
-from services.scheduler.fleet import ClusterView, NodeSpec, NodeStatus
+from services.scheduler.fleet import PLACEMENT_TRANSIT_S, ClusterView, NodeSpec, NodeStatus
 from services.scheduler.policies import PlacementRequest
 from services.scheduler.policies.kv_load import KvLoadPolicy
 
@@ -78,15 +78,36 @@ def test_ties_go_to_fewer_running_then_lower_node_id() -> None:
     assert policy.choose(_request(), idle, {}, 0.0).node_id == "a"
 
 
-def test_record_placement_raises_cost_until_next_load_report() -> None:
+def test_record_placement_raises_cost_until_a_load_report_shows_it_arrived() -> None:
     view, policy = _view(_spec("a")), KvLoadPolicy()
-    view.report_load("a", Load(), now=0.0)
+    view.report_load("a", Load(num_received=4), now=0.0)
     (before,) = view.candidates(M, now=0.0)
     assert policy.cost(_request(10), before, matched=0) == 20.0
-    view.record_placement("a", num_prompt_blocks=10)
+    view.record_placement("a", num_prompt_blocks=10, now=0.1)
     assert policy.cost(_request(10), before, matched=0) == 30.0
-    view.report_load("a", Load(active_decode_blocks=2), now=1.0)
+    # Sent before the request reached the node: the placement still counts.
+    view.report_load("a", Load(active_decode_blocks=2, num_received=4), now=0.2)
+    assert policy.cost(_request(10), before, matched=0) == 32.0
+    view.report_load("a", Load(active_decode_blocks=2, num_received=5), now=0.3)
     assert policy.cost(_request(10), before, matched=0) == 22.0
+
+
+def test_a_placement_the_node_never_receives_stops_counting() -> None:
+    view = _view(_spec("a"))
+    view.report_load("a", Load(num_received=4), now=0.0)
+    view.record_placement("a", num_prompt_blocks=10, now=1.0)
+    view.report_load("a", Load(num_received=4), now=1.0 + PLACEMENT_TRANSIT_S - 0.1)
+    assert view.candidates(M, now=6.0)[0].placed_requests == 1
+    view.report_load("a", Load(num_received=4), now=1.0 + PLACEMENT_TRANSIT_S + 0.1)
+    assert view.candidates(M, now=6.2)[0].placed_requests == 0
+
+
+def test_an_engine_that_restarted_counts_every_placement_as_arrived() -> None:
+    view = _view(_spec("a"))
+    view.report_load("a", Load(num_received=9), now=0.0)
+    view.record_placement("a", num_prompt_blocks=10, now=0.1)
+    view.report_load("a", Load(num_received=0), now=0.2)
+    assert view.candidates(M, now=0.2)[0].placed_requests == 0
 
 
 def test_placements_break_ties_between_otherwise_equal_nodes() -> None:

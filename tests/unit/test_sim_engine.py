@@ -425,6 +425,15 @@ def test_load_reports_queues_blocks_and_pending_prefill() -> None:
     assert load.kv_blocks_used == load.active_decode_blocks
 
 
+def test_load_counts_every_request_handed_in_refused_ones_too() -> None:
+    """The scheduler matches its placements against this count, in the same snapshot as the queues."""
+    core = make_core()
+    core.add_request(request("a", prompt(30), max_tokens=3))
+    with pytest.raises(ValueError):
+        core.add_request(request("a", prompt(30), max_tokens=3))  # a duplicate: refused, but it arrived
+    assert (core.load().num_received, core.load().num_waiting) == (2, 1)
+
+
 def test_kv_capacity_formula() -> None:
     expected = math.floor((80e9 * 0.9 - 16.1e9 - 2.4 * 2**30) / 131072 / 16)
     assert kv_capacity_blocks(GPU_SPECS["h100"].hbm_bytes, MODEL) == expected == 25426

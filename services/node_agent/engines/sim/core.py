@@ -50,6 +50,7 @@ class SimEngineCore:
         self.max_num_batched_tokens = max_num_batched_tokens
         self._cache = KVCache(num_kv_blocks, block_size)
         self._requests: dict[str, SimSequence] = {}
+        self._num_received = 0  # requests handed to add_request(), refused ones included (Load.num_received)
         self._waiting: deque[SimSequence] = deque()
         # Uncomputed tokens of the waiting requests, kept as they come and go (queues grow long).
         self._waiting_tokens = 0
@@ -60,6 +61,7 @@ class SimEngineCore:
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request; ValueError if it is a duplicate or could never be served."""
+        self._num_received += 1
         rid = request.request_id
         prompt = request.prompt_token_ids
         max_tokens = request.sampling.max_tokens
@@ -150,6 +152,7 @@ class SimEngineCore:
             ),
             pending_prefill_tokens=self._waiting_tokens
             + sum(seq.num_uncomputed_tokens for seq in self._running if seq.is_prefilling),
+            num_received=self._num_received,
         )
 
     def cached_block_hashes(self) -> list[int]:

@@ -133,6 +133,7 @@ class VllmEngine:
         self.kv_block_size: int = config.cache_config.block_size
         self.num_kv_blocks: int = config.cache_config.num_gpu_blocks or 0
         self._requests: dict[str, _Running] = {}
+        self._num_received = 0  # requests handed to generate(), refused ones included (Load.num_received)
         self._gpu_time = GpuTimeShare()
         self._keys = BlockKeyMap()
         self._kv_events: list[KVEvent] = []
@@ -229,6 +230,7 @@ class VllmEngine:
 
     def generate(self, request: EngineRequest, heartbeat_s: float) -> AsyncIterator[RequestOutput | None]:
         """Admit request now (EngineInputError naming the value if vLLM could not serve it)."""
+        self._num_received += 1
         self._check(request)
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -423,6 +425,7 @@ class VllmEngine:
             # As the sim engine counts it: what is left to compute, the cached prefix left out.
             pending_prefill_tokens=sum(r.prompt_len - r.num_cached_tokens for r in self._requests.values()
                                        if not r.has_first_token),
+            num_received=self._num_received,
         )
 
     async def next_kv_events(self) -> list[KVEvent]:
