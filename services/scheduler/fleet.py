@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from services.common.engine_profile import EngineProfile
 from services.common.load import Load
 
-
 # Seconds after which a placement its node never reported receiving stops counting as its load (the
 # router failed before sending it on, or the node's engine predates Load.num_received).
 PLACEMENT_TRANSIT_S = 5.0
