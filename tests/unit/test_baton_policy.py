@@ -29,10 +29,17 @@ def chosen(policy: BatonPolicy, req: PlacementRequest, nodes: list[NodeStatus], 
     return policy.choose(req, nodes, matched or {}, 0.0).node_id
 
 
-def test_a_tight_budget_picks_the_fast_gpu_and_slack_the_cheaper_one() -> None:
-    nodes = [node("h", "h100"), node("a", "a100")]
-    assert chosen(BatonPolicy(), request(8000, ttft_budget_ms=300), nodes) == "h"
-    assert chosen(BatonPolicy(), request(200, ttft_budget_ms=5000), nodes) == "a"
+def test_a_tight_budget_picks_the_fast_gpu_and_slack_the_cheaper_one_once_the_fast_one_is_busy() -> None:
+    busy = [node("h", "h100", num_running=16, active_decode_blocks=1024), node("a", "a100")]
+    assert chosen(BatonPolicy(), request(8000, ttft_budget_ms=300), busy) == "h"
+    assert chosen(BatonPolicy(), request(200, ttft_budget_ms=5000), busy) == "a"
+
+
+def test_on_an_idle_fleet_slack_still_takes_the_fast_gpu() -> None:
+    """The whole fleet is paid while a request runs, so the sooner it ends the better, even when its
+    budget would allow the cheaper, slower GPU (its latency unpriced, the A100 won)."""
+    idle = [node("h", "h100"), node("a", "a100")]
+    assert chosen(BatonPolicy(), request(200, ttft_budget_ms=5000), idle) == "h"
 
 
 def test_the_budget_keeps_long_prompts_off_a_slow_gpu() -> None:
@@ -75,7 +82,7 @@ def test_a_busy_node_loses_to_an_idle_one_of_the_same_kind() -> None:
 
 
 def test_a_late_step_of_an_expensive_workflow_buys_certainty() -> None:
-    nodes = [node("h", "h100"), node("a", "a100")]
+    nodes = [node("h", "h100", num_running=48, active_decode_blocks=3072), node("a", "a100")]
     req = request(2500, max_tokens=400, ttft_budget_ms=500, workflow="w")
     fresh = BatonPolicy()
     terms = {t.node_id: t for t in (fresh.terms(req, n, 0) for n in nodes) if t}
@@ -143,17 +150,17 @@ def test_a_cold_node_is_predicted_with_its_load_time_and_cost() -> None:
 
 
 def test_priority_breaks_a_near_tie_toward_certainty() -> None:
-    nodes = [node("h", "h100"), node("a", "a100")]
+    nodes = [node("h", "h100", num_running=32, active_decode_blocks=2048), node("a", "a100")]
 
     def prioritised(priority: int) -> PlacementRequest:
         return PlacementRequest(request_id="r", model=MODEL, num_prompt_tokens=3000, num_prompt_blocks=187,
                                 max_tokens=128, ttft_budget_ms=650, priority=priority)
 
     policy = BatonPolicy()
-    assert chosen(policy, prioritised(0), nodes) == "a"  # cheaper; 94% sure to meet the budget
-    assert chosen(policy, prioritised(4), nodes) == "h"  # a failure would forfeit more: certainty is worth it
+    assert chosen(policy, prioritised(0), nodes) == "a"  # cheaper, less sure to meet the budget
+    assert chosen(policy, prioritised(1), nodes) == "h"  # a failure would forfeit more: certainty is worth it
     terms = {t.node_id: t for t in policy.last_terms()}
-    assert terms["a"].at_risk == 4 * terms["a"].cost
+    assert terms["a"].at_risk == 1 * terms["a"].cost and terms["a"].success < terms["h"].success
 
 
 def test_an_accepted_alternative_model_wins_when_the_requested_one_would_miss_its_budget() -> None:

@@ -169,19 +169,22 @@ def test_summary_with_a_huge_slo_counts_every_task() -> None:
 
 
 def test_each_request_is_held_to_its_own_budgets_and_the_policy_reads_them() -> None:
-    """Two identical requests on an H100 and an A100: the one whose own TPOT budget is 14 ms goes to the
-    H100 (an A100 decode step is about 11 ms, too close), the one that allows 300 ms to the A100, which
-    serves a token for less; each is then classified by its own budgets, not the run's default (here
-    1 ms, which no request could make)."""
-    tight, loose = (dataclasses.replace(_request((9100 + i,), 2048, request_id=f"r{i}", output_len=64),
-                                        ttft_budget_ms=budget, tpot_budget_ms=tpot)
-                    for i, (budget, tpot) in enumerate(((5000, 14), (60_000, 300))))
-    result = Simulation(fleet("1xh100,1xa100"), make_policy("baton"), ttft_budget_ms=1,
-                        tpot_budget_ms=1).run(Workload("budgets", [tight, loose]))
+    """A 30,000-token prompt takes the idle H100; 10 ms later a short request comes. With its own TPOT
+    budget of 14 ms it waits for the H100 (an A100 decode step is about 11 ms, too close); allowed
+    300 ms, it starts at once on the idle A100. Each is then classified by its own budgets, not the
+    run's default (here 1 ms, which no request could make)."""
+    big = dataclasses.replace(_request(tuple(range(1000, 1059)), 30_000, request_id="big", output_len=64),
+                              ttft_budget_ms=60_000, tpot_budget_ms=300)
     h100, a100 = (n.node_id for n in fleet("1xh100,1xa100"))
-    assert {r.request.request_id: r.node_id for r in result.records} == {"r0": h100, "r1": a100}
-    summary = summarize(result, Workload("budgets", [tight, loose]), Slo(ttft_s=0.001, tpot_s=0.001))
-    assert (summary.num_tasks_ok, summary.slo_attainment) == (2, 1.0)
+    for tpot_budget_ms, expected in ((14, h100), (300, a100)):
+        short = dataclasses.replace(_request((9100,), 512, request_id="short", arrival_s=0.01, output_len=64),
+                                    ttft_budget_ms=60_000, tpot_budget_ms=tpot_budget_ms)
+        workload = Workload("budgets", [big, short])
+        result = Simulation(fleet("1xh100,1xa100"), make_policy("baton"), ttft_budget_ms=1,
+                            tpot_budget_ms=1).run(workload)
+        assert {r.request.request_id: r.node_id for r in result.records} == {"big": h100, "short": expected}
+        summary = summarize(result, workload, Slo(ttft_s=0.001, tpot_s=0.001))
+        assert (summary.num_tasks_ok, summary.slo_attainment) == (2, 1.0)
 
 
 def test_a_migrated_requests_lost_attempt_is_paid_for() -> None:

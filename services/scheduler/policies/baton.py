@@ -16,8 +16,11 @@ its load and what it caches of the prompt:
   For the same reason prefill time is priced at what it displaces: half the price on an idle
   node, all of it on a busy one, so a prefix cached on a busy node does not outweigh an idle GPU
   (decode time is not discounted: a slow idle GPU decoding a long answer holds the fleet late);
-  and its wait, the predicted TTFT at the node's price: queued behind others' prefill while a GPU
-  idles, a request holds its user and, at the end of a run, the fleet;
+- its latency, the predicted TTFT plus the time to decode the expected answer, at the fleet's mean
+  GPU price: the fleet is paid while the request waits and runs, whichever GPU it runs on, so on a
+  provisioned fleet a slower, cheaper GPU is not free (without it, batch work drifted to idle L4s and
+  the fleet drained late), and a request queued behind others' prefill while a GPU idles holds its
+  user and, at the end of a run, the fleet;
 - the chance of meeting the request's own SLO (TTFT and TPOT budgets, deadline; the cluster's
   defaults where it sets none): a smooth function of the predicted slack, so a prediction error of
   a quarter of the budget is not fatal;
@@ -75,10 +78,12 @@ TPOT_BUDGET_MARGIN = 0.7
 # chosen on and at TPOT 100 ms on 8 H100, the mixed fleet, 2 H100 + 8 L4 and an SLO mix there).
 IDLE_COST_SHARE = 0.5
 BUSY_BATCH = 8
-# Each millisecond of predicted TTFT costs this share of a millisecond of the node's GPU time (chosen
-# among 0.5, 1, 2, 4 and 8 on the windows TPOT_BUDGET_MARGIN was chosen on, then checked against
-# no wait price on three seeds of those windows: 8 H100 at 1x and 2x, the mixed fleet; 2–8 were no better).
-WAIT_PRICE_SHARE = 1.0
+# Each millisecond of predicted latency (TTFT plus decode) costs this share of a millisecond of the
+# fleet's mean GPU price. Chosen on the windows TPOT_BUDGET_MARGIN was chosen on (seeds 10 and 11; 8 H100,
+# the mixed fleet at 1x and 3x, 2 H100 + 8 L4, an SLO mix): first TTFT alone at the node's price (0.5–8:
+# 1, and 2–8 no better), then TTFT and decode at the fleet's mean price, decode weighted 0, 0.5, 1 or 2
+# (1 and 2 alike; 1 keeps one weight for the whole latency).
+LATENCY_PRICE_SHARE = 1.0
 # A priority-k request's failure forfeits k times its own cost beyond that cost (k ≤ 0: nothing).
 PRIORITY_STAKE = 1.0
 # Workflows whose spend is remembered; the least recently active are forgotten first.
@@ -155,8 +160,12 @@ class BatonPolicy(Policy):
         self._sent_tokens[node_id] = self._sent_tokens.get(node_id, 0) + tokens
 
     def terms(self, request: PlacementRequest, status: NodeStatus, matched_blocks: int,
-              now: float = 0.0) -> Terms | None:
-        """The per-axis prediction for one node; None when it registered no profile for the model."""
+              now: float = 0.0, fleet_price_per_hour: float | None = None) -> Terms | None:
+        """The per-axis prediction for one node; None when it registered no profile for the model.
+
+        fleet_price_per_hour prices the request's latency: the mean price of the GPUs it could run on
+        (the node's own price when not given).
+        """
         timing = node_timing(status, request.model)
         if timing is None:
             return None
@@ -191,12 +200,14 @@ class BatonPolicy(Policy):
         # late). A load takes the GPU out of service whatever else would come: it is paid in full.
         busy = min(1.0, (batch + ahead / chunk) / BUSY_BATCH)
         displaced = IDLE_COST_SHARE + (1.0 - IDLE_COST_SHARE) * busy
-        # Waiting is priced as well, at the node's price: a request queued behind others' prefill while
-        # another GPU idles holds its user, and at the end of a run the fleet, which is paid until the
-        # last request ends (unpriced, a cached prefix on a queued node won: a median TTFT of 0.64 s
-        # against Dynamo's 0.25 s on 8 H100, and runs that drained 1–2 s later).
-        cost = (own_prefill_ms * displaced + WAIT_PRICE_SHARE * ttft_ms + decode_tokens * tpot_ms
-                + load_s * 1000) / 3_600_000.0 * status.spec.price_per_hour
+        # Latency is priced as well, at the fleet's mean price: the fleet is paid while the request waits
+        # and decodes, whichever GPU it is on (unpriced, a cached prefix on a queued node won: a median
+        # TTFT of 0.46 s against llm-d's 0.32 s on 8 H100; and at the node's price a slow cheap GPU
+        # looked cheap while it held the fleet).
+        price = status.spec.price_per_hour
+        latency_ms = ttft_ms + decode_tokens * tpot_ms
+        cost = ((own_prefill_ms * displaced + decode_tokens * tpot_ms + load_s * 1000) * price
+                + LATENCY_PRICE_SHARE * latency_ms * (fleet_price_per_hour or price)) / 3_600_000.0
         ttft_budget = (request.ttft_budget_ms or self._default_ttft_budget_ms) * BUDGET_MARGIN
         tpot_budget = (request.tpot_budget_ms or self._default_tpot_budget_ms) * TPOT_BUDGET_MARGIN
         success = _success(ttft_budget, ttft_ms) * _success(tpot_budget, tpot_ms)
@@ -255,9 +266,11 @@ class BatonPolicy(Policy):
 
     def choose_among(self, options: list[Option], now: float) -> tuple[int, Decision]:
         """The best (model, node) of every model the request accepts: each priced the same way."""
-        scored = [(t, i, s) for i, option in enumerate(options) for s in option.candidates
-                  if (t := self.terms(option.request, s, option.matched_blocks.get(s.spec.node_id, 0), now))]
         everyone = [(o.request.model, s) for o in options for s in o.candidates]
+        fleet_price = sum(s.spec.price_per_hour for _, s in everyone) / len(everyone) if everyone else None
+        scored = [(t, i, s) for i, option in enumerate(options) for s in option.candidates
+                  if (t := self.terms(option.request, s, option.matched_blocks.get(s.spec.node_id, 0), now,
+                                      fleet_price))]
         if not scored:  # no candidate registered a profile: place by KV overlap and load, and say so
             self._last_terms = []
             index = next(i for i, option in enumerate(options) if option.candidates)
