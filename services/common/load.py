@@ -18,12 +18,13 @@ class Load:
     # Prompt tokens admitted but not yet prefilled.
     pending_prefill_tokens: int = 0
     # Requests the engine has been handed since it started, refused ones included: the scheduler counts
-    # a placement as load the node has not reported until this count shows the request arrived.
-    num_received: int = 0
+    # a placement as load the node has not reported until this count shows the request arrived. None:
+    # not counted (an agent older than the field), and every report supersedes all placements.
+    num_received: int | None = None
 
 
 def load_to_proto(node_id: str, load: Load, reported_at_ms: int = 0) -> common_pb2.NodeLoad:
-    return common_pb2.NodeLoad(
+    message = common_pb2.NodeLoad(
         node_id=node_id,
         num_running=load.num_running,
         num_waiting=load.num_waiting,
@@ -31,9 +32,11 @@ def load_to_proto(node_id: str, load: Load, reported_at_ms: int = 0) -> common_p
         kv_blocks_total=load.kv_blocks_total,
         active_decode_blocks=load.active_decode_blocks,
         pending_prefill_tokens=load.pending_prefill_tokens,
-        num_received=load.num_received,
         reported_at_ms=reported_at_ms,
     )
+    if load.num_received is not None:
+        message.num_received = load.num_received
+    return message
 
 
 def load_from_proto(message: common_pb2.NodeLoad) -> Load:
@@ -44,5 +47,5 @@ def load_from_proto(message: common_pb2.NodeLoad) -> Load:
         kv_blocks_total=message.kv_blocks_total,
         active_decode_blocks=message.active_decode_blocks,
         pending_prefill_tokens=message.pending_prefill_tokens,
-        num_received=message.num_received,
+        num_received=message.num_received if message.HasField("num_received") else None,
     )

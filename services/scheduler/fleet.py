@@ -1,4 +1,4 @@
-"""The scheduler's view of the fleet: registered nodes, their last load, placements since. Pure."""
+"""The scheduler's view of the fleet: registered nodes, their last load, placements not yet there. Pure."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from services.common.engine_profile import EngineProfile
 from services.common.load import Load
 
 # Seconds after which a placement its node never reported receiving stops counting as its load (the
-# router failed before sending it on, or the node's engine predates Load.num_received).
+# router failed before sending it on), counted from when the node last changed its models.
 PLACEMENT_TRANSIT_S = 5.0
 
 
@@ -119,20 +119,25 @@ class ClusterView:
     def report_load(self, node_id: str, load: Load, now: float) -> None:
         """A fresh report supersedes the placements it shows arrived (Load.num_received), oldest first.
 
-        Those still on their way stay counted: a report sent while the router was still connecting to
-        the node used to wipe them, and the admission gate, seeing room, released its whole queue onto
-        one node. A placement the node never receives stops counting after PLACEMENT_TRANSIT_S; one
-        whose engine restarted (its count went back) is taken as arrived.
+        Those still on their way stay counted, so a report sent while a router is still connecting to
+        the node does not make room that is not there. A placement stops counting once the node has
+        been warm (loading nothing) for PLACEMENT_TRANSIT_S without receiving it. On the node's first report, after its
+        engine restarted (its count went back), or from an agent that does not count, every placement
+        is taken as arrived.
         """
         status = self._nodes.get(node_id)
         if status is None:
             return
         previous = status.num_received
-        arrived = len(status.unreceived) if previous is None or load.num_received < previous else (
-            load.num_received - previous)
+        if load.num_received is None or previous is None or load.num_received < previous:
+            arrived = len(status.unreceived)
+        else:
+            arrived = load.num_received - previous
         for _ in range(min(arrived, len(status.unreceived))):
             status.unreceived.popleft()
-        while status.unreceived and status.unreceived[0][0] < now - PLACEMENT_TRANSIT_S:
+        # A placement on a node loading a model is sent on once the load ends: its clock starts then.
+        while (status.unreceived and not status.spec.loading_models
+               and max(status.unreceived[0][0], status.models_since) < now - PLACEMENT_TRANSIT_S):
             status.unreceived.popleft()
         status.num_received = load.num_received
         status.load = load

@@ -110,6 +110,15 @@ def test_cancelled_and_expired_tickets_leave_the_queue() -> None:
     assert admission.num_queued == 0
 
 
+def test_the_queue_is_reported_by_tenant() -> None:
+    admission = Admission()
+    for rid, tenant in (("a", "flood"), ("b", "flood"), ("c", "calm")):
+        admission.offer(ticket(rid, tenant=tenant), 0.0, True, 0.1)
+    assert admission.queued_by_tenant() == {"flood": 2, "calm": 1}
+    admission.pop_next(0.0)
+    assert sum(admission.queued_by_tenant().values()) == 2
+
+
 def test_pool_saturation_follows_queue_depth_and_kv_use() -> None:
     assert pool_saturation([(0, 0, 100), (0, 10, 100)]) < 1
     assert pool_saturation([(10, 0, 100), (0, 90, 100)]) >= 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from services.common.load import Load
 from services.scheduler.fleet import PLACEMENT_TRANSIT_S, ClusterView, NodeSpec, NodeStatus
 from services.scheduler.policies import PlacementRequest
@@ -100,6 +102,40 @@ def test_a_placement_the_node_never_receives_stops_counting() -> None:
     assert view.candidates(M, now=6.0)[0].placed_requests == 1
     view.report_load("a", Load(num_received=4), now=1.0 + PLACEMENT_TRANSIT_S + 0.1)
     assert view.candidates(M, now=6.2)[0].placed_requests == 0
+
+
+def test_placements_on_a_node_loading_its_model_count_until_it_is_warm_and_has_them() -> None:
+    """Placed while the model loads (49 s for an 8B model), sent on when it is warm: they neither
+    expire during the load nor, arriving after it, take the place of newer placements."""
+    loading = dataclasses.replace(_spec("a", models=()), loading_models=frozenset({M}))
+    view = ClusterView(load_timeout_s=TIMEOUT_S)
+    view.set_nodes([loading], now=0.0)
+    view.report_load("a", Load(num_received=0), now=0.0)
+    for _ in range(3):
+        view.record_placement("a", num_prompt_blocks=1, now=0.1)
+    view.report_load("a", Load(num_received=0), now=30.0)
+    view.set_nodes([_spec("a")], now=49.0)  # warm: the three are sent on now
+    view.record_placement("a", num_prompt_blocks=1, now=49.5)
+    view.report_load("a", Load(num_received=3), now=50.0)  # the three arrived, the newest not yet
+    assert view.candidates(M, now=50.0)[0].placed_requests == 1
+
+
+def test_only_the_placements_a_report_shows_arrived_stop_counting() -> None:
+    view = _view(_spec("a"))
+    view.report_load("a", Load(num_received=10), now=0.0)
+    for i in range(4):
+        view.record_placement("a", num_prompt_blocks=i, now=0.1)
+    view.report_load("a", Load(num_received=12), now=0.2)
+    (status,) = view.candidates(M, now=0.2)
+    assert (status.placed_requests, status.placed_prefill_blocks) == (2, 2 + 3)
+
+
+def test_a_node_agent_that_does_not_count_arrivals_supersedes_every_placement() -> None:
+    view = _view(_spec("a"))
+    view.report_load("a", Load(), now=0.0)
+    view.record_placement("a", num_prompt_blocks=10, now=0.1)
+    view.report_load("a", Load(num_waiting=1), now=0.2)
+    assert view.candidates(M, now=0.2)[0].placed_requests == 0
 
 
 def test_an_engine_that_restarted_counts_every_placement_as_arrived() -> None:

@@ -131,7 +131,8 @@ class BatonPolicy(Policy):
                  default_output_tokens: float = DEFAULT_OUTPUT_TOKENS) -> None:
         self._default_ttft_budget_ms = default_ttft_budget_ms
         self._default_tpot_budget_ms = default_tpot_budget_ms
-        # GPU cost each workflow has spent so far (as placed), by workflow id, least recent first.
+        # What each workflow has been placed for so far (its steps' cost, as priced here: GPU time and
+        # latency), by workflow id, least recent first.
         self.workflow_spent: OrderedDict[str, float] = OrderedDict()
         self._last_terms: list[Terms] = []
         # Per model: the mean output length of requests that ended (an exponential average), which
