@@ -82,7 +82,7 @@ BUSY_BATCH = 8
 # fleet's mean GPU price. Chosen on the windows TPOT_BUDGET_MARGIN was chosen on (seeds 10 and 11; 8 H100,
 # the mixed fleet at 1x and 3x, 2 H100 + 8 L4, an SLO mix): first TTFT alone at the node's price (0.5–8:
 # 1, and 2–8 no better), then TTFT and decode at the fleet's mean price, decode weighted 0, 0.5, 1 or 2
-# (1 and 2 alike; 1 keeps one weight for the whole latency).
+# (2 had fewer SLO misses at similar cost; 1 keeps one weight for the whole latency).
 LATENCY_PRICE_SHARE = 1.0
 # A priority-k request's failure forfeits k times its own cost beyond that cost (k ≤ 0: nothing).
 PRIORITY_STAKE = 1.0
@@ -203,7 +203,7 @@ class BatonPolicy(Policy):
         displaced = IDLE_COST_SHARE + (1.0 - IDLE_COST_SHARE) * busy
         # Latency is priced as well, at the fleet's mean price: the fleet is paid while the request waits
         # and decodes, whichever GPU it is on (unpriced, a cached prefix on a queued node won: a median
-        # TTFT of 0.46 s against llm-d's 0.32 s on 8 H100; and at the node's price a slow cheap GPU
+        # TTFT of 0.46 s against llm-d's 0.32 s on 8 H100 at TPOT 30 ms; at the node's price a slow cheap GPU
         # looked cheap while it held the fleet).
         price = status.spec.price_per_hour
         latency_ms = ttft_ms + decode_tokens * tpot_ms
