@@ -121,9 +121,9 @@ class ClusterView:
 
         Those still on their way stay counted, so a report sent while a router is still connecting to
         the node does not make room that is not there. A placement stops counting once the node has
-        been warm (loading nothing) for PLACEMENT_TRANSIT_S without receiving it. On the node's first report, after its
-        engine restarted (its count went back), or from an agent that does not count, every placement
-        is taken as arrived.
+        been warm (loading nothing) for PLACEMENT_TRANSIT_S without receiving it. On the node's first
+        report, after its engine restarted (its count went back), or from an agent that does not
+        count, every placement is taken as arrived.
         """
         status = self._nodes.get(node_id)
         if status is None:
