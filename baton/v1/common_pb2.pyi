@@ -123,7 +123,7 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., is_warm: _Optional[bool] = ..., state: _Optional[_Union[ModelState, str]] = ..., weights_bytes: _Optional[int] = ..., load_time_s: _Optional[float] = ..., kv_blocks: _Optional[int] = ..., profile: _Optional[_Union[EngineProfile, _Mapping]] = ...) -> None: ...
 
 class EngineProfile(_message.Message):
-    __slots__ = ("a_ms", "b_ms_per_tok", "c_ms_per_tok2", "prefill_floor_ms", "d_ms", "e_ms_per_seq", "f_ms_per_ctx_tok", "max_num_batched_tokens", "kv_block_size", "num_kv_blocks", "source", "num_samples")
+    __slots__ = ("a_ms", "b_ms_per_tok", "c_ms_per_tok2", "prefill_floor_ms", "d_ms", "e_ms_per_seq", "f_ms_per_ctx_tok", "max_num_batched_tokens", "kv_block_size", "num_kv_blocks", "source", "num_samples", "max_num_seqs")
     A_MS_FIELD_NUMBER: _ClassVar[int]
     B_MS_PER_TOK_FIELD_NUMBER: _ClassVar[int]
     C_MS_PER_TOK2_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class EngineProfile(_message.Message):
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     a_ms: float
     b_ms_per_tok: float
     c_ms_per_tok2: float
@@ -148,7 +149,8 @@ class EngineProfile(_message.Message):
     num_kv_blocks: int
     source: ProfileSource
     num_samples: int
-    def __init__(self, a_ms: _Optional[float] = ..., b_ms_per_tok: _Optional[float] = ..., c_ms_per_tok2: _Optional[float] = ..., prefill_floor_ms: _Optional[float] = ..., d_ms: _Optional[float] = ..., e_ms_per_seq: _Optional[float] = ..., f_ms_per_ctx_tok: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., source: _Optional[_Union[ProfileSource, str]] = ..., num_samples: _Optional[int] = ...) -> None: ...
+    max_num_seqs: int
+    def __init__(self, a_ms: _Optional[float] = ..., b_ms_per_tok: _Optional[float] = ..., c_ms_per_tok2: _Optional[float] = ..., prefill_floor_ms: _Optional[float] = ..., d_ms: _Optional[float] = ..., e_ms_per_seq: _Optional[float] = ..., f_ms_per_ctx_tok: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., source: _Optional[_Union[ProfileSource, str]] = ..., num_samples: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
     __slots__ = ("node_id", "address", "gpu", "hbm_bytes", "region", "price_per_hour", "models", "kv_block_size", "engine", "draining")

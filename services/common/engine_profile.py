@@ -33,12 +33,15 @@ class EngineProfile:
     source: ProfileSource
     # Step timings the coefficients were fitted to (0 for configured ones).
     num_samples: int = 0
+    # Sequences one step runs at most; the rest wait for a running one to end (0: no limit known).
+    max_num_seqs: int = 0
 
     def describe(self) -> str:
         """One line for `baton status`: the coefficients, and where they come from."""
         t = self.timing
         fitted = f", {self.num_samples} steps" if self.num_samples else ""
+        seqs = f" and {self.max_num_seqs} sequences" if self.max_num_seqs else ""
         return (f"{self.source.value}{fitted}: prefill max({t.prefill_floor_ms:.3g}, {t.a_ms:.3g} + "
                 f"{t.b_ms_per_tok:.3g}·Σn) + {t.c_ms_per_tok2:.3g}·Σn² ms; decode {t.d_ms:.3g} + "
                 f"{t.e_ms_per_seq:.3g}·B + {t.f_ms_per_ctx_tok:.3g}·C ms; step ≤ {self.max_num_batched_tokens} "
-                f"tokens, {self.num_kv_blocks} KV blocks of {self.kv_block_size}")
+                f"tokens{seqs}, {self.num_kv_blocks} KV blocks of {self.kv_block_size}")

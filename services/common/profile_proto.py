@@ -21,7 +21,8 @@ def profile_to_proto(profile: EngineProfile) -> common_pb2.EngineProfile:
         prefill_floor_ms=t.prefill_floor_ms, d_ms=t.d_ms, e_ms_per_seq=t.e_ms_per_seq,
         f_ms_per_ctx_tok=t.f_ms_per_ctx_tok, max_num_batched_tokens=profile.max_num_batched_tokens,
         kv_block_size=profile.kv_block_size, num_kv_blocks=profile.num_kv_blocks,
-        source=_SOURCES[profile.source], num_samples=profile.num_samples)
+        source=_SOURCES[profile.source], num_samples=profile.num_samples,
+        max_num_seqs=profile.max_num_seqs)
 
 
 def profile_from_proto(model: common_pb2.ModelInfo) -> EngineProfile | None:
@@ -36,4 +37,5 @@ def profile_from_proto(model: common_pb2.ModelInfo) -> EngineProfile | None:
                          prefill_floor_ms=p.prefill_floor_ms, d_ms=p.d_ms, e_ms_per_seq=p.e_ms_per_seq,
                          f_ms_per_ctx_tok=p.f_ms_per_ctx_tok)
     return EngineProfile(timing, max_num_batched_tokens=p.max_num_batched_tokens, kv_block_size=p.kv_block_size,
-                         num_kv_blocks=p.num_kv_blocks, source=source, num_samples=p.num_samples)
+                         num_kv_blocks=p.num_kv_blocks, source=source, num_samples=p.num_samples,
+                         max_num_seqs=max(0, p.max_num_seqs))

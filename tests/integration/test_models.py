@@ -80,15 +80,18 @@ async def test_a_model_warm_nowhere_is_loaded_on_the_free_gpu_before_it_serves(f
 async def test_demand_beyond_warm_capacity_gets_the_model_loaded_on_another_node(fleet: LocalCluster) -> None:
     assert fleet.router is not None
     async with BatonClient(fleet.router.address) as client:
-        burst = [asyncio.create_task(client.complete(A, f"request {i} of a burst", max_tokens=300,
+        # 20 on four sequences: the queue stays past saturation (5 waiting a node) for two rounds of
+        # answers, so a leader that plans every 0.2 s sees it even when requests arrive spread out (16
+        # answers of 300 tokens kept it there for about 0.2 s, and on a loaded machine it was missed).
+        burst = [asyncio.create_task(client.complete(A, f"request {i} of a burst", max_tokens=2000,
                                                                ignore_eos=True))
-                 for i in range(16)]
+                 for i in range(20)]
         # node-2 keeps B, which is wanted and warm nowhere else: the free node-3 gets A.
         await eventually(lambda: models_of(fleet, "node-3")[A] == common_pb2.MODEL_STATE_WARM, 60,
                          "A loaded on node-3")
         results = await asyncio.gather(*burst)
         late = await client.complete(A, "after the burst", max_tokens=8)
-    assert all(len(r.token_ids) == 300 for r in results)
+    assert all(len(r.token_ids) == 2000 for r in results)
     loads = [a for a in fleet.cluster_state().model_actions if a.kind == "load" and a.model == A]
     assert loads and loads[0].node_id == "node-3" and "saturated" in loads[0].reason
     assert models_of(fleet, "node-2")[B] == common_pb2.MODEL_STATE_WARM

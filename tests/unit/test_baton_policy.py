@@ -76,6 +76,26 @@ def test_a_wait_behind_another_prefill_outweighs_a_cached_prompt() -> None:
     assert chosen(BatonPolicy(), req, [queued, node("h2", "h100")], {"h1": 250}) == "h2"
 
 
+def test_a_node_holding_all_the_sequences_its_engine_runs_queues_the_rest() -> None:
+    """The H100 runs two sequences at a time and holds two with four waiting: a new request starts
+    there only once three answers end, so the idle A100 is sooner (with no limit known, the H100's
+    batch looked roomy and faster, and a burst all queued on it while the A100 idled)."""
+    def limited(status: NodeStatus, max_num_seqs: int) -> NodeStatus:
+        profiles = {m: dataclasses.replace(p, max_num_seqs=max_num_seqs) for m, p in status.spec.profiles.items()}
+        return dataclasses.replace(status, spec=dataclasses.replace(status.spec, profiles=profiles))
+
+    queued = node("h", "h100", num_running=2, num_waiting=4, active_decode_blocks=20)
+    req = request(200, max_tokens=300)
+    policy = BatonPolicy()
+    seqs_2 = policy.terms(req, limited(queued, 2), 0)
+    unlimited = policy.terms(req, limited(queued, 0), 0)
+    assert seqs_2 is not None and unlimited is not None
+    # Five ahead of it, two at a time, each the expected 256 tokens long.
+    assert seqs_2.ttft_ms > unlimited.ttft_ms + 2 * 256 * 5
+    assert chosen(policy, req, [limited(queued, 2), limited(node("a", "a100"), 2)]) == "a"
+    assert chosen(policy, req, [limited(queued, 0), limited(node("a", "a100"), 0)]) == "h"
+
+
 def test_a_busy_node_loses_to_an_idle_one_of_the_same_kind() -> None:
     busy = node("a1", "a100", num_running=60, pending_prefill_tokens=40_000, active_decode_blocks=6000)
     assert chosen(BatonPolicy(), request(2000, ttft_budget_ms=2000), [busy, node("a2", "a100")]) == "a2"

@@ -103,7 +103,8 @@ def test_admission_predicts_deadlines_from_registered_profiles_and_says_when_it_
 
 
 def test_a_sim_node_registers_its_configured_profile_and_the_scheduler_reads_it() -> None:
-    config = NodeAgentConfig(node_id="n1", gpu="a100", model="sim-llama-3-8b", max_num_batched_tokens=512)
+    config = NodeAgentConfig(node_id="n1", gpu="a100", model="sim-llama-3-8b", max_num_batched_tokens=512,
+                             max_num_seqs=3)
     info = node_info(config, build_host(config))
     registered = json_format.Parse(json_format.MessageToJson(info), common_pb2.NodeInfo())  # as etcd holds it
     spec = node_spec(registered)
@@ -111,6 +112,7 @@ def test_a_sim_node_registers_its_configured_profile_and_the_scheduler_reads_it(
     assert profile.source is ProfileSource.CONFIGURED
     assert profile.timing == sim_profiles("a100", "sim-llama-3-8b")["sim-llama-3-8b"].timing
     assert (spec.engine, spec.max_num_batched_tokens, profile.max_num_batched_tokens) == ("sim", 512, 512)
+    assert profile.max_num_seqs == 3 and "3 sequences" in profile.describe()
     assert profile_from_proto(common_pb2.ModelInfo(name="x")) is None  # none registered: none read
     with_profile = common_pb2.ModelInfo(name="x", profile=profile_to_proto(calibrated(2.0)))
     assert profile_from_proto(with_profile) == calibrated(2.0)

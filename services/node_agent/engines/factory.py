@@ -44,7 +44,8 @@ def build_host(config: NodeAgentConfig) -> ModelHost:
         try:
             spec = get_model(name)
             num_blocks = config.kv_blocks or kv_capacity_blocks(hbm_bytes, spec)
-            profile = configured_profile(config.gpu, spec, num_blocks, config.max_num_batched_tokens)
+            profile = configured_profile(config.gpu, spec, num_blocks, config.max_num_batched_tokens,
+                                         max_num_seqs=config.max_num_seqs)
         except KeyError as exc:
             raise SystemExit(f"--model/--cold-models/--gpu: {exc.args[0]}") from None
         if num_blocks <= 0:

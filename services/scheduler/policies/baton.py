@@ -4,7 +4,9 @@ For every candidate it predicts, from that node's GPU generation (the engine's o
 its load and what it caches of the prompt:
 
 - TTFT: the prefill queued ahead of the request plus its own uncached prefill, chunked as the
-  engine chunks it, with the running batch's decode steps interleaved;
+  engine chunks it, with the running batch's decode steps interleaved; and, when the node already
+  holds as many sequences as its engine runs at once (max_num_seqs, from its profile), the time for
+  enough of them to end;
 - TPOT: a decode step of the node's batch with this request in it, plus the prefill chunks that
   ride in each step: the prompt tokens this policy has been sending the node (a rate over the last
   `RATE_WINDOW_S`) arrive while the request decodes, so a node that keeps receiving work predicts a
@@ -52,7 +54,7 @@ from collections import OrderedDict, deque
 from services.scheduler.fleet import NodeStatus
 from services.scheduler.policies.base import Decision, Option, PlacementRequest, Policy, Terms, decision, warm_first
 from services.scheduler.policies.kv_load import KvLoadPolicy
-from services.scheduler.policies.node_timing import TimingModel, node_timing, noting_unprofiled
+from services.scheduler.policies.node_timing import TimingModel, noting_unprofiled
 
 # Budgets a request without its own is held to: Dynamo's goodput definition (TTFT 5 s, ITL 100 ms).
 DEFAULT_TTFT_BUDGET_MS = 5000.0
@@ -167,9 +169,10 @@ class BatonPolicy(Policy):
         fleet_price_per_hour prices the request's latency: the mean price of the GPUs it could run on
         (the node's own price when not given).
         """
-        timing = node_timing(status, request.model)
-        if timing is None:
+        profile = status.profile(request.model)
+        if profile is None:
             return None
+        timing = profile.timing
         warm = request.model in status.spec.warm_models
         load_s = 0.0
         if not warm:  # a free GPU with the model on disk: it must be loaded (or finish loading) first
@@ -183,17 +186,24 @@ class BatonPolicy(Policy):
         own = request.num_prompt_tokens - cached
         ahead = load.pending_prefill_tokens + status.placed_prefill_blocks * block
         batch = load.num_running + load.num_waiting + status.placed_requests
+        # A step runs at most max_num_seqs sequences; those beyond wait for running ones to end.
+        slots = profile.max_num_seqs or batch + 1
         context = load.active_decode_blocks * block
-        decode_ms = timing.decode_step_ms(batch, context) if batch else 0.0
+        decode_ms = timing.decode_step_ms(min(batch, slots), context) if batch else 0.0
+        decode_tokens = self.expected_output_tokens(request)
         tokens = ahead + own
         steps = math.ceil(tokens / chunk)
         first_chunk = min(tokens, chunk)
         prefill_ms = timing.b_ms_per_tok * tokens + timing.c_ms_per_tok2 * first_chunk * tokens
         ttft_ms = max(timing.prefill_floor_ms, timing.a_ms + prefill_ms + steps * decode_ms) + load_s * 1000
-        tpot_ms = _tpot_ms(timing, timing.decode_step_ms(batch + 1, context + request.num_prompt_tokens),
+        # Past the limit it waits for the (batch + 1 − slots) ahead of it in line to end, slots at a time,
+        # each the expected answer long (unmodelled, 16 requests on two nodes of max_num_seqs 2 all went to
+        # the faster one, queued there while the other idled).
+        if batch + 1 > slots:
+            ttft_ms += (batch + 1 - slots) / slots * decode_tokens * decode_ms
+        tpot_ms = _tpot_ms(timing, timing.decode_step_ms(min(batch + 1, slots), context + request.num_prompt_tokens),
                            self._prefill_rate(status.spec.node_id, now), chunk)
         own_prefill_ms = timing.b_ms_per_tok * own + timing.c_ms_per_tok2 * min(own, chunk) * own
-        decode_tokens = self.expected_output_tokens(request)
         # Prefill is priced at what it displaces: an idle GPU's time is paid for whether used or not, so
         # computing a prompt there costs half, and a prefix cached on a busy node is worth less than an
         # idle GPU's time. Decoding is not discounted: a slow idle GPU decoding a long answer holds it,

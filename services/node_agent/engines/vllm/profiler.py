@@ -17,8 +17,8 @@ class VllmProfiler:
     """Holds the engine's profile (None until calibrated) and calls changed() when it is new."""
 
     def __init__(self, max_num_batched_tokens: int, kv_block_size: int, num_kv_blocks: int,
-                 changed: Callable[[], None]) -> None:
-        self._limits = (max_num_batched_tokens, kv_block_size, num_kv_blocks)
+                 changed: Callable[[], None], max_num_seqs: int = 0) -> None:
+        self._limits = (max_num_batched_tokens, kv_block_size, num_kv_blocks, max_num_seqs)
         self._changed = changed
         self._observer = StepObserver()
         self._refiner: ProfileRefiner | None = None
@@ -29,10 +29,10 @@ class VllmProfiler:
         """Run the sweep on llm and register what it measured."""
         started = clock()
         samples = await calibrate(llm, sweep, vocab_size, is_quiet, clock)
-        max_num_batched_tokens, kv_block_size, num_kv_blocks = self._limits
+        max_num_batched_tokens, kv_block_size, num_kv_blocks, max_num_seqs = self._limits
         timing = fit_timing(samples)
         self.profile = EngineProfile(timing, max_num_batched_tokens, kv_block_size, num_kv_blocks,
-                                     ProfileSource.CALIBRATED, num_samples=len(samples))
+                                     ProfileSource.CALIBRATED, num_samples=len(samples), max_num_seqs=max_num_seqs)
         self._refiner = ProfileRefiner(self.profile)
         log.info("calibrated in %.1f s on %d steps (mean error %.0f%%): %s", clock() - started, len(samples),
                  100 * relative_error(timing, samples), self.profile.describe())
