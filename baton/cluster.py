@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -29,10 +30,40 @@ from baton.tenants import add_tenant, run_sync
 from baton.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.tls import ThrowawayPki, TlsFiles, channel_credentials, generate_throwaway_pki
 
+# Ports handed out by free_port in this process: never handed out twice.
+_handed_out: set[int] = set()
+_LOWEST_PORT = 10_000
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel gives outgoing connections (32768 where it does not say)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
+    """A TCP port on 127.0.0.1 that nothing listens on right now, below the ephemeral range.
+
+    A port the kernel picked (bind to 0) is an ephemeral one, and between this probe and the
+    service's bind an outgoing connection could take it: the tests saw "Address already in use".
+    Below that range only explicit binds compete, and this process never hands one out twice.
+    """
+    ceiling = _ephemeral_floor()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(_LOWEST_PORT, max(ceiling, _LOWEST_PORT + 1000))
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as sock:  # a crowded machine: let the kernel pick
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 

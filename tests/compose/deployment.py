@@ -4,7 +4,6 @@ and the images every project of the run shares."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -12,6 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from baton.cluster import free_port
 from tests.compose.engine import compose_command, run
 from tests.integration.conftest import wait_until
 
@@ -61,12 +61,6 @@ class Deployment:
             ["docker", "inspect", "-f", "{{if .State.Health}}{{.State.Health.Status}}{{else}}none{{end}}", *ids],
             capture_output=True, text=True, timeout=30).stdout.split()
         return len(states) == len(ids) and all(state == "healthy" for state in states)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class Stopwatch:
