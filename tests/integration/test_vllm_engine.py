@@ -273,6 +273,13 @@ async def test_bad_input_sent_to_the_node_is_refused_and_streams_beside_it_go_on
         vllm_cluster: LocalCluster, reference: list[int], prompt: list[int], sampling: dict[str, float],
         named: str) -> None:
     node = vllm_cluster.nodes[0]
+
+    def received() -> int:
+        """The node's count of requests handed to vLLM, as its last load report told the leader."""
+        load = next(n.load for n in vllm_cluster.cluster_state().nodes if n.info.node_id == node.name)
+        return load.num_received if load.HasField("num_received") else -1
+
+    before = received()
     bad = node_agent_pb2.NodeGenerateRequest(
         request_id=f"bad-{named}", model=MODEL, prompt_token_ids=prompt,
         sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True, **sampling))
@@ -291,6 +298,8 @@ async def test_bad_input_sent_to_the_node_is_refused_and_streams_beside_it_go_on
     assert named in refused.value.details()
     assert tokens == reference[:NUM_TOKENS]
     assert node.is_running()
+    # Both count as received, the refused one too: the leader stops counting its placements by this.
+    await eventually(lambda: received() == before + 2, 10, "the node to report both requests received")
 
 
 async def test_seeded_sampling_reaches_vllm(vllm_cluster: LocalCluster) -> None:
