@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
              f"timing-model error per GPU "
              f"generation; the scheduler sees max_tokens={options.max_tokens}, never true output lengths; first "
              f"{options.limit} requests (agentic: tasks) of each trace. Cost per successful task in $ "
-             f"(whole fleet until the last request ends, and busy GPU time); ± is a 95 % interval over the seeds. "
+             f"(whole fleet until the last request ends, and busy GPU time); ± is a 95 % interval over the seeds; "
+             f"drain: seconds the fleet ran after the last arrival. "
              f"{len(jobs)} runs in {wall_s / 60:.0f} min.", ""]
     merged: dict[str, dict[str, dict]] = {}
     runs_of = iter(outcomes)
@@ -144,13 +145,14 @@ def main(argv: list[str] | None = None) -> int:
         budgets = "each task's own budgets" if setting.slo_mix else (
             f"TTFT {setting.ttft_s:g} s, TPOT {setting.tpot_s * 1000:.0f} ms")
         lines += [f"### {setting.name} ({budgets})", "",
-                  "| policy | SLO attainment (%) | whole fleet ($) | busy-time floor ($) | TTFT p50 / p99 (s) |",
-                  "|---|---:|---:|---:|---|"]
+                  "| policy | SLO attainment (%) | whole fleet ($) | busy-time floor ($) | TTFT p50 / p99 (s) "
+                  "| drain (s) |",
+                  "|---|---:|---:|---:|---|---:|"]
         for policy, s in rows.items():
             lines.append(f"| {policy} | {_cell(s, 'slo_attainment', '.1f', 100)} "
                          f"| {_cell(s, 'cost_per_successful_task', '.5f')} "
                          f"| {_cell(s, 'busy_cost_per_successful_task', '.5f')} "
-                         f"| {s['ttft_p50']:.2f} / {s['ttft_p99']:.2f} |")
+                         f"| {s['ttft_p50']:.2f} / {s['ttft_p99']:.2f} | {s.get('drain_s', 0.0):.2f} |")
         if "baton" in rows and len(rows) > 1:
             lines += ["", f"Baton: {verdict(rows)}.", ""]
     out = Path(options.out)

@@ -61,6 +61,9 @@ class Summary:
     # The floor: busy GPU time only, failed work included (what scaling idle GPUs away could reach).
     busy_cost_per_successful_task: float
     num_migrations: int
+    # Seconds the fleet ran after the last request arrived: on a fixed fleet whose policies all meet
+    # their SLO, the whole-fleet cost differs only by this.
+    drain_s: float = 0.0
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -99,6 +102,7 @@ def summarize(result: RunResult, workload: Workload, slo: Slo) -> Summary:
         cost_per_successful_task=tasks.fleet_cost_per_successful_task if tasks_ok else float("inf"),
         busy_cost_per_successful_task=tasks.cost_per_successful_task if tasks_ok else float("inf"),
         num_migrations=sum(r.num_migrations for r in result.records),
+        drain_s=result.provisioned_s - max((r.arrival_s for r in result.records), default=0.0),
     )
 
 

@@ -259,6 +259,7 @@ def test_the_fleet_is_paid_until_the_last_request_ends() -> None:
         assert result.makespan_s > 10.0  # the last request ends after it arrives...
         # ...and the operator pays both GPUs until then, idle or not: a slow drain costs.
         assert summary.fleet_cost == pytest.approx(2 * fleet("1xh100")[0].price_per_hour * result.makespan_s / 3600)
+        assert summary.drain_s == pytest.approx(result.makespan_s - 10.0)  # after the last arrival
 
 
 def test_an_slo_mix_gives_every_step_of_a_task_its_class_budgets(tmp_path: Path) -> None:
