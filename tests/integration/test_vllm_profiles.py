@@ -60,7 +60,7 @@ async def test_a_node_calibrated_slower_gets_the_long_prompts_less_often(cluster
     registered = profiles(cluster)
     slow, fast = registered["node-0"], registered["node-1"]
     assert slow.num_samples > 0 and slow.max_num_batched_tokens > 0 and slow.kv_block_size == 32
-    assert slow.max_num_seqs == 256  # --max-num-seqs, as vLLM was started with it
+    assert slow.max_num_seqs == 256  # --max-num-seqs, as vLLM runs it
     long_prefill = lambda p: p.a_ms + p.b_ms_per_tok * LONG_PROMPT_TOKENS + p.c_ms_per_tok2 * LONG_PROMPT_TOKENS ** 2  # noqa: E731
     assert long_prefill(slow) > long_prefill(fast)  # the deeper model measured slower
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from services.common.load import Load
 from services.scheduler.fleet import NodeSpec, NodeStatus
 from services.scheduler.policies import Option, PlacementRequest, make_policy
@@ -78,8 +80,9 @@ def test_a_wait_behind_another_prefill_outweighs_a_cached_prompt() -> None:
 
 def test_a_node_holding_all_the_sequences_its_engine_runs_queues_the_rest() -> None:
     """The H100 runs two sequences at a time and holds two with four waiting: a new request starts
-    there only once three answers end, so the idle A100 is sooner (with no limit known, the H100's
-    batch looked roomy and faster, and a burst all queued on it while the A100 idled)."""
+    there only once five of those six have ended, so the idle A100 is sooner (with no limit known, the
+    H100's batch looked roomy and faster, and a burst all queued on it while the A100 idled). The wait
+    is as long for a request that asks for few tokens: it is the others' answers it waits for."""
     def limited(status: NodeStatus, max_num_seqs: int) -> NodeStatus:
         profiles = {m: dataclasses.replace(p, max_num_seqs=max_num_seqs) for m, p in status.spec.profiles.items()}
         return dataclasses.replace(status, spec=dataclasses.replace(status.spec, profiles=profiles))
@@ -90,10 +93,16 @@ def test_a_node_holding_all_the_sequences_its_engine_runs_queues_the_rest() -> N
     seqs_2 = policy.terms(req, limited(queued, 2), 0)
     unlimited = policy.terms(req, limited(queued, 0), 0)
     assert seqs_2 is not None and unlimited is not None
-    # Five ahead of it, two at a time, each the expected 256 tokens long.
+    # Five ahead of it, two at a time, each a typical 256 tokens long.
     assert seqs_2.ttft_ms > unlimited.ttft_ms + 2 * 256 * 5
-    assert chosen(policy, req, [limited(queued, 2), limited(node("a", "a100"), 2)]) == "a"
-    assert chosen(policy, req, [limited(queued, 0), limited(node("a", "a100"), 0)]) == "h"
+    short = request(200, max_tokens=8)
+    short_seqs_2 = policy.terms(short, limited(queued, 2), 0)
+    short_unlimited = policy.terms(short, limited(queued, 0), 0)
+    assert short_seqs_2 is not None and short_unlimited is not None
+    assert short_seqs_2.ttft_ms - short_unlimited.ttft_ms == pytest.approx(seqs_2.ttft_ms - unlimited.ttft_ms)
+    for each in (req, short):
+        assert chosen(policy, each, [limited(queued, 2), limited(node("a", "a100"), 2)]) == "a"
+        assert chosen(policy, each, [limited(queued, 0), limited(node("a", "a100"), 0)]) == "h"
 
 
 def test_a_busy_node_loses_to_an_idle_one_of_the_same_kind() -> None:

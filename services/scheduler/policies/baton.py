@@ -196,13 +196,17 @@ class BatonPolicy(Policy):
         first_chunk = min(tokens, chunk)
         prefill_ms = timing.b_ms_per_tok * tokens + timing.c_ms_per_tok2 * first_chunk * tokens
         ttft_ms = max(timing.prefill_floor_ms, timing.a_ms + prefill_ms + steps * decode_ms) + load_s * 1000
+        rate = self._prefill_rate(status.spec.node_id, now)
+        base_tpot_ms = _tpot_ms(timing, decode_ms, rate, chunk)
         # Past the limit it waits for the (batch + 1 − slots) ahead of it in line to end, slots at a time,
-        # each the expected answer long (unmodelled, 16 requests on two nodes of max_num_seqs 2 all went to
-        # the faster one, queued there while the other idled).
+        # each a typical answer of the model long (not this request's max_tokens: a short request waits as
+        # long as a long one), in steps with the arriving prefill riding in them (unmodelled, 16 requests on
+        # two nodes of max_num_seqs 2 all went to the faster one, queued there while the other idled).
         if batch + 1 > slots:
-            ttft_ms += (batch + 1 - slots) / slots * decode_tokens * decode_ms
+            typical = self._output_tokens.get(request.model, self._default_output_tokens)
+            ttft_ms += (batch + 1 - slots) / slots * typical * base_tpot_ms
         tpot_ms = _tpot_ms(timing, timing.decode_step_ms(min(batch + 1, slots), context + request.num_prompt_tokens),
-                           self._prefill_rate(status.spec.node_id, now), chunk)
+                           rate, chunk)
         own_prefill_ms = timing.b_ms_per_tok * own + timing.c_ms_per_tok2 * min(own, chunk) * own
         # Prefill is priced at what it displaces: an idle GPU's time is paid for whether used or not, so
         # computing a prompt there costs half, and a prefix cached on a busy node is worth less than an
@@ -237,7 +241,6 @@ class BatonPolicy(Policy):
         # queued ahead of it start decoding as its chunks run; those already decoding are likelier long.
         lost = 0.0
         if warm:
-            base_tpot_ms = _tpot_ms(timing, decode_ms, self._prefill_rate(status.spec.node_id, now), chunk)
             chunk_ms = timing.b_ms_per_tok * chunk + timing.c_ms_per_tok2 * chunk * chunk
             fresh = load.num_waiting + status.placed_requests
             for victims, bias in ((fresh, 0), (load.num_running, 1)):

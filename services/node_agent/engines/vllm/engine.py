@@ -144,7 +144,7 @@ class VllmEngine:
         self._deterministic_kernels = False
         # Connected before any request runs: no batch is published before the first engine step.
         self._subscriber = KvEventSubscriber(events_endpoint, replay_endpoint)
-        self._step_limits = (config.scheduler_config.max_num_batched_tokens, settings.max_num_seqs)
+        self._step_limits = (config.scheduler_config.max_num_batched_tokens, config.scheduler_config.max_num_seqs)
         self._profiler = VllmProfiler(self._step_limits[0], self.kv_block_size, self.num_kv_blocks,
                                       lambda: self.profile_changed.notify(), max_num_seqs=self._step_limits[1])
 
