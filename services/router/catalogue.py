@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import logging
-
-from google.protobuf import json_format
-
-from baton.v1 import common_pb2
+from services.common.node_registration import parse_node_info
 from services.router.validation import ModelEntry
-
-log = logging.getLogger(__name__)
 
 
 def models_from_registrations(items: dict[str, bytes], lapsed: frozenset[str] = frozenset()) -> dict[str, ModelEntry]:
@@ -17,10 +11,8 @@ def models_from_registrations(items: dict[str, bytes], lapsed: frozenset[str] = 
     for their grace period) and draining nodes keep a model served but count no warm node."""
     entries: dict[str, ModelEntry] = {}
     for key, value in items.items():
-        try:
-            info = json_format.Parse(value, common_pb2.NodeInfo())
-        except json_format.ParseError:
-            log.warning("malformed node registration at %s", key)
+        info = parse_node_info(key, value)
+        if info is None:
             continue
         for model in info.models:
             known = entries.get(model.name)
@@ -39,10 +31,9 @@ def models_from_registrations(items: dict[str, bytes], lapsed: frozenset[str] = 
 def gpus_from_registrations(items: dict[str, bytes]) -> dict[str, str]:
     """Each registered node's GPU generation, by node id."""
     gpus: dict[str, str] = {}
-    for value in items.values():
-        try:
-            info = json_format.Parse(value, common_pb2.NodeInfo())
-        except json_format.ParseError:
-            continue  # models_from_registrations logs it
+    for key, value in items.items():
+        info = parse_node_info(key, value, quiet=True)  # models_from_registrations logs it
+        if info is None:
+            continue
         gpus[info.node_id] = info.gpu
     return gpus

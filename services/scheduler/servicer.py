@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 import grpc
-from google.protobuf import json_format
 from opentelemetry import trace
 from opentelemetry.metrics import CallbackOptions, Observation
 
@@ -24,6 +23,7 @@ from services.common.directory import ChannelPool, ServiceDirectory
 from services.common.errors import BatonError, FailedPrecondition, PermissionDenied, Unavailable, abort
 from services.common.etcd_session import Membership, PrefixView
 from services.common.load import load_from_proto, load_to_proto
+from services.common.node_registration import parse_node_info
 from services.common.profile_proto import profile_from_proto
 from services.common.request_context import context_fields, context_of
 from services.common.telemetry import Telemetry
@@ -196,10 +196,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _on_nodes_changed(self, items: dict[str, bytes]) -> None:
         specs, infos, lapsed = [], {}, set()
         for key, value in items.items():
-            try:
-                info = json_format.Parse(value, common_pb2.NodeInfo())
-            except json_format.ParseError:
-                log.warning("malformed node registration at %s", key)
+            info = parse_node_info(key, value)
+            if info is None:
                 continue
             if info.draining:  # leaving cleanly: its streams finish, nothing new goes there
                 continue
