@@ -35,25 +35,28 @@ _handed_out: set[int] = set()
 _LOWEST_PORT = 10_000
 
 
-def _ephemeral_floor() -> int:
-    """The lowest port the kernel gives outgoing connections (32768 where it does not say)."""
+def ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel gives outgoing connections, first and last (Linux's default where it
+    does not say)."""
     try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[:2]
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now, below the ephemeral range.
+    """A TCP port on 127.0.0.1 that nothing listens on right now, outside the ephemeral range.
 
     A port the kernel picked (bind to 0) is an ephemeral one, and between this probe and the
     service's bind an outgoing connection could take it: the tests saw "Address already in use".
-    Below that range only explicit binds compete, and this process never hands one out twice.
+    Outside that range only explicit binds compete, and this process never hands one out twice.
     """
-    ceiling = _ephemeral_floor()
+    low, high = ephemeral_range()
+    choices = [r for r in (range(_LOWEST_PORT, low), range(high + 1, 65536)) if len(r) > 0]
     rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(_LOWEST_PORT, max(ceiling, _LOWEST_PORT + 1000))
+    for _ in range(200 if choices else 0):
+        port = rng.choice(rng.choice(choices))
         if port in _handed_out:
             continue
         with socket.socket() as sock:
@@ -63,7 +66,7 @@ def free_port() -> int:
                 continue
         _handed_out.add(port)
         return port
-    with socket.socket() as sock:  # a crowded machine: let the kernel pick
+    with socket.socket() as sock:  # nothing outside the range is free: let the kernel pick
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 

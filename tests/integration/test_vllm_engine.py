@@ -274,12 +274,14 @@ async def test_bad_input_sent_to_the_node_is_refused_and_streams_beside_it_go_on
         named: str) -> None:
     node = vllm_cluster.nodes[0]
 
-    def received() -> int:
-        """The node's count of requests handed to vLLM, as its last load report told the leader."""
+    def reported() -> int:
+        """The node's count of requests received, as its last load report told the leader."""
         load = next(n.load for n in vllm_cluster.cluster_state().nodes if n.info.node_id == node.name)
         return load.num_received if load.HasField("num_received") else -1
 
-    before = received()
+    async with grpc.aio.insecure_channel(node.address) as channel:  # the count now, from the node itself
+        load = await node_agent_pb2_grpc.NodeAgentStub(channel).GetLoad(node_agent_pb2.GetLoadRequest(), timeout=10)
+    before = load.num_received
     bad = node_agent_pb2.NodeGenerateRequest(
         request_id=f"bad-{named}", model=MODEL, prompt_token_ids=prompt,
         sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True, **sampling))
@@ -299,7 +301,7 @@ async def test_bad_input_sent_to_the_node_is_refused_and_streams_beside_it_go_on
     assert tokens == reference[:NUM_TOKENS]
     assert node.is_running()
     # Both count as received, the refused one too: the leader stops counting its placements by this.
-    await eventually(lambda: received() == before + 2, 10, "the node to report both requests received")
+    await eventually(lambda: reported() == before + 2, 10, "the node to report both requests received")
 
 
 async def test_seeded_sampling_reaches_vllm(vllm_cluster: LocalCluster) -> None:
