@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"| {policy} | {_cell(s, 'slo_attainment', '.1f', 100)} "
                          f"| {_cell(s, 'cost_per_successful_task', '.5f')} "
                          f"| {_cell(s, 'busy_cost_per_successful_task', '.5f')} "
-                         f"| {s['ttft_p50']:.2f} / {s['ttft_p99']:.2f} | {s.get('drain_s', 0.0):.2f} |")
+                         f"| {s['ttft_p50']:.2f} / {s['ttft_p99']:.2f} | {s['drain_s']:.2f} |")
         if "baton" in rows and len(rows) > 1:
             lines += ["", f"Baton: {verdict(rows)}.", ""]
     out = Path(options.out)

@@ -61,8 +61,9 @@ class Summary:
     # The floor: busy GPU time only, failed work included (what scaling idle GPUs away could reach).
     busy_cost_per_successful_task: float
     num_migrations: int
-    # Seconds the fleet ran after the last request arrived: on a fixed fleet whose policies all meet
-    # their SLO, the whole-fleet cost differs only by this.
+    # Seconds the fleet ran after the last request arrived. On a fixed fleet where every policy meets
+    # the SLO of every request of an open-loop trace (arrivals that do not depend on the policy), the
+    # whole-fleet cost differs only by this; in a closed loop (agent steps) the last arrival moves too.
     drain_s: float = 0.0
 
 

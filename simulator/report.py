@@ -87,8 +87,8 @@ def _pm(value: float, ci: float, fmt: str) -> str:
 def table(rows: list[tuple[str, float, dict]]) -> str:
     header = ("| load | policy | TTFT p50 / p90 / p99 (s) | TPOT p50 / p99 (ms) | SLO attainment | goodput (req/s) "
               "| KV hit rate | GPU-hours busy / fleet | tasks ok | cost per successful task, whole fleet ($) "
-              "| busy-time floor ($) |")
-    lines = [header, "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "| busy-time floor ($) | drain (s) |")
+    lines = [header, "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for policy, load, s in rows:
         lines.append(
             f"| {load:g}x | {policy} | {s['ttft_p50']:.2f} / {s['ttft_p90']:.2f} / {s['ttft_p99']:.2f} "
@@ -97,7 +97,8 @@ def table(rows: list[tuple[str, float, dict]]) -> str:
             f"| {s['goodput_rps']:.2f} | {s['kv_hit_rate']:.1%} | {s['gpu_hours']:.2f} / {s['fleet_gpu_hours']:.2f} "
             f"| {s['num_tasks_ok']:.0f}/{s['num_tasks']:.0f} "
             f"| {_pm(s['cost_per_successful_task'], s.get('cost_per_successful_task_ci', 0.0), '.5f')} "
-            f"| {_pm(s['busy_cost_per_successful_task'], s.get('busy_cost_per_successful_task_ci', 0.0), '.5f')} |")
+            f"| {_pm(s['busy_cost_per_successful_task'], s.get('busy_cost_per_successful_task_ci', 0.0), '.5f')} "
+            f"| {s['drain_s']:.2f} |")
     return "\n".join(lines)
 
 
