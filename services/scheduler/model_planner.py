@@ -7,6 +7,12 @@ that has it on local disk: a node with a free GPU first, otherwise one whose war
 idle for a while and stays warm elsewhere (or nobody asked for it lately) — that one is unloaded
 first. A load under way is not counted as capacity: a cold node serves nothing until warm.
 
+When no node can be given up — a placement that spreads work keeps every node of the other model
+busy, so none is ever idle for long — the planner reserves the least loaded node of a model that
+stays warm elsewhere and whose other nodes are not saturated: placement sends it nothing new
+(`reserved_nodes`), and once its requests have ended it is swapped over. A reservation is
+released when the model is no longer short.
+
 A warm model idle for `idle_unload_s` on a node is unloaded when another node keeps it warm, so
 idle GPUs are free for the models that need them.
 """
@@ -35,6 +41,12 @@ class ModelPlanner:
         self.idle_unload_s = idle_unload_s
         self.saturation = saturation
         self._last_demand: dict[str, float] = {}
+        # Nodes draining for a swap: node id → the model it will be given.
+        self._reserved: dict[str, str] = {}
+
+    def reserved_nodes(self) -> frozenset[str]:
+        """Nodes draining for a swap: placement sends them nothing new."""
+        return frozenset(self._reserved)
 
     def note_demand(self, model: str, now: float) -> None:
         """A request asked for model (placed or not)."""
@@ -51,27 +63,31 @@ class ModelPlanner:
         actions: list[ModelAction] = []
         taken = set(busy_nodes)
         nodes = [s for s in view.nodes() if view.is_live(s, now)]
+        short: set[str] = set()
         for model in view.models():
             if (not self._wanted(model, now) or model in loading
                     or any(model in s.spec.loading_models for s in nodes)):
                 continue
             warm = [s for s in nodes if model in s.spec.warm_models]
             if warm:
-                loads = [(s.load.num_waiting + s.placed_requests, s.load.kv_blocks_used, s.load.kv_blocks_total)
-                         for s in warm]
-                level = pool_saturation(loads)
+                level = _saturation(warm)
                 if level < self.saturation:
                     continue
                 reason = f"{len(warm)} warm node(s) saturated ({level:.2f})"
             else:
                 reason = "no node has it warm"
+            short.add(model)
             target = self._target(model, nodes, taken, now)
             if target is None:
+                self._reserve(model, nodes, taken)
                 continue
+            self._reserved.pop(target.spec.node_id, None)
             taken.add(target.spec.node_id)
             for victim in sorted(target.spec.warm_models):
                 actions.append(ModelAction("unload", target.spec.node_id, victim, f"make room for {model}"))
             actions.append(ModelAction("load", target.spec.node_id, model, reason))
+        live = {s.spec.node_id for s in nodes}
+        self._reserved = {n: m for n, m in self._reserved.items() if m in short and n in live and n not in taken}
         if self.idle_unload_s > 0:
             copies = {m: sum(m in s.spec.warm_models for s in nodes) for m in view.models()}
             for status in nodes:
@@ -87,7 +103,11 @@ class ModelPlanner:
     def _target(self, model: str, nodes: list[NodeStatus], taken: set[str], now: float) -> NodeStatus | None:
         """A node to load model on: free GPUs first, then idle ones whose models can go; quickest load first."""
         def can_give_up(status: NodeStatus) -> bool:
-            if status.spec.loading_models or status.idle_s(now) < self.idle_swap_s:
+            if status.spec.loading_models:
+                return False
+            if self._reserved.get(status.spec.node_id) == model:
+                return not _in_flight(status)  # drained for this swap
+            if status.idle_s(now) < self.idle_swap_s:
                 return False
             return all(not self._wanted(m, now) or sum(m in s.spec.warm_models for s in nodes) > 1
                        for m in status.spec.warm_models)
@@ -98,3 +118,38 @@ class ModelPlanner:
             return None
         return min(options, key=lambda s: (not s.spec.is_empty, s.spec.load_time_s.get(model, 0.0),
                                            s.spec.price_per_hour, s.spec.node_id))
+
+    def _reserve(self, model: str, nodes: list[NodeStatus], taken: set[str]) -> None:
+        """Reserve a node to drain for model, unless one is reserved for it already: the least loaded
+        with model on its disk whose warm models stay warm elsewhere, on nodes not saturated."""
+        if model in self._reserved.values():
+            return
+
+        def can_drain(status: NodeStatus) -> bool:
+            if (model not in status.spec.cold_models or status.spec.loading_models or not status.spec.warm_models
+                    or status.spec.node_id in taken or status.spec.node_id in self._reserved):
+                return False
+            for other in status.spec.warm_models:
+                rest = [s for s in nodes if other in s.spec.warm_models and s is not status]
+                if not rest or _saturation(rest) >= self.saturation:
+                    return False
+            return True
+
+        options = [s for s in nodes if can_drain(s)]
+        if options:
+            chosen = min(options, key=lambda s: (_load(s), s.spec.price_per_hour, s.spec.node_id))
+            self._reserved[chosen.spec.node_id] = model
+
+
+def _load(status: NodeStatus) -> int:
+    return status.load.num_running + status.load.num_waiting + status.placed_requests
+
+
+def _in_flight(status: NodeStatus) -> bool:
+    return _load(status) > 0
+
+
+def _saturation(nodes: list[NodeStatus]) -> float:
+    """llm-d's saturation of nodes (placements not yet reported counted as waiting)."""
+    return pool_saturation([(s.load.num_waiting + s.placed_requests, s.load.kv_blocks_used, s.load.kv_blocks_total)
+                            for s in nodes])

@@ -123,7 +123,8 @@ class Placer:
 
     def refresh(self, plan: Plan, now: float, changing: Changing = _none_changing) -> None:
         """Candidates for each model as the fleet is now."""
-        plan.candidates = {m: self.candidates(m, now, plan.ask.exclude | changing(m), plan.needed_blocks)
+        draining = self.planner.reserved_nodes()  # reserved for a swap: nothing new goes there
+        plan.candidates = {m: self.candidates(m, now, plan.ask.exclude | changing(m) | draining, plan.needed_blocks)
                            for m in plan.models}
 
     def candidates(self, model: str, now: float, exclude: frozenset[str], needed_blocks: int) -> list[NodeStatus]:

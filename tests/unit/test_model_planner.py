@@ -94,3 +94,36 @@ def test_idle_models_are_unloaded_but_never_the_last_warm_copy() -> None:
     assert [(a.kind, a.node_id, a.model) for a in actions] == [("unload", "n0", A)]
     assert planner.plan(cluster, now=30.0) == []  # not idle long enough
 
+
+
+def test_with_every_other_node_busy_one_is_drained_for_the_swap_and_released_once_demand_calms() -> None:
+    """A is saturated on n0; B's nodes are never idle (placement spreads B over both), so none could
+    be swapped after 10 s idle: the less loaded one is reserved, gets nothing new, and is swapped as
+    soon as its requests end (without the reservation A never got a second node)."""
+    planner = ModelPlanner(idle_swap_s=10.0)
+    planner.note_demand(A, 99.0)
+    planner.note_demand(B, 99.0)
+    nodes = (spec("n0", warm={A}), spec("n1", warm={B}, cold={A}), spec("n2", warm={B}, cold={A}))
+    busier = Load(num_running=3, kv_blocks_used=10, kv_blocks_total=1000)
+    busy = view(*nodes, loads={"n0": SATURATED, "n1": busier, "n2": CALM}, now=99.0)
+    assert planner.plan(busy, now=100.0) == [] and planner.reserved_nodes() == {"n2"}
+    drained = view(*nodes, loads={"n0": SATURATED, "n1": busier, "n2": Load(kv_blocks_total=1000)}, now=100.0)
+    assert [(a.kind, a.node_id, a.model) for a in planner.plan(drained, now=101.0)] == [("unload", "n2", B),
+                                                                                         ("load", "n2", A)]
+    assert planner.reserved_nodes() == frozenset()
+    planner.plan(busy, now=102.0)
+    assert planner.reserved_nodes() == {"n2"}
+    calm = view(*nodes, loads={"n0": CALM, "n1": busier, "n2": CALM}, now=102.0)
+    assert planner.plan(calm, now=103.0) == [] and planner.reserved_nodes() == frozenset()
+
+
+def test_no_node_is_drained_when_its_model_would_be_left_saturated_or_without_a_warm_copy() -> None:
+    planner = ModelPlanner(idle_swap_s=10.0)
+    planner.note_demand(A, 99.0)
+    planner.note_demand(B, 99.0)
+    lone_b = (spec("n0", warm={A}), spec("n1", warm={B}, cold={A}))
+    planner.plan(view(*lone_b, loads={"n0": SATURATED, "n1": CALM}, now=99.0), now=100.0)
+    assert planner.reserved_nodes() == frozenset()
+    both_busy_b = (*lone_b, spec("n2", warm={B}, cold={A}))
+    planner.plan(view(*both_busy_b, loads={"n0": SATURATED, "n1": SATURATED, "n2": SATURATED}, now=99.0), now=100.0)
+    assert planner.reserved_nodes() == frozenset()

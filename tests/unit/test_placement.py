@@ -162,3 +162,9 @@ def test_a_request_that_queued_past_what_its_deadline_allows_is_refused_before_i
     placer.cluster.report_load("a", Load(kv_blocks_total=1000), 10.5)
     with pytest.raises(ResourceExhausted, match=r"deadline_ms=10000: cannot be met; .*after 10.0 s queued"):
         placer.after_queueing(plan, options, 11.0)
+
+
+def test_a_node_reserved_for_a_model_swap_gets_nothing_new() -> None:
+    placer = _placer(_spec("a"), _spec("b"))
+    placer.planner._reserved["a"] = "other"  # as ModelPlanner._reserve leaves it
+    assert _place(placer, _ask()) == "b"  # a would win the tie
