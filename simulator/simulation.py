@@ -457,8 +457,9 @@ class Simulation:
                 self._view.report_load(status.spec.node_id, node.load(), self._now)
 
     def _is_saturated(self) -> bool:
+        draining = self._placer.planner.reserved_nodes()  # as the scheduler: they take nothing new
         loads = [(load.num_waiting, load.kv_blocks_used, load.kv_blocks_total)
-                 for load in (n.load() for n in self._nodes.values() if n.is_alive)]
+                 for load in (n.load() for node_id, n in self._nodes.items() if n.is_alive and node_id not in draining)]
         return pool_saturation(loads) >= 1.0
 
     def _dispatch(self) -> None:

@@ -56,6 +56,10 @@ class ModelPlanner:
         last = self._last_demand.get(model)
         return last is not None and now - last <= self.demand_window_s
 
+    def release(self) -> None:
+        """Forget every reservation (a leader stepping down: its successor plans afresh)."""
+        self._reserved.clear()
+
     def plan(self, view: ClusterView, now: float, busy_nodes: frozenset[str] = frozenset(),
              loading: frozenset[str] = frozenset()) -> list[ModelAction]:
         """Actions for this round. Nodes in busy_nodes have an action under way and are left alone;
@@ -63,12 +67,19 @@ class ModelPlanner:
         actions: list[ModelAction] = []
         taken = set(busy_nodes)
         nodes = [s for s in view.nodes() if view.is_live(s, now)]
+        # A reservation whose node could no longer go (its model lost its other copies, or they are
+        # saturated) is dropped before anything is planned on it.
+        self._reserved = {n: m for n, m in self._reserved.items()
+                          if (s := view.get(n)) is not None and s in nodes and n not in taken
+                          and self._can_drain(s, nodes, now)}
         short: set[str] = set()
         for model in view.models():
-            if (not self._wanted(model, now) or model in loading
-                    or any(model in s.spec.loading_models for s in nodes)):
+            if not self._wanted(model, now):
                 continue
-            warm = [s for s in nodes if model in s.spec.warm_models]
+            if model in loading or any(model in s.spec.loading_models for s in nodes):
+                short.add(model)  # a load under way is not capacity: its reservation stays
+                continue
+            warm = [s for s in nodes if model in s.spec.warm_models and s.spec.node_id not in self._reserved]
             if warm:
                 level = _saturation(warm)
                 if level < self.saturation:
@@ -79,17 +90,19 @@ class ModelPlanner:
             short.add(model)
             target = self._target(model, nodes, taken, now)
             if target is None:
-                self._reserve(model, nodes, taken)
+                self._reserve(model, nodes, taken, now)
                 continue
             self._reserved.pop(target.spec.node_id, None)
             taken.add(target.spec.node_id)
             for victim in sorted(target.spec.warm_models):
                 actions.append(ModelAction("unload", target.spec.node_id, victim, f"make room for {model}"))
             actions.append(ModelAction("load", target.spec.node_id, model, reason))
-        live = {s.spec.node_id for s in nodes}
-        self._reserved = {n: m for n, m in self._reserved.items() if m in short and n in live and n not in taken}
+        self._reserved = {n: m for n, m in self._reserved.items() if m in short and n not in taken}
         if self.idle_unload_s > 0:
             copies = {m: sum(m in s.spec.warm_models for s in nodes) for m in view.models()}
+            for action in actions:  # the swaps' victims are going already
+                if action.kind == "unload":
+                    copies[action.model] -= 1
             for status in nodes:
                 if status.spec.node_id in taken or status.idle_s(now) < self.idle_unload_s:
                     continue
@@ -106,7 +119,7 @@ class ModelPlanner:
             if status.spec.loading_models:
                 return False
             if self._reserved.get(status.spec.node_id) == model:
-                return not _in_flight(status)  # drained for this swap
+                return not _in_flight(status)  # drained for this swap (still drainable: checked this round)
             if status.idle_s(now) < self.idle_swap_s:
                 return False
             return all(not self._wanted(m, now) or sum(m in s.spec.warm_models for s in nodes) > 1
@@ -119,23 +132,29 @@ class ModelPlanner:
         return min(options, key=lambda s: (not s.spec.is_empty, s.spec.load_time_s.get(model, 0.0),
                                            s.spec.price_per_hour, s.spec.node_id))
 
-    def _reserve(self, model: str, nodes: list[NodeStatus], taken: set[str]) -> None:
+    def _can_drain(self, status: NodeStatus, nodes: list[NodeStatus], now: float) -> bool:
+        """Whether status could be drained for a swap: loading nothing, its warm models warm elsewhere on
+        nodes not saturated without it, and warm for at least as long as their load took (so a swap is
+        not undone by the next one)."""
+        if status.spec.loading_models or not status.spec.warm_models:
+            return False
+        settled_s = max([self.idle_swap_s, *(status.spec.load_time_s.get(m, 0.0) for m in status.spec.warm_models)])
+        if now - status.models_since < settled_s:
+            return False
+        for other in status.spec.warm_models:
+            rest = [s for s in nodes if other in s.spec.warm_models and s is not status
+                    and s.spec.node_id not in self._reserved]
+            if not rest or _saturation(rest) >= self.saturation:
+                return False
+        return True
+
+    def _reserve(self, model: str, nodes: list[NodeStatus], taken: set[str], now: float) -> None:
         """Reserve a node to drain for model, unless one is reserved for it already: the least loaded
-        with model on its disk whose warm models stay warm elsewhere, on nodes not saturated."""
+        with model on its disk that could be drained."""
         if model in self._reserved.values():
             return
-
-        def can_drain(status: NodeStatus) -> bool:
-            if (model not in status.spec.cold_models or status.spec.loading_models or not status.spec.warm_models
-                    or status.spec.node_id in taken or status.spec.node_id in self._reserved):
-                return False
-            for other in status.spec.warm_models:
-                rest = [s for s in nodes if other in s.spec.warm_models and s is not status]
-                if not rest or _saturation(rest) >= self.saturation:
-                    return False
-            return True
-
-        options = [s for s in nodes if can_drain(s)]
+        options = [s for s in nodes if model in s.spec.cold_models and s.spec.node_id not in taken
+                   and s.spec.node_id not in self._reserved and self._can_drain(s, nodes, now)]
         if options:
             chosen = min(options, key=lambda s: (_load(s), s.spec.price_per_hour, s.spec.node_id))
             self._reserved[chosen.spec.node_id] = model

@@ -123,9 +123,12 @@ class Placer:
 
     def refresh(self, plan: Plan, now: float, changing: Changing = _none_changing) -> None:
         """Candidates for each model as the fleet is now."""
-        draining = self.planner.reserved_nodes()  # reserved for a swap: nothing new goes there
-        plan.candidates = {m: self.candidates(m, now, plan.ask.exclude | changing(m) | draining, plan.needed_blocks)
-                           for m in plan.models}
+        draining = self.planner.reserved_nodes()  # reserved for a swap: nothing new, unless nothing else can
+        plan.candidates = {}
+        for m in plan.models:
+            exclude = plan.ask.exclude | changing(m)
+            plan.candidates[m] = (self.candidates(m, now, exclude | draining, plan.needed_blocks)
+                                  or self.candidates(m, now, exclude, plan.needed_blocks))
 
     def candidates(self, model: str, now: float, exclude: frozenset[str], needed_blocks: int) -> list[NodeStatus]:
         """Nodes with model warm; with those whose free GPU could load it when the policy weighs load

@@ -331,6 +331,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             elapsed, last = now - last, now
             self._tasks.expire(now)
             if not self._role.is_leader:
+                self._planner.release()  # a successor plans afresh; on return, so does this one
                 continue
             # The operator pays for every registered GPU, busy or idle.
             self._tasks.add_fleet_time(elapsed, sum(s.spec.price_per_hour for s in self._cluster.nodes()))
@@ -349,7 +350,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         Observed TTFT against budgets is recorded (baton.scheduler.observed_ttft_ratio) but does not
         halt dispatch: in the simulator that cut goodput at 3x load from 7.0 to 4.5 requests/s.
         """
-        nodes = [s for s in self._cluster.nodes() if s.reported_at is not None]
+        draining = self._planner.reserved_nodes()  # they take nothing new: no room there
+        nodes = [s for s in self._cluster.nodes() if s.reported_at is not None and s.spec.node_id not in draining]
         loads = [(s.load.num_waiting + s.placed_requests, s.load.kv_blocks_used, s.load.kv_blocks_total)
                  for s in nodes]
         return pool_saturation(loads) >= 1.0

@@ -127,3 +127,57 @@ def test_no_node_is_drained_when_its_model_would_be_left_saturated_or_without_a_
     both_busy_b = (*lone_b, spec("n2", warm={B}, cold={A}))
     planner.plan(view(*both_busy_b, loads={"n0": SATURATED, "n1": SATURATED, "n2": SATURATED}, now=99.0), now=100.0)
     assert planner.reserved_nodes() == frozenset()
+
+
+def test_a_reservation_is_dropped_when_its_node_could_no_longer_go() -> None:
+    """n2 is reserved for A; then B's other node goes silent (or saturates): n2 is B's last good copy,
+    so it is not swapped, and it takes B's requests again."""
+    planner = ModelPlanner(idle_swap_s=10.0)
+    planner.note_demand(A, 99.0)
+    planner.note_demand(B, 99.0)
+    nodes = (spec("n0", warm={A}), spec("n1", warm={B}, cold={A}), spec("n2", warm={B}, cold={A}))
+    busy = view(*nodes, loads={"n0": SATURATED, "n1": Load(num_running=3, kv_blocks_total=1000), "n2": CALM},
+                now=99.0)
+    planner.plan(busy, now=100.0)
+    assert planner.reserved_nodes() == {"n2"}
+    drained = {"n0": SATURATED, "n2": Load(kv_blocks_total=1000)}
+
+    def just_drained(cluster: ClusterView) -> ClusterView:
+        cluster.get("n2").last_placed_at = 100.0  # it served until a moment ago: not idle for a swap
+        return cluster
+
+    saturated_b = just_drained(view(*nodes, loads={**drained, "n1": SATURATED}, now=100.0))
+    assert planner.plan(saturated_b, now=101.0) == [] and "n2" not in planner.reserved_nodes()
+    planner.release()
+    planner.plan(busy, now=102.0)
+    assert planner.reserved_nodes() == {"n2"}
+    silent_b = just_drained(view(*nodes, loads=drained, now=100.0))
+    silent_b.report_load("n1", CALM, 80.0)  # last heard 22 s ago: not live
+    assert planner.plan(silent_b, now=102.0) == [] and planner.reserved_nodes() == frozenset()
+
+
+def test_a_node_just_swapped_is_not_drained_again_before_its_load_has_paid() -> None:
+    planner = ModelPlanner(idle_swap_s=10.0)
+    planner.note_demand(A, 99.0)
+    planner.note_demand(B, 99.0)
+    cluster = ClusterView(load_timeout_s=10.0)
+    cluster.set_nodes([spec("n0", warm={A}), spec("n1", warm={B}, cold={A}), spec("n2", warm={B}, cold={A})],
+                      now=70.0)  # B came to n1 and n2 30 s ago; its load takes 49 s
+    for now in (100.0, 120.0):
+        for node_id, load in {"n0": SATURATED, "n1": CALM, "n2": CALM}.items():
+            cluster.report_load(node_id, load, now)
+        planner.plan(cluster, now=now)
+        assert planner.reserved_nodes() == (frozenset() if now == 100.0 else {"n1"})
+
+
+def test_a_reservation_holds_while_its_model_loads_elsewhere_and_goes_when_leadership_does() -> None:
+    planner = ModelPlanner(idle_swap_s=10.0)
+    planner.note_demand(A, 99.0)
+    planner.note_demand(B, 99.0)
+    nodes = (spec("n0", warm={A}), spec("n1", warm={B}, cold={A}), spec("n2", warm={B}, cold={A}))
+    busy = view(*nodes, loads={"n0": SATURATED, "n1": Load(num_running=3, kv_blocks_total=1000), "n2": CALM},
+                now=99.0)
+    planner.plan(busy, now=100.0)
+    assert planner.plan(busy, now=101.0, loading=frozenset({A})) == [] and planner.reserved_nodes() == {"n2"}
+    planner.release()
+    assert planner.reserved_nodes() == frozenset()

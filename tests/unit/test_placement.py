@@ -168,3 +168,10 @@ def test_a_node_reserved_for_a_model_swap_gets_nothing_new() -> None:
     placer = _placer(_spec("a"), _spec("b"))
     placer.planner._reserved["a"] = "other"  # as ModelPlanner._reserve leaves it
     assert _place(placer, _ask()) == "b"  # a would win the tie
+
+
+def test_a_reserved_node_still_serves_what_no_other_node_can() -> None:
+    """A retry that must leave b has only the reserved a left: it goes there rather than nowhere."""
+    placer = _placer(_spec("a"), _spec("b"))
+    placer.planner._reserved["a"] = "other"
+    assert _place(placer, _ask(retry_cause="node b failed", exclude=frozenset({"b"}))) == "a"
