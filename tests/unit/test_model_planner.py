@@ -96,31 +96,41 @@ def test_idle_models_are_unloaded_but_never_the_last_warm_copy() -> None:
 
 
 
+# A saturated on n0; B on n1 (three running) and n2 (one running), both with A on disk.
+SWAP_NODES = (spec("n0", warm={A}), spec("n1", warm={B}, cold={A}), spec("n2", warm={B}, cold={A}))
+BUSIER = Load(num_running=3, kv_blocks_used=10, kv_blocks_total=1000)
+
+
+def wanting_both() -> ModelPlanner:
+    planner = ModelPlanner(idle_swap_s=10.0)
+    planner.note_demand(A, 99.0)
+    planner.note_demand(B, 99.0)
+    return planner
+
+
+def b_busy() -> ClusterView:
+    return view(*SWAP_NODES, loads={"n0": SATURATED, "n1": BUSIER, "n2": CALM}, now=99.0)
+
+
 def test_with_every_other_node_busy_one_is_drained_for_the_swap_and_released_once_demand_calms() -> None:
     """A is saturated on n0; B's nodes are never idle (placement spreads B over both), so none could
     be swapped after 10 s idle: the less loaded one is reserved, gets nothing new, and is swapped as
     soon as its requests end (without the reservation A never got a second node)."""
-    planner = ModelPlanner(idle_swap_s=10.0)
-    planner.note_demand(A, 99.0)
-    planner.note_demand(B, 99.0)
-    nodes = (spec("n0", warm={A}), spec("n1", warm={B}, cold={A}), spec("n2", warm={B}, cold={A}))
-    busier = Load(num_running=3, kv_blocks_used=10, kv_blocks_total=1000)
-    busy = view(*nodes, loads={"n0": SATURATED, "n1": busier, "n2": CALM}, now=99.0)
+    planner = wanting_both()
+    busy = b_busy()
     assert planner.plan(busy, now=100.0) == [] and planner.reserved_nodes() == {"n2"}
-    drained = view(*nodes, loads={"n0": SATURATED, "n1": busier, "n2": Load(kv_blocks_total=1000)}, now=100.0)
+    drained = view(*SWAP_NODES, loads={"n0": SATURATED, "n1": BUSIER, "n2": Load(kv_blocks_total=1000)}, now=100.0)
     assert [(a.kind, a.node_id, a.model) for a in planner.plan(drained, now=101.0)] == [("unload", "n2", B),
                                                                                          ("load", "n2", A)]
     assert planner.reserved_nodes() == frozenset()
     planner.plan(busy, now=102.0)
     assert planner.reserved_nodes() == {"n2"}
-    calm = view(*nodes, loads={"n0": CALM, "n1": busier, "n2": CALM}, now=102.0)
+    calm = view(*SWAP_NODES, loads={"n0": CALM, "n1": BUSIER, "n2": CALM}, now=102.0)
     assert planner.plan(calm, now=103.0) == [] and planner.reserved_nodes() == frozenset()
 
 
 def test_no_node_is_drained_when_its_model_would_be_left_saturated_or_without_a_warm_copy() -> None:
-    planner = ModelPlanner(idle_swap_s=10.0)
-    planner.note_demand(A, 99.0)
-    planner.note_demand(B, 99.0)
+    planner = wanting_both()
     lone_b = (spec("n0", warm={A}), spec("n1", warm={B}, cold={A}))
     planner.plan(view(*lone_b, loads={"n0": SATURATED, "n1": CALM}, now=99.0), now=100.0)
     assert planner.reserved_nodes() == frozenset()
@@ -132,12 +142,8 @@ def test_no_node_is_drained_when_its_model_would_be_left_saturated_or_without_a_
 def test_a_reservation_is_dropped_when_its_node_could_no_longer_go() -> None:
     """n2 is reserved for A; then B's other node goes silent (or saturates): n2 is B's last good copy,
     so it is not swapped, and it takes B's requests again."""
-    planner = ModelPlanner(idle_swap_s=10.0)
-    planner.note_demand(A, 99.0)
-    planner.note_demand(B, 99.0)
-    nodes = (spec("n0", warm={A}), spec("n1", warm={B}, cold={A}), spec("n2", warm={B}, cold={A}))
-    busy = view(*nodes, loads={"n0": SATURATED, "n1": Load(num_running=3, kv_blocks_total=1000), "n2": CALM},
-                now=99.0)
+    planner = wanting_both()
+    busy = b_busy()
     planner.plan(busy, now=100.0)
     assert planner.reserved_nodes() == {"n2"}
     drained = {"n0": SATURATED, "n2": Load(kv_blocks_total=1000)}
@@ -146,23 +152,20 @@ def test_a_reservation_is_dropped_when_its_node_could_no_longer_go() -> None:
         cluster.get("n2").last_placed_at = 100.0  # it served until a moment ago: not idle for a swap
         return cluster
 
-    saturated_b = just_drained(view(*nodes, loads={**drained, "n1": SATURATED}, now=100.0))
+    saturated_b = just_drained(view(*SWAP_NODES, loads={**drained, "n1": SATURATED}, now=100.0))
     assert planner.plan(saturated_b, now=101.0) == [] and "n2" not in planner.reserved_nodes()
     planner.release()
     planner.plan(busy, now=102.0)
     assert planner.reserved_nodes() == {"n2"}
-    silent_b = just_drained(view(*nodes, loads=drained, now=100.0))
+    silent_b = just_drained(view(*SWAP_NODES, loads=drained, now=100.0))
     silent_b.report_load("n1", CALM, 80.0)  # last heard 22 s ago: not live
     assert planner.plan(silent_b, now=102.0) == [] and planner.reserved_nodes() == frozenset()
 
 
 def test_a_node_just_swapped_is_not_drained_again_before_its_load_has_paid() -> None:
-    planner = ModelPlanner(idle_swap_s=10.0)
-    planner.note_demand(A, 99.0)
-    planner.note_demand(B, 99.0)
+    planner = wanting_both()
     cluster = ClusterView(load_timeout_s=10.0)
-    cluster.set_nodes([spec("n0", warm={A}), spec("n1", warm={B}, cold={A}), spec("n2", warm={B}, cold={A})],
-                      now=70.0)  # B came to n1 and n2 30 s ago; its load takes 49 s
+    cluster.set_nodes(list(SWAP_NODES), now=70.0)  # B came to n1 and n2 30 s ago; its load takes 49 s
     for now in (100.0, 120.0):
         for node_id, load in {"n0": SATURATED, "n1": CALM, "n2": CALM}.items():
             cluster.report_load(node_id, load, now)
@@ -171,12 +174,8 @@ def test_a_node_just_swapped_is_not_drained_again_before_its_load_has_paid() -> 
 
 
 def test_a_reservation_holds_while_its_model_loads_elsewhere_and_goes_when_leadership_does() -> None:
-    planner = ModelPlanner(idle_swap_s=10.0)
-    planner.note_demand(A, 99.0)
-    planner.note_demand(B, 99.0)
-    nodes = (spec("n0", warm={A}), spec("n1", warm={B}, cold={A}), spec("n2", warm={B}, cold={A}))
-    busy = view(*nodes, loads={"n0": SATURATED, "n1": Load(num_running=3, kv_blocks_total=1000), "n2": CALM},
-                now=99.0)
+    planner = wanting_both()
+    busy = b_busy()
     planner.plan(busy, now=100.0)
     assert planner.plan(busy, now=101.0, loading=frozenset({A})) == [] and planner.reserved_nodes() == {"n2"}
     planner.release()
