@@ -26,7 +26,7 @@ from services.node_agent.engines.sim.models import GPU_SPECS, SimModelSpec, get_
 from services.node_agent.engines.sim.profile import configured_profile
 from services.node_agent.engines.types import EngineRequest, SamplingParams, StepResult
 from services.router.generation import FailureCause, Generation, NodeFailure
-from services.scheduler.admission import Admission, Verdict, pool_saturation
+from services.scheduler.admission import Admission, Verdict
 from services.scheduler.fleet import ClusterView, NodeSpec
 from services.scheduler.model_planner import ModelAction, ModelPlanner
 from services.scheduler.placement import PlaceAsk, Placer, Plan
@@ -410,7 +410,7 @@ class Simulation:
             return
         ticket, predicted_ttft_s = admission
         assert self._admission is not None
-        outcome = self._admission.offer(ticket, self._now, self._is_saturated(), predicted_ttft_s)
+        outcome = self._admission.offer(ticket, self._now, self._placer.is_saturated(self._now), predicted_ttft_s)
         if outcome.shed is not None:
             shed, _ = self._held.pop(outcome.shed.request_id)
             self._fail(shed.record, f"shed: {outcome.reason}")
@@ -456,12 +456,6 @@ class Simulation:
             if node.is_alive:
                 self._view.report_load(status.spec.node_id, node.load(), self._now)
 
-    def _is_saturated(self) -> bool:
-        draining = self._placer.planner.reserved_nodes()  # as the scheduler: they take nothing new
-        loads = [(load.num_waiting, load.kv_blocks_used, load.kv_blocks_total)
-                 for load in (n.load() for node_id, n in self._nodes.items() if n.is_alive and node_id not in draining)]
-        return pool_saturation(loads) >= 1.0
-
     def _dispatch(self) -> None:
         """Release queued requests while the fleet has room, as the leader's gate does."""
         if self._admission is None or not self._held:
@@ -469,7 +463,8 @@ class Simulation:
         for ticket in self._admission.expired(self._now):
             pending, _ = self._held.pop(ticket.request_id)
             self._fail(pending.record, "deadline passed while queued")
-        while self._held and not self._is_saturated():
+        self._refresh_loads()  # what the gate judges: the loads as of now, as the live one has them reported
+        while self._held and not self._placer.is_saturated(self._now):
             ticket = self._admission.pop_next(self._now)
             if ticket is None:
                 break

@@ -36,7 +36,8 @@ class SchedulerConfig(ServiceConfig):
     retry_min_per_s: float = doc("retries allowed per second whatever the request rate", 5.0)
     max_queued: int = doc("most requests the admission queue holds (memory bound)", 10_000)
     model_plan_interval_s: float = doc("how often the leader plans model loads and unloads", 1.0)
-    model_swap_idle_s: float = doc("a node idle this long may have its model swapped for one in demand", 10.0)
+    model_swap_idle_s: float = doc("a node idle this long may have its model swapped for one in demand; a node drained "
+                                   "for a swap must have had its models at least this long (and their load time)", 10.0)
     model_idle_unload_s: float = doc("unload a model idle this long on a node if another keeps it warm; 0: never",
                                      0.0)
     model_load_timeout_s: float = doc("deadline of one LoadModel call", 300.0)

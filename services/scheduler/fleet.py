@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from services.common.engine_profile import EngineProfile
 from services.common.load import Load
+from services.scheduler.admission import pool_saturation
 
 # Seconds after which a placement its node never reported receiving stops counting as its load (the
 # router failed before sending it on), counted from when the node last changed its models.
@@ -87,6 +89,14 @@ class NodeStatus:
         if self.load.num_running or self.load.num_waiting or self.placed_requests:
             return 0.0
         return now - max(self.models_since, self.last_placed_at or self.models_since)
+
+
+def saturation(nodes: Iterable[NodeStatus]) -> float:
+    """llm-d's saturation of nodes as the scheduler sees them: placements not yet reported count as waiting.
+
+    The one measure the admission gate, the model planner and the simulator all use."""
+    return pool_saturation([(s.load.num_waiting + s.placed_requests, s.load.kv_blocks_used, s.load.kv_blocks_total)
+                            for s in nodes])
 
 
 class ClusterView:

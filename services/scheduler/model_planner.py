@@ -21,8 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.scheduler.admission import pool_saturation
-from services.scheduler.fleet import ClusterView, NodeStatus
+from services.scheduler.fleet import ClusterView, NodeStatus, saturation
 
 
 @dataclass(frozen=True)
@@ -81,7 +80,7 @@ class ModelPlanner:
                 continue
             warm = [s for s in nodes if model in s.spec.warm_models and s.spec.node_id not in self._reserved]
             if warm:
-                level = _saturation(warm)
+                level = saturation(warm)
                 if level < self.saturation:
                     continue
                 reason = f"{len(warm)} warm node(s) saturated ({level:.2f})"
@@ -144,7 +143,7 @@ class ModelPlanner:
         for other in status.spec.warm_models:
             rest = [s for s in nodes if other in s.spec.warm_models and s is not status
                     and s.spec.node_id not in self._reserved]
-            if not rest or _saturation(rest) >= self.saturation:
+            if not rest or saturation(rest) >= self.saturation:
                 return False
         return True
 
@@ -167,8 +166,3 @@ def _load(status: NodeStatus) -> int:
 def _in_flight(status: NodeStatus) -> bool:
     return _load(status) > 0
 
-
-def _saturation(nodes: list[NodeStatus]) -> float:
-    """llm-d's saturation of nodes (placements not yet reported counted as waiting)."""
-    return pool_saturation([(s.load.num_waiting + s.placed_requests, s.load.kv_blocks_used, s.load.kv_blocks_total)
-                            for s in nodes])

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from services.common.errors import NotFound, ResourceExhausted, Unavailable
 from services.scheduler.admission import Ticket
-from services.scheduler.fleet import ClusterView, NodeStatus
+from services.scheduler.fleet import ClusterView, NodeStatus, saturation
 from services.scheduler.model_planner import ModelPlanner
 from services.scheduler.policies import Decision, Option, PlacementRequest, Policy
 from services.scheduler.policies.baton import BatonPolicy
@@ -137,6 +137,14 @@ class Placer:
         if warm and not self.policy.weighs_cold_nodes:
             return warm
         return warm + self.cluster.cold_candidates(model, now, exclude, needed_blocks)
+
+    def is_saturated(self, now: float) -> bool:
+        """Whether the fleet has no room for more: llm-d's saturation of the live nodes that have reported
+        load, placements not yet there counted as waiting. A node reserved for a swap takes nothing new,
+        so it is no room. What the admission gate holds requests on, live and simulated."""
+        draining = self.planner.reserved_nodes()
+        return saturation(s for s in self.cluster.nodes() if s.reported_at is not None
+                          and s.spec.node_id not in draining and self.cluster.is_live(s, now)) >= 1.0
 
     def no_candidates(self, plan: Plan) -> Unavailable:
         excluded = plan.ask.exclude

@@ -164,14 +164,44 @@ def test_a_request_that_queued_past_what_its_deadline_allows_is_refused_before_i
         placer.after_queueing(plan, options, 11.0)
 
 
+def _reserve(placer: Placer, node_id: str, now: float = 20.0) -> None:
+    """Have the planner reserve node_id to drain for a swap to "other", the one model its disk has cold:
+    wanted, warm nowhere, and every node busy (none idle to swap at once)."""
+    for status in placer.cluster.nodes():
+        placer.cluster.report_load(status.spec.node_id, Load(num_running=1, kv_blocks_total=1000), now)
+    placer.planner.note_demand("other", now)
+    assert placer.planner.plan(placer.cluster, now) == []
+    assert placer.planner.reserved_nodes() == {node_id}
+
+
 def test_a_node_reserved_for_a_model_swap_gets_nothing_new() -> None:
-    placer = _placer(_spec("a"), _spec("b"))
-    placer.planner._reserved["a"] = "other"  # as ModelPlanner._reserve leaves it
-    assert _place(placer, _ask()) == "b"  # a would win the tie
+    placer = _placer(_spec("a", cold=("other",)), _spec("b"))
+    _reserve(placer, "a")
+    assert _place(placer, _ask(), now=20.0) == "b"  # a would win the tie
 
 
 def test_a_reserved_node_still_serves_what_no_other_node_can() -> None:
     """A retry that must leave b has only the reserved a left: it goes there rather than nowhere."""
-    placer = _placer(_spec("a"), _spec("b"))
-    placer.planner._reserved["a"] = "other"
-    assert _place(placer, _ask(retry_cause="node b failed", exclude=frozenset({"b"}))) == "a"
+    placer = _placer(_spec("a", cold=("other",)), _spec("b"))
+    _reserve(placer, "a")
+    assert _place(placer, _ask(retry_cause="node b failed", exclude=frozenset({"b"})), now=20.0) == "a"
+
+
+def test_the_fleet_is_saturated_by_what_it_was_sent_not_by_nodes_that_take_nothing_or_went_silent() -> None:
+    """llm-d's threshold is 5 waiting per node on average, over the nodes that could take a request."""
+    placer = _placer(_spec("a"), _spec("b", cold=("other",)))
+    _reserve(placer, "b")  # draining for a swap: its room is not room
+    placer.cluster.report_load("a", Load(num_waiting=5, kv_blocks_total=1000), 20.0)
+    assert placer.is_saturated(20.0)  # a alone, at the threshold
+    placer.planner.release()
+    placer.cluster.report_load("b", Load(kv_blocks_total=1000), 20.0)
+    assert not placer.is_saturated(20.0)  # b is empty: half the threshold
+    for _ in range(5):  # placed on b, not yet there as of its last report: waiting all the same
+        placer.cluster.record_placement("b", 1, 20.0)
+    assert placer.is_saturated(20.0)
+    placer.cluster.report_load("b", Load(kv_blocks_total=1000), 21.0)  # b served them
+    assert not placer.is_saturated(21.0)
+    placer.cluster.report_load("a", Load(num_waiting=10, kv_blocks_total=1000), 21.0)
+    assert placer.is_saturated(21.0)
+    placer.cluster.report_load("b", Load(kv_blocks_total=1000), 26.5)
+    assert not placer.is_saturated(26.5)  # a has said nothing for 5.5 s, past the 5 s load timeout
