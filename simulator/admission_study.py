@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from services.scheduler.policies import make_policy
-from simulator.metrics import Slo, met_by
+from simulator.metrics import Slo, met_by, summarize
 from simulator.simulation import ADMISSIONS, Simulation, fleet
 from simulator.study import run_all, study_parser, write_results
 from simulator.workload import assign_classes, load_mooncake
@@ -22,12 +22,16 @@ def run_one(job: tuple[argparse.Namespace, str, float]) -> tuple[str, float, dic
                                             limit=args.limit))
     slo = Slo(args.ttft_slo, args.tpot_slo)
     result = Simulation(fleet(args.fleet), make_policy(args.policy), model=args.model, admission=admission,
-                        ttft_budget_ms=int(args.ttft_slo * 1000)).run(workload)
+                        ttft_budget_ms=int(args.ttft_slo * 1000), tpot_budget_ms=int(args.tpot_slo * 1000),
+                        timing_error=args.timing_error, seed=args.seed).run(workload)
     bands = met_by(result, slo, lambda record: record.request.priority)
     met = sum(m for m, _ in bands.values())
-    refused = sum(1 for r in result.records if r.failed)
+    refused = sum(1 for r in result.records if r.failed.startswith(("refused", "shed")))
+    summary = summarize(result, workload, slo)
     return admission, load, {"goodput_rps": met / result.makespan_s, "met": met, "total": len(result.records),
-                             "refused": refused, "bands": bands}
+                             "refused": refused, "bands": bands,
+                             "cost_per_successful_task": summary.cost_per_successful_task,
+                             "busy_cost_per_successful_task": summary.busy_cost_per_successful_task}
 
 
 def _share(bands: dict[str, tuple[int, int]], band: str) -> str:
@@ -42,12 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     loads = [float(x) for x in args.loads.split(",")]
     rows = run_all(run_one, [(args, admission, load) for load in loads for admission in ADMISSIONS], args.jobs)
-    lines = ["| load | admission | goodput (req/s) | SLO met, band 1 | band 0 | band -1 | refused at once |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+    lines = ["| load | admission | goodput (req/s) | SLO met, band 1 | band 0 | band -1 | refused or shed "
+             "| cost per successful task, whole fleet / busy ($) |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for admission, load, r in rows:
         shares = [_share(r["bands"], band) for band in ("1", "0", "-1")]
         lines.append(f"| {load:g}x | {NAMES[admission]} | {r['goodput_rps']:.3f} | {' | '.join(shares)} "
-                     f"| {r['refused']} |")
+                     f"| {r['refused']} | {r['cost_per_successful_task']:.5f} / "
+                     f"{r['busy_cost_per_successful_task']:.5f} |")
     write_results(args.out, "\n".join(lines), {"args": vars(args), "runs": [
         {"admission": a, "load": load, **r} for a, load, r in rows]})
     return 0

@@ -55,7 +55,8 @@ def run_one(job: tuple[argparse.Namespace, str, float]) -> tuple[str, float, dic
     planner = ModelPlanner(idle_swap_s=args.swap_idle_s) if mode == "planner" else None
     slo = Slo(args.ttft_slo, args.tpot_slo)
     simulation = Simulation(nodes, make_policy(args.policy), model=model_a, planner=planner,
-                            ttft_budget_ms=int(args.ttft_slo * 1000))
+                            ttft_budget_ms=int(args.ttft_slo * 1000), tpot_budget_ms=int(args.tpot_slo * 1000),
+                            timing_error=args.timing_error, seed=args.seed)
     result = simulation.run(workload)
     summary = summarize(result, workload, slo)
     actions = Counter(action.kind for _, action in simulation.model_actions)

@@ -171,7 +171,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(its tenant class0, class1, ...), e.g. 0.3:1:0.03,0.7:30:0.2; the shares add up to 1")
     parser.add_argument("--max-tokens", type=int, default=2048,
                         help="what every client asks for; the scheduler never sees a request's true output length")
-    parser.add_argument("--timing-error", type=float, default=0.0,
+    parser.add_argument("--timing-error", type=float, default=0.3,
                         help="each GPU generation runs its timing model scaled by a factor drawn from [1-e, 1+e]")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds of the timing-error draw; "
                         "several give each figure a 95%% confidence interval")

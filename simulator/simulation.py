@@ -273,6 +273,7 @@ class Simulation:
         waiting, node.waiting_for_load = node.waiting_for_load, []
         for generation, record, block_hashes in waiting:  # Place returned this node once it was warm
             self._start_on(node, generation, record, block_hashes)
+        self._dispatch()  # the fleet changed: as the live gate, judge saturation again
 
     def _unload(self, node: _Node) -> bool:
         """UnloadModel: refused while requests run or wait there."""
@@ -298,6 +299,7 @@ class Simulation:
         for pending in unplaced:
             self._placer.refresh(pending.plan, self._now)
             self._placed_or_waiting(pending)
+        self._dispatch()
         if self._events or self._step_events:  # plan again while anything is left to happen
             self._at(self._now + self._plan_interval_s, self._plan)
 
@@ -404,7 +406,12 @@ class Simulation:
             self._fail(record, str(self._placer.no_candidates(plan)))
             return
         options = self._placer.options(plan, lambda m: self._index.overlap(m, pending.block_hashes))
-        admission = self._placer.ticket(plan, options, self._now) if self._admission is not None else None
+        try:
+            admission = self._placer.ticket(plan, options, self._now) if self._admission is not None else None
+        except BatonError as error:  # a deadline no node could meet: refused at once, as Place does
+            self._placer.abandon(plan)
+            self._fail(record, f"refused: {error}")
+            return
         if admission is None:
             self._commit(pending, options)
             return
@@ -553,6 +560,7 @@ class Simulation:
         self._registered.discard(node_id)
         self._update_view()
         self._index.remove_node(node_id)
+        self._dispatch()  # its last load no longer counts: the survivors' room may release the queue
 
     def _migrate(self, generation: Generation, record: RequestRecord, failure: NodeFailure) -> None:
         record.end_attempt()  # the lost attempt's GPU time is paid for

@@ -27,6 +27,9 @@ def study_parser(prog: str, description: str | None, *, fleet: str, policy: str,
     parser.add_argument("--limit", type=int, default=limit, help="first N requests of the trace")
     parser.add_argument("--ttft-slo", type=float, default=5.0, help="seconds")
     parser.add_argument("--tpot-slo", type=float, default=0.1, help="seconds per output token")
+    parser.add_argument("--timing-error", type=float, default=0.3,
+                        help="each GPU generation runs its timing model scaled by a factor drawn from [1-e, 1+e]")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the timing-error draw (one run per load)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs in parallel")
     parser.add_argument("--out", default=out, help="folder for table.md and results.json")
     return parser
