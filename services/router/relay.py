@@ -264,6 +264,16 @@ class Relay:
                     leader = await self._leader.wait_other_or_reachable(tried, wait_s())
                     address = leader.address if leader is not None else ""
                     continue
+                if at != tried.address and self._leader.leader() == tried:
+                    # A hint led here: the leader etcd shows answered as a standby whose view still named
+                    # the old leader (it had yet to see its own election). Back to it shortly, unless etcd
+                    # shows another first; waiting for another would wait out the leader that is.
+                    backoff_s = min(2 * backoff_s, 1.0)
+                    other = await self._leader.wait_for_other(tried, min(backoff_s, wait_s()))
+                    if other is not None or wait_s() > 0:
+                        leader = other or tried
+                        address = leader.address
+                        continue
             leader = await self._leader.wait_for_other(tried, wait_s())
             address = leader.address if leader is not None else ""
         if timed_out is not None:  # a leader that holds a placement that long is queueing it or loading a model

@@ -1,0 +1,83 @@
+"""The router's search for the scheduler leader through a failover (Relay._call_scheduler)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from baton.protocol import LEADER_KEY
+from baton.v1 import scheduler_pb2
+from services.common.directory import LeaderRecord
+from services.common.errors import Unavailable
+from services.common.telemetry import Telemetry
+from services.router.config import RouterConfig
+from services.router.relay import Relay
+
+pytestmark = pytest.mark.timeout(10)
+
+OLD = LeaderRecord("/baton/election/scheduler/old", 3, "scheduler-old:1")
+NEW = LeaderRecord("/baton/election/scheduler/new", 5, "scheduler-new:1")
+
+
+class ElectionAsEtcdShowsIt:
+    """A LeaderDirectory whose etcd view shows one leader throughout: waiting for another times out."""
+
+    def __init__(self, shown: LeaderRecord) -> None:
+        self.shown = shown
+        self._never = asyncio.Event()
+
+    def leader(self) -> LeaderRecord:
+        return self.shown
+
+    async def wait_for_other(self, leader: LeaderRecord | None, timeout_s: float) -> LeaderRecord | None:
+        if self.shown != leader:
+            return self.shown
+        try:
+            await asyncio.wait_for(self._never.wait(), timeout_s)
+        except TimeoutError:
+            pass
+        return None
+
+    async def wait_other_or_reachable(self, leader: LeaderRecord, timeout_s: float) -> LeaderRecord | None:
+        return await self.wait_for_other(leader, timeout_s)
+
+
+def _error(code: grpc.StatusCode, details: str, *trailing: tuple[str, str]) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
+
+
+async def test_a_stale_hint_from_the_new_leader_does_not_make_the_router_wait_it_out() -> None:
+    """Seen in the compose failover test: the new leader, a few ms before its own view showed its election,
+    answered as a standby naming the dead old leader; the call there failed in transport, and the router
+    then waited for a leader other than the new one — which never came — until --leader-wait-s ran out."""
+    relay = Relay(RouterConfig(leader_wait_s=5.0), ElectionAsEtcdShowsIt(NEW),  # type: ignore[arg-type]
+                  None, None, Telemetry("router/test", "none").meter, lambda _: "")  # type: ignore[arg-type]
+    calls: list[str] = []
+
+    async def place_at(address: str, is_current: object, place: object, timeout_s: float) -> scheduler_pb2.Placement:
+        calls.append(address)
+        if len(calls) == 1:  # the new leader, before it sees its own election
+            raise _error(grpc.StatusCode.FAILED_PRECONDITION, "scheduler-new is a standby; the leader is old",
+                         (LEADER_KEY, OLD.address))
+        if address == OLD.address:  # killed: the connection fails
+            raise _error(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+        return scheduler_pb2.Placement(node_id="n0")
+
+    relay._place_at = place_at  # type: ignore[method-assign]
+    placement = await relay._call_scheduler(scheduler_pb2.PlaceRequest(request_id="r"), remaining_s=30.0)
+    assert placement.node_id == "n0"
+    assert calls == [NEW.address, OLD.address, NEW.address]
+
+
+async def test_with_no_leader_answering_the_router_gives_up_after_the_leader_wait() -> None:
+    relay = Relay(RouterConfig(leader_wait_s=0.2), ElectionAsEtcdShowsIt(NEW),  # type: ignore[arg-type]
+                  None, None, Telemetry("router/test", "none").meter, lambda _: "")  # type: ignore[arg-type]
+
+    async def place_at(address: str, is_current: object, place: object, timeout_s: float) -> scheduler_pb2.Placement:
+        raise _error(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+
+    relay._place_at = place_at  # type: ignore[method-assign]
+    with pytest.raises(Unavailable, match="no scheduler leader placed the request within 0.2 s"):
+        await relay._call_scheduler(scheduler_pb2.PlaceRequest(request_id="r"), remaining_s=30.0)
