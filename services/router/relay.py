@@ -264,7 +264,8 @@ class Relay:
                     leader = await self._leader.wait_other_or_reachable(tried, wait_s())
                     address = leader.address if leader is not None else ""
                     continue
-                if at != tried.address and self._leader.leader() == tried:
+                if (at != tried.address and exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED
+                        and self._leader.leader() == tried):
                     # A hint led here: the leader etcd shows answered as a standby whose view still named
                     # the old leader (it had yet to see its own election). Back to it shortly, unless etcd
                     # shows another first; waiting for another would wait out the leader that is.
