@@ -224,10 +224,19 @@ class Relay:
                 wait_end = min(loop.time() + self._config.leader_wait_s, end)
             return max(0.0, wait_end - loop.time())
 
+        backoff_s = 0.025
+
+        async def shown_again(tried: LeaderRecord) -> LeaderRecord | None:
+            """After a short backoff, the leader etcd shows: tried still, or one it shows meanwhile;
+            None when the wait for a leader is over."""
+            nonlocal backoff_s
+            backoff_s = min(2 * backoff_s, 1.0)
+            other = await self._leader.wait_for_other(tried, min(backoff_s, wait_s()))
+            return (other or tried) if other is not None or wait_s() > 0 else None
+
         leader = self._leader.leader() or await self._leader.wait_for_other(None, wait_s())
         address = leader.address if leader is not None else ""
         num_hints = 0
-        backoff_s = 0.025
         timed_out: str | None = None
         while leader is not None:
             # Admission may hold a placement while the fleet is saturated: wait up to the client's deadline.
@@ -250,11 +259,8 @@ class Relay:
                         and self._leader.leader() == tried):
                     # etcd already shows it leading, but it has not taken office yet (its own view lags
                     # etcd's by a watch event): call it again shortly, unless etcd shows another first.
-                    backoff_s = min(2 * backoff_s, 1.0)
-                    other = await self._leader.wait_for_other(tried, min(backoff_s, wait_s()))
-                    if other is not None or wait_s() > 0:
-                        leader = other or tried
-                        address = leader.address
+                    if (again := await shown_again(tried)) is not None:
+                        leader, address = again, again.address
                         continue
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     timed_out = f"scheduler {at} did not place the request within {timeout_s:.1f} s"
@@ -269,11 +275,8 @@ class Relay:
                     # A hint led here: the leader etcd shows answered as a standby whose view still named
                     # the old leader (it had yet to see its own election). Back to it shortly, unless etcd
                     # shows another first; waiting for another would wait out the leader that is.
-                    backoff_s = min(2 * backoff_s, 1.0)
-                    other = await self._leader.wait_for_other(tried, min(backoff_s, wait_s()))
-                    if other is not None or wait_s() > 0:
-                        leader = other or tried
-                        address = leader.address
+                    if (again := await shown_again(tried)) is not None:
+                        leader, address = again, again.address
                         continue
             leader = await self._leader.wait_for_other(tried, wait_s())
             address = leader.address if leader is not None else ""
