@@ -424,16 +424,20 @@ class LocalCluster:
                                  f"expected {num_nodes}; leader {state.leader_id or 'none'}")
             time.sleep(0.05)  # membership arrives through etcd watches; poll the view with a deadline
 
+    @property
+    def processes(self) -> list[ManagedProcess]:
+        """Every process started, in the order they stop: routers first, etcd last."""
+        return [p for p in [*self.routers, *reversed(self.nodes), *self.schedulers, *self.kvindexes, self.etcd]
+                if p is not None]
+
     def metrics_urls(self) -> dict[str, str]:
         """Each service's Prometheus endpoint, by process name (none unless spec.metrics)."""
-        return {p.name: f"http://{p.metrics_address}/metrics"
-                for p in [*self.routers, *self.schedulers, *self.kvindexes, *self.nodes] if p.metrics_address}
+        return {p.name: f"http://{p.metrics_address}/metrics" for p in self.processes if p.metrics_address}
 
     def stop(self) -> None:
         """Stop what this cluster started, by pid: router first, etcd last."""
-        for process in [*self.routers, *reversed(self.nodes), *self.schedulers, *self.kvindexes, self.etcd]:
-            if process is not None:
-                process.stop()
+        for process in self.processes:
+            process.stop()
         if self._own_workdir and os.environ.get("BATON_KEEP_WORKDIR") != "1":
             shutil.rmtree(self.workdir, ignore_errors=True)
 

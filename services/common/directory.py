@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,17 +19,27 @@ from services.common.telemetry import Telemetry
 log = logging.getLogger(__name__)
 
 
-class ChannelPool:
-    """One traced channel per address, reused by every call to it."""
+# Every peer in the mesh (scheduler, kvindex, node agent) comes back at the address it is registered
+# at: a restarted one is reached again within a second, not after gRPC's default reconnect backoff,
+# which grows to two minutes. A scheduler restarted after half a minute down heard from no node (and
+# so held every placement as saturated) until the nodes' backoff next let them try.
+_RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
 
-    def __init__(self, telemetry: Telemetry, options: Sequence[tuple[str, Any]] = ()) -> None:
+
+class ChannelPool:
+    """One traced channel per address, reused by every call to it, quick to reconnect to a restarted peer."""
+
+    def __init__(self, telemetry: Telemetry) -> None:
         self._telemetry = telemetry
-        self._options = tuple(options)
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = self._telemetry.channel(address, self._options)
+            self._channels[address] = self._telemetry.channel(address, _RECONNECT_OPTIONS)
         return self._channels[address]
 
     async def close(self) -> None:
@@ -80,15 +90,6 @@ class LeaderRecord:
     address: str
 
 
-# A leader restarted at the same address is called again within a second, not after gRPC's
-# default reconnect backoff (which grows to two minutes).
-_LEADER_CHANNEL_OPTIONS = (
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-)
-
-
 class LeaderDirectory:
     """The elected leader of a service kind, as its election prefix in etcd shows it.
 
@@ -98,7 +99,7 @@ class LeaderDirectory:
 
     def __init__(self, client: aetcd.Client, election_prefix: str, telemetry: Telemetry) -> None:
         self._view = PrefixView(client, election_prefix)
-        self._channels = ChannelPool(telemetry, _LEADER_CHANNEL_OPTIONS)
+        self._channels = ChannelPool(telemetry)
 
     async def run(self) -> None:
         await self._view.run()

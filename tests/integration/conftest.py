@@ -18,6 +18,19 @@ from baton.v1 import router_pb2, router_pb2_grpc
 MODEL = "sim-llama-3-8b"
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test shows the end of each of its clusters' process logs: CI keeps nothing else."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    for value in getattr(item, "funcargs", {}).values():
+        if isinstance(value, LocalCluster):
+            for process in value.processes:
+                report.sections.append((f"log of {process.name} ({process.log_path})", process.log_tail(40)))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight Llama with a locally trained tokenizer, for the vllm engine (no hub here).
