@@ -14,20 +14,10 @@ import grpc
 
 from services.common import etcd_keys
 from services.common.etcd_session import PrefixView
+from services.common.reconnect import RECONNECT_OPTIONS
 from services.common.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
-
-
-# Every peer in the mesh (scheduler, kvindex, node agent) comes back at the address it is registered
-# at: a restarted one is reached again within a second, not after gRPC's default reconnect backoff,
-# which grows to two minutes. A scheduler restarted after half a minute down heard from no node (and
-# so held every placement as saturated) until the nodes' backoff next let them try.
-_RECONNECT_OPTIONS = (
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-)
 
 
 class ChannelPool:
@@ -39,7 +29,7 @@ class ChannelPool:
 
     def get(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = self._telemetry.channel(address, _RECONNECT_OPTIONS)
+            self._channels[address] = self._telemetry.channel(address, RECONNECT_OPTIONS)
         return self._channels[address]
 
     async def close(self) -> None:
@@ -139,7 +129,12 @@ class LeaderDirectory:
 
     async def wait_other_or_reachable(self, leader: LeaderRecord, timeout_s: float) -> LeaderRecord | None:
         """After a call to leader failed in transport: another leader once etcd shows one, or leader
-        again once its channel reconnects while etcd still shows it; None after timeout_s."""
+        again once its channel reconnects while etcd still shows it; None after timeout_s.
+
+        A replica restarted in place serves before it campaigns: reachable while etcd shows no leader
+        at all (the old key expired), it is waited for until etcd shows a leader."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
         channel = self.channel(leader.address)
         if channel.get_state() == grpc.ChannelConnectivity.READY:  # connected, yet it failed: not a reconnect
             return await self.wait_for_other(leader, timeout_s)
@@ -153,7 +148,7 @@ class LeaderDirectory:
         if other in done and not other.cancelled() and other.result() is not None:
             return other.result()
         if reachable in done and not reachable.cancelled() and reachable.exception() is None:
-            return self.leader()
+            return self.leader() or await self.wait_for_other(leader, max(0.0, end - loop.time()))
         return None
 
     async def wait_replaced(self, is_current: Callable[[LeaderRecord | None], bool]) -> None:

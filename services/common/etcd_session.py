@@ -22,6 +22,7 @@ from services.common import etcd_keys
 from services.common.change_signal import ChangeSignal, wait_or_timeout
 from services.common.etcd_tls import TlsEtcdClient
 from services.common.lapsed_keys import LapsedKeys
+from services.common.reconnect import RECONNECT_OPTIONS
 
 log = logging.getLogger(__name__)
 
@@ -31,21 +32,13 @@ _RETRY_S = 0.5
 _QUICK_RETRY_S = 0.2
 
 
-# Reconnect quickly once etcd is back: gRPC's default backoff grows to two minutes.
-_CHANNEL_OPTIONS = {
-    "grpc.initial_reconnect_backoff_ms": 200,
-    "grpc.min_reconnect_backoff_ms": 200,
-    "grpc.max_reconnect_backoff_ms": 1000,
-}
-
-
 def connect(endpoint: str, timeout_s: float = 2.0, credentials: grpc.ChannelCredentials | None = None) -> aetcd.Client:
     """An etcd client for host:port (connection is lazy); over TLS with credentials."""
     host, _, port = endpoint.rpartition(":")
     if credentials is not None:
-        return TlsEtcdClient(host=host, port=int(port), timeout=timeout_s, options=dict(_CHANNEL_OPTIONS),
+        return TlsEtcdClient(host=host, port=int(port), timeout=timeout_s, options=dict(RECONNECT_OPTIONS),
                              credentials=credentials)
-    return aetcd.Client(host=host, port=int(port), timeout=timeout_s, options=dict(_CHANNEL_OPTIONS))
+    return aetcd.Client(host=host, port=int(port), timeout=timeout_s, options=dict(RECONNECT_OPTIONS))
 
 
 class LeaseSession:

@@ -84,11 +84,12 @@ def observed(tmp_path_factory: pytest.TempPathFactory,
         cluster.stop()
 
 
-def generate(cluster: LocalCluster, tenant: str, max_tokens: int = 8) -> list[router_pb2.GenerateChunk]:
+def generate(cluster: LocalCluster, tenant: str, max_tokens: int = 8,
+             prompt: str = "") -> list[router_pb2.GenerateChunk]:
     assert cluster.router is not None
     with grpc.insecure_channel(cluster.router.address) as channel:
-        request = router_pb2.GenerateRequest(model=MODEL, prompt=f"metrics for {tenant}", max_tokens=max_tokens,
-                                             tenant=tenant)
+        request = router_pb2.GenerateRequest(model=MODEL, prompt=prompt or f"metrics for {tenant}",
+                                             max_tokens=max_tokens, tenant=tenant)
         return list(router_pb2_grpc.RouterStub(channel).Generate(request, timeout=30))
 
 
@@ -143,7 +144,13 @@ def test_every_service_exports_its_counters_and_gauges(observed: LocalCluster) -
         assert value(samples, "baton_node_kv_blocks_total", node=f"node-{i}") > 0
         assert "baton_node_kv_cache_usage" in samples and "baton_node_requests_waiting" in samples
     assert sum(value(scrape(node), "baton_node_generated_tokens_total") for node in observed.nodes) >= 8
-    wait_until(lambda: value(scrape(observed.kvindex), "baton_kvindex_events_total") >= 1, 15,
+    # Blocks a node stored before the kvindex synced with it arrive in its snapshot, not as events: once
+    # both have synced, a prompt of blocks no node holds is stored, and its events are counted.
+    kvindex = observed.kvindex
+    wait_until(lambda: {labels["node"] for labels, _ in scrape(kvindex).get("baton_kvindex_snapshots_total", [])}
+               == {"node-0", "node-1"}, 15, "the kvindex to sync with both nodes")
+    generate(observed, "tenant-counters", prompt="metrics for tenant-counters, " + "blocks no node holds yet " * 6)
+    wait_until(lambda: value(scrape(kvindex), "baton_kvindex_events_total") >= 1, 15,
                "the kvindex to count KV events")
 
 
