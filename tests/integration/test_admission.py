@@ -111,6 +111,11 @@ async def test_overload_keeps_high_priority_and_refuses_the_rest_quickly(small: 
                for i in range(40)]
         while small.cluster_state().nodes[0].load.num_running < 2:
             await asyncio.sleep(0.02)
+        # Until the leader has seen one of these 40-token answers end, it expects the 256-token default,
+        # and four high-priority requests in line behind a full node look six times longer to serve than
+        # they are: the last could be refused as unable to meet its 20 s budget (CI, on a busy machine).
+        while small.cluster_state().tasks.tasks_succeeded < 1:
+            await asyncio.sleep(0.02)
         high = [asyncio.create_task(outcome(client, f"high {i}", max_tokens=40, ignore_eos=True, tenant="vip",
                                             priority=5, ttft_budget_ms=20_000)) for i in range(4)]
         low_done, high_done = await asyncio.gather(asyncio.gather(*low), asyncio.gather(*high))
