@@ -105,9 +105,12 @@ class ManagedProcess:
         env = {**os.environ, **self.env}
         with open(self.log_path, "ab") as log:
             # Its own process group: what it starts (vLLM's EngineCore and workers, which outlive a
-            # SIGKILLed parent) can be stopped with it.
+            # SIGKILLed parent) can be stopped with it. Not its own session: where the kernel groups
+            # CPU time by session (autogroup, on by default on many distributions), a vllm node's
+            # group of busy processes kept the router and the client off the CPU for 5 s at a time on
+            # two cores, and the router moved generations off nodes that had not failed.
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+                                         process_group=0)
 
     @property
     def pid(self) -> int:
