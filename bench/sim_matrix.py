@@ -8,6 +8,8 @@ request ends (the headline) and busy GPU time (the floor) — with 95 % interval
 verdict line: Baton against the best baseline on each.
 
     python -m bench.sim_matrix --out results/matrix            # the matrix in docs/evaluation.md
+    python -m bench.sim_matrix --tuning --seeds 10,11,12,13,14,15,16,17,18,19 --out results/tuning
+                                                               # the windows Baton's parameters are chosen on
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class Setting:
     limit: int | None = None
     # Tasks that set their own budgets (`baton sim --slo-mix`); ttft_s/tpot_s are then only the default.
     slo_mix: str = ""
+    # Requests of the trace skipped before the window replayed (the tuning windows; the matrix: 0).
+    skip: int = 0
 
 
 MIXED = "4xh100,4xa100,4xl4"
@@ -62,12 +66,39 @@ SETTINGS = (
 )
 
 
+# Where Baton's parameters are chosen: windows of the same traces with no request in common with the
+# matrix's (its first 600), on the matrix's fleets and loads (docs/evaluation.md, "What was tuned on what").
+_SLO_MIX = "0.3:1:0.03,0.7:30:0.2"
+TUNING = tuple(
+    Setting(f"{name}, requests {skip:,}-{skip + 600:,}", workload, fleet, load, tpot_s=tpot, slo_mix=mix, skip=skip)
+    for skip in (3000, 6000)
+    for name, workload, fleet, load, tpot, mix in (
+        ("Mooncake conversation, 8xH100, 1x", "mooncake-conversation", "8xh100", 1.0, 0.1, ""),
+        ("Mooncake conversation, 8xH100, 2x", "mooncake-conversation", "8xh100", 2.0, 0.1, ""),
+        ("Mooncake conversation, 8xH100, 1x, TPOT 30 ms", "mooncake-conversation", "8xh100", 1.0, 0.03, ""),
+        ("Mooncake conversation, mixed, 1x", "mooncake-conversation", MIXED, 1.0, 0.1, ""),
+        ("Mooncake conversation, mixed, 3x", "mooncake-conversation", MIXED, 3.0, 0.1, ""),
+        ("Mooncake conversation, 2xH100+8xL4, 1x", "mooncake-conversation", "2xh100,8xl4", 1.0, 0.1, ""),
+        ("SLO mix: Mooncake conversation, mixed, 1x", "mooncake-conversation", MIXED, 1.0, 0.1, _SLO_MIX),
+        ("Azure conversation, mixed, 1x", "azure-conv", MIXED, 1.0, 0.1, ""),
+        ("Azure conversation, mixed, 3x", "azure-conv", MIXED, 3.0, 0.1, ""),
+        ("Azure code, mixed, 2x", "azure-code", MIXED, 2.0, 0.1, ""),
+    )
+) + tuple(  # the synthetic trace has 3,993 requests
+    Setting(f"Mooncake synthetic, mixed, 1x, requests {skip:,}-{skip + 600:,}", "mooncake-synthetic", MIXED, 1.0,
+            skip=skip)
+    for skip in (1500, 3000)
+)
+
+
 def _args(setting: Setting, options: argparse.Namespace) -> argparse.Namespace:
     argv = ["--workload", setting.workload, "--fleet", setting.fleet, "--loads", f"{setting.load:g}",
             "--ttft-slo", str(setting.ttft_s), "--tpot-slo", str(setting.tpot_s),
             "--timing-error", str(options.timing_error), "--max-tokens", str(options.max_tokens)]
     if setting.slo_mix:
         argv += ["--slo-mix", setting.slo_mix]
+    if setting.skip:
+        argv += ["--skip", str(setting.skip)]
     limit = setting.limit or options.limit
     if limit:
         argv += ["--limit", str(limit)]
@@ -120,7 +151,7 @@ def _cell(s: dict, key: str, fmt: str, scale: float = 1.0) -> str:
     return f"{value} ± {ci:{fmt}}" if ci else value
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.sim_matrix", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--limit", type=int, default=600, help="first N requests of each trace (or N agent tasks)")
@@ -130,12 +161,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=2048)
     parser.add_argument("--policies", default=",".join(("baton", *BASELINES)))
     parser.add_argument("--only", default="", help="run only the settings whose name contains this")
+    parser.add_argument("--tuning", action="store_true",
+                        help="the tuning windows instead of the matrix (choose parameters there: --seeds 10,...,19)")
     parser.add_argument("--traces", default="")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default="results/matrix")
-    options = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = build_parser().parse_args(argv)
     policies = options.policies.split(",")
-    settings = [s for s in SETTINGS if options.only in s.name]
+    settings = [s for s in (TUNING if options.tuning else SETTINGS) if options.only in s.name]
 
     def seeds_of(setting: Setting) -> list[int]:
         chosen = options.sweep_seeds if setting.name.startswith("SLO sweep") else options.seeds
@@ -146,10 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     with ProcessPoolExecutor(max_workers=options.jobs) as pool:
         outcomes = list(pool.map(run_one, jobs))
     wall_s = time.perf_counter() - started
-    lines = [f"Policies over seeds {options.seeds} (SLO sweep: {options.sweep_seeds}) of ±{options.timing_error:.0%} "
+    lines = [f"{'Tuning windows' if options.tuning else 'Matrix'}: policies over seeds {options.seeds} "
+             f"(SLO sweep: {options.sweep_seeds}) of ±{options.timing_error:.0%} "
              f"timing-model error per GPU "
-             f"generation; the scheduler sees max_tokens={options.max_tokens}, never true output lengths; first "
-             f"{options.limit} requests (agentic: tasks) of each trace. Cost per successful task in $ "
+             f"generation; the scheduler sees max_tokens={options.max_tokens}, never true output lengths; "
+             f"{options.limit} requests (agentic: tasks) of each trace, "
+             f"{'from the window named' if options.tuning else 'the first'}. Cost per successful task in $ "
              f"(whole fleet until the last request ends, and busy GPU time); ± is a 95 % interval over the seeds; "
              f"drain: seconds the fleet ran after the last arrival. "
              f"{len(jobs)} runs in {wall_s / 60:.0f} min.", ""]

@@ -31,10 +31,14 @@ def chosen(policy: BatonPolicy, req: PlacementRequest, nodes: list[NodeStatus], 
     return policy.choose(req, nodes, matched or {}, 0.0).node_id
 
 
-def test_a_tight_budget_picks_the_fast_gpu_and_slack_the_cheaper_one_once_the_fast_one_is_busy() -> None:
+def test_a_tight_budget_picks_the_fast_gpu_and_slack_the_cheaper_one_once_the_fast_one_has_a_queue() -> None:
     busy = [node("h", "h100", num_running=16, active_decode_blocks=1024), node("a", "a100")]
     assert chosen(BatonPolicy(), request(8000, ttft_budget_ms=300), busy) == "h"
-    assert chosen(BatonPolicy(), request(200, ttft_budget_ms=5000), busy) == "a"
+    # Behind 10,000 prompt tokens the H100 would end a short request later than the idle A100 does.
+    queued = [node("h", "h100", num_running=16, active_decode_blocks=1024, pending_prefill_tokens=10_000),
+              node("a", "a100")]
+    assert chosen(BatonPolicy(), request(200, ttft_budget_ms=5000), queued) == "a"
+    assert chosen(BatonPolicy(), request(200, ttft_budget_ms=5000), busy) == "h"  # no queue: sooner on the H100
 
 
 def test_on_an_idle_fleet_slack_still_takes_the_fast_gpu() -> None:
@@ -111,7 +115,8 @@ def test_a_busy_node_loses_to_an_idle_one_of_the_same_kind() -> None:
 
 
 def test_a_late_step_of_an_expensive_workflow_buys_certainty() -> None:
-    nodes = [node("h", "h100", num_running=48, active_decode_blocks=3072), node("a", "a100")]
+    # A batch of 128 slows the H100's steps past the idle A100's: the A100 is cheaper, its prefill riskier.
+    nodes = [node("h", "h100", num_running=128, active_decode_blocks=8000), node("a", "a100")]
     req = request(2500, max_tokens=400, ttft_budget_ms=500, workflow="w")
     fresh = BatonPolicy()
     terms = {t.node_id: t for t in (fresh.terms(req, n, 0) for n in nodes) if t}
@@ -119,7 +124,7 @@ def test_a_late_step_of_an_expensive_workflow_buys_certainty() -> None:
     assert chosen(fresh, req, nodes) == "a"  # nothing spent yet: the cheaper, riskier node
 
     late = BatonPolicy()
-    late.workflow_spent["w"] = 0.05  # four earlier steps' worth of GPU time
+    late.workflow_spent["w"] = 0.05  # what earlier steps cost: some eighteen times this one
     assert chosen(late, req, nodes) == "h"
 
 
@@ -179,7 +184,8 @@ def test_a_cold_node_is_predicted_with_its_load_time_and_cost() -> None:
 
 
 def test_priority_breaks_a_near_tie_toward_certainty() -> None:
-    nodes = [node("h", "h100", num_running=32, active_decode_blocks=2048), node("a", "a100")]
+    # A batch of 96 slows the H100's steps a little past the idle A100's: near a tie in cost.
+    nodes = [node("h", "h100", num_running=96, active_decode_blocks=6000), node("a", "a100")]
 
     def prioritised(priority: int) -> PlacementRequest:
         return PlacementRequest(request_id="r", model=MODEL, num_prompt_tokens=3000, num_prompt_blocks=187,

@@ -169,11 +169,11 @@ def test_summary_with_a_huge_slo_counts_every_task() -> None:
 
 
 def test_each_request_is_held_to_its_own_budgets_and_the_policy_reads_them() -> None:
-    """A 30,000-token prompt takes the idle H100; 10 ms later a short request comes. With its own TPOT
+    """A 60,000-token prompt takes the idle H100; 10 ms later a short request comes. With its own TPOT
     budget of 14 ms it waits for the H100 (an A100 decode step is about 11 ms, too close); allowed
-    300 ms, it starts at once on the idle A100. Each is then classified by its own budgets, not the
-    run's default (here 1 ms, which no request could make)."""
-    big = dataclasses.replace(_request(tuple(range(1000, 1059)), 30_000, request_id="big", output_len=64),
+    300 ms, it starts at once on the idle A100 (behind the long prefill it would end later). Each is
+    then classified by its own budgets, not the run's default (here 1 ms, which no request could make)."""
+    big = dataclasses.replace(_request(tuple(range(1000, 1118)), 60_000, request_id="big", output_len=64),
                               ttft_budget_ms=60_000, tpot_budget_ms=300)
     h100, a100 = (n.node_id for n in fleet("1xh100,1xa100"))
     for tpot_budget_ms, expected in ((14, h100), (300, a100)):

@@ -11,18 +11,18 @@ its load and what it caches of the prompt:
   ride in each step: the prompt tokens this policy has been sending the node (a rate over the last
   `RATE_WINDOW_S`) arrive while the request decodes, so a node that keeps receiving work predicts a
   slower TPOT and the next request spreads to another — packing stops before it risks the SLO;
-- the GPU cost of serving the request there: its prefill time plus the decode steps it is expected
-  to run, at the node's price. The steps are not divided by the batch they share: on a provisioned
-  fleet an idle GPU is paid for anyway, so packing earns the operator nothing, while a fuller batch
-  slows every request in it (an earlier version shared the steps and packed work onto few GPUs).
-  For the same reason prefill time is priced at what it displaces: half the price on an idle
-  node, all of it on a busy one, so a prefix cached on a busy node does not outweigh an idle GPU
-  (decode time is not discounted: a slow idle GPU decoding a long answer holds the fleet late);
+- the GPU time the request takes from others there: its prefill, at the node's price and priced at
+  what it displaces (half the price on an idle node, all of it on a busy one: an idle GPU of a
+  provisioned fleet is paid for anyway, so a prefix cached on a busy node does not outweigh an idle
+  GPU), and a model load in full. Its decode steps are not priced at the node's price: a step is
+  shared by its batch, and on a provisioned fleet the node is paid whether or not this request
+  rides in it. (Charged per token at the node's price, a long answer went to a cheaper, slower GPU
+  and held the fleet late; charged a share of each step, work packed onto few GPUs);
 - its latency, the predicted TTFT plus the time to decode the expected answer, at the fleet's mean
   GPU price: the fleet is paid while the request waits and runs, whichever GPU it runs on, so on a
-  provisioned fleet a slower, cheaper GPU is not free (without it, batch work drifted to idle L4s and
-  the fleet drained late), and a request queued behind others' prefill while a GPU idles holds its
-  user and, at the end of a run, the fleet;
+  provisioned fleet a slower, cheaper GPU is not free, a fuller batch (a slower step) costs more,
+  and a request queued behind others' prefill while a GPU idles holds its user and, at the end of
+  a run, the fleet;
 - the chance of meeting the request's own SLO (TTFT and TPOT budgets, deadline; the cluster's
   defaults where it sets none): a smooth function of the predicted slack, so a prediction error of
   a quarter of the budget is not fatal;
@@ -39,8 +39,9 @@ The score is (cost · (1 + lost) + (1 − p) · at_risk) / p: the cost of this s
 success it costs others counted as a failure of its own, plus — weighted by the chance of failing —
 what a failure would forfeit: what the workflow has already spent, and the request's priority as a
 stake of priority × its own cost. (Subtracting the others' losses from p instead sent requests to a
-node where they would surely miss, since it harms no one there.) A fresh request with slack goes to the
-cheapest node that meets its budget; a tight budget pays for a fast GPU; a late step of an
+node where they would surely miss, since it harms no one there.) A fresh request with slack goes where it
+ends soonest at the least displaced prefill, a cheaper GPU once the fast one's queue or batch would
+make it end later; a tight budget pays for a fast GPU; a late step of an
 expensive workflow, or a high-priority request, buys certainty; a cold node wins only when the
 warm ones would likely miss a budget that allows the load. Nodes without KV room are avoided.
 Every decision keeps its per-axis terms (`last_terms()`).
@@ -84,7 +85,8 @@ BUSY_BATCH = 8
 # fleet's mean GPU price. Chosen on the windows TPOT_BUDGET_MARGIN was chosen on (seeds 10 and 11; 8 H100,
 # the mixed fleet at 1x and 3x, 2 H100 + 8 L4, an SLO mix): first TTFT alone at the node's price (0.5–8:
 # 1, and 2–8 no better), then TTFT and decode at the fleet's mean price, decode weighted 0, 0.5, 1 or 2
-# (2 had fewer SLO misses at similar cost; 1 keeps one weight for the whole latency).
+# (2 had fewer SLO misses at similar cost; 1 keeps one weight for the whole latency). Chosen while decode
+# was also priced at the node's price; not chosen again since decode is priced only here.
 LATENCY_PRICE_SHARE = 1.0
 # A priority-k request's failure forfeits k times its own cost beyond that cost (k ≤ 0: nothing).
 PRIORITY_STAKE = 1.0
@@ -133,8 +135,8 @@ class BatonPolicy(Policy):
                  default_output_tokens: float = DEFAULT_OUTPUT_TOKENS) -> None:
         self._default_ttft_budget_ms = default_ttft_budget_ms
         self._default_tpot_budget_ms = default_tpot_budget_ms
-        # What each workflow has been placed for so far (its steps' cost, as priced here: GPU time and
-        # latency), by workflow id, least recent first.
+        # What each workflow has been placed for so far (its steps' cost, as priced here: prefill, loads
+        # and latency), by workflow id, least recent first.
         self.workflow_spent: OrderedDict[str, float] = OrderedDict()
         self._last_terms: list[Terms] = []
         # Per model: the mean output length of requests that ended (an exponential average), which
@@ -210,18 +212,18 @@ class BatonPolicy(Policy):
         own_prefill_ms = timing.b_ms_per_tok * own + timing.c_ms_per_tok2 * min(own, chunk) * own
         # Prefill is priced at what it displaces: an idle GPU's time is paid for whether used or not, so
         # computing a prompt there costs half, and a prefix cached on a busy node is worth less than an
-        # idle GPU's time. Decoding is not discounted: a slow idle GPU decoding a long answer holds it,
-        # and the fleet, for minutes (discounted, batch work drifted to idle L4s and the fleet drained
-        # late). A load takes the GPU out of service whatever else would come: it is paid in full.
+        # idle GPU's time. A load takes the GPU out of service whatever else would come: it is paid in
+        # full. Decode steps are not priced at the node's price, only as latency (below): the batch
+        # shares each step, and the node is paid whether this request rides in it or not.
         busy = min(1.0, (batch + ahead / chunk) / BUSY_BATCH)
         displaced = IDLE_COST_SHARE + (1.0 - IDLE_COST_SHARE) * busy
-        # Latency is priced as well, at the fleet's mean price: the fleet is paid while the request waits
-        # and decodes, whichever GPU it is on (unpriced, a cached prefix on a queued node won: a median
-        # TTFT of 0.46 s against llm-d's 0.32 s on 8 H100 at TPOT 30 ms; at the node's price a slow cheap GPU
+        # Latency is priced, at the fleet's mean price: the fleet is paid while the request waits and
+        # decodes, whichever GPU it is on (unpriced, a cached prefix on a queued node won: a median TTFT of
+        # 0.46 s against llm-d's 0.32 s on 8 H100 at TPOT 30 ms; at the node's price a slow cheap GPU
         # looked cheap while it held the fleet).
         price = status.spec.price_per_hour
         latency_ms = ttft_ms + decode_tokens * tpot_ms
-        cost = ((own_prefill_ms * displaced + decode_tokens * tpot_ms + load_s * 1000) * price
+        cost = ((own_prefill_ms * displaced + load_s * 1000) * price
                 + LATENCY_PRICE_SHARE * latency_ms * (fleet_price_per_hour or price)) / 3_600_000.0
         ttft_budget = (request.ttft_budget_ms or self._default_ttft_budget_ms) * BUDGET_MARGIN
         tpot_budget = (request.tpot_budget_ms or self._default_tpot_budget_ms) * TPOT_BUDGET_MARGIN
