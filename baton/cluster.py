@@ -109,8 +109,9 @@ class ManagedProcess:
             # CPU time by session (autogroup, on by default on many distributions), a vllm node's
             # group of busy processes kept the router and the client off the CPU for 5 s at a time on
             # two cores, and the router moved generations off nodes that had not failed.
-            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         process_group=0)
+            # No terminal input: in a background group of the caller's session, a read would stop it.
+            self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         env=env, process_group=0)
 
     @property
     def pid(self) -> int:
