@@ -21,13 +21,6 @@ from simulator.report import build_workload, parse_args
 from simulator.simulation import Simulation, fleet
 
 
-def correlation(xs: list[float], ys: list[float]) -> float:
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
-    sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
-    return sxy / (sxx * syy) ** 0.5 if sxx and syy else float("nan")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.prediction_calibration", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -69,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, pairs in (("TTFT", ttft), ("TPOT", tpot)):
         guesses, actual = [p for p, _ in pairs], [a for _, a in pairs]
         ratio = statistics.fmean(p / a for p, a in pairs if a > 0)
-        print(f"| {name} | {correlation(guesses, actual):.3f} | {ratio:.2f} |")
+        print(f"| {name} | {statistics.correlation(guesses, actual):.3f} | {ratio:.2f} |")
     return 0
 
 

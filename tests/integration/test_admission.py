@@ -13,6 +13,7 @@ import pytest
 from baton.client import BatonClient
 from baton.cluster import ClusterSpec, LocalCluster
 from baton.protocol import RETRY_AFTER_KEY
+from tests.integration.conftest import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -114,8 +115,8 @@ async def test_overload_keeps_high_priority_and_refuses_the_rest_quickly(small: 
         # Until the leader has seen one of these 40-token answers end, it expects the 256-token default,
         # and four high-priority requests in line behind a full node look six times longer to serve than
         # they are: the last could be refused as unable to meet its 20 s budget (CI, on a busy machine).
-        while small.cluster_state().tasks.tasks_succeeded < 1:
-            await asyncio.sleep(0.02)
+        await eventually(lambda: small.cluster_state().tasks.tasks_succeeded >= 1, 60,
+                         "the leader to count a low-priority answer ended")
         high = [asyncio.create_task(outcome(client, f"high {i}", max_tokens=40, ignore_eos=True, tenant="vip",
                                             priority=5, ttft_budget_ms=20_000)) for i in range(4)]
         low_done, high_done = await asyncio.gather(asyncio.gather(*low), asyncio.gather(*high))
