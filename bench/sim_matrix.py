@@ -10,19 +10,28 @@ verdict line: Baton against the best baseline on each.
     python -m bench.sim_matrix --out results/matrix            # the matrix in docs/evaluation.md
     python -m bench.sim_matrix --tuning --seeds 10,11,12,13,14,15,16,17,18,19 --out results/tuning
                                                                # the windows Baton's parameters are chosen on
+    python -m bench.sim_matrix --windows 8 --seeds 0,1,2 --only "8xH100, 1x" --out results/windows
+                                                               # a setting over other windows of its trace
+
+A seed draws the timing error only: every seed of a setting replays the same requests, so where one
+long answer decides how long the fleet runs, it decides it in every seed. `--windows N` replays each
+chosen setting over N further windows of its trace instead (none sharing a request with the matrix's
+or the tuning windows), and pools them: Baton's change against each baseline, seed-averaged within a
+window, with its interval over the windows.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from simulator.report import mean_ci, merge_seeds, parse_args, run_one
+from simulator.report import build_workload, mean_ci, merge_seeds, parse_args, run_one
 
 # SGLang's cache-aware policy and plain least-loaded trail these on every setting tried
 # (`baton sim` runs them all); the matrix keeps the strongest baselines to stay within a CI-sized budget.
@@ -107,6 +116,85 @@ def _args(setting: Setting, options: argparse.Namespace) -> argparse.Namespace:
     return parse_args(argv)
 
 
+# The matrix replays each trace's first REQUESTS requests and a tuning window as many from its skip (the
+# default --limit); windows of another size still keep clear of those.
+REQUESTS = 600
+
+
+def held_out_windows(setting: Setting, options: argparse.Namespace, count: int) -> list[Setting]:
+    """The first `count` windows of options.limit requests of setting's trace that share no request with
+    the matrix's (the first) or with a tuning window of that trace; fewer where the trace ends."""
+    size = options.limit
+    seen = max(size, REQUESTS)
+    used = [(0, seen)] + [(t.skip, t.skip + seen) for t in TUNING if t.workload == setting.workload]
+    windows: list[Setting] = []
+    skip = seen
+    while len(windows) < count:
+        if not any(skip < end and start < skip + size for start, end in used):
+            window = replace(setting, name=f"{setting.name}, requests {skip:,}-{skip + size:,}", skip=skip)
+            if len(build_workload(_args(window, options), window.load).requests) < size:
+                break  # the trace ends inside it
+            windows.append(window)
+        skip += size
+    return windows
+
+
+CHEAPEST = "the cheapest in each window"
+
+
+def _has_figure(run: dict, key: str) -> bool:
+    """Whether a run has the figure: a run with no success has no cost per success (inf)."""
+    return math.isfinite(run[key]) and run[key] > 0
+
+
+def pooled_change(per_window: list[dict[str, list[dict]]], mine: str, theirs: str) -> tuple[list[float], list[float]]:
+    """Per window, the change of `mine` against `theirs` (or against the cheapest of the other policies in that
+    window, theirs=CHEAPEST), each seed paired with the same seed and averaged over them: whole-fleet cost per
+    successful task in %, and SLO attainment in points. Windows where a run had no success are left out."""
+    key = "cost_per_successful_task"
+    costs, slos = [], []
+    for runs in per_window:
+        other = theirs if theirs != CHEAPEST else min((p for p in runs if p != mine),
+                                                      key=lambda p: sum(r[key] for r in runs[p]))
+        pairs = list(zip(runs[mine], runs[other], strict=True))
+        if not all(_has_figure(m, key) and _has_figure(t, key) for m, t in pairs):
+            continue
+        costs.append(sum((m[key] / t[key] - 1) * 100 for m, t in pairs) / len(pairs))
+        slos.append(sum((m["slo_attainment"] - t["slo_attainment"]) * 100 for m, t in pairs) / len(pairs))
+    return costs, slos
+
+
+def pooled_verdict(per_window: list[dict[str, list[dict]]]) -> list[str]:
+    """Two tables over the windows. Baton against each baseline and against the cheapest in each window:
+    the mean of the per-window changes (pooled_change) with its 95 % interval over the windows, and the
+    windows where Baton was cheaper. Then the same statistic for every policy, against the cheapest of the
+    others in each window: the cheapest of several policies is cheaper than any one of them partly by
+    chance, and this shows how far each policy is from it."""
+    policies = list(per_window[0])
+
+    def row(name: str, costs: list[float], slos: list[float] | None = None) -> str:
+        cost, ci = mean_ci(costs)
+        cells = [name, f"{cost:+.2f} ± {ci:.2f} %", f"{sum(c < 0 for c in costs)} of {len(costs)}"]
+        if slos is not None:
+            slo, slo_ci = mean_ci(slos)
+            cells.append(f"{slo:+.2f} ± {slo_ci:.2f} pt")
+        return "| " + " | ".join(cells) + " |"
+
+    lines = ["| baseline | whole-fleet cost per successful task | Baton cheaper in | SLO attainment |",
+             "|---|---:|---:|---:|"]
+    for theirs in [p for p in policies if p != "baton"] + [CHEAPEST]:
+        costs, slos = pooled_change(per_window, "baton", theirs)
+        if costs:
+            lines.append(row(theirs, costs, slos))
+    lines += ["", "Each policy against the cheapest of the others in each window:", "",
+              "| policy | whole-fleet cost per successful task | cheaper in |", "|---|---:|---:|"]
+    for mine in policies:
+        costs, _ = pooled_change(per_window, mine, CHEAPEST)
+        if costs:
+            lines.append(row(mine, costs))
+    return lines
+
+
 def verdict(rows: dict[str, dict], per_seed: dict[str, list[dict]] | None = None) -> str:
     """Baton against the best baseline by SLO attainment and by each cost; with the runs of each seed,
     also the whole-fleet difference seed by seed (paired: a seed is the same trace and timing error
@@ -138,7 +226,7 @@ def verdict(rows: dict[str, dict], per_seed: dict[str, list[dict]] | None = None
 def paired_change(mine: list[dict], theirs: list[dict], key: str) -> tuple[float, float, int] | None:
     """Seed by seed, (mine / theirs - 1) in %: its mean, the half-width of its 95 % interval, and the
     number of seeds where mine was lower. None when a seed has no figure (no successes)."""
-    if any(not t[key] or not m[key] for m, t in zip(mine, theirs, strict=True)):
+    if not all(_has_figure(m, key) and _has_figure(t, key) for m, t in zip(mine, theirs, strict=True)):
         return None
     changes = [(m[key] / t[key] - 1) * 100 for m, t in zip(mine, theirs, strict=True)]
     mean, ci = mean_ci(changes)
@@ -163,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--only", default="", help="run only the settings whose name contains this")
     parser.add_argument("--tuning", action="store_true",
                         help="the tuning windows instead of the matrix (choose parameters there: --seeds 10,...,19)")
+    parser.add_argument("--windows", type=int, default=0,
+                        help="replay each chosen setting over this many other windows of its trace, and pool them")
     parser.add_argument("--traces", default="")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default="results/matrix")
@@ -173,6 +263,20 @@ def main(argv: list[str] | None = None) -> int:
     options = build_parser().parse_args(argv)
     policies = options.policies.split(",")
     settings = [s for s in (TUNING if options.tuning else SETTINGS) if options.only in s.name]
+    pools: dict[str, list[str]] = {}
+    unwindowed: list[str] = []
+    if options.windows:  # each trace setting's windows in its place (agent tasks are generated: no windows)
+        if options.tuning or options.limit <= 0:
+            build_parser().error("--windows replays windows of --limit requests (> 0) of the matrix's settings, "
+                                 "not of the tuning windows")
+        chosen, settings = settings, []
+        for setting in chosen:
+            windows = held_out_windows(setting, options, options.windows) if setting.limit is None else []
+            if windows:
+                pools[setting.name] = [w.name for w in windows]
+                settings += windows
+            else:
+                unwindowed.append(setting.name)
 
     def seeds_of(setting: Setting) -> list[int]:
         chosen = options.sweep_seeds if setting.name.startswith("SLO sweep") else options.seeds
@@ -188,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
              f"timing-model error per GPU "
              f"generation; the scheduler sees max_tokens={options.max_tokens}, never true output lengths; "
              f"{options.limit} requests (agentic: tasks) of each trace, "
-             f"{'from the window named' if options.tuning else 'the first'}. Cost per successful task in $ "
+             f"{'from the window named' if options.tuning or options.windows else 'the first'}. "
+             f"Cost per successful task in $ "
              f"(whole fleet until the last request ends, and busy GPU time); ± is a 95 % interval over the seeds; "
              f"drain: seconds the fleet ran after the last arrival. "
              f"{len(jobs)} runs in {wall_s / 60:.0f} min.", ""]
@@ -214,6 +319,16 @@ def main(argv: list[str] | None = None) -> int:
                          f"| {s['ttft_p50']:.2f} / {s['ttft_p99']:.2f} | {s['drain_s']:.2f} |")
         if "baton" in rows and len(rows) > 1:
             lines += ["", f"Baton: {verdict(rows, per_seed)}.", ""]
+    for name, windows in pools.items():
+        if "baton" not in policies or len(policies) < 2 or not windows:
+            continue
+        lines += [f"### {name}, over {len(windows)} windows", "",
+                  "Baton's change against each baseline: per window, the mean over the seeds; then the mean "
+                  "and its 95 % interval over the windows.", "", *pooled_verdict([seeds_run[w] for w in windows]),
+                  ""]
+    if unwindowed:
+        lines += ["Not replayed over windows (agent tasks are generated, not read from a trace; or the trace has "
+                  "no other window): " + "; ".join(unwindowed) + ".", ""]
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.md").write_text("\n".join(lines) + "\n")

@@ -6,7 +6,19 @@ import dataclasses
 import json
 from pathlib import Path
 
-from bench.sim_matrix import SETTINGS, TUNING, _args, build_parser, paired_change, verdict
+import pytest
+
+from bench.sim_matrix import (
+    SETTINGS,
+    TUNING,
+    _args,
+    build_parser,
+    held_out_windows,
+    main,
+    paired_change,
+    pooled_verdict,
+    verdict,
+)
 from simulator.report import TRACES, build_workload, merge_seeds
 
 KEY = "cost_per_successful_task"
@@ -26,7 +38,9 @@ def test_the_seed_by_seed_change_pairs_each_seed_with_the_same_seed() -> None:
 
 
 def test_a_seed_without_successes_gives_no_paired_figure() -> None:
-    assert paired_change([run(1.0), run(0.0)], [run(1.0), run(1.0)], KEY) is None
+    # A run with no success has no cost per success: the simulator's summary makes it inf.
+    assert paired_change([run(1.0), run(float("inf"))], [run(1.0), run(1.0)], KEY) is None
+    assert paired_change([run(1.0), run(1.0)], [run(float("inf")), run(1.0)], KEY) is None
 
 
 def test_the_verdict_names_the_cheapest_baseline_and_the_seeds_where_baton_was_cheaper() -> None:
@@ -54,3 +68,90 @@ def test_a_tuning_window_replays_the_requests_after_its_skip(tmp_path: Path) -> 
     later = build_workload(_args(dataclasses.replace(window, skip=6), options), 1.0)
     assert [r.prompt_len for r in first.requests] == [100, 101, 102]
     assert [r.prompt_len for r in later.requests] == [106, 107, 108]
+
+
+def test_held_out_windows_skip_the_matrix_and_tuning_windows_and_stop_where_the_trace_ends(tmp_path: Path) -> None:
+    rows = [{"timestamp": 10 * j, "input_length": 100, "output_length": 10, "hash_ids": [j]} for j in range(6_700)]
+    (tmp_path / TRACES["mooncake-conversation"]).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    options = build_parser().parse_args(["--limit", "600", "--traces", str(tmp_path)])
+    setting = next(s for s in SETTINGS if s.workload == "mooncake-conversation")
+    windows = held_out_windows(setting, options, count=20)
+    tuning = {s.skip for s in TUNING if s.workload == "mooncake-conversation"}
+    assert tuning == {3000, 6000}
+    # The matrix's first 600 and the tuning windows 3,000-3,600 and 6,000-6,600 are left out; 6,600 on
+    # would hold only 100 requests.
+    assert [w.skip for w in windows] == [600, 1200, 1800, 2400, 3600, 4200, 4800, 5400]
+    assert windows[0].name == f"{setting.name}, requests 600-1,200"
+    assert [w.skip for w in held_out_windows(setting, options, count=2)] == [600, 1200]
+
+
+def test_the_pooled_verdict_averages_seeds_within_a_window_then_windows() -> None:
+    # Window 1: Baton 1 % dearer than dynamo, the cheaper baseline there, in each seed; window 2: 3 %
+    # cheaper than llm_d, the cheaper one there. The seeds differ, so only seed-with-seed pairs give these.
+    window1 = {"baton": [run(101.0), run(202.0)], "dynamo": [run(100.0), run(200.0)],
+               "llm_d": [run(200.0), run(400.0)]}
+    window2 = {"baton": [run(97.0, 0.99), run(194.0, 0.97)], "dynamo": [run(105.0), run(210.0)],
+               "llm_d": [run(100.0), run(200.0)]}
+    lines = pooled_verdict([window1, window2])
+    control = lines.index("Each policy against the cheapest of the others in each window:")
+    by_baseline = {line.split(" | ")[0].strip("| "): line for line in lines[2:control - 1]}
+    cheapest = by_baseline["the cheapest in each window"]
+    # (+1 % and -3 %) / 2, with the interval of two values (the windows, not the four seeds): t(1) = 12.71
+    assert cheapest.split(" | ")[1] == "-1.00 ± 25.42 %"
+    assert "| 1 of 2 |" in cheapest
+    dynamo = by_baseline["dynamo"].split(" | ")
+    expected = ((101 / 100 - 1) + (97 / 105 - 1)) / 2 * 100
+    assert dynamo[1].startswith(f"{expected:+.2f} ± ")
+    assert dynamo[3].startswith("-1.00 ± ")  # SLO: 0 pt in window 1, -2 pt in window 2
+
+
+def test_the_pooled_control_compares_every_policy_with_the_cheapest_of_the_others() -> None:
+    # Three policies that tie on average, each cheapest in one window: every one is dearer than the
+    # cheapest of the others, which is what a tie looks like by that comparison.
+    windows = [{"baton": [run(a)], "dynamo": [run(b)], "llm_d": [run(c)]}
+               for a, b, c in ((99.0, 100.0, 101.0), (101.0, 99.0, 100.0), (100.0, 101.0, 99.0))]
+    lines = pooled_verdict(windows)
+    control = lines[lines.index("Each policy against the cheapest of the others in each window:") + 4:]
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in control}
+    assert set(rows) == {"baton", "dynamo", "llm_d"}
+    for cells in rows.values():
+        assert cells[2].startswith("1 of 3")  # cheaper than the rest in its own window only
+        assert float(cells[1].split(" ")[0]) > 0  # dearer on average than the cheapest of the others
+
+
+def test_a_window_where_a_run_had_no_success_is_left_out_of_the_pool() -> None:
+    windows = [{"baton": [run(99.0)], "dynamo": [run(100.0)]},
+               {"baton": [run(float("inf"), 0.0)], "dynamo": [run(100.0)]}]
+    dynamo = next(line for line in pooled_verdict(windows) if line.startswith("| dynamo |")).split(" | ")
+    assert dynamo[1].startswith("-1.00 ± ") and dynamo[2] == "1 of 1"
+
+
+def test_windows_of_another_size_keep_clear_of_the_matrix_and_tuning_requests(tmp_path: Path) -> None:
+    rows = [{"timestamp": 10 * j, "input_length": 100, "output_length": 10, "hash_ids": [j]} for j in range(4_200)]
+    (tmp_path / TRACES["mooncake-conversation"]).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    options = build_parser().parse_args(["--limit", "100", "--traces", str(tmp_path)])
+    setting = next(s for s in SETTINGS if s.workload == "mooncake-conversation")
+    skips = [w.skip for w in held_out_windows(setting, options, count=40)]
+    # 600-3,000 and 3,600-4,200 in windows of 100: the first 600 and 3,000-3,600 hold requests of the
+    # matrix and of a tuning window, whatever --limit this run has.
+    assert skips == list(range(600, 3000, 100)) + list(range(3600, 4200, 100))
+
+
+def test_windows_are_refused_for_the_tuning_windows_and_without_a_limit() -> None:
+    for argv in (["--windows", "2", "--tuning"], ["--windows", "2", "--limit", "0"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+
+
+def test_a_windows_run_pools_each_setting_over_its_windows(tmp_path: Path) -> None:
+    rows = [{"timestamp": 500 * j, "input_length": 64, "output_length": 4, "hash_ids": [j]} for j in range(620)]
+    (tmp_path / TRACES["mooncake-conversation"]).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    main(["--windows", "2", "--limit", "5", "--seeds", "0", "--only", "8xH100, 2x", "--policies", "baton,dynamo",
+          "--jobs", "1", "--traces", str(tmp_path), "--out", str(out)])
+    summary = (out / "summary.md").read_text()
+    name = "Mooncake conversation, 8xH100, 2x"
+    assert f"### {name}, requests 600-605 " in summary and f"### {name}, requests 605-610 " in summary
+    assert f"### {name}, over 2 windows" in summary
+    assert set(json.loads((out / "results.json").read_text())["per_seed"]) == {
+        f"{name}, requests 600-605", f"{name}, requests 605-610"}
