@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         if "baton" in rows and len(rows) > 1:
             lines += ["", f"Baton: {verdict(rows, per_seed)}.", ""]
     for name, windows in pools.items():
-        if "baton" not in policies or len(policies) < 2 or not windows:
+        if "baton" not in policies or len(policies) < 2:
             continue
         lines += [f"### {name}, over {len(windows)} windows", "",
                   "Baton's change against each baseline: per window, the mean over the seeds; then the mean "
