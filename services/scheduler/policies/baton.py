@@ -86,7 +86,9 @@ BUSY_BATCH = 8
 # the mixed fleet at 1x and 3x, 2 H100 + 8 L4, an SLO mix): first TTFT alone at the node's price (0.5–8:
 # 1, and 2–8 no better), then TTFT and decode at the fleet's mean price, decode weighted 0, 0.5, 1 or 2
 # (2 had fewer SLO misses at similar cost; 1 keeps one weight for the whole latency). Chosen while decode
-# was also priced at the node's price; not chosen again since decode is priced only here.
+# was also priced at the node's price; checked again on the tuning windows since decode is priced only here
+# (seeds 10-19: decode weighted 0.5, or by the size-biased mean output length, both failed the adoption
+# rule; docs/evaluation.md, "Tried after this round").
 LATENCY_PRICE_SHARE = 1.0
 # A priority-k request's failure forfeits k times its own cost beyond that cost (k ≤ 0: nothing).
 PRIORITY_STAKE = 1.0
