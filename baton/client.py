@@ -7,6 +7,8 @@ no token lost, none repeated.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import enum
 import time
 import uuid
@@ -16,6 +18,13 @@ import grpc
 
 from baton.protocol import AUTHORIZATION_KEY, is_transport_failure
 from baton.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.common.reconnect import RECONNECT_OPTIONS
+
+# The router a stream fails over to may be one this client could not reach a moment ago (restarting, or
+# tried first): its channel is then waiting out a reconnect backoff, and a call made meanwhile fails at
+# once, as if that router were down too. So before calling it, the failover waits this long at most (never
+# past the call's deadline) for its channel to connect; a call to one that did not fails as to a down one.
+FAILOVER_CONNECT_S = 3.0
 
 
 class FinishReason(enum.IntEnum):
@@ -51,14 +60,24 @@ class BatonClient:
             raise ValueError("BatonClient: at least one router address is needed")
         self.max_failovers = max_failovers
         self._metadata = ((AUTHORIZATION_KEY, f"Bearer {api_key}"),) if api_key else ()
-        self._channels = {address: grpc.aio.secure_channel(address, credentials) if credentials is not None
-                          else grpc.aio.insecure_channel(address) for address in self.addresses}
+        self._channels = {address: grpc.aio.secure_channel(address, credentials, RECONNECT_OPTIONS)
+                          if credentials is not None else grpc.aio.insecure_channel(address, RECONNECT_OPTIONS)
+                          for address in self.addresses}
         self._current = 0
 
     @property
     def current_address(self) -> str:
         """The router new calls go to (it moves on when one dies)."""
         return self.addresses[self._current]
+
+    async def _connect(self, deadline: float | None) -> None:
+        """Wait for the current router's channel to connect: FAILOVER_CONNECT_S at most, never past deadline
+        (time.monotonic()). A router that does not connect meanwhile fails the call made next, as a down one."""
+        wait_s = FAILOVER_CONNECT_S if deadline is None else min(FAILOVER_CONNECT_S, deadline - time.monotonic())
+        if wait_s <= 0:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._channels[self.current_address].channel_ready(), wait_s)
 
     def _stub(self) -> router_pb2_grpc.RouterStub:
         return router_pb2_grpc.RouterStub(self._channels[self.current_address])
@@ -87,6 +106,8 @@ class BatonClient:
             if received:
                 del request.resume.token_ids[:]
                 request.resume.token_ids.extend(received)
+            if failovers:
+                await self._connect(deadline)
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             call = self._stub().Generate(request, timeout=remaining, metadata=self._metadata)
             try:

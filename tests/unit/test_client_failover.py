@@ -1,0 +1,62 @@
+"""BatonClient fails over to a router that has just come back, not only to one that never went away."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from baton.client import BatonClient
+from baton.cluster import free_port
+from baton.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+
+class _Router(router_pb2_grpc.RouterServicer):
+    async def Generate(self, request, context):  # noqa: N802 - the generated servicer's name
+        yield router_pb2.GenerateChunk(request_id=request.request_id, token_ids=[7, 8, 9], index=0, node_id="n1",
+                                       finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+
+async def _refusing(port: int, attempts: int) -> tuple[asyncio.Server, asyncio.Event]:
+    """A listener on port that hangs up on every connection, until `attempts` of them were made: each a
+    failed attempt of the client's channel, whose reconnect backoff then grows to its longest."""
+    seen = 0
+    enough = asyncio.Event()
+
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal seen
+        writer.close()
+        seen += 1
+        if seen >= attempts:
+            enough.set()
+
+    listener = await asyncio.start_server(hang_up, "127.0.0.1", port)
+    return listener, enough
+
+
+@pytest.mark.asyncio
+async def test_a_stream_fails_over_to_a_router_that_restarted_while_its_channel_backs_off() -> None:
+    restarted_port = free_port()
+    down, restarted = f"127.0.0.1:{free_port()}", f"127.0.0.1:{restarted_port}"
+    client = BatonClient([down, restarted], max_failovers=2)
+    server = grpc.aio.server()
+    try:
+        # The restarted router was unreachable for a while: the client's channel to it failed to connect
+        # again and again, and is waiting out its longest backoff (a second) when the router comes back and
+        # the stream, its first router down, fails over to it.
+        listener, enough = await _refusing(restarted_port, attempts=5)
+        assert client.current_address == down
+        client._channels[restarted].get_state(try_to_connect=True)  # as an earlier stream's failover would
+        await asyncio.wait_for(enough.wait(), 30)
+        listener.close()
+        await listener.wait_closed()
+        router_pb2_grpc.add_RouterServicer_to_server(_Router(), server)
+        assert server.add_insecure_port(restarted) == restarted_port
+        await server.start()
+        completion = await asyncio.wait_for(client.complete("m", prompt="hi", max_tokens=3), 30)
+        assert completion.token_ids == [7, 8, 9]
+        assert client.current_address == restarted
+    finally:
+        await client.close()
+        await server.stop(None)
