@@ -21,9 +21,11 @@ from baton.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.common.reconnect import RECONNECT_OPTIONS
 
 # The router a stream fails over to may be one this client could not reach a moment ago (restarting, or
-# tried first): its channel is then waiting out a reconnect backoff, and a call made meanwhile fails at
-# once, as if that router were down too. So before calling it, the failover waits this long at most (never
-# past the call's deadline) for its channel to connect; a call to one that did not fails as to a down one.
+# tried first): its channel is then waiting out a reconnect backoff (about a second at most: the services'
+# RECONNECT_OPTIONS), and a call made meanwhile fails at once, as if that router were down too. So a
+# failover to a channel in that state first waits for it to connect: this long at most over the whole
+# request, never past its deadline. A call to one that did not connect fails as to a down router; with
+# every router down, a request fails this much later than it would without the wait.
 FAILOVER_CONNECT_S = 3.0
 
 
@@ -70,14 +72,14 @@ class BatonClient:
         """The router new calls go to (it moves on when one dies)."""
         return self.addresses[self._current]
 
-    async def _connect(self, deadline: float | None) -> None:
-        """Wait for the current router's channel to connect: FAILOVER_CONNECT_S at most, never past deadline
-        (time.monotonic()). A router that does not connect meanwhile fails the call made next, as a down one."""
-        wait_s = FAILOVER_CONNECT_S if deadline is None else min(FAILOVER_CONNECT_S, deadline - time.monotonic())
-        if wait_s <= 0:
-            return
+    @staticmethod
+    async def _wait_ready(channel: grpc.aio.Channel, wait_s: float) -> float:
+        """Wait up to wait_s for channel to connect; the seconds it took."""
+        started = time.monotonic()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._channels[self.current_address].channel_ready(), wait_s)
+            async with asyncio.timeout(wait_s):
+                await channel.channel_ready()
+        return time.monotonic() - started
 
     def _stub(self) -> router_pb2_grpc.RouterStub:
         return router_pb2_grpc.RouterStub(self._channels[self.current_address])
@@ -102,14 +104,20 @@ class BatonClient:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         received: list[int] = []
         failovers = 0
+        # This stream's router: its own, as other streams of the client fail over at the same time.
+        index = self._current
+        connect_budget_s = FAILOVER_CONNECT_S
         while True:
             if received:
                 del request.resume.token_ids[:]
                 request.resume.token_ids.extend(received)
-            if failovers:
-                await self._connect(deadline)
+            channel = self._channels[self.addresses[index]]
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            call = self._stub().Generate(request, timeout=remaining, metadata=self._metadata)
+            if failovers and connect_budget_s > 0 and channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                connect_budget_s -= await self._wait_ready(
+                    channel, connect_budget_s if remaining is None else min(connect_budget_s, remaining))
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            call = router_pb2_grpc.RouterStub(channel).Generate(request, timeout=remaining, metadata=self._metadata)
             try:
                 async for chunk in call:
                     if chunk.HasField("seed"):
@@ -124,7 +132,8 @@ class BatonClient:
                 if not is_transport_failure(error) or failovers >= self.max_failovers:
                     raise
                 failovers += 1
-                self._current = (self._current + 1) % len(self.addresses)
+                index = (index + 1) % len(self.addresses)
+                self._current = index  # new calls start where this stream went
             finally:
                 call.cancel()
 

@@ -41,11 +41,11 @@ async def test_a_stream_fails_over_to_a_router_that_restarted_while_its_channel_
     down, restarted = f"127.0.0.1:{free_port()}", f"127.0.0.1:{restarted_port}"
     client = BatonClient([down, restarted], max_failovers=2)
     server = grpc.aio.server()
+    listener, enough = await _refusing(restarted_port, attempts=5)
     try:
         # The restarted router was unreachable for a while: the client's channel to it failed to connect
-        # again and again, and is waiting out its longest backoff (a second) when the router comes back and
-        # the stream, its first router down, fails over to it.
-        listener, enough = await _refusing(restarted_port, attempts=5)
+        # again and again, and is waiting out its longest backoff (about a second) when the router comes
+        # back and the stream, its first router down, fails over to it.
         assert client.current_address == down
         client._channels[restarted].get_state(try_to_connect=True)  # as an earlier stream's failover would
         await asyncio.wait_for(enough.wait(), 30)
@@ -57,6 +57,28 @@ async def test_a_stream_fails_over_to_a_router_that_restarted_while_its_channel_
         completion = await asyncio.wait_for(client.complete("m", prompt="hi", max_tokens=3), 30)
         assert completion.token_ids == [7, 8, 9]
         assert client.current_address == restarted
+    finally:
+        listener.close()
+        await client.close()
+        await server.stop(None)
+
+
+@pytest.mark.asyncio
+async def test_streams_failing_over_together_each_reach_the_live_router() -> None:
+    live_port = free_port()
+    down, live = f"127.0.0.1:{free_port()}", f"127.0.0.1:{live_port}"
+    server = grpc.aio.server()
+    router_pb2_grpc.add_RouterServicer_to_server(_Router(), server)
+    assert server.add_insecure_port(live) == live_port
+    await server.start()
+    # One failover each: a stream that moved on from the down router must not be sent back to it by
+    # another stream's failover.
+    client = BatonClient([down, live], max_failovers=1)
+    try:
+        completions = await asyncio.wait_for(
+            asyncio.gather(*(client.complete("m", prompt=f"p{i}", max_tokens=3) for i in range(6))), 30)
+        assert [c.token_ids for c in completions] == [[7, 8, 9]] * 6
+        assert client.current_address == live
     finally:
         await client.close()
         await server.stop(None)
