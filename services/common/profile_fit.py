@@ -135,6 +135,11 @@ class ProfileRefiner:
         self._last_refit: float | None = None
         self.profile = calibrated
 
+    @property
+    def num_observed(self) -> int:
+        """Steps of real traffic observed since the calibration."""
+        return self._num_observed
+
     def observe(self, sample: StepSample) -> None:
         if sample.ms > 0 and (sample.num_decode_seqs or sample.prefill_chunks):
             self._window.append(sample)

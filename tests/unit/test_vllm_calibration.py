@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 
-from services.common.engine_profile import ProfileSource
+from services.common.engine_profile import EngineProfile
 from services.common.profile_fit import StepSample, fit_timing, relative_error
 from services.common.step_timing import TimingModel
 from services.node_agent.engines.vllm import profiler as profiler_module
-from services.node_agent.engines.vllm.calibration import StepObserver, Sweep
+from services.node_agent.engines.vllm.calibration import StepObserver, Sweep, calibrate
 from services.node_agent.engines.vllm.profiler import MAX_SWEEPS, RESWEEP_AFTER_S, RESWEEP_ERROR, VllmProfiler
 
 pytestmark = pytest.mark.timeout(10)
@@ -53,71 +54,104 @@ def _sweep(slowed: range = range(0)) -> list[StepSample]:
     return [dataclasses.replace(s, ms=s.ms * 3) if i in slowed else s for i, s in enumerate(steps)]
 
 
-def _calibrated(monkeypatch: pytest.MonkeyPatch, sweeps: list[list[StepSample]]) -> tuple[TimingModel, list[float]]:
-    """The timing a VllmProfiler registers last when its sweeps read `sweeps` in turn, and the pauses
-    before each of them (0 before the first)."""
-    pauses = []
-    paused = [0.0]
+THIRD = len(_sweep()) // 3
+SLOWED_IN_PART = _sweep(slowed=range(THIRD, 2 * THIRD))
 
-    async def sweep_once(*args: object) -> list[StepSample]:
-        pauses.append(paused[0])
-        return sweeps[len(pauses) - 1]
 
-    async def pause(seconds: float) -> None:
-        paused[0] = seconds
+class _Sweeps:
+    """What a VllmProfiler's sweeps read, in turn; what they were called with, and the pauses before them."""
 
-    monkeypatch.setattr(profiler_module, "calibrate", sweep_once)
-    registered = []
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, readings: list[list[StepSample]]) -> None:
+        self.readings, self.seeds, self.yielding, self.pauses = readings, [], [], []
+        self.during: Callable[[], None] = lambda: None
+        monkeypatch.setattr(profiler_module, "calibrate", self.sweep)
+
+    async def sweep(self, *args: object, seed: int, yield_to_traffic: bool) -> list[StepSample]:
+        self.seeds.append(seed)
+        self.yielding.append(yield_to_traffic)
+        self.during()
+        return self.readings[len(self.seeds) - 1]
+
+    async def pause(self, seconds: float) -> None:
+        self.pauses.append(seconds)
+
+
+def _profiler() -> tuple[VllmProfiler, list[EngineProfile]]:
+    registered: list[EngineProfile] = []
     profiler = VllmProfiler(2048, 16, 1024, changed=lambda: registered.append(profiler.profile))
-    profile = asyncio.run(profiler.calibrate(None, Sweep(), 1000, lambda: True, lambda: 0.0, pause))
-    assert registered[-1] is profile and len(registered) == len(pauses)  # each sweep's fit is registered
-    return profile.timing, pauses
+    return profiler, registered
 
 
-def test_a_sweep_slowed_by_a_neighbour_is_swept_again_and_each_steps_quickest_reading_fitted(
+def _calibrate(profiler: VllmProfiler, sweeps: _Sweeps, quiet: Callable[[], bool] = lambda: True) -> None:
+    asyncio.run(profiler.calibrate(None, Sweep(), 1000, quiet, lambda: 0.0, sweeps.pause))
+
+
+def test_a_sweep_slowed_in_part_by_a_neighbour_is_swept_again_and_the_better_fit_registered(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    third = len(_sweep()) // 3
-    slowed_middle = _sweep(slowed=range(third, 2 * third))
-    assert relative_error(fit_timing(slowed_middle), slowed_middle) > RESWEEP_ERROR  # what the first sweep reads
-    assert relative_error(fit_timing(slowed_middle), _sweep()) > 0.1  # and how far off a profile of it is
-    timing, pauses = _calibrated(monkeypatch, [slowed_middle, _sweep()])
-    assert pauses == [0.0, RESWEEP_AFTER_S]
-    assert relative_error(timing, _sweep()) < 0.01
-    # A neighbour that slows other steps in each sweep: neither sweep fits alone, their quickest readings do.
-    slowed_end = _sweep(slowed=range(2 * third, len(_sweep())))
-    timing, pauses = _calibrated(monkeypatch, [slowed_middle, slowed_end])
-    assert len(pauses) == 2
-    assert relative_error(timing, _sweep()) < 0.01
+    assert relative_error(fit_timing(SLOWED_IN_PART), SLOWED_IN_PART) > RESWEEP_ERROR  # what the first reads
+    assert relative_error(fit_timing(SLOWED_IN_PART), _sweep()) > 0.1  # and how far off a profile of it is
+    sweeps = _Sweeps(monkeypatch, [SLOWED_IN_PART, _sweep()])
+    profiler, registered = _profiler()
+    _calibrate(profiler, sweeps)
+    assert sweeps.pauses == [RESWEEP_AFTER_S] and sweeps.seeds == [0, 1]  # other prompts: no cache hits
+    assert sweeps.yielding == [False, True]
+    assert len(registered) == 2 and relative_error(registered[-1].timing, _sweep()) < 0.01
 
 
-def test_a_quiet_sweep_runs_once_and_a_noisy_machine_at_most_max_sweeps_times(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert _calibrated(monkeypatch, [_sweep()])[1] == [0.0]
-    third = len(_sweep()) // 3
-    slowed = _sweep(slowed=range(third, 2 * third))  # the same steps in every sweep
-    assert _calibrated(monkeypatch, [slowed] * (MAX_SWEEPS + 1))[1] == [0.0, RESWEEP_AFTER_S, 2 * RESWEEP_AFTER_S]
+def test_a_worse_sweep_does_not_replace_the_registered_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    worse = _sweep(slowed=range(THIRD // 2, 2 * THIRD))
+    assert relative_error(fit_timing(worse), worse) > relative_error(fit_timing(SLOWED_IN_PART), SLOWED_IN_PART)
+    sweeps = _Sweeps(monkeypatch, [SLOWED_IN_PART, worse, worse])
+    profiler, registered = _profiler()
+    _calibrate(profiler, sweeps)
+    assert len(sweeps.seeds) == MAX_SWEEPS and sweeps.pauses == [RESWEEP_AFTER_S, 2 * RESWEEP_AFTER_S]
+    assert len(registered) == 1 and registered[0].timing == fit_timing(SLOWED_IN_PART)
 
 
-@pytest.mark.parametrize("traffic", ["refined the profile", "in flight"])
-def test_no_sweep_again_beside_real_traffic(monkeypatch: pytest.MonkeyPatch, traffic: str) -> None:
-    third = len(_sweep()) // 3
-    sweeps = []
+def test_a_quiet_sweep_runs_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    sweeps = _Sweeps(monkeypatch, [_sweep()])
+    profiler, registered = _profiler()
+    _calibrate(profiler, sweeps)
+    assert sweeps.seeds == [0] and len(registered) == 1
 
-    async def sweep_once(*args: object) -> list[StepSample]:
-        sweeps.append(1)
-        return _sweep(slowed=range(third, 2 * third))
 
-    profiler = VllmProfiler(2048, 16, 1024, changed=lambda: None)
-
-    quiet = [True]
+@pytest.mark.parametrize("traffic", ["a real step observed", "a real request in flight"])
+def test_no_sweep_again_once_real_traffic_came(monkeypatch: pytest.MonkeyPatch, traffic: str) -> None:
+    sweeps = _Sweeps(monkeypatch, [SLOWED_IN_PART, _sweep()])
+    profiler, registered = _profiler()
+    in_flight = [False]
 
     async def traffic_meanwhile(seconds: float) -> None:
-        assert profiler.profile is not None
-        if traffic == "refined the profile":
-            profiler.profile = dataclasses.replace(profiler.profile, source=ProfileSource.ONLINE)
+        if traffic == "a real step observed":
+            profiler.decoded(0.01, 1, num_decoding=1, num_context_tokens=100, num_prefilling=0, now=1.0)
         else:
-            quiet[0] = False
+            in_flight[0] = True
 
-    monkeypatch.setattr(profiler_module, "calibrate", sweep_once)
-    asyncio.run(profiler.calibrate(None, Sweep(), 1000, lambda: quiet[0], lambda: 0.0, traffic_meanwhile))
-    assert len(sweeps) == 1
+    sweeps.pause = traffic_meanwhile
+    _calibrate(profiler, sweeps, lambda: not in_flight[0])
+    assert sweeps.seeds == [0] and len(registered) == 1
+
+
+def test_traffic_during_a_second_sweep_keeps_the_first_profile_and_is_not_read_beside_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sweeps = _Sweeps(monkeypatch, [SLOWED_IN_PART, _sweep()])
+    profiler, registered = _profiler()
+    in_flight = [False]
+
+    def a_request_arrives() -> None:
+        if len(sweeps.seeds) == 2:
+            in_flight[0] = True
+            # A step of it read now would miss the sweep's requests beside it: not observed.
+            profiler.decoded(0.01, 1, num_decoding=1, num_context_tokens=100, num_prefilling=0, now=1.0)
+
+    sweeps.during = a_request_arrives
+    _calibrate(profiler, sweeps, lambda: not in_flight[0])
+    assert len(sweeps.seeds) == 2 and len(registered) == 1 and registered[0].timing == fit_timing(SLOWED_IN_PART)
+    profiler.decoded(0.01, 1, num_decoding=1, num_context_tokens=100, num_prefilling=0, now=2.0)
+    assert profiler._refiner is not None and profiler._refiner.num_observed == 1  # read once the sweep ended
+
+
+def test_a_second_sweep_gives_way_to_a_real_request_before_it_starts() -> None:
+    assert asyncio.run(calibrate(None, Sweep(), 1000, lambda: False, lambda: 0.0, yield_to_traffic=True)) == []

@@ -65,23 +65,30 @@ async def _run(llm: Any, prompt: list[int], max_tokens: int, clock: Callable[[],
 
 
 async def calibrate(llm: Any, sweep: Sweep, vocab_size: int, is_quiet: Callable[[], bool],
-                    clock: Callable[[], float], seed: int = 0) -> list[StepSample]:
-    """Time sweep's prefills and decodes on llm; is_quiet() says no real request is in flight."""
+                    clock: Callable[[], float], seed: int = 0, yield_to_traffic: bool = False) -> list[StepSample]:
+    """Time sweep's prefills and decodes on llm; is_quiet() says no real request is in flight. With
+    yield_to_traffic, it stops at the first real request it finds and returns nothing."""
     rng = random.Random(seed)
 
     def prompt(n: int) -> list[int]:
         return [rng.randrange(2, vocab_size) for _ in range(n)]
 
     samples: list[StepSample] = []
+    if yield_to_traffic and not is_quiet():
+        return []
     await _run(llm, prompt(sweep.prefill_sizes[0]), 2, clock)  # the first forward pass warms up: not timed
     for n in sweep.prefill_sizes:
         for _ in range(sweep.repeats):
+            if yield_to_traffic and not is_quiet():
+                return []
             quiet, started = is_quiet(), clock()
             times = await _run(llm, prompt(n), 1, clock)
             if quiet and is_quiet() and times:
                 samples.append(StepSample(0, 0, (n,), (times[0][0] - started) * 1000.0))
     for batch in sweep.decode_batches:
         for prompt_tokens in sweep.decode_prompt_tokens:
+            if yield_to_traffic and not is_quiet():
+                return []
             quiet = is_quiet()
             runs = await asyncio.gather(*(_run(llm, prompt(prompt_tokens), sweep.decode_steps + 1, clock)
                                           for _ in range(batch)))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+import math
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.common.engine_profile import EngineProfile, ProfileSource
@@ -16,26 +16,16 @@ log = logging.getLogger(__name__)
 
 # A sweep whose fitted coefficients miss its own steps by more than this on average was likely slowed in
 # part by another process on the machine (on the two-core CI host, a neighbour engine starting beside it:
-# 64 % against a quiet sweep's 12 %, and the node registered as the slower of two). It is run again
-# RESWEEP_AFTER_S later (a neighbour's start takes tens of seconds), then twice that, MAX_SWEEPS in all,
-# and each step's quickest readings over the sweeps are fitted: another process only ever adds time to a
-# step. A sweep slowed evenly throughout fits well and is not detected; online refinement corrects it.
+# 64 % against a quiet sweep's 12 %, and the node registered as the slower of two; one such pair of
+# measurements, so a rough line). The node sweeps again RESWEEP_AFTER_S later (a neighbour's start takes
+# tens of seconds), then twice that, MAX_SWEEPS in all, on other random prompts, and registers a sweep's fit
+# only when it misses its own steps by less than the registered one did. Whole sweeps are compared, not
+# single readings: a decode reading is the gap between two outputs, which delivery jitter can shorten as
+# well as lengthen, so the quickest readings would make the node look faster than it is. A sweep slowed
+# evenly throughout fits well and is not caught; online refinement corrects it.
 RESWEEP_ERROR = 0.3
 RESWEEP_AFTER_S = 10.0
 MAX_SWEEPS = 3
-
-
-def quickest(earlier: Sequence[StepSample], later: Sequence[StepSample]) -> list[StepSample]:
-    """The readings of two sweeps of the same steps merged: of each step (its batch, context and chunks),
-    as many readings as the sweep that read it most often holds, the quickest of both sweeps."""
-    by_step: dict[tuple, list[list[StepSample]]] = defaultdict(lambda: [[], []])
-    for side, samples in enumerate((earlier, later)):
-        for sample in samples:
-            by_step[(sample.num_decode_seqs, sample.num_context_tokens, sample.prefill_chunks)][side].append(sample)
-    merged = []
-    for first, second in by_step.values():
-        merged += sorted(first + second, key=lambda s: s.ms)[:max(len(first), len(second))]
-    return merged
 
 
 class VllmProfiler:
@@ -47,39 +37,56 @@ class VllmProfiler:
         self._changed = changed
         self._observer = StepObserver()
         self._refiner: ProfileRefiner | None = None
+        self._sweeping = False
         self.profile: EngineProfile | None = None
 
     async def calibrate(self, llm: Any, sweep: Sweep, vocab_size: int, is_quiet: Callable[[], bool],
                         clock: Callable[[], float],
                         pause: Callable[[float], Awaitable[None]] = asyncio.sleep) -> EngineProfile:
-        """Run the sweep on llm and register what it measured. While the fit misses its own steps by more
-        than RESWEEP_ERROR, sweep again RESWEEP_AFTER_S later (then twice that), MAX_SWEEPS in all, and
-        register the fit of each step's quickest readings; not beside real requests, nor once real traffic has
-        refined the profile (online refinement reads real steps instead)."""
-        samples: list[StepSample] = []
+        """Run the sweep on llm and register what it measured; while its fit misses its own steps by more
+        than RESWEEP_ERROR, sweep again later (see RESWEEP_ERROR) — only while the engine has served no real
+        request since, and giving way to the first that comes."""
+        best_error = math.inf
         for number in range(1, MAX_SWEEPS + 1):
-            if number > 1:
+            again = number > 1
+            if again:
                 await pause(RESWEEP_AFTER_S * (number - 1))
-                if not is_quiet() or (self.profile is not None and self.profile.source is ProfileSource.ONLINE):
+                if not self._untouched(is_quiet):
                     break
-            started = clock()
-            samples = quickest(samples, await calibrate(llm, sweep, vocab_size, is_quiet, clock))
+            self._sweeping = again  # real steps read meanwhile would miss the sweep's requests beside them
+            try:
+                started = clock()
+                samples = await calibrate(llm, sweep, vocab_size, is_quiet, clock, seed=number - 1,
+                                          yield_to_traffic=again)
+            finally:
+                self._sweeping = False
+            if again and not (samples and self._untouched(is_quiet)):
+                break
             timing = fit_timing(samples)
             error = relative_error(timing, samples)
-            max_num_batched_tokens, kv_block_size, num_kv_blocks, max_num_seqs = self._limits
-            self.profile = EngineProfile(timing, max_num_batched_tokens, kv_block_size, num_kv_blocks,
-                                         ProfileSource.CALIBRATED, num_samples=len(samples),
-                                         max_num_seqs=max_num_seqs)
-            self._refiner = ProfileRefiner(self.profile)
-            log.info("calibrated (sweep %d) in %.1f s on %d steps (mean error %.0f%%): %s", number,
-                     clock() - started, len(samples), 100 * error, self.profile.describe())
-            self._changed()
-            if error <= RESWEEP_ERROR:
+            log.info("calibration sweep %d in %.1f s on %d steps: mean error %.0f%%", number, clock() - started,
+                     len(samples), 100 * error)
+            if error < best_error:
+                best_error = error
+                max_num_batched_tokens, kv_block_size, num_kv_blocks, max_num_seqs = self._limits
+                self.profile = EngineProfile(timing, max_num_batched_tokens, kv_block_size, num_kv_blocks,
+                                             ProfileSource.CALIBRATED, num_samples=len(samples),
+                                             max_num_seqs=max_num_seqs)
+                self._refiner = ProfileRefiner(self.profile)
+                log.info("calibrated: %s", self.profile.describe())
+                self._changed()
+            if best_error <= RESWEEP_ERROR:
                 break
             if number < MAX_SWEEPS:
-                log.info("the fit misses its steps by %.0f%% on average (another process beside the sweep?): "
-                         "sweeping again in %.0f s", 100 * error, RESWEEP_AFTER_S * number)
+                log.info("the calibration misses its steps by %.0f%% on average (another process beside "
+                         "it?): sweeping again in %.0f s if the engine stays idle", 100 * best_error,
+                         RESWEEP_AFTER_S * number)
         return self.profile
+
+    def _untouched(self, is_quiet: Callable[[], bool]) -> bool:
+        """No real request in flight, and none observed since the calibration: a sweep may run, and its
+        profile replace the registered one."""
+        return is_quiet() and self._refiner is not None and self._refiner.num_observed == 0
 
     def admitted(self, request_id: str, num_in_flight: int, now: float) -> None:
         self._observer.admitted(request_id, num_in_flight, now)
@@ -95,7 +102,7 @@ class VllmProfiler:
                                           num_prefilling), now)
 
     def _observe(self, sample: StepSample | None, now: float) -> None:
-        if sample is None or self._refiner is None:
+        if sample is None or self._refiner is None or self._sweeping:
             return
         self._refiner.observe(sample)
         refined = self._refiner.refit(now)
