@@ -1,0 +1,153 @@
+"""Whether a change to Baton's policy passes the adoption rules of the tuning windows (docs/evaluation.md).
+
+    python -m bench.sim_matrix --tuning --seeds 10,...,19 --policies baton --out results/tuning-current
+    (change the policy)
+    python -m bench.sim_matrix --tuning --seeds 10,...,19 --policies baton --out results/tuning-variant
+    python -m bench.adoption_rule --variant results/tuning-variant --current results/tuning-current \\
+        [--baselines results/tuning-baselines]
+
+Each side may name several result directories (e.g. seeds 10-19 and 20-29); their seeds are joined, and
+the variant's and the current policy's runs are paired seed by seed (the same seeds on both sides, or it
+refuses). --baselines: a run of the other policies on the tuning windows, any seeds (their means are used).
+
+Rule 1 (the fifth round's): the whole-fleet cost per successful task at least 0.1 % lower on average over
+the window-settings; no more SLO misses in all; no window-setting more than 2 % dearer; dearer than the best
+baseline on no more window-settings.
+
+Rule 2 (written down after finding that two overloaded window-settings swing by tens of percent from seed
+to seed, deciding rule 1's worst window, much of its mean and of its misses; applied over seeds 10-29,
+twenty seeds, not ten): the mean as in rule 1; no
+window-setting dearer with a seed-paired 95 % interval clear of zero; the SLO misses of each seed (summed over
+the window-settings), paired by seed, not higher with a 95 % interval clear of zero; the baselines as in rule 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from simulator.report import mean_ci
+
+KEY = "cost_per_successful_task"
+POLICY = "baton"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    mean_change: float  # % over the window-settings, each the mean of its seed-paired changes
+    worst: tuple[str, float]  # the window-setting with the largest mean change, and it
+    misses: tuple[int, int]  # variant's and current policy's SLO misses, all seeds and window-settings
+    misses_per_seed: tuple[float, float]  # the paired difference per seed: mean, 95 % half-width
+    dearer: list[tuple[str, float, float]]  # window-settings dearer with an interval clear of zero
+    cheaper: list[tuple[str, float, float]]  # and cheaper
+    behind_best: tuple[int, int] | None  # window-settings dearer than the best baseline: variant, current
+
+    @property
+    def rule_1(self) -> bool:
+        return (self.mean_change <= -0.1 and self.misses[0] <= self.misses[1] and self.worst[1] <= 2.0
+                and self._baselines_hold())
+
+    @property
+    def rule_2(self) -> bool:
+        mean, half = self.misses_per_seed
+        return self.mean_change <= -0.1 and not self.dearer and mean - half <= 0 and self._baselines_hold()
+
+    def _baselines_hold(self) -> bool:
+        return self.behind_best is None or self.behind_best[0] <= self.behind_best[1]
+
+
+def load(directories: list[Path]) -> tuple[list[int], dict[str, list[dict]]]:
+    """The seeds, and per window-setting the policy's runs in the seeds' order, of result directories."""
+    seeds: list[int] = []
+    runs: dict[str, list[dict]] = {}
+    for directory in directories:
+        result = json.loads((directory / "results.json").read_text())
+        seeds += [int(s) for s in str(result["options"]["seeds"]).split(",")]
+        for setting, policies in result["per_seed"].items():
+            runs.setdefault(setting, []).extend(policies[POLICY])
+    return seeds, runs
+
+
+def _misses(run: dict) -> int:
+    return round((1 - run["slo_attainment"]) * run["num_requests"])
+
+
+def judge(variant: dict[str, list[dict]], current: dict[str, list[dict]],
+          baselines: dict[str, dict[str, list[dict]]] | None = None) -> Verdict:
+    """Rule 1's and rule 2's figures: variant's runs against current's, paired by position (by seed)."""
+    if set(variant) != set(current):
+        raise ValueError(f"the two sides ran other window-settings: {sorted(set(variant) ^ set(current))}")
+    changes: dict[str, float] = {}
+    dearer, cheaper = [], []
+    num_seeds = len(next(iter(current.values())))
+    per_seed = [0] * num_seeds
+    for setting, runs in current.items():
+        pairs = list(zip(variant[setting], runs, strict=True))
+        seed_changes = [(v[KEY] / c[KEY] - 1) * 100 for v, c in pairs if math.isfinite(v[KEY] * c[KEY])]
+        mean, half = mean_ci(seed_changes)
+        changes[setting] = mean
+        if mean - half > 0:
+            dearer.append((setting, mean, half))
+        elif mean + half < 0:
+            cheaper.append((setting, mean, half))
+        for i, (v, c) in enumerate(pairs):
+            per_seed[i] += _misses(v) - _misses(c)
+    worst = max(changes.items(), key=lambda item: item[1])
+    misses = (sum(_misses(r) for runs in variant.values() for r in runs),
+              sum(_misses(r) for runs in current.values() for r in runs))
+    behind_best = None
+    if baselines is not None:
+        behind_best = (0, 0)
+        for setting in current:
+            others = {p: runs for p, runs in baselines[setting].items() if p != POLICY}
+            best = min(_mean(runs) for runs in others.values())
+            behind_best = (behind_best[0] + (_mean(variant[setting]) > best),
+                           behind_best[1] + (_mean(current[setting]) > best))
+    return Verdict(sum(changes.values()) / len(changes), worst, misses, mean_ci(per_seed), dearer, cheaper,
+                   behind_best)
+
+
+def _mean(runs: list[dict]) -> float:
+    return sum(r[KEY] for r in runs) / len(runs)
+
+
+def report(verdict: Verdict) -> list[str]:
+    v = verdict
+    lines = [f"whole-fleet cost per successful task, mean change over the window-settings: {v.mean_change:+.2f} %",
+             f"worst window-setting: {v.worst[1]:+.2f} % ({v.worst[0]})",
+             f"SLO misses: {v.misses[0]:,} against {v.misses[1]:,}; per seed {v.misses_per_seed[0]:+.1f} "
+             f"± {v.misses_per_seed[1]:.1f}"]
+    for label, entries in (("dearer", v.dearer), ("cheaper", v.cheaper)):
+        listed = "; ".join(f"{name} {mean:+.2f} ± {half:.2f} %" for name, mean, half in entries) or "none"
+        lines.append(f"{label} with a 95 % interval clear of zero: {listed}")
+    if v.behind_best is not None:
+        lines.append(f"dearer than the best baseline on {v.behind_best[0]} window-settings, "
+                     f"the current policy on {v.behind_best[1]}")
+    lines.append(f"rule 1: {'passes' if v.rule_1 else 'fails'}; rule 2: {'passes' if v.rule_2 else 'fails'}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.adoption_rule", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variant", nargs="+", type=Path, required=True)
+    parser.add_argument("--current", nargs="+", type=Path, required=True)
+    parser.add_argument("--baselines", type=Path)
+    options = parser.parse_args(argv)
+    variant_seeds, variant = load(options.variant)
+    current_seeds, current = load(options.current)
+    if variant_seeds != current_seeds:
+        parser.error(f"--variant ran seeds {variant_seeds}, --current {current_seeds}: they must be the same")
+    baselines = None
+    if options.baselines:
+        baselines = json.loads((options.baselines / "results.json").read_text())["per_seed"]
+    print("\n".join(report(judge(variant, current, baselines))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
