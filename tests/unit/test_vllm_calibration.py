@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import types
 from collections.abc import Callable
 
 import pytest
@@ -155,3 +156,61 @@ def test_traffic_during_a_second_sweep_keeps_the_first_profile_and_is_not_read_b
 
 def test_a_second_sweep_gives_way_to_a_real_request_before_it_starts() -> None:
     assert asyncio.run(calibrate(None, Sweep(), 1000, lambda: False, lambda: 0.0, yield_to_traffic=True)) == []
+
+
+def test_a_first_sweep_that_read_no_step_is_swept_again_rather_than_stopping_the_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sweeps = _Sweeps(monkeypatch, [[], _sweep()])
+    profiler, registered = _profiler()
+    _calibrate(profiler, sweeps, lambda: False)  # real requests beside it all along
+    assert sweeps.yielding == [False, False]  # a node without a profile keeps sweeping beside traffic
+    assert len(registered) == 1 and relative_error(registered[0].timing, _sweep()) < 0.01
+
+
+def test_a_sweep_missing_a_kind_of_step_is_registered_until_a_complete_one_replaces_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prefills_only = [s for s in _sweep() if s.prefill_chunks]  # every decode reading dropped: fits perfectly
+    assert relative_error(fit_timing(prefills_only), prefills_only) < 1e-6
+    sweeps = _Sweeps(monkeypatch, [prefills_only, SLOWED_IN_PART, SLOWED_IN_PART])
+    profiler, registered = _profiler()
+    _calibrate(profiler, sweeps)
+    assert len(registered) == 2 and registered[1].timing == fit_timing(SLOWED_IN_PART)
+
+
+def test_a_request_that_came_and_went_during_a_second_sweep_discards_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    sweeps = _Sweeps(monkeypatch, [SLOWED_IN_PART, _sweep()])
+    profiler, registered = _profiler()
+    sweeps.during = lambda: profiler.admitted("real", num_in_flight=1, now=1.0) if len(sweeps.seeds) == 2 else None
+    _calibrate(profiler, sweeps)  # quiet at every check: it ended between them
+    assert len(sweeps.seeds) == 2 and len(registered) == 1
+
+
+class _Engine:
+    """Stands in for vLLM's AsyncLLM: each request outputs a token at a time, on a clock it advances."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.requests = 0
+
+    async def generate(self, prompt: dict, params: object, request_id: str):  # noqa: ANN201 - an async generator
+        self.requests += 1
+        for _ in range(params.max_tokens):
+            self.now += 0.01
+            yield types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[1])])
+
+    async def reset_prefix_cache(self) -> bool:
+        return True
+
+
+def test_a_second_sweep_gives_way_to_a_real_request_between_its_measurements() -> None:
+    engine = _Engine()
+    checks = iter([True] * 6)  # real traffic arrives after the sweep's first checks
+    swept = asyncio.run(calibrate(engine, Sweep(), 1000, lambda: next(checks, False), lambda: engine.now,
+                                  yield_to_traffic=True))
+    assert swept == [] and engine.requests < 4
+    # The first sweep (nothing registered yet) reads on beside it, keeping only what ran alone.
+    engine, checks = _Engine(), iter([True] * 6)
+    swept = asyncio.run(calibrate(engine, Sweep(), 1000, lambda: next(checks, False), lambda: engine.now))
+    assert swept and engine.requests > 20

@@ -28,6 +28,13 @@ RESWEEP_AFTER_S = 10.0
 MAX_SWEEPS = 3
 
 
+def _complete(samples: list[StepSample], sweep: Sweep) -> bool:
+    """Whether samples hold a reading of every prefill size and every decode batch of sweep."""
+    prefills = {chunk for s in samples for chunk in s.prefill_chunks}
+    batches = {s.num_decode_seqs for s in samples if s.num_decode_seqs}
+    return set(sweep.prefill_sizes) <= prefills and set(sweep.decode_batches) <= batches
+
+
 class VllmProfiler:
     """Holds the engine's profile (None until calibrated) and calls changed() when it is new."""
 
@@ -38,35 +45,42 @@ class VllmProfiler:
         self._observer = StepObserver()
         self._refiner: ProfileRefiner | None = None
         self._sweeping = False
+        self._num_admitted = 0
         self.profile: EngineProfile | None = None
 
     async def calibrate(self, llm: Any, sweep: Sweep, vocab_size: int, is_quiet: Callable[[], bool],
                         clock: Callable[[], float],
-                        pause: Callable[[float], Awaitable[None]] = asyncio.sleep) -> EngineProfile:
+                        pause: Callable[[float], Awaitable[None]] = asyncio.sleep) -> EngineProfile | None:
         """Run the sweep on llm and register what it measured; while its fit misses its own steps by more
-        than RESWEEP_ERROR, sweep again later (see RESWEEP_ERROR) — only while the engine has served no real
-        request since, and giving way to the first that comes."""
+        than RESWEEP_ERROR, or it read no step or not every kind of step, sweep again later (see
+        RESWEEP_ERROR). Once a profile is registered, only while the engine has been sent no real request
+        since, and giving way to the first that comes."""
         best_error = math.inf
         for number in range(1, MAX_SWEEPS + 1):
-            again = number > 1
-            if again:
+            if number > 1:
                 await pause(RESWEEP_AFTER_S * (number - 1))
-                if not self._untouched(is_quiet):
+                if not self._may_sweep(is_quiet):
                     break
-            self._sweeping = again  # real steps read meanwhile would miss the sweep's requests beside them
+            registered, admitted = self.profile is not None, self._num_admitted
+            self._sweeping = True  # real steps read meanwhile would miss the sweep's requests beside them
             try:
                 started = clock()
                 samples = await calibrate(llm, sweep, vocab_size, is_quiet, clock, seed=number - 1,
-                                          yield_to_traffic=again)
+                                          yield_to_traffic=registered)
             finally:
                 self._sweeping = False
-            if again and not (samples and self._untouched(is_quiet)):
-                break
+            if registered and not (self._may_sweep(is_quiet) and self._num_admitted == admitted):
+                break  # a real request came meanwhile: the sweep's steps may have run beside it
+            samples = [s for s in samples if s.ms > 0 and math.isfinite(s.ms)]
+            if not samples:
+                log.warning("calibration sweep %d read no step (real requests beside every one)", number)
+                continue
             timing = fit_timing(samples)
-            error = relative_error(timing, samples)
+            # A sweep missing a kind of step fits the rest well and says nothing of it: it counts as no fit.
+            error = relative_error(timing, samples) if _complete(samples, sweep) else math.inf
             log.info("calibration sweep %d in %.1f s on %d steps: mean error %.0f%%", number, clock() - started,
                      len(samples), 100 * error)
-            if error < best_error:
+            if error < best_error or not registered:
                 best_error = error
                 max_num_batched_tokens, kv_block_size, num_kv_blocks, max_num_seqs = self._limits
                 self.profile = EngineProfile(timing, max_num_batched_tokens, kv_block_size, num_kv_blocks,
@@ -78,17 +92,19 @@ class VllmProfiler:
             if best_error <= RESWEEP_ERROR:
                 break
             if number < MAX_SWEEPS:
-                log.info("the calibration misses its steps by %.0f%% on average (another process beside "
-                         "it?): sweeping again in %.0f s if the engine stays idle", 100 * best_error,
+                log.info("the calibration misses its steps by %.0f%% on average, or not every kind of step was "
+                         "read: sweeping again in %.0f s if the engine stays idle", 100 * best_error,
                          RESWEEP_AFTER_S * number)
         return self.profile
 
-    def _untouched(self, is_quiet: Callable[[], bool]) -> bool:
-        """No real request in flight, and none observed since the calibration: a sweep may run, and its
-        profile replace the registered one."""
-        return is_quiet() and self._refiner is not None and self._refiner.num_observed == 0
+    def _may_sweep(self, is_quiet: Callable[[], bool]) -> bool:
+        """No profile yet; or no real request in flight, and no step of one read since the calibration."""
+        if self._refiner is None:
+            return True
+        return is_quiet() and self._refiner.num_observed == 0
 
     def admitted(self, request_id: str, num_in_flight: int, now: float) -> None:
+        self._num_admitted += 1
         self._observer.admitted(request_id, num_in_flight, now)
 
     def first_token(self, request_id: str, num_new_tokens: int, num_computed: int, now: float) -> None:
