@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-from baton.client import BatonClient
+from baton.client import FAILOVER_CONNECT_S, BatonClient
 from baton.cluster import free_port
 from baton.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -82,3 +82,32 @@ async def test_streams_failing_over_together_each_reach_the_live_router() -> Non
     finally:
         await client.close()
         await server.stop(None)
+
+
+@pytest.mark.parametrize("timeout_s", [None, 1.0])
+async def test_with_every_router_down_a_request_waits_only_for_channels_in_backoff_within_one_budget(
+    monkeypatch: pytest.MonkeyPatch, timeout_s: float | None,
+) -> None:
+    routers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    client = BatonClient(routers, max_failovers=5)
+    waits: list[tuple[str, float]] = []
+
+    async def waited_in_full(channel: grpc.aio.Channel, wait_s: float) -> float:
+        waits.append((next(a for a, c in client._channels.items() if c is channel), wait_s))
+        return wait_s  # as if the router never came back
+
+    monkeypatch.setattr(BatonClient, "_wait_ready", staticmethod(waited_in_full))
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await asyncio.wait_for(client.complete("m", prompt="hi", max_tokens=3, timeout_s=timeout_s), 30)
+        assert failed.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        # The second and third routers were never tried before (no backoff): called at once. Back at the
+        # first, in backoff, it waits: the whole budget, and then no more.
+        assert waits[0][0] == routers[0]
+        assert sum(wait for _, wait in waits) <= FAILOVER_CONNECT_S
+        if timeout_s is None:
+            assert waits == [(routers[0], FAILOVER_CONNECT_S)]
+        else:  # never past the request's deadline (the stand-in returns at once, so it may be asked again)
+            assert all(0 < wait <= timeout_s for _, wait in waits)
+    finally:
+        await client.close()
