@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.sim_matrix import paired_change
 from simulator.report import mean_ci
 
 KEY = "cost_per_successful_task"
@@ -86,16 +86,17 @@ def judge(variant: dict[str, list[dict]], current: dict[str, list[dict]],
     num_seeds = len(next(iter(current.values())))
     per_seed = [0] * num_seeds
     for setting, runs in current.items():
-        pairs = list(zip(variant[setting], runs, strict=True))
-        seed_changes = [(v[KEY] / c[KEY] - 1) * 100 for v, c in pairs if math.isfinite(v[KEY] * c[KEY])]
-        mean, half = mean_ci(seed_changes)
+        for i, (v, c) in enumerate(zip(variant[setting], runs, strict=True)):
+            per_seed[i] += _misses(v) - _misses(c)
+        paired = paired_change(variant[setting], runs, KEY)
+        if paired is None:  # a run with no success has no cost per success
+            continue
+        mean, half, _ = paired
         changes[setting] = mean
         if mean - half > 0:
             dearer.append((setting, mean, half))
         elif mean + half < 0:
             cheaper.append((setting, mean, half))
-        for i, (v, c) in enumerate(pairs):
-            per_seed[i] += _misses(v) - _misses(c)
     worst = max(changes.items(), key=lambda item: item[1])
     misses = (sum(_misses(r) for runs in variant.values() for r in runs),
               sum(_misses(r) for runs in current.values() for r in runs))

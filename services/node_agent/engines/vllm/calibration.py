@@ -73,13 +73,16 @@ async def calibrate(llm: Any, sweep: Sweep, vocab_size: int, is_quiet: Callable[
     def prompt(n: int) -> list[int]:
         return [rng.randrange(2, vocab_size) for _ in range(n)]
 
+    def giving_way() -> bool:
+        return yield_to_traffic and not is_quiet()
+
     samples: list[StepSample] = []
-    if yield_to_traffic and not is_quiet():
+    if giving_way():
         return []
     await _run(llm, prompt(sweep.prefill_sizes[0]), 2, clock)  # the first forward pass warms up: not timed
     for n in sweep.prefill_sizes:
         for _ in range(sweep.repeats):
-            if yield_to_traffic and not is_quiet():
+            if giving_way():
                 return []
             quiet, started = is_quiet(), clock()
             times = await _run(llm, prompt(n), 1, clock)
@@ -87,7 +90,7 @@ async def calibrate(llm: Any, sweep: Sweep, vocab_size: int, is_quiet: Callable[
                 samples.append(StepSample(0, 0, (n,), (times[0][0] - started) * 1000.0))
     for batch in sweep.decode_batches:
         for prompt_tokens in sweep.decode_prompt_tokens:
-            if yield_to_traffic and not is_quiet():
+            if giving_way():
                 return []
             quiet = is_quiet()
             runs = await asyncio.gather(*(_run(llm, prompt(prompt_tokens), sweep.decode_steps + 1, clock)
