@@ -19,6 +19,12 @@ to seed, deciding rule 1's worst window, much of its mean and of its misses; app
 twenty seeds, not ten): the mean as in rule 1; no
 window-setting dearer with a seed-paired 95 % interval clear of zero; the SLO misses of each seed (summed over
 the window-settings), paired by seed, not higher with a 95 % interval clear of zero; the baselines as in rule 1.
+
+Rule 3 (written down after a variant failed rule 2 on its mean alone, +0.08 %, while four overloaded
+window-settings moved by -31 to +36 % from seed to seed; applied to seeds 30-39, run for no policy before):
+no worse anywhere, better somewhere. No window-setting dearer with a seed-paired 95 % interval clear of zero;
+at least one cheaper with its interval clear of zero; the misses and the baselines as in rule 2. The mean
+over the window-settings is reported but not judged: the overloaded ones' noise is most of it.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.sim_matrix import paired_change
+from bench.sim_matrix import paired_changes
 from simulator.report import mean_ci
 
 KEY = "cost_per_successful_task"
@@ -56,6 +62,11 @@ class Verdict:
         mean, half = self.misses_per_seed
         return self.mean_change <= -0.1 and not self.dearer and mean - half <= 0 and self._baselines_hold()
 
+    @property
+    def rule_3(self) -> bool:
+        mean, half = self.misses_per_seed
+        return bool(self.cheaper) and not self.dearer and mean - half <= 0 and self._baselines_hold()
+
     def _baselines_hold(self) -> bool:
         return self.behind_best is None or self.behind_best[0] <= self.behind_best[1]
 
@@ -78,7 +89,7 @@ def _misses(run: dict) -> int:
 
 def judge(variant: dict[str, list[dict]], current: dict[str, list[dict]],
           baselines: dict[str, dict[str, list[dict]]] | None = None) -> Verdict:
-    """Rule 1's and rule 2's figures: variant's runs against current's, paired by position (by seed)."""
+    """The rules' figures: variant's runs against current's, paired by position (by seed)."""
     if set(variant) != set(current):
         raise ValueError(f"the two sides ran other window-settings: {sorted(set(variant) ^ set(current))}")
     changes: dict[str, float] = {}
@@ -88,10 +99,10 @@ def judge(variant: dict[str, list[dict]], current: dict[str, list[dict]],
     for setting, runs in current.items():
         for i, (v, c) in enumerate(zip(variant[setting], runs, strict=True)):
             per_seed[i] += _misses(v) - _misses(c)
-        paired = paired_change(variant[setting], runs, KEY)
+        paired = paired_changes(variant[setting], runs, KEY)
         if paired is None:  # a run with no success has no cost per success
             continue
-        mean, half, _ = paired
+        mean, half = mean_ci(paired)
         changes[setting] = mean
         if mean - half > 0:
             dearer.append((setting, mean, half))
@@ -128,7 +139,8 @@ def report(verdict: Verdict) -> list[str]:
     if v.behind_best is not None:
         lines.append(f"dearer than the best baseline on {v.behind_best[0]} window-settings, "
                      f"the current policy on {v.behind_best[1]}")
-    lines.append(f"rule 1: {'passes' if v.rule_1 else 'fails'}; rule 2: {'passes' if v.rule_2 else 'fails'}")
+    lines.append("; ".join(f"rule {n}: {'passes' if ok else 'fails'}"
+                           for n, ok in ((1, v.rule_1), (2, v.rule_2), (3, v.rule_3))))
     return lines
 
 

@@ -223,12 +223,19 @@ def verdict(rows: dict[str, dict], per_seed: dict[str, list[dict]] | None = None
     return line
 
 
+def paired_changes(mine: list[dict], theirs: list[dict], key: str) -> list[float] | None:
+    """Seed by seed, (mine / theirs - 1) in %; None when a seed has no figure (no successes)."""
+    if not all(_has_figure(m, key) and _has_figure(t, key) for m, t in zip(mine, theirs, strict=True)):
+        return None
+    return [(m[key] / t[key] - 1) * 100 for m, t in zip(mine, theirs, strict=True)]
+
+
 def paired_change(mine: list[dict], theirs: list[dict], key: str) -> tuple[float, float, int] | None:
     """Seed by seed, (mine / theirs - 1) in %: its mean, the half-width of its 95 % interval, and the
     number of seeds where mine was lower. None when a seed has no figure (no successes)."""
-    if not all(_has_figure(m, key) and _has_figure(t, key) for m, t in zip(mine, theirs, strict=True)):
+    changes = paired_changes(mine, theirs, key)
+    if changes is None:
         return None
-    changes = [(m[key] / t[key] - 1) * 100 for m, t in zip(mine, theirs, strict=True)]
     mean, ci = mean_ci(changes)
     return mean, ci, sum(m[key] < t[key] for m, t in zip(mine, theirs, strict=True))
 

@@ -55,7 +55,8 @@ def test_more_misses_per_seed_fail_rule_2(tmp_path: Path) -> None:
     _, variant = load([_write(tmp_path / "variant", SEEDS, {"steady": [99.0] * 10, "overloaded": [99.0] * 10},
                               misses=2)])
     verdict = judge(variant, current)
-    assert verdict.misses_per_seed[0] == 2 and not verdict.rule_1 and not verdict.rule_2
+    assert verdict.misses_per_seed[0] == 2 and verdict.cheaper
+    assert not verdict.rule_1 and not verdict.rule_2 and not verdict.rule_3
 
 
 def test_seeds_of_several_runs_are_joined_and_paired_and_other_seeds_refused(
@@ -78,3 +79,22 @@ def test_the_best_baseline_counts(tmp_path: Path) -> None:
     baselines = {name: {"dynamo": [_run(100.5)] * 10} for name in CURRENT}
     verdict = judge(variant, current, baselines)
     assert verdict.behind_best == (1, 0) and not verdict.rule_1
+    # Rule 3: a clear gain, no clear loss (the other swings), yet behind the best baseline where it was not.
+    _, noisy = load([_write(tmp_path / "noisy", SEEDS, {"steady": [99.0] * 10, "overloaded": [98.0, 104.0] * 5})])
+    verdict = judge(noisy, current, baselines)
+    assert verdict.cheaper and not verdict.dearer and verdict.behind_best == (1, 0) and not verdict.rule_3
+
+
+def test_rule_3_needs_a_clear_gain_somewhere_and_no_clear_loss_anywhere(tmp_path: Path) -> None:
+    _, current = load([_write(tmp_path / "current", SEEDS, CURRENT)])
+    # Cheaper by 0.3 % in every seed on the steady window-setting; the overloaded one swings -20 to +26 %.
+    gain = {"steady": [99.7] * 10, "overloaded": [80.0, 126.0] * 5}
+    verdict = judge(load([_write(tmp_path / "gain", SEEDS, gain)])[1], current)
+    assert verdict.mean_change > 0 and not verdict.rule_2 and verdict.rule_3
+    # No window-setting clearly cheaper: nothing to adopt it for.
+    flat = {"steady": [99.0, 101.0] * 5, "overloaded": [80.0, 126.0] * 5}
+    assert not judge(load([_write(tmp_path / "flat", SEEDS, flat)])[1], current).rule_3
+    # A clear gain on one and a clear loss on the other.
+    trade = {"steady": [99.7] * 10, "overloaded": [100.2] * 10}
+    verdict = judge(load([_write(tmp_path / "trade", SEEDS, trade)])[1], current)
+    assert verdict.cheaper and verdict.dearer and not verdict.rule_3
