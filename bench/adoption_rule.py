@@ -25,6 +25,14 @@ window-settings moved by -31 to +36 % from seed to seed; applied to seeds 30-39,
 no worse anywhere, better somewhere. No window-setting dearer with a seed-paired 95 % interval clear of zero;
 at least one cheaper with its interval clear of zero; the misses and the baselines as in rule 2. The mean
 over the window-settings is reported but not judged: the overloaded ones' noise is most of it.
+
+Rule 4 (written down on 2026-12-01 at 21:20 UTC, before any tuning run of seeds 40 and above, for the next
+variant, to be judged on seeds 40-59 alone): the four overloaded window-settings (`OVERLOADED`: the
+conversation trace on the mixed fleet at 3x and on 2 H100 + 8 L4, both windows; 95 % intervals of +-1 to
++-21 % over ten seeds) are reported, not judged. On the others: no window-setting dearer by more than
+`MARGIN` (0.05 %) with its interval clear of zero; at least one cheaper by more than `MARGIN` with its interval
+clear of zero; their mean change not above zero; over all of them, the misses and the baselines as in rule 2.
+A loss or gain smaller than the margin is below what the policy's own decisions could be said to cause.
 """
 
 from __future__ import annotations
@@ -40,6 +48,10 @@ from simulator.report import mean_ci
 
 KEY = "cost_per_successful_task"
 POLICY = "baton"
+# Rule 4: the window-settings whose cost swings by tens of percent from seed to seed (their names begin so),
+# and the least change, in %, that counts as a loss or a gain.
+OVERLOADED = ("Mooncake conversation, mixed, 3x,", "Mooncake conversation, 2xH100+8xL4,")
+MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,7 @@ class Verdict:
     dearer: list[tuple[str, float, float]]  # window-settings dearer with an interval clear of zero
     cheaper: list[tuple[str, float, float]]  # and cheaper
     behind_best: tuple[int, int] | None  # window-settings dearer than the best baseline: variant, current
+    per_setting: dict[str, tuple[float, float]]  # each window-setting's mean change and its 95 % half-width
 
     @property
     def rule_1(self) -> bool:
@@ -66,6 +79,16 @@ class Verdict:
     def rule_3(self) -> bool:
         mean, half = self.misses_per_seed
         return bool(self.cheaper) and not self.dearer and mean - half <= 0 and self._baselines_hold()
+
+    @property
+    def rule_4(self) -> bool:
+        steady = [(m, h) for name, (m, h) in self.per_setting.items() if not name.startswith(OVERLOADED)]
+        if not steady:
+            return False
+        mean, half = self.misses_per_seed
+        return (not any(m - h > 0 and m > MARGIN for m, h in steady)
+                and any(m + h < 0 and m < -MARGIN for m, h in steady)
+                and sum(m for m, _ in steady) <= 0 and mean - half <= 0 and self._baselines_hold())
 
     def _baselines_hold(self) -> bool:
         return self.behind_best is None or self.behind_best[0] <= self.behind_best[1]
@@ -93,6 +116,7 @@ def judge(variant: dict[str, list[dict]], current: dict[str, list[dict]],
     if set(variant) != set(current):
         raise ValueError(f"the two sides ran other window-settings: {sorted(set(variant) ^ set(current))}")
     changes: dict[str, float] = {}
+    per_setting: dict[str, tuple[float, float]] = {}
     dearer, cheaper = [], []
     num_seeds = len(next(iter(current.values())))
     per_seed = [0] * num_seeds
@@ -104,6 +128,7 @@ def judge(variant: dict[str, list[dict]], current: dict[str, list[dict]],
             continue
         mean, half = mean_ci(paired)
         changes[setting] = mean
+        per_setting[setting] = (mean, half)
         if mean - half > 0:
             dearer.append((setting, mean, half))
         elif mean + half < 0:
@@ -120,7 +145,7 @@ def judge(variant: dict[str, list[dict]], current: dict[str, list[dict]],
             behind_best = (behind_best[0] + (_mean(variant[setting]) > best),
                            behind_best[1] + (_mean(current[setting]) > best))
     return Verdict(sum(changes.values()) / len(changes), worst, misses, mean_ci(per_seed), dearer, cheaper,
-                   behind_best)
+                   behind_best, per_setting)
 
 
 def _mean(runs: list[dict]) -> float:
@@ -136,11 +161,15 @@ def report(verdict: Verdict) -> list[str]:
     for label, entries in (("dearer", v.dearer), ("cheaper", v.cheaper)):
         listed = "; ".join(f"{name} {mean:+.2f} ± {half:.2f} %" for name, mean, half in entries) or "none"
         lines.append(f"{label} with a 95 % interval clear of zero: {listed}")
+    steady = [m for name, (m, _) in v.per_setting.items() if not name.startswith(OVERLOADED)]
+    if steady:
+        lines.append(f"mean change over the {len(steady)} window-settings not overloaded: "
+                     f"{sum(steady) / len(steady):+.3f} %")
     if v.behind_best is not None:
         lines.append(f"dearer than the best baseline on {v.behind_best[0]} window-settings, "
                      f"the current policy on {v.behind_best[1]}")
     lines.append("; ".join(f"rule {n}: {'passes' if ok else 'fails'}"
-                           for n, ok in ((1, v.rule_1), (2, v.rule_2), (3, v.rule_3))))
+                           for n, ok in ((1, v.rule_1), (2, v.rule_2), (3, v.rule_3), (4, v.rule_4))))
     return lines
 
 

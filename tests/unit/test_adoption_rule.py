@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.adoption_rule import judge, load, main
+from bench.adoption_rule import Verdict, judge, load, main
 
 
 def _run(cost: float, misses: int = 0) -> dict:
@@ -56,7 +56,7 @@ def test_more_misses_per_seed_fail_rule_2(tmp_path: Path) -> None:
                               misses=2)])
     verdict = judge(variant, current)
     assert verdict.misses_per_seed[0] == 2 and verdict.cheaper
-    assert not verdict.rule_1 and not verdict.rule_2 and not verdict.rule_3
+    assert not verdict.rule_1 and not verdict.rule_2 and not verdict.rule_3 and not verdict.rule_4
 
 
 def test_seeds_of_several_runs_are_joined_and_paired_and_other_seeds_refused(
@@ -80,9 +80,10 @@ def test_the_best_baseline_counts(tmp_path: Path) -> None:
     verdict = judge(variant, current, baselines)
     assert verdict.behind_best == (1, 0) and not verdict.rule_1
     # Rule 3: a clear gain, no clear loss (the other swings), yet behind the best baseline where it was not.
-    _, noisy = load([_write(tmp_path / "noisy", SEEDS, {"steady": [99.0] * 10, "overloaded": [98.0, 104.0] * 5})])
+    _, noisy = load([_write(tmp_path / "noisy", SEEDS, {"steady": [98.9] * 10, "overloaded": [98.0, 104.0] * 5})])
     verdict = judge(noisy, current, baselines)
-    assert verdict.cheaper and not verdict.dearer and verdict.behind_best == (1, 0) and not verdict.rule_3
+    assert verdict.cheaper and not verdict.dearer and verdict.behind_best == (1, 0)
+    assert not verdict.rule_3 and not verdict.rule_4
 
 
 def test_rule_3_needs_a_clear_gain_somewhere_and_no_clear_loss_anywhere(tmp_path: Path) -> None:
@@ -98,3 +99,25 @@ def test_rule_3_needs_a_clear_gain_somewhere_and_no_clear_loss_anywhere(tmp_path
     trade = {"steady": [99.7] * 10, "overloaded": [100.2] * 10}
     verdict = judge(load([_write(tmp_path / "trade", SEEDS, trade)])[1], current)
     assert verdict.cheaper and verdict.dearer and not verdict.rule_3
+
+
+def test_rule_4_leaves_the_overloaded_window_settings_out_and_ignores_changes_below_its_margin(tmp_path: Path) -> None:
+    overloaded = "Mooncake conversation, mixed, 3x, requests 3,000-3,600"
+    current_costs = {overloaded: [100.0] * 10, "steady": [100.0] * 10, "also steady": [100.0] * 10}
+    _, current = load([_write(tmp_path / "current", SEEDS, current_costs)])
+
+    def verdict(name: str, costs: dict[str, list[float]]) -> Verdict:
+        return judge(load([_write(tmp_path / name, SEEDS, costs)])[1], current)
+
+    # A clear 1 % loss on the overloaded one, a clear 0.04 % loss (below the margin) on another: it passes.
+    passes = verdict("passes", {overloaded: [101.0] * 10, "steady": [99.9] * 10, "also steady": [100.04] * 10})
+    assert passes.rule_4 and not passes.rule_3
+    # A clear loss above the margin on a steady one fails it.
+    loss = verdict("loss", {overloaded: [100.0] * 10, "steady": [99.9] * 10, "also steady": [100.06] * 10})
+    assert not loss.rule_4
+    # So does a gain below the margin, the only one.
+    small = verdict("small", {overloaded: [95.0] * 10, "steady": [99.96] * 10, "also steady": [100.0] * 10})
+    assert small.cheaper and not small.rule_4
+    # And a mean over the steady ones above zero, though no loss is clear.
+    mean = verdict("mean", {overloaded: [100.0] * 10, "steady": [99.9] * 10, "also steady": [98.0, 102.6] * 5})
+    assert not mean.dearer and not mean.rule_4
