@@ -26,16 +26,17 @@ no worse anywhere, better somewhere. No window-setting dearer with a seed-paired
 at least one cheaper with its interval clear of zero; the misses and the baselines as in rule 2. The mean
 over the window-settings is reported but not judged: the overloaded ones' noise is most of it.
 
-Rule 4 (written down on 2026-12-01 at 21:20 UTC, before any tuning run of seeds 40 and above, for the next
-variant, to be judged on seeds 40-59 alone): the four overloaded window-settings (`OVERLOADED`: the
-conversation trace on the mixed fleet at 3x and on 2 H100 + 8 L4, both windows; 95 % intervals of +-1 to
-+-21 % over ten seeds) are reported, not judged. On the others: no window-setting dearer by more than
-`MARGIN` (0.05 %) with its interval clear of zero; at least one cheaper by more than `MARGIN` with its interval
-clear of zero; their mean change not above zero; over all of them, the misses and the baselines as in rule 2.
-A loss or gain smaller than the margin is below what the policy's own decisions could be said to cause.
-A variant already run on earlier seeds is judged over all its seeds, those included: ten or twenty seeds
-cannot see a loss of 0.15 % (the one variant this rule was checked on passes it on each of seeds 10-19,
-20-29 and 30-39 and on 10-29, and fails it over 20-39 and over 10-39).
+Rule 4 (written down on 2026-12-01 at 21:20 UTC and revised at 21:28 after a review, both before any tuning
+run of seeds 40 and above; for the next variant): no window-setting dearer by more than `MARGIN` (0.05 %) with
+its seed-paired interval clear of zero; at least one cheaper by more than `MARGIN` with its interval clear of
+zero; the mean change over the window-settings other than the four overloaded ones (`OVERLOADED`: the
+conversation trace on the mixed fleet at 3x and on 2 H100 + 8 L4, both windows, whose ten-seed intervals run
++-1 to +-21 %) not above zero; the misses and the baselines as in rule 2. A loss or gain smaller than the
+margin is below what the policy's own decisions could be said to cause; the overloaded window-settings are
+left out of the mean only (their noise decides it), and a clear loss there still counts. A variant never run
+before is judged on seeds 40-59; one already run on earlier seeds over all its seeds, those included: ten
+seeds did not see a 0.15 % loss that more seeds did (this session's variant passes the rule on each of seeds
+10-19, 20-29 and 30-39 and on 10-29, and fails it over 20-39, over 10-19 with 30-39, and over 10-39).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from simulator.report import mean_ci
 KEY = "cost_per_successful_task"
 POLICY = "baton"
 # Rule 4: the window-settings whose cost swings by tens of percent from seed to seed (their names begin so),
-# and the least change, in %, that counts as a loss or a gain.
+# left out of its mean, and the least change, in %, that counts as a loss or a gain.
 OVERLOADED = ("Mooncake conversation, mixed, 3x,", "Mooncake conversation, 2xH100+8xL4,")
 MARGIN = 0.05
 
@@ -85,13 +86,14 @@ class Verdict:
 
     @property
     def rule_4(self) -> bool:
-        steady = [(m, h) for name, (m, h) in self.per_setting.items() if not name.startswith(OVERLOADED)]
+        steady = [m for name, (m, _) in self.per_setting.items() if not name.startswith(OVERLOADED)]
         if not steady:
             return False
+        changes = self.per_setting.values()
         mean, half = self.misses_per_seed
-        return (not any(m - h > 0 and m > MARGIN for m, h in steady)
-                and any(m + h < 0 and m < -MARGIN for m, h in steady)
-                and sum(m for m, _ in steady) <= 0 and mean - half <= 0 and self._baselines_hold())
+        return (not any(m - h > 0 and m > MARGIN for m, h in changes)
+                and any(m + h < 0 and m < -MARGIN for m, h in changes)
+                and sum(steady) <= 0 and mean - half <= 0 and self._baselines_hold())
 
     def _baselines_hold(self) -> bool:
         return self.behind_best is None or self.behind_best[0] <= self.behind_best[1]

@@ -101,23 +101,37 @@ def test_rule_3_needs_a_clear_gain_somewhere_and_no_clear_loss_anywhere(tmp_path
     assert verdict.cheaper and verdict.dearer and not verdict.rule_3
 
 
-def test_rule_4_leaves_the_overloaded_window_settings_out_and_ignores_changes_below_its_margin(tmp_path: Path) -> None:
-    overloaded = "Mooncake conversation, mixed, 3x, requests 3,000-3,600"
-    current_costs = {overloaded: [100.0] * 10, "steady": [100.0] * 10, "also steady": [100.0] * 10}
-    _, current = load([_write(tmp_path / "current", SEEDS, current_costs)])
+def test_rule_4_counts_clear_losses_and_gains_above_its_margin_and_leaves_the_overloaded_out_of_its_mean(
+    tmp_path: Path,
+) -> None:
+    mixed_3x = "Mooncake conversation, mixed, 3x, requests 3,000-3,600"
+    cheap_fleet = "Mooncake conversation, 2xH100+8xL4, 1x, requests 6,000-6,600"
+    _, current = load([_write(tmp_path / "current", SEEDS, {mixed_3x: [100.0] * 10, cheap_fleet: [100.0] * 10,
+                                                            "steady": [100.0] * 10, "also steady": [100.0] * 10})])
 
-    def verdict(name: str, costs: dict[str, list[float]]) -> Verdict:
+    def verdict(name: str, steady: list[float], also: list[float], swing: list[float] | None = None) -> Verdict:
+        costs = {mixed_3x: swing or [100.0] * 10, cheap_fleet: [100.0] * 10, "steady": steady, "also steady": also}
         return judge(load([_write(tmp_path / name, SEEDS, costs)])[1], current)
 
-    # A clear 1 % loss on the overloaded one, a clear 0.04 % loss (below the margin) on another: it passes.
-    passes = verdict("passes", {overloaded: [101.0] * 10, "steady": [99.9] * 10, "also steady": [100.04] * 10})
-    assert passes.rule_4 and not passes.rule_3
-    # A clear loss above the margin on a steady one fails it.
-    loss = verdict("loss", {overloaded: [100.0] * 10, "steady": [99.9] * 10, "also steady": [100.06] * 10})
-    assert not loss.rule_4
-    # So does a gain below the margin, the only one.
-    small = verdict("small", {overloaded: [95.0] * 10, "steady": [99.96] * 10, "also steady": [100.0] * 10})
-    assert small.cheaper and not small.rule_4
-    # And a mean over the steady ones above zero, though no loss is clear.
-    mean = verdict("mean", {overloaded: [100.0] * 10, "steady": [99.9] * 10, "also steady": [98.0, 102.6] * 5})
+    # A clear gain of 0.1 %, a clear loss of 0.04 % (below the margin), an overloaded one swinging -20 to +26 %
+    # (+3 % on average, not clear): it passes, though rule 3 (the small loss) and rule 2 (the mean) do not.
+    passes = verdict("passes", [99.9] * 10, [100.04] * 10, [80.0, 126.0] * 5)
+    assert passes.rule_4 and not passes.rule_3 and not passes.rule_2
+    # A clear loss above the margin fails it, on a steady window-setting or an overloaded one.
+    assert not verdict("loss", [99.9] * 10, [100.06] * 10).rule_4
+    assert not verdict("overloaded loss", [99.9] * 10, [100.0] * 10, [101.0] * 10).rule_4
+    # A loss above the margin that is not clear does not (the mean over the steady ones stays below zero).
+    assert verdict("unclear loss", [99.8] * 10, [99.0, 101.2] * 5).rule_4
+    # A gain must be clear and above the margin.
+    assert not verdict("small gain", [99.96] * 10, [100.0] * 10).rule_4
+    assert not verdict("unclear gain", [99.0, 100.8] * 5, [100.0] * 10).rule_4
+    # The mean over the steady ones must not rise, though no loss is clear.
+    mean = verdict("mean", [99.9] * 10, [98.0, 102.6] * 5)
     assert not mean.dearer and not mean.rule_4
+
+
+def test_rule_4_needs_a_window_setting_that_is_not_overloaded(tmp_path: Path) -> None:
+    mixed_3x = "Mooncake conversation, mixed, 3x, requests 3,000-3,600"
+    _, current = load([_write(tmp_path / "current", SEEDS, {mixed_3x: [100.0] * 10})])
+    verdict = judge(load([_write(tmp_path / "variant", SEEDS, {mixed_3x: [99.0] * 10})])[1], current)
+    assert verdict.cheaper and not verdict.rule_4
