@@ -60,14 +60,35 @@ MARGIN = 0.05
 
 @dataclass(frozen=True)
 class Verdict:
-    mean_change: float  # % over the window-settings, each the mean of its seed-paired changes
-    worst: tuple[str, float]  # the window-setting with the largest mean change, and it
+    per_setting: dict[str, tuple[float, float]]  # each window-setting's mean change (%) and its 95 % half-width
     misses: tuple[int, int]  # variant's and current policy's SLO misses, all seeds and window-settings
     misses_per_seed: tuple[float, float]  # the paired difference per seed: mean, 95 % half-width
-    dearer: list[tuple[str, float, float]]  # window-settings dearer with an interval clear of zero
-    cheaper: list[tuple[str, float, float]]  # and cheaper
     behind_best: tuple[int, int] | None  # window-settings dearer than the best baseline: variant, current
-    per_setting: dict[str, tuple[float, float]]  # each window-setting's mean change and its 95 % half-width
+
+    @property
+    def mean_change(self) -> float:
+        """The mean over the window-settings of their mean changes, in %."""
+        return sum(m for m, _ in self.per_setting.values()) / len(self.per_setting)
+
+    @property
+    def worst(self) -> tuple[str, float]:
+        """The window-setting with the largest mean change, and that change."""
+        name, (mean, _) = max(self.per_setting.items(), key=lambda item: item[1][0])
+        return name, mean
+
+    @property
+    def dearer(self) -> list[tuple[str, float, float]]:
+        """The window-settings dearer with an interval clear of zero: name, mean change, half-width."""
+        return [(name, m, h) for name, (m, h) in self.per_setting.items() if m - h > 0]
+
+    @property
+    def cheaper(self) -> list[tuple[str, float, float]]:
+        return [(name, m, h) for name, (m, h) in self.per_setting.items() if m + h < 0]
+
+    @property
+    def steady(self) -> list[float]:
+        """The mean changes of the window-settings that are not overloaded (rule 4's mean)."""
+        return [m for name, (m, _) in self.per_setting.items() if not name.startswith(OVERLOADED)]
 
     @property
     def rule_1(self) -> bool:
@@ -86,7 +107,7 @@ class Verdict:
 
     @property
     def rule_4(self) -> bool:
-        steady = [m for name, (m, _) in self.per_setting.items() if not name.startswith(OVERLOADED)]
+        steady = self.steady
         if not steady:
             return False
         changes = self.per_setting.values()
@@ -121,7 +142,6 @@ def judge(variant: dict[str, list[dict]], current: dict[str, list[dict]],
     if set(variant) != set(current):
         raise ValueError(f"the two sides ran other window-settings: {sorted(set(variant) ^ set(current))}")
     per_setting: dict[str, tuple[float, float]] = {}
-    dearer, cheaper = [], []
     num_seeds = len(next(iter(current.values())))
     per_seed = [0] * num_seeds
     for setting, runs in current.items():
@@ -130,13 +150,7 @@ def judge(variant: dict[str, list[dict]], current: dict[str, list[dict]],
         paired = paired_changes(variant[setting], runs, KEY)
         if paired is None:  # a run with no success has no cost per success
             continue
-        mean, half = mean_ci(paired)
-        per_setting[setting] = (mean, half)
-        if mean - half > 0:
-            dearer.append((setting, mean, half))
-        elif mean + half < 0:
-            cheaper.append((setting, mean, half))
-    worst_name, (worst, _) = max(per_setting.items(), key=lambda item: item[1][0])
+        per_setting[setting] = mean_ci(paired)
     misses = (sum(_misses(r) for runs in variant.values() for r in runs),
               sum(_misses(r) for runs in current.values() for r in runs))
     behind_best = None
@@ -147,9 +161,7 @@ def judge(variant: dict[str, list[dict]], current: dict[str, list[dict]],
             best = min(_mean(runs) for runs in others.values())
             behind_best = (behind_best[0] + (_mean(variant[setting]) > best),
                            behind_best[1] + (_mean(current[setting]) > best))
-    means = [mean for mean, _ in per_setting.values()]
-    return Verdict(sum(means) / len(means), (worst_name, worst), misses, mean_ci(per_seed), dearer, cheaper,
-                   behind_best, per_setting)
+    return Verdict(per_setting, misses, mean_ci(per_seed), behind_best)
 
 
 def _mean(runs: list[dict]) -> float:
@@ -165,7 +177,7 @@ def report(verdict: Verdict) -> list[str]:
     for label, entries in (("dearer", v.dearer), ("cheaper", v.cheaper)):
         listed = "; ".join(f"{name} {mean:+.2f} ± {half:.2f} %" for name, mean, half in entries) or "none"
         lines.append(f"{label} with a 95 % interval clear of zero: {listed}")
-    steady = [m for name, (m, _) in v.per_setting.items() if not name.startswith(OVERLOADED)]
+    steady = v.steady
     if steady:
         lines.append(f"mean change over the {len(steady)} window-settings not overloaded: "
                      f"{sum(steady) / len(steady):+.3f} %")

@@ -237,7 +237,7 @@ def paired_change(mine: list[dict], theirs: list[dict], key: str) -> tuple[float
     if changes is None:
         return None
     mean, ci = mean_ci(changes)
-    return mean, ci, sum(m[key] < t[key] for m, t in zip(mine, theirs, strict=True))
+    return mean, ci, sum(change < 0 for change in changes)
 
 
 def _cell(s: dict, key: str, fmt: str, scale: float = 1.0) -> str:
