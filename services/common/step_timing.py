@@ -41,5 +41,8 @@ class TimingModel:
             return self.prefill_ms(prefill_chunks) if prefill_chunks else 0.0
         # The decode step's fixed cost already covers the launch overhead `a`
         # and the floor, so chunks riding along only add their marginal cost.
-        chunks_ms = sum(self.b_ms_per_tok * n + self.c_ms_per_tok2 * n * n for n in prefill_chunks)
-        return self.decode_step_ms(decode_seqs, decode_context_tokens) + chunks_ms
+        return self.decode_step_ms(decode_seqs, decode_context_tokens) + sum(map(self.riding_chunk_ms, prefill_chunks))
+
+    def riding_chunk_ms(self, num_tokens: float) -> float:
+        """What a prefill chunk of num_tokens adds to the decode step it rides in: b·n + c·n²."""
+        return self.b_ms_per_tok * num_tokens + self.c_ms_per_tok2 * num_tokens * num_tokens

@@ -4,7 +4,8 @@ For every candidate it predicts, from that node's GPU generation (the engine's o
 its load and what it caches of the prompt:
 
 - TTFT: the prefill queued ahead of the request plus its own uncached prefill, chunked as the
-  engine chunks it, with the running batch's decode steps interleaved; and, when the node already
+  engine chunks it, each chunk a step of its own (riding in a decode step of the running batch, or a
+  prefill-only step with its launch overhead on a node with none); and, when the node already
   holds as many sequences as its engine runs at once (max_num_seqs, from its profile), the time for
   enough of them to end;
 - TPOT: a decode step of the node's batch with this request in it, plus the prefill chunks that
@@ -123,8 +124,20 @@ def _tpot_ms(timing: TimingModel, decode_ms: float, prefill_tokens_per_s: float,
     step_ms = decode_ms
     for _ in range(8):
         riding = min(prefill_tokens_per_s * step_ms / 1000.0, float(chunk))
-        step_ms = decode_ms + timing.b_ms_per_tok * riding + timing.c_ms_per_tok2 * riding * riding
+        step_ms = decode_ms + timing.riding_chunk_ms(riding)
     return step_ms
+
+
+def _prefill_steps_ms(timing: TimingModel, tokens: int, chunk: int, decode_ms: float) -> float:
+    """The steps that prefill tokens in chunks of at most chunk, as the engine runs them: beside a decode
+    batch of step decode_ms each chunk rides in a decode step (decode + b·n + c·n²); on a node with none,
+    each is a prefill-only step with its own launch overhead and floor (max(floor, a + b·n) + c·n²)."""
+    full, last = divmod(tokens, chunk)
+
+    def step_ms(n: int) -> float:
+        return decode_ms + timing.riding_chunk_ms(n) if decode_ms else timing.prefill_ms([n])
+
+    return max(timing.prefill_floor_ms, full * step_ms(chunk) + (step_ms(last) if last else 0.0))
 
 
 class BatonPolicy(Policy):
@@ -195,11 +208,7 @@ class BatonPolicy(Policy):
         context = load.active_decode_blocks * block
         decode_ms = timing.decode_step_ms(min(batch, slots), context) if batch else 0.0
         decode_tokens = self.expected_output_tokens(request)
-        tokens = ahead + own
-        steps = math.ceil(tokens / chunk)
-        first_chunk = min(tokens, chunk)
-        prefill_ms = timing.b_ms_per_tok * tokens + timing.c_ms_per_tok2 * first_chunk * tokens
-        ttft_ms = max(timing.prefill_floor_ms, timing.a_ms + prefill_ms + steps * decode_ms) + load_s * 1000
+        ttft_ms = _prefill_steps_ms(timing, ahead + own, chunk, decode_ms) + load_s * 1000
         rate = self._prefill_rate(status.spec.node_id, now)
         base_tpot_ms = _tpot_ms(timing, decode_ms, rate, chunk)
         # Past the limit it waits for the (batch + 1 − slots) ahead of it in line to end, slots at a time,
@@ -245,7 +254,7 @@ class BatonPolicy(Policy):
         # queued ahead of it start decoding as its chunks run; those already decoding are likelier long.
         lost = 0.0
         if warm:
-            chunk_ms = timing.b_ms_per_tok * chunk + timing.c_ms_per_tok2 * chunk * chunk
+            chunk_ms = timing.riding_chunk_ms(chunk)
             fresh = load.num_waiting + status.placed_requests
             for victims, bias in ((fresh, 0), (load.num_running, 1)):
                 if victims:
