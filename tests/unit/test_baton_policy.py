@@ -253,7 +253,7 @@ def test_sparing_others_never_sends_a_request_where_it_would_surely_miss() -> No
 def test_a_long_prompt_is_predicted_in_the_steps_the_engine_runs() -> None:
     """Each chunk of the step budget is one engine step: on an idle node a prefill-only step, launch
     overhead and floor included; beside a decode batch, a decode step carrying it. (Counted once per
-    prompt, the overhead left a 20,480-token prompt's TTFT on an idle H100 9 % low.)"""
+    prompt, the overhead left a 20,480-token prompt's TTFT on an idle H100 8 % low.)"""
     status = node("h", "h100")
     chunk, block = status.spec.max_num_batched_tokens, status.spec.kv_block_size
     timing = sim_profiles("h100", MODEL)[MODEL].timing
