@@ -16,12 +16,12 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from services.node_agent.engines.sim.models import GPU_SPECS
 from simulator.report import parse_args, run_one
+from simulator.study import worker_pool
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     # One binary search per (policy, family), advanced in lock step so each round's runs go in parallel.
     bounds = {(p, f.name): [1, f.max_k + 1] for p in policies for f in FAMILIES}  # [lo, hi): hi passes
     families = {f.name: f for f in FAMILIES}
-    with ProcessPoolExecutor(max_workers=options.jobs) as pool:
+    with worker_pool(options.jobs) as pool:
         while open_ := [key for key, (lo, hi) in bounds.items() if lo < hi]:
             probes = {key: (bounds[key][0] + bounds[key][1]) // 2 for key in open_}
             jobs = [(key, families[key[1]].fleet(k)) for key, k in probes.items()]

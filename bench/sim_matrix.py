@@ -27,11 +27,11 @@ import json
 import math
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from simulator.report import build_workload, mean_ci, merge_seeds, parse_args, run_one
+from simulator.study import run_all
 
 # SGLang's cache-aware policy and plain least-loaded trail these on every setting tried
 # (`baton sim` runs them all); the matrix keeps the strongest baselines to stay within a CI-sized budget.
@@ -291,8 +291,7 @@ def main(argv: list[str] | None = None) -> int:
 
     jobs = [(_args(s, options), p, s.load, seed) for s in settings for p in policies for seed in seeds_of(s)]
     started = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=options.jobs) as pool:
-        outcomes = list(pool.map(run_one, jobs))
+    outcomes = run_all(run_one, jobs, options.jobs)
     wall_s = time.perf_counter() - started
     lines = [f"{'Tuning windows' if options.tuning else 'Matrix'}: policies over seeds {options.seeds} "
              f"(SLO sweep: {options.sweep_seeds}) of ±{options.timing_error:.0%} "

@@ -7,13 +7,13 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
 from services.scheduler.policies import POLICIES, make_policy
 from simulator.metrics import Slo, summarize, ttft_values
 from simulator.simulation import Simulation, fleet
+from simulator.study import run_all
 from simulator.workload import (
     SloClass,
     Workload,
@@ -195,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     loads = [float(x) for x in args.loads.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]
     jobs = [(args, policy, load, seed) for load in loads for policy in policies for seed in seeds]
-    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        outcomes = list(pool.map(run_one, jobs))
+    outcomes = run_all(run_one, jobs, args.jobs)
     rows = [(policy, load, merge_seeds([s for p, lo, _, s, _, _ in outcomes if (p, lo) == (policy, load)]))
             for load in loads for policy in policies]
     out = Path(args.out)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 from collections.abc import Callable, Iterable
@@ -35,9 +36,18 @@ def study_parser(prog: str, description: str | None, *, fleet: str, policy: str,
     return parser
 
 
+def worker_pool(num_workers: int) -> ProcessPoolExecutor:
+    """num_workers processes that start clean, from a fork server: a plain fork of a process that has
+    run gRPC clients or servers (the test suite does) can spin for ever in the child, in gRPC's
+    clean-up of the objects it inherited (seen in CI: a one-job run hung 20 minutes at full CPU)."""
+    return ProcessPoolExecutor(max_workers=max(1, num_workers), mp_context=multiprocessing.get_context("forkserver"))
+
+
 def run_all(run_one: Callable[[Job], Row], jobs: Iterable[Job], num_workers: int) -> list[Row]:
-    """Every job, in order, num_workers processes at a time."""
-    with ProcessPoolExecutor(max_workers=max(1, num_workers)) as pool:
+    """Every job, in order, num_workers processes at a time (one: in this process)."""
+    if num_workers <= 1:
+        return [run_one(job) for job in jobs]
+    with worker_pool(num_workers) as pool:
         return list(pool.map(run_one, jobs))
 
 
