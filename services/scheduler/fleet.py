@@ -6,6 +6,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from services.common.block_hash import DEFAULT_BLOCK_SIZE
 from services.common.engine_profile import EngineProfile
 from services.common.load import Load
 from services.scheduler.admission import pool_saturation
@@ -78,7 +79,7 @@ class NodeStatus:
             return self.load.kv_blocks_total
         return None
 
-    def can_hold(self, model: str, needed_blocks: int, needed_block_size: int = 16) -> bool:
+    def can_hold(self, model: str, needed_blocks: int, needed_block_size: int = DEFAULT_BLOCK_SIZE) -> bool:
         """Whether model's whole KV cache here (not what is free now) is large enough for needed_blocks of
         needed_block_size tokens (this node's blocks may be larger: vLLM's are 32 tokens on CPU); True if unknown."""
         capacity = self.kv_capacity(model)

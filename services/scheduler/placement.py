@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from services.common.block_hash import DEFAULT_BLOCK_SIZE
 from services.common.errors import NotFound, ResourceExhausted, Unavailable
 from services.scheduler.admission import Ticket
 from services.scheduler.fleet import ClusterView, NodeStatus, saturation
@@ -26,10 +27,6 @@ Changing = Callable[[str], frozenset[str]]
 
 def _none_changing(model: str) -> frozenset[str]:
     return frozenset()
-
-
-# Block size for sizing a request's KV need before a node (with its own block size) is chosen.
-SIZING_BLOCK = 16
 
 
 @dataclass(frozen=True)
@@ -114,7 +111,7 @@ class Placer:
                 self.retry_budget.refund(charged_at)
             raise NotFound(f"model={request.model!r}: no registered node has it"
                            + (f" (nor {', '.join(ask.alternative_models)})" if ask.alternative_models else ""))
-        needed = math.ceil((request.num_prompt_tokens + request.max_tokens) / SIZING_BLOCK)
+        needed = math.ceil((request.num_prompt_tokens + request.max_tokens) / DEFAULT_BLOCK_SIZE)
         plan = Plan(ask, models, needed, charged_at=charged_at, started_at=now)
         self.refresh(plan, now, changing)
         if not plan.has_candidates and not plan.is_retry:
@@ -149,7 +146,7 @@ class Placer:
     def no_candidates(self, plan: Plan) -> Unavailable:
         excluded = plan.ask.exclude
         return Unavailable(f"model={plan.ask.request.model!r}: no live node has it warm, or a free GPU to load it, "
-                           f"with KV cache for {plan.needed_blocks * SIZING_BLOCK} tokens"
+                           f"with KV cache for {plan.needed_blocks * DEFAULT_BLOCK_SIZE} tokens"
                            + (f" (excluded: {', '.join(sorted(excluded))})" if excluded else ""))
 
     def abandon(self, plan: Plan) -> None:

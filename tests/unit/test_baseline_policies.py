@@ -270,6 +270,16 @@ def test_make_policy_passes_prefill_load_scale_to_dynamo() -> None:
     assert policy.cost(_request(), _status("a"), matched=0) == 30.0
 
 
+def test_dynamo_counts_a_nodes_decoding_context_in_the_routers_blocks_whatever_its_engine_block() -> None:
+    """A node whose engine has 32-token blocks (vLLM on CPU) reporting 100 decoding blocks holds 3,200
+    tokens of context, more than a 16-token-block node reporting 150 (2,400): the second is less loaded."""
+    big = _status("a", active_decode_blocks=100)
+    big = dataclasses.replace(big, spec=dataclasses.replace(big.spec, kv_block_size=32))
+    small = _status("b", active_decode_blocks=150)
+    assert KvLoadPolicy().cost(_request(), big, matched=0) == 10 + 200 + 10
+    assert _choose(KvLoadPolicy(), [big, small]) == "b"
+
+
 def test_make_policy_unknown_name_lists_known_ones() -> None:
     with pytest.raises(ValueError, match="unknown policy 'nope'") as error:
         make_policy("nope")

@@ -291,3 +291,17 @@ def test_a_long_prompt_on_an_idle_node_is_predicted_in_the_steps_the_engine_runs
     status = dataclasses.replace(idle, load=dataclasses.replace(load, kv_blocks_total=200_000))
     predicted = BatonPolicy().terms(request(prompt, ttft_budget_ms=5000), status, 0).ttft_ms
     assert predicted == pytest.approx(actual_ms, rel=0.001)
+
+
+def test_a_node_with_larger_kv_blocks_is_credited_the_prefix_it_holds_not_twice_it() -> None:
+    """The router counts a prompt's matched blocks in 16-token keys whatever a node's engine block is
+    (vLLM's are 32 tokens on CPU): 50 keys matched are 800 cached tokens on either node, so the node
+    holding 60 keys (960 tokens) of the prompt wins (counted in 32-token blocks, the other held 1,600)."""
+    def with_blocks(node_id: str, size: int) -> NodeStatus:
+        status = node(node_id, "a100")
+        return dataclasses.replace(status, spec=dataclasses.replace(status.spec, kv_block_size=size))
+
+    big, small = with_blocks("a-big", 32), with_blocks("b-small", 16)
+    terms = BatonPolicy().terms(request(1000, ttft_budget_ms=5000), big, 50)
+    assert terms is not None and terms.cached_tokens == 800
+    assert chosen(BatonPolicy(), request(1000, ttft_budget_ms=5000), [big, small], {"a-big": 50, "b-small": 60}) == "b-small"

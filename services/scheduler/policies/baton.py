@@ -53,6 +53,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 
+from services.common.block_hash import DEFAULT_BLOCK_SIZE
 from services.scheduler.fleet import NodeStatus
 from services.scheduler.policies.base import Decision, Option, PlacementRequest, Policy, Terms, decision, warm_first
 from services.scheduler.policies.kv_load import KvLoadPolicy
@@ -198,10 +199,12 @@ class BatonPolicy(Policy):
                 load_s = max(0.0, load_s - (now - status.models_since))
             matched_blocks = 0
         load = status.load
+        # Matched and placed prompt blocks count the router's keys, DEFAULT_BLOCK_SIZE tokens each; the node's
+        # own counts (its KV blocks, its decoding context) are in its engine's blocks (vLLM's are 32 tokens on CPU).
         block, chunk = status.spec.kv_block_size, status.spec.max_num_batched_tokens
-        cached = min(matched_blocks * block, max(0, request.num_prompt_tokens - 1))
+        cached = min(matched_blocks * DEFAULT_BLOCK_SIZE, max(0, request.num_prompt_tokens - 1))
         own = request.num_prompt_tokens - cached
-        ahead = load.pending_prefill_tokens + status.placed_prefill_blocks * block
+        ahead = load.pending_prefill_tokens + status.placed_prefill_blocks * DEFAULT_BLOCK_SIZE
         batch = load.num_running + load.num_waiting + status.placed_requests
         # A step runs at most max_num_seqs sequences; those beyond wait for running ones to end.
         slots = profile.max_num_seqs or batch + 1
@@ -241,9 +244,11 @@ class BatonPolicy(Policy):
         success = _success(ttft_budget, ttft_ms) * _success(tpot_budget, tpot_ms)
         if request.deadline_ms:
             success *= _success(request.deadline_ms * BUDGET_MARGIN, ttft_ms + decode_tokens * tpot_ms)
-        needed = math.ceil((request.num_prompt_tokens + request.max_tokens) / block) - matched_blocks
+        needed = (math.ceil((request.num_prompt_tokens + request.max_tokens) / block)
+                  - matched_blocks * DEFAULT_BLOCK_SIZE // block)
         if warm:
-            free = load.kv_blocks_total - load.kv_blocks_used - status.placed_prefill_blocks
+            placed_blocks = math.ceil(status.placed_prefill_blocks * DEFAULT_BLOCK_SIZE / block)
+            free = load.kv_blocks_total - load.kv_blocks_used - placed_blocks
         else:  # a loaded model gets the free GPU's whole KV cache
             capacity = status.kv_capacity(request.model)
             free = needed if capacity is None else capacity

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from services.common.block_hash import DEFAULT_BLOCK_SIZE
 from services.scheduler.fleet import NodeStatus
 from services.scheduler.policies.base import Decision, PlacementRequest, Policy, decision, num_in_flight
 
@@ -22,11 +23,13 @@ class KvLoadPolicy(Policy):
         self._prefill_load_scale = prefill_load_scale
 
     def cost(self, request: PlacementRequest, status: NodeStatus, matched: int) -> float:
-        block_size = status.spec.kv_block_size
-        pending_blocks = math.ceil(status.load.pending_prefill_tokens / block_size)
+        # In the router's key blocks (DEFAULT_BLOCK_SIZE tokens), as the prompt and its matches are counted;
+        # the node reports its decoding context in its engine's blocks (vLLM's are 32 tokens on CPU).
+        pending_blocks = math.ceil(status.load.pending_prefill_tokens / DEFAULT_BLOCK_SIZE)
         pending_blocks += status.placed_prefill_blocks
         prefill = max(pending_blocks + request.num_prompt_blocks - matched, 0)
-        return self._prefill_load_scale * prefill + status.load.active_decode_blocks + request.num_prompt_blocks
+        decode_blocks = math.ceil(status.load.active_decode_blocks * status.spec.kv_block_size / DEFAULT_BLOCK_SIZE)
+        return self._prefill_load_scale * prefill + decode_blocks + request.num_prompt_blocks
 
     def choose(
         self, request: PlacementRequest, candidates: list[NodeStatus], matched_blocks: dict[str, int], now: float
