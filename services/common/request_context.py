@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from baton.v1 import common_pb2
+from services.common.errors import InvalidArgument
 
 FIELDS = tuple(field.name for field in common_pb2.RequestContext.DESCRIPTOR.fields)
 
@@ -23,3 +24,14 @@ def context_of(source: Any) -> common_pb2.RequestContext:
 def context_fields(context: common_pb2.RequestContext) -> dict[str, Any]:
     """The context's fields by name, e.g. as keyword arguments of the pure core's PlacementRequest."""
     return {name: getattr(context, name) for name in FIELDS}
+
+
+def check_context(source: Any) -> None:
+    """Refuse a context (or anything with its fields as attributes) whose budgets or workflow step make
+    no sense, naming the field and its value: the router checks what clients send, the scheduler what
+    any caller of Place sends."""
+    for name in ("ttft_budget_ms", "tpot_budget_ms", "deadline_ms", "step", "total_steps"):
+        if getattr(source, name) < 0:
+            raise InvalidArgument(name, getattr(source, name), "must not be negative")
+    if source.total_steps and not 1 <= source.step <= source.total_steps:
+        raise InvalidArgument("step", source.step, f"must be 1 to total_steps={source.total_steps}")

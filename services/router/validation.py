@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from baton.v1 import common_pb2, router_pb2
 from services.common.errors import InvalidArgument, NotFound, shown
+from services.common.request_context import check_context
 from services.router.tokenizer import TOKENIZERS
 
 
@@ -131,11 +132,7 @@ def validate(
         raise InvalidArgument("temperature", request.temperature, "must be 0 (greedy) or positive")
     if not math.isfinite(request.top_p) or not 0 <= request.top_p <= 1:
         raise InvalidArgument("top_p", request.top_p, "must be in (0, 1]; 0 means 1")
-    for field in ("ttft_budget_ms", "tpot_budget_ms", "deadline_ms", "step", "total_steps"):
-        if getattr(request, field) < 0:
-            raise InvalidArgument(field, getattr(request, field), "must not be negative")
-    if request.total_steps and not 1 <= request.step <= request.total_steps:
-        raise InvalidArgument("step", request.step, f"must be 1 to total_steps={request.total_steps}")
+    check_context(request)
     if len(resumed) > max_tokens:
         raise InvalidArgument("resume.token_ids", f"{len(resumed)} tokens", f"more than max_tokens={max_tokens}")
     if resumed and request.temperature > 0 and not request.HasField("seed"):

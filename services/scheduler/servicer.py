@@ -20,12 +20,12 @@ from services.common import etcd_keys
 from services.common.auth import TenantKeys
 from services.common.change_signal import ChangeSignal, wait_or_timeout
 from services.common.directory import ChannelPool, ServiceDirectory
-from services.common.errors import BatonError, FailedPrecondition, PermissionDenied, Unavailable, abort
+from services.common.errors import BatonError, FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable, abort
 from services.common.etcd_session import Membership, PrefixView
 from services.common.load import load_from_proto, load_to_proto
 from services.common.node_registration import parse_node_info
 from services.common.profile_proto import profile_from_proto
-from services.common.request_context import context_fields, context_of
+from services.common.request_context import check_context, context_fields, context_of
 from services.common.telemetry import Telemetry
 from services.common.tenant_directory import TenantDirectory
 from services.scheduler.admission import Admission, TenantLimits
@@ -51,6 +51,15 @@ _UNCONFIRMED_HOLD_S = 30.0
 
 
 def place_ask(request: scheduler_pb2.PlaceRequest) -> PlaceAsk:
+    """The Place request as the pure core's ask; a field that makes no sense is refused by name (the
+    router checks what clients send, but any gRPC caller may call Place)."""
+    if not request.model:
+        raise InvalidArgument("model", request.model, "must name a model")
+    if request.num_prompt_tokens <= 0:
+        raise InvalidArgument("num_prompt_tokens", request.num_prompt_tokens, "must be positive")
+    if request.max_tokens <= 0:
+        raise InvalidArgument("max_tokens", request.max_tokens, "must be positive")
+    check_context(request.context)
     return PlaceAsk(
         request=PlacementRequest(
             request_id=request.request_id,
@@ -240,10 +249,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         plan: Plan | None = None
         is_placed = False
         try:
+            ask = place_ask(request)
             await self._role.wait_if_taking_over(self._config.lease_ttl_s)
             await self._wait_for_election(context.time_remaining())
             await self._confirm_leadership(context)
-            ask = place_ask(request)
             changing = self._loader.changing_nodes
             plan = self._placer.start(ask, self._clock(), changing)
             if not plan.has_candidates and not plan.is_retry:

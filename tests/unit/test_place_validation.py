@@ -1,0 +1,49 @@
+"""A Place whose fields make no sense is refused at once, by the field's name and value; the next is placed."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from baton.v1 import common_pb2, scheduler_pb2
+from services.common.load import Load
+from services.common.telemetry import Telemetry
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.fleet import NodeSpec
+from services.scheduler.servicer import SchedulerService
+from tests.unit.leading import fake_leadership
+from tests.unit.test_place_during_election import FakeContext, Refused
+
+MODEL = "m"
+GOOD = {"request_id": "r", "model": MODEL, "num_prompt_tokens": 16, "max_tokens": 8}
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"max_tokens": -5}, "max_tokens=-5"),
+    ({"max_tokens": 0}, "max_tokens=0"),
+    ({"num_prompt_tokens": 0}, "num_prompt_tokens=0"),
+    ({"model": ""}, "model=''"),
+    ({"context": common_pb2.RequestContext(tpot_budget_ms=-5)}, "tpot_budget_ms=-5"),
+    ({"context": common_pb2.RequestContext(ttft_budget_ms=-1)}, "ttft_budget_ms=-1"),
+    ({"context": common_pb2.RequestContext(deadline_ms=-2)}, "deadline_ms=-2"),
+    ({"context": common_pb2.RequestContext(step=4, total_steps=3)}, "step=4"),
+])
+async def test_a_place_with_a_senseless_field_is_refused_by_name_and_the_next_is_placed(
+        monkeypatch: pytest.MonkeyPatch, fields: dict, named: str) -> None:
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    service._role.elected.set()
+    service._cluster.set_nodes([NodeSpec(node_id="n0", address="n0:1", gpu="h100", price_per_hour=1.0,
+                                         warm_models=frozenset({MODEL}))])
+    service._cluster.report_load("n0", Load(kv_blocks_total=1000), time.monotonic())
+    try:
+        with pytest.raises(Refused) as refused:
+            await service.Place(scheduler_pb2.PlaceRequest(**{**GOOD, **fields}), FakeContext())  # type: ignore[arg-type]
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert named in str(refused.value)
+        placement = await service.Place(scheduler_pb2.PlaceRequest(**GOOD), FakeContext())  # type: ignore[arg-type]
+        assert placement.node_id == "n0"
+    finally:
+        await service.close()
