@@ -1,0 +1,104 @@
+"""The admission gate's queue: a request waits while the fleet is saturated and goes when it frees; one
+whose deadline passes while it waits is refused, not served late; a client that leaves frees its place;
+a full queue sheds its least important entry for a more important one. Time is a fake clock; each test
+steps the event loop only as far as the gate's own awaits."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+from opentelemetry.metrics import get_meter
+
+from services.common.errors import ResourceExhausted
+from services.scheduler.admission import Admission, Ticket
+from services.scheduler.gate import AdmissionGate
+
+pytestmark = pytest.mark.timeout(20)
+
+
+class Fleet:
+    """A fake clock and a saturation switch."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.saturated = True
+
+    def clock(self) -> float:
+        return self.now
+
+    def is_saturated(self) -> bool:
+        return self.saturated
+
+
+def ticket(rid: str, at: float, priority: int = 0, deadline_at: float = math.inf) -> Ticket:
+    return Ticket(request_id=rid, tenant="t", priority=priority, num_tokens=100, arrived_at=at,
+                  deadline_at=deadline_at)
+
+
+async def queued(gate: AdmissionGate, admission: Admission, t: Ticket) -> asyncio.Task[bool]:
+    """enter(t) as a task, run until it waits in the queue (its first await)."""
+    before = admission.num_queued
+    entering = asyncio.create_task(gate.enter(t, 0.1))
+    await asyncio.sleep(0)  # one turn of the loop: enter runs to its first await, or returns
+    assert not entering.done() and admission.num_queued == before + 1
+    return entering
+
+
+@pytest.fixture
+async def gate_and_fleet():
+    fleet, admission = Fleet(), Admission(max_queued=1)
+    gate = AdmissionGate(admission, fleet.is_saturated, get_meter("test"), clock=fleet.clock)
+    dispatcher = asyncio.create_task(gate.run())
+    yield gate, admission, fleet
+    dispatcher.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await dispatcher
+
+
+async def test_a_request_waits_while_the_fleet_is_saturated_and_goes_when_it_frees(gate_and_fleet) -> None:
+    gate, admission, fleet = gate_and_fleet
+    entering = await queued(gate, admission, ticket("q", fleet.now))
+    fleet.saturated = False
+    gate.capacity_changed()
+    assert await asyncio.wait_for(entering, 5) is True  # it waited, then was admitted
+    assert admission.num_queued == 0 and admission.num_held == 1
+
+
+async def test_a_request_whose_deadline_passes_in_the_queue_is_refused_not_served_late(gate_and_fleet) -> None:
+    gate, admission, fleet = gate_and_fleet
+    entering = await queued(gate, admission, ticket("late", fleet.now, deadline_at=fleet.now + 1.0))
+    fleet.now += 2.0
+    gate.capacity_changed()
+    with pytest.raises(ResourceExhausted, match="deadline passed while it waited"):
+        await asyncio.wait_for(entering, 5)
+    assert admission.num_queued == 0 and admission.num_held == 0
+
+
+async def test_a_client_that_leaves_the_queue_frees_its_place(gate_and_fleet) -> None:
+    gate, admission, fleet = gate_and_fleet
+    entering = await queued(gate, admission, ticket("gone", fleet.now))
+    entering.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await entering
+    assert admission.num_queued == 0
+    # The queue (of one) has room again: the next request queues instead of being refused as full.
+    following = await queued(gate, admission, ticket("next", fleet.now))
+    fleet.saturated = False
+    gate.capacity_changed()
+    assert await asyncio.wait_for(following, 5) is True
+
+
+async def test_a_full_queue_sheds_its_least_important_entry_for_a_more_important_one(gate_and_fleet) -> None:
+    gate, admission, fleet = gate_and_fleet
+    low = await queued(gate, admission, ticket("low", fleet.now, priority=0))
+    high = asyncio.create_task(gate.enter(ticket("high", fleet.now, priority=1), 0.1))
+    with pytest.raises(ResourceExhausted, match="request low: shed for a more important request"):
+        await asyncio.wait_for(low, 5)
+    assert not high.done() and admission.num_queued == 1
+    with pytest.raises(ResourceExhausted, match="queue full"):  # one of the same band does not shed it
+        await gate.enter(ticket("peer", fleet.now, priority=1), 0.1)
+    fleet.saturated = False
+    gate.capacity_changed()
+    assert await asyncio.wait_for(high, 5) is True
