@@ -117,6 +117,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                     lease_s=config.admission_lease_s)
         self._gate = AdmissionGate(self._admission, self._is_saturated, telemetry.meter, clock)
         self._node_infos: dict[str, common_pb2.NodeInfo] = {}
+        # Nodes draining out of the fleet: no new work, but paid for until they leave.
+        self._draining_price_per_hour = 0.0
         self._member = Membership(config.etcd, config.lease_ttl_s, config.etcd_credentials())
         self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed,
                                  grace_s=config.lease_ttl_s)
@@ -203,22 +205,28 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                  len(state.get("workflow_spent", {})))
 
     def _on_nodes_changed(self, items: dict[str, bytes]) -> None:
-        specs, infos, lapsed = [], {}, set()
+        specs, infos, lapsed, draining_price = [], {}, set(), 0.0
         for key, value in items.items():
             info = parse_node_info(key, value)
             if info is None:
                 continue
-            if info.draining:  # leaving cleanly: its streams finish, nothing new goes there
+            if info.draining:  # leaving cleanly: its streams finish, nothing new goes there; still paid for
+                draining_price += info.price_per_hour
                 continue
             infos[info.node_id] = info
             specs.append(node_spec(info))
             if key in self._nodes.lapsed:
                 lapsed.add(info.node_id)
         self._node_infos = infos
+        self._draining_price_per_hour = draining_price
         self._cluster.set_nodes(specs, self._clock(), frozenset(lapsed))
         self._prices.update((spec.node_id, spec.price_per_hour) for spec in specs)
         self._gate.capacity_changed()  # a model may have turned warm
         self._nodes_changed.notify()
+
+    def fleet_price_per_hour(self) -> float:
+        """What the operator pays an hour for the registered GPUs: busy, idle or draining."""
+        return sum(s.spec.price_per_hour for s in self._cluster.nodes()) + self._draining_price_per_hour
 
     async def before_stop(self) -> None:
         await self._role.resign()
@@ -342,8 +350,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if not self._role.is_leader:
                 self._planner.release()  # a successor plans afresh; on return, so does this one
                 continue
-            # The operator pays for every registered GPU, busy or idle.
-            self._tasks.add_fleet_time(elapsed, sum(s.spec.price_per_hour for s in self._cluster.nodes()))
+            self._tasks.add_fleet_time(elapsed, self.fleet_price_per_hour())
             actions = self._planner.plan(self._cluster, now, self._loader.busy_nodes(), self._loader.loading_models())
             by_node: dict[str, list[ModelAction]] = {}
             for action in actions:

@@ -6,9 +6,12 @@ from __future__ import annotations
 import time
 
 import pytest
+from google.protobuf import json_format
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
+from baton.v1 import common_pb2
+from services.common import etcd_keys
 from services.common.telemetry import Telemetry
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.servicer import SchedulerService
@@ -43,4 +46,25 @@ async def test_the_leader_exports_the_kpi_and_a_standby_does_not(monkeypatch: py
         assert ({"outcome": "open"}, 1) in metrics["baton.scheduler.tasks"]  # r2 may still be retried
     else:
         assert not metrics.get("baton.scheduler.cost_per_successful_task")
+    await service.close()
+
+
+async def test_a_draining_node_is_paid_for_until_it_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node draining out of the fleet gets no new work but is still provisioned: the whole-fleet cost
+    counts it until its registration is gone (it was dropped the moment it began draining)."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+
+    def registered(node_id: str, price: float, draining: bool) -> tuple[str, bytes]:
+        info = common_pb2.NodeInfo(node_id=node_id, address="127.0.0.1:1", gpu="h100", price_per_hour=price,
+                                   draining=draining)
+        return etcd_keys.node_key(node_id), json_format.MessageToJson(info).encode()
+
+    service._on_nodes_changed(dict([registered("a", 4.0, False), registered("b", 2.5, False)]))
+    assert service.fleet_price_per_hour() == pytest.approx(6.5)
+    service._on_nodes_changed(dict([registered("a", 4.0, False), registered("b", 2.5, True)]))
+    assert [s.spec.node_id for s in service._cluster.nodes()] == ["a"]  # no new work goes to b
+    assert service.fleet_price_per_hour() == pytest.approx(6.5)
+    service._on_nodes_changed(dict([registered("a", 4.0, False)]))
+    assert service.fleet_price_per_hour() == pytest.approx(4.0)
     await service.close()

@@ -54,14 +54,12 @@ import math
 from collections import OrderedDict, deque
 
 from services.common.block_hash import DEFAULT_BLOCK_SIZE
+from services.common.slo import DEFAULT_TPOT_BUDGET_MS, DEFAULT_TTFT_BUDGET_MS
 from services.scheduler.fleet import NodeStatus
 from services.scheduler.policies.base import Decision, Option, PlacementRequest, Policy, Terms, decision, warm_first
 from services.scheduler.policies.kv_load import KvLoadPolicy
 from services.scheduler.policies.node_timing import TimingModel, noting_unprofiled
 
-# Budgets a request without its own is held to: Dynamo's goodput definition (TTFT 5 s, ITL 100 ms).
-DEFAULT_TTFT_BUDGET_MS = 5000.0
-DEFAULT_TPOT_BUDGET_MS = 100.0
 # Spread of the success curve, as a fraction of the budget.
 SLACK_SPREAD = 0.25
 # The least success chance a score divides by: small enough that between two nodes that would both
