@@ -56,8 +56,8 @@ bench-vllm: $(VLLM_STAMP)
 	$(TEST_ENV) $(BIN)/python -m bench.mesh_overhead --engine vllm --out docs/benchmarks.md
 
 bench-sim: $(STAMP)
-	$(BIN)/python -m bench.sim_matrix --seeds 0,1,2 --sweep-seeds 0,1 --out results/matrix
-	$(BIN)/python -m bench.cheapest_fleet --out results/cheapest
+	$(BIN)/python -m bench.sim_matrix --seeds 0,1,2 --sweep-seeds 0,1,2,3,4 --out results/matrix
+	$(BIN)/python -m bench.cheapest_fleet --seeds 0,1,2 --out results/cheapest
 	$(BIN)/baton sim --workload mooncake-conversation --fleet 4xh100,4xa100,4xl4 --loads 0.5,1,2 --out results/sim
 	$(BIN)/baton sim-admission --fleet 4xh100 --loads 0.5,1,2,3 --limit 3000 --out results/admission
 	$(BIN)/baton sim-models --fleet 8xa100 --split 6,2 --loads 2,4,6 --limit 8000 --out results/models
