@@ -62,8 +62,7 @@ class Relay:
         """The generation's chunks, indexed from its start, moving to another node when one fails."""
         loop = asyncio.get_running_loop()
         if generation.num_remaining == 0:  # a resumed request that already has every token
-            yield node_agent_pb2.NodeGenerateChunk(index=len(generation.generated),
-                                                   finish_reason=common_pb2.FINISH_REASON_LENGTH)
+            yield _length_finish(generation)
             return
         started_at = loop.time()
         num_resumed = len(generation.generated)  # tokens the client had before this stream
@@ -74,6 +73,12 @@ class Relay:
             last_token_at: float | None = None
             failed_at: float | None = None
             while True:
+                if generation.num_remaining == 0:  # its node failed after the last token, before the finish
+                    outcome = _outcome(common_pb2.FINISH_REASON_LENGTH, request, self._slo, started_at,
+                                       first_token_at, last_token_at, len(generation.generated) - num_resumed,
+                                       loop.time())
+                    yield _length_finish(generation)
+                    return
                 placement = await self._place(generation, request, retry_cause, time_remaining())
                 base = len(generation.generated)
                 node_chunks = watched_stream(
@@ -322,6 +327,12 @@ class _LeaderReplaced(Exception):
 
 # Standby redirects followed per placement (views that disagree must not bounce it forever).
 _MAX_REDIRECTS = 3
+
+
+def _length_finish(generation: Generation) -> node_agent_pb2.NodeGenerateChunk:
+    """The last chunk of a generation that has every token max_tokens allows."""
+    return node_agent_pb2.NodeGenerateChunk(index=len(generation.generated),
+                                            finish_reason=common_pb2.FINISH_REASON_LENGTH)
 
 
 def _outcome(finish_reason: common_pb2.FinishReason.ValueType, request: router_pb2.GenerateRequest, slo: Slo,

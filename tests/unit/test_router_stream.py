@@ -187,3 +187,22 @@ async def test_a_stream_that_passes_its_deadline_ends_with_deadline_exceeded_kee
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "deadline_ms=1000: passed after" in (raised.value.details() or "")
     assert received == [97, 98, 99, 100, 101]
+
+
+async def test_a_node_that_fails_after_the_last_token_ends_the_stream_complete_without_a_move() -> None:
+    """A node that sent every token max_tokens allows and then died before its finish chunk: the
+    generation is complete, so it ends with FINISH_REASON_LENGTH instead of asking the scheduler to
+    move a request with nothing left to generate (which the scheduler refuses: max_tokens=0)."""
+
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        yield _started()
+        for i in range(8):
+            yield Chunk(node_id=NODE, index=i, token_ids=[97 + i])
+        raise RuntimeError("the node died")
+
+    async with _router(generate) as (router, scheduler):
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=8))
+        messages = [message async for message in call]
+    assert [t for m in messages for t in m.token_ids] == [97 + i for i in range(8)]
+    assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert [p.retry_cause for p in scheduler.places] == [""]
