@@ -212,6 +212,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 continue
             if info.draining:  # leaving cleanly: its streams finish, nothing new goes there; still paid for
                 draining_price += info.price_per_hour
+                self._prices[info.node_id] = info.price_per_hour  # its streams' GPU time is charged at it
                 continue
             infos[info.node_id] = info
             specs.append(node_spec(info))

@@ -10,7 +10,7 @@ from google.protobuf import json_format
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from baton.v1 import common_pb2
+from baton.v1 import common_pb2, scheduler_pb2
 from services.common import etcd_keys
 from services.common.telemetry import Telemetry
 from services.scheduler.config import SchedulerConfig
@@ -67,4 +67,19 @@ async def test_a_draining_node_is_paid_for_until_it_leaves(monkeypatch: pytest.M
     assert service.fleet_price_per_hour() == pytest.approx(6.5)
     service._on_nodes_changed(dict([registered("a", 4.0, False)]))
     assert service.fleet_price_per_hour() == pytest.approx(4.0)
+    await service.close()
+
+
+async def test_a_scheduler_that_first_sees_a_node_draining_charges_its_streams_at_its_price(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leader that took over (or restarted) while a node drains never saw it live; the GPU time of
+    the streams finishing there is still charged at that node's price, not at nothing."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    info = common_pb2.NodeInfo(node_id="b", address="127.0.0.1:1", gpu="h100", price_per_hour=3.6, draining=True)
+    service._on_nodes_changed({etcd_keys.node_key("b"): json_format.MessageToJson(info).encode()})
+    finished = scheduler_pb2.FinishedRequest(request_id="r", outcome=scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED,
+                                             gpu_ms_by_node={"b": 3_600_000})  # an hour of b's GPU
+    await service.Finished(finished, None)  # type: ignore[arg-type]
+    assert service._tasks.stats().cost_per_successful_task == pytest.approx(3.6)
     await service.close()
