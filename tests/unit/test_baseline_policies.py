@@ -278,6 +278,10 @@ def test_dynamo_counts_a_nodes_decoding_context_in_the_routers_blocks_whatever_i
     small = _status("b", active_decode_blocks=150)
     assert KvLoadPolicy().cost(_request(), big, matched=0) == 10 + 200 + 10
     assert _choose(KvLoadPolicy(), [big, small]) == "b"
+    # So is its queued prefill: 3,200 tokens queued there are more than 2,400 on the other.
+    big = dataclasses.replace(big, load=Load(pending_prefill_tokens=3200))
+    small = _status("b", pending_prefill_tokens=2400)
+    assert _choose(KvLoadPolicy(), [big, small]) == "b"
 
 
 def test_make_policy_unknown_name_lists_known_ones() -> None:

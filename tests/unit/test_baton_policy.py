@@ -304,4 +304,19 @@ def test_a_node_with_larger_kv_blocks_is_credited_the_prefix_it_holds_not_twice_
     big, small = with_blocks("a-big", 32), with_blocks("b-small", 16)
     terms = BatonPolicy().terms(request(1000, ttft_budget_ms=5000), big, 50)
     assert terms is not None and terms.cached_tokens == 800
-    assert chosen(BatonPolicy(), request(1000, ttft_budget_ms=5000), [big, small], {"a-big": 50, "b-small": 60}) == "b-small"
+    matched = {"a-big": 50, "b-small": 60}
+    assert chosen(BatonPolicy(), request(1000, ttft_budget_ms=5000), [big, small], matched) == "b-small"
+    # Its KV room too: 100 blocks of 32 tokens, 100 placed keys (1,600 tokens: 50 of its blocks) not yet
+    # arrived; a 2,000-token request with 800 cached needs 38 more. Counted in keys, it had no room.
+    ask = request(1000, max_tokens=1000, ttft_budget_ms=5000)
+    small_cache = Load(kv_blocks_total=100)
+    roomy = BatonPolicy().terms(ask, dataclasses.replace(big, load=small_cache, placed_prefill_blocks=100), 50)
+    assert roomy is not None and roomy.kv_free_blocks == 50 and roomy.has_kv_room
+    # With 160 placed keys (80 of its blocks) 20 are free, too few for the 38 it needs (in keys, 13).
+    full = BatonPolicy().terms(ask, dataclasses.replace(big, load=small_cache, placed_prefill_blocks=160), 50)
+    assert full is not None and full.kv_free_blocks == 20 and not full.has_kv_room
+    # And the prefill queued ahead: 100 placed keys are 1,600 tokens, as 1,600 tokens the node reports.
+    placed = BatonPolicy().terms(ask, dataclasses.replace(big, placed_prefill_blocks=100), 0)
+    pending = BatonPolicy().terms(ask, dataclasses.replace(big, load=Load(kv_blocks_total=25_000,
+                                                                          pending_prefill_tokens=1600)), 0)
+    assert placed is not None and pending is not None and placed.ttft_ms == pytest.approx(pending.ttft_ms)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -45,5 +46,19 @@ async def test_a_place_with_a_senseless_field_is_refused_by_name_and_the_next_is
         assert named in str(refused.value)
         placement = await service.Place(scheduler_pb2.PlaceRequest(**GOOD), FakeContext())  # type: ignore[arg-type]
         assert placement.node_id == "n0"
+    finally:
+        await service.close()
+
+
+async def test_a_senseless_place_is_refused_at_once_even_while_no_leader_is_elected(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bad input does not wait out an election (up to the call's deadline) to be refused."""
+    fake_leadership(monkeypatch, lambda: False)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    try:
+        with pytest.raises(Refused) as refused:
+            await asyncio.wait_for(service.Place(scheduler_pb2.PlaceRequest(**{**GOOD, "max_tokens": -5}),
+                                                 FakeContext()), 5)  # type: ignore[arg-type]
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         await service.close()

@@ -200,7 +200,7 @@ class BatonPolicy(Policy):
         # Matched and placed prompt blocks count the router's keys, DEFAULT_BLOCK_SIZE tokens each; the node's
         # own counts (its KV blocks, its decoding context) are in its engine's blocks (vLLM's are 32 tokens on CPU).
         block, chunk = status.spec.kv_block_size, status.spec.max_num_batched_tokens
-        cached = min(matched_blocks * DEFAULT_BLOCK_SIZE, max(0, request.num_prompt_tokens - 1))
+        cached = min(matched_blocks * DEFAULT_BLOCK_SIZE // block * block, max(0, request.num_prompt_tokens - 1))
         own = request.num_prompt_tokens - cached
         ahead = load.pending_prefill_tokens + status.placed_prefill_blocks * DEFAULT_BLOCK_SIZE
         batch = load.num_running + load.num_waiting + status.placed_requests
