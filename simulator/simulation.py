@@ -349,17 +349,20 @@ class Simulation:
     def _arrive(self, request: SimRequest) -> None:
         record = self._records[request.request_id] = RequestRecord(request, self._now)
         tokens = self._book.tokens(request)
-        generation = Generation(request_id=request.request_id, model=request.model or self._model.name,
-                                prompt_token_ids=tokens,
-                                sampling=common_pb2.SamplingParams(max_tokens=min(request.output_len,
-                                                                                  self._max_tokens),
-                                                                   ignore_eos=True))
-        block_hashes = self._book.block_hashes(request, tokens)
-        context = get_model(generation.model).max_context_tokens
-        if len(tokens) + request.output_len > context:  # the router refuses it (INVALID_ARGUMENT)
-            self._fail(record, f"longer than {generation.model}'s context of {context}")
+        model = request.model or self._model.name
+        # As the router does with a client that sets no max_tokens: a prompt the context cannot hold is
+        # refused (INVALID_ARGUMENT); any other may generate up to the context's end, so the engine stops
+        # at the trace's true length or there. Nothing here reads the true length to decide.
+        room = get_model(model).max_context_tokens - len(tokens)
+        generation = Generation(request_id=request.request_id, model=model, prompt_token_ids=tokens,
+                                sampling=common_pb2.SamplingParams(
+                                    max_tokens=min(request.output_len, self._max_tokens, max(room, 0)),
+                                    ignore_eos=True))
+        if room <= 0:
+            self._fail(record, f"a prompt of {len(tokens)} tokens does not fit {model}'s context of "
+                               f"{len(tokens) + room}")
         else:
-            self._place(generation, record, block_hashes)
+            self._place(generation, record, self._book.block_hashes(request, tokens))
         # Open loop: a task's next step arrives at its own time, whatever happened to this one.
         following = self._next_step_of.get(request.request_id)
         if following is not None and following.think_s is None:

@@ -121,6 +121,19 @@ def test_round_robin_sends_a_repeated_prompt_to_a_cold_node() -> None:
     assert _repeat_prompt("round_robin") == [0, 0]
 
 
+def test_an_answer_that_would_overrun_the_context_is_cut_there_not_refused_on_its_true_length() -> None:
+    """As the router serves a client that sets no max_tokens: a prompt that fits may generate up to the
+    context's end; only a prompt the context cannot hold is refused. (The simulator refused the first
+    on the trace's true output length, which no live router knows.)"""
+    fits = _request(tuple(range(14)), 7000, "fits", output_len=2000)  # 512 tokens a trace block
+    too_long = _request(tuple(range(100, 116)), 8192, "too-long", arrival_s=0.5)
+    result = Simulation(fleet("1xh100"), make_policy("dynamo"), model="sim-llama-3-8b").run(
+        Workload("context", [fits, too_long]))
+    records = {r.request.request_id: r for r in result.records}
+    assert (records["fits"].failed, records["fits"].num_generated) == ("", 8192 - 7000)
+    assert "does not fit" in records["too-long"].failed
+
+
 def test_request_on_a_failed_node_completes_elsewhere() -> None:
     migrations = []
     for node_id in ("h100-0", "h100-1"):
