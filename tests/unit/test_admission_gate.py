@@ -102,3 +102,20 @@ async def test_a_full_queue_sheds_its_least_important_entry_for_a_more_important
     fleet.saturated = False
     gate.capacity_changed()
     assert await asyncio.wait_for(high, 5) is True
+
+
+async def test_a_cancelled_dispatcher_stops_even_just_after_a_request_queued() -> None:
+    """The dispatcher waits on a change that a request it queues has just signalled; cancelled then,
+    it used to go on running (Python 3.11's wait_for returned the wait's result and dropped the
+    cancellation), so a scheduler closing its gate could wait for it for ever."""
+    fleet, admission = Fleet(), Admission()
+    gate = AdmissionGate(admission, fleet.is_saturated, get_meter("test"), clock=fleet.clock)
+    dispatcher = asyncio.create_task(gate.run())
+    await asyncio.sleep(0)  # one turn: the dispatcher runs to its wait for a change
+    entering = await queued(gate, admission, ticket("q", fleet.now))  # signals a change
+    dispatcher.cancel()
+    done, _ = await asyncio.wait({dispatcher}, timeout=5)
+    assert dispatcher in done and dispatcher.cancelled()
+    entering.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await entering
