@@ -122,10 +122,13 @@ class Relay:
                         if chunk.finish_reason:
                             return
                 except NodeFailure as failure:
+                    self._suspects[failure.node_id] = loop.time() + self._config.suspect_s
+                    if generation.num_remaining == 0:  # every token arrived: nothing moves, the stream ends
+                        log.warning("request %s: %s after its last token; ending it", generation.request_id, failure)
+                        continue
                     log.warning("request %s: %s after %d tokens; resuming elsewhere", generation.request_id,
                                 failure, len(generation.generated))
                     self._migrations.add(1, {"cause": failure.cause.value})
-                    self._suspects[failure.node_id] = loop.time() + self._config.suspect_s
                     generation.record_failure(failure, self._config.max_migrations)
                     retry_cause = failure.cause.value
                     if failed_at is None:

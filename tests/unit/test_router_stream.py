@@ -200,9 +200,11 @@ async def test_a_node_that_fails_after_the_last_token_ends_the_stream_complete_w
             yield Chunk(node_id=NODE, index=i, token_ids=[97 + i])
         raise RuntimeError("the node died")
 
-    async with _router(generate) as (router, scheduler):
+    # No migration is left (max_migrations=0), and none is needed: nothing moves.
+    async with _router(generate, max_migrations=0) as (router, scheduler):
         call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=8))
         messages = [message async for message in call]
     assert [t for m in messages for t in m.token_ids] == [97 + i for i in range(8)]
     assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert messages[-1].usage.num_migrations == 0
     assert [p.retry_cause for p in scheduler.places] == [""]
