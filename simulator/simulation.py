@@ -13,7 +13,7 @@ import heapq
 import itertools
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from baton.v1 import common_pb2
@@ -148,6 +148,11 @@ class RunResult:
     def fleet_cost(self) -> float:
         """Every provisioned GPU for the whole run, idle included: what the operator pays."""
         return sum(price * self.provisioned_s / 3600.0 for price in self.price_per_hour.values())
+
+
+def _room(model: str, prompt: Sequence[int]) -> int:
+    """Tokens model's context leaves after prompt: what a request may generate at most."""
+    return get_model(model).max_context_tokens - len(prompt)
 
 
 class Simulation:
@@ -353,14 +358,14 @@ class Simulation:
         # As the router does with a client that sets no max_tokens: a prompt the context cannot hold is
         # refused (INVALID_ARGUMENT); any other may generate up to the context's end, so the engine stops
         # at the trace's true length or there. Nothing here reads the true length to decide.
-        room = get_model(model).max_context_tokens - len(tokens)
+        room = _room(model, tokens)
         generation = Generation(request_id=request.request_id, model=model, prompt_token_ids=tokens,
                                 sampling=common_pb2.SamplingParams(
                                     max_tokens=min(request.output_len, self._max_tokens, max(room, 0)),
                                     ignore_eos=True))
         if room <= 0:
             self._fail(record, f"a prompt of {len(tokens)} tokens does not fit {model}'s context of "
-                               f"{len(tokens) + room}")
+                               f"{get_model(model).max_context_tokens}")
         else:
             self._place(generation, record, self._book.block_hashes(request, tokens))
         # Open loop: a task's next step arrives at its own time, whatever happened to this one.
@@ -371,8 +376,8 @@ class Simulation:
     def _asked_tokens(self, generation: Generation) -> int:
         """The max_tokens the client asked for, less what was generated: all the scheduler knows of
         the output's length (the engine stops at the trace's true length)."""
-        room = get_model(generation.model).max_context_tokens - len(generation.prompt_token_ids)
-        return max(1, min(self._max_tokens, room) - len(generation.generated))
+        return max(1, min(self._max_tokens, _room(generation.model, generation.prompt_token_ids))
+                   - len(generation.generated))
 
     def _place(self, generation: Generation, record: RequestRecord, block_hashes: tuple[int, ...],
                retry_cause: str = "") -> None:
