@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+from services.common.timeouts import within
+
 
 class ChangeSignal:
     """Wakes every waiter on each change; unlike one shared asyncio.Event, no waiter clears it for the others."""
@@ -26,8 +28,7 @@ async def wait_or_timeout(event: asyncio.Event, timeout_s: float) -> bool:
     which left the admission gate's dispatcher running after it was cancelled (it waits on a change
     that the request it queues has just signalled)."""
     try:
-        async with asyncio.timeout(timeout_s):
-            await event.wait()
+        await within(event.wait(), timeout_s)
     except TimeoutError:
         return False
     return True

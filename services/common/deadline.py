@@ -6,6 +6,8 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
+from services.common.timeouts import within
+
 T = TypeVar("T")
 
 
@@ -19,7 +21,7 @@ async def until(source: AsyncIterator[T], deadline_at: float | None,
         while True:
             remaining = None if deadline_at is None else max(0.0, deadline_at - loop.time())
             try:
-                item = await asyncio.wait_for(anext(source), remaining)
+                item = await within(anext(source), remaining)
             except StopAsyncIteration:
                 return
             except TimeoutError:

@@ -16,6 +16,7 @@ from services.common import etcd_keys
 from services.common.etcd_session import PrefixView
 from services.common.reconnect import RECONNECT_OPTIONS
 from services.common.telemetry import Telemetry
+from services.common.timeouts import within
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ class LeaderDirectory:
             return current is not None and current != leader
 
         try:
-            await asyncio.wait_for(self._view.wait_for(has_other), timeout_s)
+            await within(self._view.wait_for(has_other), timeout_s)
         except TimeoutError:
             return None
         return self.leader()
@@ -139,7 +140,7 @@ class LeaderDirectory:
         if channel.get_state() == grpc.ChannelConnectivity.READY:  # connected, yet it failed: not a reconnect
             return await self.wait_for_other(leader, timeout_s)
         other = asyncio.ensure_future(self.wait_for_other(leader, timeout_s))
-        reachable = asyncio.ensure_future(asyncio.wait_for(channel.channel_ready(), timeout_s))
+        reachable = asyncio.ensure_future(within(channel.channel_ready(), timeout_s))
         try:
             done, _ = await asyncio.wait({other, reachable}, return_when=asyncio.FIRST_COMPLETED)
         finally:

@@ -27,6 +27,7 @@ import aetcd
 
 from services.common.change_signal import ChangeSignal, wait_or_timeout
 from services.common.lease_deadline import LeaseDeadline
+from services.common.timeouts import within
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +225,6 @@ class Election:
 
     async def _revoke(self, lease_id: int) -> None:
         try:
-            await asyncio.wait_for(self._client.revoke_lease(lease_id), 2.0)
+            await within(self._client.revoke_lease(lease_id), 2.0)
         except Exception as exc:  # noqa: BLE001 - the lease expires anyway
             log.warning("election lease revoke failed: %s", exc)

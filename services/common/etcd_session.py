@@ -23,6 +23,7 @@ from services.common.change_signal import ChangeSignal, wait_or_timeout
 from services.common.etcd_tls import TlsEtcdClient
 from services.common.lapsed_keys import LapsedKeys
 from services.common.reconnect import RECONNECT_OPTIONS
+from services.common.timeouts import within
 
 log = logging.getLogger(__name__)
 
@@ -133,11 +134,11 @@ class LeaseSession:
         if lease_id is None:
             return
         try:
-            await asyncio.wait_for(self._mark_leaving(lease_id, keys), 1.0)
+            await within(self._mark_leaving(lease_id, keys), 1.0)
         except Exception as exc:  # noqa: BLE001 - readers then hold the keys for their grace
             log.warning("etcd leaving mark failed: %s", exc)
         try:
-            await asyncio.wait_for(self._client.revoke_lease(lease_id), 2.0)
+            await within(self._client.revoke_lease(lease_id), 2.0)
         except Exception as exc:  # noqa: BLE001 - the lease will expire anyway
             log.warning("etcd lease revoke failed: %s", exc)
 

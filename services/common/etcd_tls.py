@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import aetcd
 import grpc
 from aetcd import rpc, watcher
+
+from services.common.timeouts import within
 
 
 class TlsEtcdClient(aetcd.Client):
@@ -26,7 +27,7 @@ class TlsEtcdClient(aetcd.Client):
         if self._connected.is_set():
             return
         if self._is_connecting:
-            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            await within(self._connected.wait(), self._connect_wait_timeout)
             return
         try:
             self._is_connecting = True

@@ -3,7 +3,6 @@ authenticate against (revoking a key takes effect as soon as the watch delivers 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Iterable
 
@@ -13,6 +12,7 @@ from services.common import etcd_keys
 from services.common.auth import TenantKeys, TenantRecord
 from services.common.errors import Unavailable
 from services.common.etcd_session import PrefixView
+from services.common.timeouts import within
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class TenantDirectory:
         """Return once the records have been read from etcd; Unavailable after timeout_s (a key checked
         against no records would be refused as unknown)."""
         try:
-            await asyncio.wait_for(self._view.synced.wait(), timeout_s)
+            await within(self._view.synced.wait(), timeout_s)
         except TimeoutError:
             raise Unavailable(f"tenant keys not read from etcd within {timeout_s:.0f} s; retry") from None
 

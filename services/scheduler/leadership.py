@@ -13,6 +13,7 @@ import aetcd
 from services.common import etcd_keys
 from services.common.election import Election, NotLeader
 from services.common.etcd_session import PrefixView
+from services.common.timeouts import within
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class LeaderRole:
         if leader is None or leader[0] != self._instance_id:
             return
         try:
-            await asyncio.wait_for(self.elected.wait(), timeout_s)
+            await within(self.elected.wait(), timeout_s)
         except TimeoutError:
             pass
 
@@ -97,7 +98,7 @@ class LeaderRole:
             return leader is None or leader[0] != self._instance_id or self._election.is_leading()
 
         try:
-            await asyncio.wait_for(self._view.wait_for(shows_other), timeout_s)
+            await within(self._view.wait_for(shows_other), timeout_s)
         except TimeoutError:
             pass
 
@@ -148,7 +149,7 @@ class LeaderRole:
         """Persist state until leadership is lost."""
         while not self._election.lost.is_set():
             try:
-                await asyncio.wait_for(self._election.lost.wait(), self._persist_interval_s)
+                await within(self._election.lost.wait(), self._persist_interval_s)
                 return
             except TimeoutError:
                 pass

@@ -28,6 +28,7 @@ from services.common.profile_proto import profile_from_proto
 from services.common.request_context import check_context, context_fields, context_of
 from services.common.telemetry import Telemetry
 from services.common.tenant_directory import TenantDirectory
+from services.common.timeouts import within
 from services.scheduler.admission import Admission, TenantLimits
 from services.scheduler.config import SchedulerConfig, parse_tenant_limits
 from services.scheduler.fleet import ClusterView, NodeSpec
@@ -316,7 +317,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         """A cold node serves nothing until warm: load model there and wait for it, within the
         request's time. If that fails, the admitted request will not run: its slot is freed."""
         try:
-            await asyncio.wait_for(self._loader.ensure_warm(decision.node_id, decision.address, model,
+            await within(self._loader.ensure_warm(decision.node_id, decision.address, model,
                                                             f"placed {request_id} there"), remaining_s)
         except BaseException as exc:
             self._gate.finished(request_id)

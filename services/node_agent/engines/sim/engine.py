@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 from services.common.change_signal import ChangeSignal
 from services.common.load import Load
+from services.common.timeouts import within
 from services.node_agent.engines.base import EngineInputError
 from services.node_agent.engines.sim.core import SimEngineCore
 from services.node_agent.engines.types import (
@@ -39,7 +40,7 @@ class _OutputBuffer:
         """Everything pending, merged; None if nothing came within timeout_s."""
         if not self._ready.is_set():
             try:
-                await asyncio.wait_for(self._ready.wait(), timeout_s)
+                await within(self._ready.wait(), timeout_s)
             except TimeoutError:
                 return None
         self._ready.clear()

@@ -20,6 +20,7 @@ from typing import Any
 from services.common.change_signal import ChangeSignal
 from services.common.engine_profile import EngineProfile
 from services.common.load import Load
+from services.common.timeouts import within
 from services.node_agent.engines.base import EngineInputError
 from services.node_agent.engines.types import (
     EngineRequest,
@@ -309,7 +310,7 @@ class VllmEngine:
         try:
             while not finished:
                 try:
-                    first = await asyncio.wait_for(running.queue.get(), heartbeat_s)
+                    first = await within(running.queue.get(), heartbeat_s)
                 except TimeoutError:
                     yield None
                     continue

@@ -9,12 +9,12 @@ shows in the sequence numbers, and the missing batches are fetched from the repl
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from services.common.timeouts import within
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class KvEventSubscriber:
         try:
             await socket.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
-                frames = await asyncio.wait_for(socket.recv_multipart(), _REPLAY_TIMEOUT_S)
+                frames = await within(socket.recv_multipart(), _REPLAY_TIMEOUT_S)
                 seq = int.from_bytes(frames[-2], "big", signed=True)
                 if seq == _END_SEQ:
                     break
