@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from simulator.report import build_workload, mean_ci, merge_seeds, parse_args, run_one
+from simulator.simulation import ADMISSIONS
 from simulator.study import run_all
 
 # SGLang's cache-aware policy and plain least-loaded trail these on every setting tried
@@ -103,7 +104,8 @@ TUNING = tuple(
 def _args(setting: Setting, options: argparse.Namespace) -> argparse.Namespace:
     argv = ["--workload", setting.workload, "--fleet", setting.fleet, "--loads", f"{setting.load:g}",
             "--ttft-slo", str(setting.ttft_s), "--tpot-slo", str(setting.tpot_s),
-            "--timing-error", str(options.timing_error), "--max-tokens", str(options.max_tokens)]
+            "--timing-error", str(options.timing_error), "--max-tokens", str(options.max_tokens),
+            "--admission", options.admission]
     if setting.slo_mix:
         argv += ["--slo-mix", setting.slo_mix]
     if setting.skip:
@@ -261,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--windows", type=int, default=0,
                         help="replay each chosen setting over this many other windows of its trace, and pool them")
     parser.add_argument("--traces", default="")
+    parser.add_argument("--admission", choices=ADMISSIONS, default="none",
+                        help="the leader's admission for every policy: none (placed at once; the tables' setting) or "
+                        "baton (the scheduler's gate, as a live cluster runs each policy)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default="results/matrix")
     return parser

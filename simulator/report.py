@@ -12,7 +12,7 @@ from pathlib import Path
 
 from services.scheduler.policies import POLICIES, make_policy
 from simulator.metrics import Slo, summarize, ttft_values
-from simulator.simulation import Simulation, fleet
+from simulator.simulation import ADMISSIONS, Simulation, fleet
 from simulator.study import run_all
 from simulator.workload import (
     SloClass,
@@ -52,7 +52,8 @@ def run_one(job: tuple[argparse.Namespace, str, float, int]) -> tuple[str, float
     started = time.perf_counter()
     result = Simulation(fleet(args.fleet), make_policy(policy), model=args.model, failures=failures,
                         ttft_budget_ms=int(args.ttft_slo * 1000), tpot_budget_ms=int(args.tpot_slo * 1000),
-                        max_tokens=args.max_tokens, timing_error=args.timing_error, seed=seed).run(workload)
+                        max_tokens=args.max_tokens, timing_error=args.timing_error, seed=seed,
+                        admission=args.admission).run(workload)
     wall_s = time.perf_counter() - started
     summary = summarize(result, workload, Slo(args.ttft_slo, args.tpot_slo))
     return policy, load, seed, asdict(summary), ttft_values(result), wall_s
@@ -177,6 +178,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="each GPU generation runs its timing model scaled by a factor drawn from [1-e, 1+e]")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds of the timing-error draw; "
                         "several give each figure a 95%% confidence interval")
+    parser.add_argument("--admission", choices=ADMISSIONS, default="none",
+                        help="the leader's admission: none (every request placed at once, nodes queue FIFO), "
+                        "baton (the scheduler's own gate, as a live cluster runs every policy) or gie")
     parser.add_argument("--kill", action="append", default=[], help="AT_S:NODE_ID, e.g. 600:h100-0 (repeatable)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs in parallel")
     parser.add_argument("--out", default="results/sim", help="folder for table.md, results.json and plots")

@@ -11,6 +11,7 @@ import pytest
 from bench.sim_matrix import (
     SETTINGS,
     TUNING,
+    Setting,
     _args,
     build_parser,
     held_out_windows,
@@ -19,7 +20,7 @@ from bench.sim_matrix import (
     pooled_verdict,
     verdict,
 )
-from simulator.report import TRACES, build_workload, merge_seeds
+from simulator.report import TRACES, build_workload, merge_seeds, run_one
 
 KEY = "cost_per_successful_task"
 
@@ -155,3 +156,18 @@ def test_a_windows_run_pools_each_setting_over_its_windows(tmp_path: Path) -> No
     assert f"### {name}, over 2 windows" in summary
     assert set(json.loads((out / "results.json").read_text())["per_seed"]) == {
         f"{name}, requests 600-605", f"{name}, requests 605-610"}
+
+
+def test_the_matrix_can_run_every_policy_behind_the_schedulers_admission_gate() -> None:
+    """--admission baton puts the leader's gate in front of the policy, as a live cluster runs it: on one
+    L4 at 4x the gate refuses what cannot meet its budget instead of letting the node's queue grow."""
+    setting = Setting("one L4, 4x", "mooncake-conversation", "1xl4", 4.0, limit=40)
+    outcomes = {}
+    for admission in ("none", "baton"):
+        options = build_parser().parse_args(["--admission", admission])
+        args = _args(setting, options)
+        assert args.admission == admission
+        _, _, _, summary, _, _ = run_one((args, "baton", setting.load, 0))
+        outcomes[admission] = summary
+    assert outcomes["none"]["num_completed"] > outcomes["baton"]["num_completed"]  # the gate refused some
+    assert outcomes["baton"]["drain_s"] < outcomes["none"]["drain_s"]  # and the queue did not grow
