@@ -3,19 +3,31 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine
 from typing import TypeVar
 
 T = TypeVar("T")
 
 
 async def within(awaitable: Awaitable[T], timeout_s: float | None) -> T:
-    """awaitable's result, or TimeoutError after timeout_s (None: no limit; the awaitable is cancelled).
+    """awaitable's result, or TimeoutError (the awaitable cancelled) once timeout_s has passed; None: no limit.
 
     Use it instead of asyncio.wait_for: on Python 3.11, when the caller is cancelled just as the
     awaitable completes, wait_for returns the result and the cancellation is lost, so a loop around
     it (a stream relay, a dispatcher) runs on after its task was cancelled: a client that left keeps
     its tokens generating, a service that stops waits for ever. asyncio.timeout keeps it.
+
+    A limit already spent (0 or less) times out at once, as wait_for's does, and never runs the
+    awaitable: under asyncio.timeout an awaitable that completes without yielding to the event loop
+    (a stream with items ready) would return its result however late it was.
     """
+    if timeout_s is not None and timeout_s <= 0:
+        if isinstance(awaitable, Coroutine):
+            awaitable.close()
+        elif isinstance(awaitable, asyncio.Future):
+            if awaitable.done():
+                return awaitable.result()
+            awaitable.cancel()
+        raise TimeoutError
     async with asyncio.timeout(timeout_s):
         return await awaitable

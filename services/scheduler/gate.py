@@ -72,6 +72,10 @@ class AdmissionGate:
                 if self._admission.cancel(ticket.request_id):
                     self._depth.add(-1, band)
                 self._waiting.pop(ticket.request_id, None)
+                if future.done() and not future.cancelled() and future.exception() is None:
+                    # Its place came in the same turn as the cancellation: the dispatcher waits for it
+                    # to be placed; it never will be, so let the dispatcher go on (else it stalls 1 s).
+                    future.result().set()
                 raise
             self._queue_wait.record((self._clock() - ticket.arrived_at) * 1000,
                                     {"band": ticket.priority, "tenant": ticket.tenant})

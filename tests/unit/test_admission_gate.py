@@ -119,3 +119,25 @@ async def test_a_cancelled_dispatcher_stops_even_just_after_a_request_queued() -
     entering.cancel()
     with pytest.raises(asyncio.CancelledError):
         await entering
+
+
+async def test_a_request_cancelled_as_its_place_comes_does_not_hold_up_the_next(gate_and_fleet) -> None:
+    """The dispatcher hands a queued request its place and waits for it to be placed; a client that
+    leaves in that same turn is never placed, so the dispatcher must not wait for it (it stalled a
+    second, dispatching nothing, before the fix)."""
+    gate, admission, fleet = gate_and_fleet
+    admission.max_queued = 2
+    leaving = await queued(gate, admission, ticket("leaving", fleet.now))
+    staying = await queued(gate, admission, ticket("staying", fleet.now))
+    fleet.saturated = False
+    gate.capacity_changed()
+    await asyncio.sleep(0)  # one turn: the dispatcher hands "leaving" its place
+    assert admission.num_queued == 1
+    leaving.cancel()  # in the same turn, before "leaving" runs again
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    for _ in range(10):  # a few turns of the loop, no time: the dispatcher goes on to the next
+        if staying.done():
+            break
+        await asyncio.sleep(0)
+    assert staying.done() and staying.result() is True

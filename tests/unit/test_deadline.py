@@ -43,3 +43,17 @@ async def test_no_deadline_passes_everything_through() -> None:
             yield i
 
     assert [i async for i in until(producer(), None, Passed)] == [0, 1, 2]
+
+
+async def test_a_passed_deadline_cuts_off_a_stream_whose_items_are_ready() -> None:
+    """A source that hands out items without waiting (the router's coalescing of a backlog, for a client
+    slower than its tokens) is cut off at the deadline all the same: nothing is handed out after it."""
+    async def ready():
+        for item in range(5):
+            yield item
+
+    received = []
+    with pytest.raises(Passed):
+        async for item in until(ready(), asyncio.get_running_loop().time() - 1, Passed):
+            received.append(item)
+    assert received == []

@@ -19,6 +19,21 @@ async def test_within_returns_the_result_or_times_out() -> None:
         await within(asyncio.Event().wait(), 0.01)
 
 
+async def test_a_limit_already_spent_times_out_even_when_the_result_is_ready() -> None:
+    ran = []
+
+    async def ready() -> str:
+        ran.append(True)
+        return "late"
+
+    with pytest.raises(TimeoutError):
+        await within(ready(), 0)
+    assert not ran  # never started (and closed: no "never awaited" warning)
+    done = asyncio.get_running_loop().create_future()
+    done.set_result("in time")
+    assert await within(done, 0) == "in time"  # a result already there is not late
+
+
 async def test_a_caller_cancelled_as_its_wait_completes_is_cancelled() -> None:
     arrived = asyncio.Queue[int]()
     waiter = asyncio.create_task(within(arrived.get(), 60))
