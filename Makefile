@@ -57,6 +57,7 @@ bench-vllm: $(VLLM_STAMP)
 
 bench-sim: $(STAMP)
 	$(BIN)/python -m bench.sim_matrix --seeds 0,1,2 --sweep-seeds 0,1,2,3,4 --out results/matrix
+	$(BIN)/python -m bench.sim_matrix --seeds 0,1,2 --sweep-seeds 0,1 --admission baton --out results/matrix-admission
 	$(BIN)/python -m bench.cheapest_fleet --seeds 0,1,2 --out results/cheapest
 	$(BIN)/baton sim --workload mooncake-conversation --fleet 4xh100,4xa100,4xl4 --loads 0.5,1,2 --out results/sim
 	$(BIN)/baton sim-admission --fleet 4xh100 --loads 0.5,1,2,3 --limit 3000 --out results/admission
