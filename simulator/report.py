@@ -12,7 +12,7 @@ from pathlib import Path
 
 from services.scheduler.policies import POLICIES, make_policy
 from simulator.metrics import Slo, summarize, ttft_values
-from simulator.simulation import ADMISSIONS, Simulation, fleet
+from simulator.simulation import ADMISSIONS, RunResult, Simulation, fleet
 from simulator.study import run_all
 from simulator.workload import (
     SloClass,
@@ -44,16 +44,21 @@ def build_workload(args: argparse.Namespace, load: float) -> Workload:
     return with_slo_mix(workload, args.slo_mix) if args.slo_mix else workload
 
 
+def simulate(args: argparse.Namespace, policy: str, workload: Workload, seed: int) -> RunResult:
+    """One run of workload under policy, as these options set it up."""
+    failures = tuple((float(at), node) for at, node in (k.split(":") for k in args.kill)) if args.kill else ()
+    return Simulation(fleet(args.fleet), make_policy(policy), model=args.model, failures=failures,
+                      ttft_budget_ms=int(args.ttft_slo * 1000), tpot_budget_ms=int(args.tpot_slo * 1000),
+                      max_tokens=args.max_tokens, timing_error=args.timing_error, seed=seed,
+                      admission=args.admission).run(workload)
+
+
 def run_one(job: tuple[argparse.Namespace, str, float, int]) -> tuple[str, float, int, dict, list[float], float]:
     """One (policy, load, seed) run in its own process: its summary, its TTFTs, and its wall time."""
     args, policy, load, seed = job
     workload = build_workload(args, load)
-    failures = tuple((float(at), node) for at, node in (k.split(":") for k in args.kill)) if args.kill else ()
     started = time.perf_counter()
-    result = Simulation(fleet(args.fleet), make_policy(policy), model=args.model, failures=failures,
-                        ttft_budget_ms=int(args.ttft_slo * 1000), tpot_budget_ms=int(args.tpot_slo * 1000),
-                        max_tokens=args.max_tokens, timing_error=args.timing_error, seed=seed,
-                        admission=args.admission).run(workload)
+    result = simulate(args, policy, workload, seed)
     wall_s = time.perf_counter() - started
     summary = summarize(result, workload, Slo(args.ttft_slo, args.tpot_slo))
     return policy, load, seed, asdict(summary), ttft_values(result), wall_s

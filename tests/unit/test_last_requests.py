@@ -1,0 +1,28 @@
+"""bench.last_requests: which requests ended last in a matrix setting, and where they ran."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.last_requests import main
+from simulator.report import TRACES
+
+
+def test_it_names_the_request_that_ended_last_and_when_the_fleet_drained(tmp_path: Path, capsys) -> None:
+    # Three short answers, then one long one: it arrives last and ends last.
+    rows = [{"timestamp": 100 * j, "input_length": 64, "output_length": 4, "hash_ids": [j]} for j in range(3)]
+    rows.append({"timestamp": 300, "input_length": 64, "output_length": 400, "hash_ids": [3]})
+    (tmp_path / TRACES["mooncake-conversation"]).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["--setting", "Mooncake conversation, 8xH100, 2x", "--policies", "baton", "--count", "2",
+                 "--limit", "4", "--traces", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("seed 0 baton: the fleet drained ")
+    assert lines[1].startswith("   r3 arrived 0.15 s") and "output 400, on h100-" in lines[1]
+    assert len(lines) == 3
+
+
+def test_an_unknown_setting_is_refused_naming_it(capsys) -> None:
+    assert main(["--setting", "8xH100 at 9x"]) == 2
+    assert "no setting named '8xH100 at 9x'" in capsys.readouterr().err
+
