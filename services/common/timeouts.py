@@ -17,8 +17,9 @@ async def within(awaitable: Awaitable[T], timeout_s: float | None) -> T:
     it (a stream relay, a dispatcher) runs on after its task was cancelled: a client that left keeps
     its tokens generating, a service that stops waits for ever. asyncio.timeout keeps it.
 
-    A limit already spent (0 or less) times out at once, as wait_for's does, and never runs the
-    awaitable: under asyncio.timeout an awaitable that completes without yielding to the event loop
+    A limit already spent (0 or less) times out after one turn of the event loop, as wait_for's does,
+    and never runs the awaitable (a coroutine is closed, a future cancelled; other awaitables are
+    dropped): under asyncio.timeout an awaitable that completes without yielding to the event loop
     (a stream with items ready) would return its result however late it was.
     """
     if timeout_s is not None and timeout_s <= 0:
@@ -28,6 +29,7 @@ async def within(awaitable: Awaitable[T], timeout_s: float | None) -> T:
             if awaitable.done():
                 return awaitable.result()
             awaitable.cancel()
+        await asyncio.sleep(0)  # one turn of the loop, as wait_for's: a loop calling this must not starve others
         raise TimeoutError
     async with asyncio.timeout(timeout_s):
         return await awaitable

@@ -62,7 +62,8 @@ class NodeAgentConfig(ServiceConfig):
         if self.disk_gbps <= 0 or self.engine_start_s < 0:
             raise ValueError(f"--disk-gbps must be positive and --engine-start-s not negative, got "
                              f"{self.disk_gbps} and {self.engine_start_s}")
-        if self.heartbeat_interval_s <= 0:
-            raise ValueError(f"--heartbeat-interval-s: must be positive, got {self.heartbeat_interval_s}")
+        if self.heartbeat_interval_s <= 0 or self.load_report_interval_s <= 0:
+            raise ValueError(f"--heartbeat-interval-s and --load-report-interval-s must be positive, got "
+                             f"{self.heartbeat_interval_s} and {self.load_report_interval_s}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-seqs and --max-num-batched-tokens must be positive")

@@ -178,3 +178,10 @@ def test_a_node_registers_its_advertised_address_not_a_wildcard_listen() -> None
 def test_a_bad_advertise_address_exits_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     message = _exit_message(capsys, RouterConfig, PREFIX, ["--advertise", "router-1"])
     assert "--advertise: expected host:port, got 'router-1'" in message
+
+
+@pytest.mark.parametrize("field", ["heartbeat_interval_s", "load_report_interval_s"])
+def test_a_node_agents_report_intervals_must_be_positive(field: str) -> None:
+    """At 0 the node agent's report loop would never wait, and starve its event loop."""
+    with pytest.raises(ValueError, match=r"--heartbeat-interval-s and --load-report-interval-s must be positive.* 0"):
+        NodeAgentConfig(**{field: 0.0})

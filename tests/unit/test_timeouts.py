@@ -34,6 +34,15 @@ async def test_a_limit_already_spent_times_out_even_when_the_result_is_ready() -
     assert await within(done, 0) == "in time"  # a result already there is not late
 
 
+async def test_a_spent_limit_still_lets_the_event_loop_turn() -> None:
+    """A loop that waits with a spent limit (an interval of 0) must not starve every other task."""
+    others = asyncio.Event()
+    asyncio.get_running_loop().call_soon(others.set)
+    with pytest.raises(TimeoutError):
+        await within(asyncio.Event().wait(), 0)
+    assert others.is_set()
+
+
 async def test_a_caller_cancelled_as_its_wait_completes_is_cancelled() -> None:
     arrived = asyncio.Queue[int]()
     waiter = asyncio.create_task(within(arrived.get(), 60))
