@@ -518,6 +518,8 @@ class Simulation:
         node.is_stepping = False
         if not node.is_alive:
             return
+        if node.core is not None:
+            node.core.step_ended()
         node_id = node.config.node_id
         for event in result.kv_events:
             self._index.apply(node_id, node.model, event)

@@ -15,6 +15,7 @@ from services.node_agent.engines.sim.core import SimEngineCore
 from services.node_agent.engines.sim.engine import SimEngine
 from services.node_agent.engines.sim.models import get_model, load_time_s
 from services.node_agent.engines.sim.timing import load_coefficients
+from services.node_agent.engines.types import EngineRequest, SamplingParams
 from services.node_agent.model_host import LocalModel, ModelHost
 from services.node_agent.servicer import NodeAgentService
 
@@ -72,3 +73,19 @@ async def test_a_request_behind_a_full_batch_is_announced_queued_then_decoding()
     assert [len(c.token_ids) for c in chunks if c.token_ids] and chunks[-1].finish_reason
     heartbeats = [c for c in chunks if not c.token_ids and not c.finish_reason]
     assert all(c.progress.phase == node_agent_pb2.REQUEST_PHASE_QUEUED for c in heartbeats)
+
+
+async def test_a_prompt_counts_as_pending_until_its_step_has_run_then_not() -> None:
+    """The live sim engine reports a step's prefill chunk as still to compute while the step runs, and
+    as done once its time has passed, even when the engine then has nothing left to do."""
+    engine = _one_at_a_time(MODEL)
+    task = asyncio.get_running_loop().create_task(engine.run())
+    try:
+        outputs = engine.generate(EngineRequest("r1", tuple(range(40)), SamplingParams(max_tokens=1)), 1.0)
+        first = await anext(outputs)  # the prefill step's output: the first token, and the end
+        assert first is not None and first.finish_reason is not None
+        assert engine.load().pending_prefill_tokens == 0
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

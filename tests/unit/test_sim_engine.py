@@ -129,6 +129,8 @@ def test_decodes_share_a_step_with_a_prefill_chunk() -> None:
     assert [out.request_id for out in step.outputs] == ["short"]
     # One decode token leaves 99 of the budget for the long prompt's chunk.
     assert step.duration_s == pytest.approx(TIMING.step_ms(1, 11, [99]) / 1000)
+    assert core.load().pending_prefill_tokens == 300  # while the step runs, its chunk is still to compute
+    core.step_ended()
     assert core.load().pending_prefill_tokens == 300 - 99
 
 
@@ -415,10 +417,15 @@ def test_load_reports_queues_blocks_and_pending_prefill() -> None:
     core.step()
     load = core.load()
     assert (load.num_running, load.num_waiting) == (1, 1)
-    assert load.pending_prefill_tokens == 5030 - 2048
+    # Until the step's modelled time has passed, its 2,048-token chunk is still ahead of a new request
+    # (a scheduler that saw it done sent the next prompt behind it as if the node were free).
+    assert load.pending_prefill_tokens == 5030
+    core.step_ended()
+    assert core.load().pending_prefill_tokens == 5030 - 2048
     assert (load.active_decode_blocks, load.kv_blocks_used) == (0, 128)
-    core.step()
-    core.step()  # the rest of the long prompt (904 tokens) and all of the short one
+    for _ in range(2):  # the rest of the long prompt (904 tokens) and all of the short one
+        core.step()
+        core.step_ended()
     load = core.load()
     assert load.pending_prefill_tokens == 0
     assert load.active_decode_blocks == math.ceil(5000 / 16) + math.ceil(30 / 16)

@@ -121,6 +121,27 @@ def test_round_robin_sends_a_repeated_prompt_to_a_cold_node() -> None:
     assert _repeat_prompt("round_robin") == [0, 0]
 
 
+def test_the_scheduler_sees_a_prefill_chunk_as_pending_until_its_step_has_run() -> None:
+    """A request arriving while another's prompt is mid-step sees that chunk still ahead of it (the sim
+    engine counted it computed when the step began, so a scheduler sent the next prompt to that node as
+    if it were free); once the step's time has passed, it is no longer counted."""
+    policy = make_policy("dynamo")
+    seen: dict[str, int] = {}
+    choose = policy.choose
+
+    def spying(request, candidates, matched_blocks, now):
+        seen[request.request_id] = candidates[0].load.pending_prefill_tokens
+        return choose(request, candidates, matched_blocks, now)
+
+    policy.choose = spying
+    first = _request((1, 2, 3, 4), 2048, "first", 0.0, output_len=1)  # one step: its prefill, then it ends
+    during = _request((5,), 100, "during", 0.001, output_len=1)  # first's step takes about 50 ms
+    after = _request((6,), 100, "after", 5.0)  # the node idle since
+    result = Simulation(fleet("1xh100"), policy).run(Workload("steps", [first, during, after]))
+    assert all(r.finish_s is not None for r in result.records)
+    assert seen == {"first": 0, "during": 2048, "after": 0}
+
+
 def test_an_answer_that_would_overrun_the_context_is_cut_there_not_refused_on_its_true_length() -> None:
     """As the router serves a client that sets no max_tokens: a prompt that fits may generate up to the
     context's end; only a prompt the context cannot hold is refused. (The simulator refused the first

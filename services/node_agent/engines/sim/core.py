@@ -54,6 +54,9 @@ class SimEngineCore:
         self._waiting: deque[SimSequence] = deque()
         # Uncomputed tokens of the waiting requests, kept as they come and go (queues grow long).
         self._waiting_tokens = 0
+        # Prefill tokens of the step under way: step() counts them computed when it starts, but until its
+        # modelled time has passed (step_ended) they are still ahead of a new request, as vLLM's are.
+        self._stepping_prefill = 0
         # In admission order: the tail is the first to be preempted.
         self._running: list[SimSequence] = []
         # The waiting head that last failed to fit, and the cache state it failed against.
@@ -150,7 +153,7 @@ class SimEngineCore:
             active_decode_blocks=sum(
                 self._cache.num_blocks_held(seq.request_id) for seq in self._running if not seq.is_prefilling
             ),
-            pending_prefill_tokens=self._waiting_tokens
+            pending_prefill_tokens=self._waiting_tokens + self._stepping_prefill
             + sum(seq.num_uncomputed_tokens for seq in self._running if seq.is_prefilling),
             num_received=self._num_received,
         )
@@ -173,12 +176,14 @@ class SimEngineCore:
         lacks, and once max_duration_s is reached. A simulator uses it to skip the event-loop
         round trip per token; the real-time driver runs one step at a time.
         """
+        self._stepping_prefill = 0
         if max_decode_steps > 1:
             merged = self._decode_steps(max_decode_steps, max_duration_s)
             if merged is not None:
                 return merged
         scheduled = self._schedule()
         decode = [(seq, n) for seq, n in scheduled if not seq.is_prefilling]
+        self._stepping_prefill = sum(n for seq, n in scheduled if seq.is_prefilling)
         duration_ms = self.timing.step_ms(
             decode_seqs=len(decode),
             decode_context_tokens=sum(seq.num_computed_tokens + n for seq, n in decode),
@@ -202,6 +207,11 @@ class SimEngineCore:
         return StepResult(
             duration_s=duration_ms / 1000.0, outputs=outputs, kv_events=self._cache.drain_events()
         )
+
+    def step_ended(self) -> None:
+        """The last step's modelled time has passed: its prefill chunks are computed (load() no longer
+        counts them pending). The driver calls it when it hands out the step's outputs."""
+        self._stepping_prefill = 0
 
     def _schedule(self) -> list[tuple[SimSequence, int]]:
         """Pick this step's (request, new tokens) pairs: running first, then waiting FCFS."""

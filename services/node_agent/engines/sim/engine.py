@@ -89,6 +89,7 @@ class SimEngine:
                 await asyncio.sleep(max(0.0, deadline - loop.time()))
             else:
                 await asyncio.sleep(0)
+            self._core.step_ended()
             for output in result.outputs:
                 if output.finish_reason is not None:
                     self.load_changed.notify()
