@@ -75,9 +75,10 @@ async def test_a_request_behind_a_full_batch_is_announced_queued_then_decoding()
     assert all(c.progress.phase == node_agent_pb2.REQUEST_PHASE_QUEUED for c in heartbeats)
 
 
-async def test_a_prompt_counts_as_pending_until_its_step_has_run_then_not() -> None:
-    """The live sim engine reports a step's prefill chunk as still to compute while the step runs, and
-    as done once its time has passed, even when the engine then has nothing left to do."""
+async def test_a_prompt_no_longer_counts_as_pending_once_its_step_has_run() -> None:
+    """The live sim engine reports a step's prefill chunk as done once the step's time has passed, even
+    when the engine then has nothing left to do (while it runs, the core counts it pending: its own
+    tests)."""
     engine = _one_at_a_time(MODEL)
     task = asyncio.get_running_loop().create_task(engine.run())
     try:

@@ -55,7 +55,8 @@ class SimEngineCore:
         # Uncomputed tokens of the waiting requests, kept as they come and go (queues grow long).
         self._waiting_tokens = 0
         # Prefill tokens of the step under way: step() counts them computed when it starts, but until its
-        # modelled time has passed (step_ended) they are still ahead of a new request, as vLLM's are.
+        # modelled time has passed (step_ended) they are still ahead of a new request (the vLLM engine
+        # counts a whole uncached prompt pending until its first token).
         self._stepping_prefill = 0
         # In admission order: the tail is the first to be preempted.
         self._running: list[SimSequence] = []

@@ -423,7 +423,8 @@ class VllmEngine:
             kv_blocks_total=self.num_kv_blocks,
             active_decode_blocks=sum(math.ceil((r.prompt_len + r.num_completion_tokens) / block)
                                      for r in self._requests.values() if r.has_first_token),
-            # As the sim engine counts it: what is left to compute, the cached prefix left out.
+            # The uncached prompt, until its first token: vLLM does not say how many of its chunks are done
+            # (the sim engine counts what is left to compute, the chunk of the step under way included).
             pending_prefill_tokens=sum(r.prompt_len - r.num_cached_tokens for r in self._requests.values()
                                        if not r.has_first_token),
             num_received=self._num_received,
