@@ -23,10 +23,7 @@ class ChangeSignal:
 
 
 async def wait_or_timeout(event: asyncio.Event, timeout_s: float) -> bool:
-    """Whether event was set within timeout_s. A cancellation of the caller always propagates: Python
-    3.11's asyncio.wait_for drops one that arrives just as the event is set (it returns the result),
-    which left the admission gate's dispatcher running after it was cancelled (it waits on a change
-    that the request it queues has just signalled)."""
+    """Whether event was set within timeout_s; a cancellation of the caller always propagates (within)."""
     try:
         await within(event.wait(), timeout_s)
     except TimeoutError:

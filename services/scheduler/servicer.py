@@ -318,7 +318,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         request's time. If that fails, the admitted request will not run: its slot is freed."""
         try:
             await within(self._loader.ensure_warm(decision.node_id, decision.address, model,
-                                                            f"placed {request_id} there"), remaining_s)
+                                                  f"placed {request_id} there"), remaining_s)
         except BaseException as exc:
             self._gate.finished(request_id)
             if isinstance(exc, TimeoutError):
