@@ -384,7 +384,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     leader = f"{state.leader_id} at {state.leader_address}" if state.leader_id else "none elected"
     print(f"scheduler leader: {leader} (asked {state.scheduler_id}); {len(state.nodes)} nodes")
     print(f"{'node':<10} {'gpu':<6} {'engine':<6} {'address':<22} {'models':<18} {'run':>4} {'wait':>4} "
-          f"{'kv used/total':>16} {'kv%':>5} {'$/h':>6} {'seen':>7}")
+          f"{'kv used/total':>16} {'kv%':>5} {'step':>7} {'$/h':>6} {'seen':>7}")
     for node in state.nodes:
         info, load = node.info, node.load
         models = ",".join(m.name + _STATE_MARKS.get(m.state, "") for m in info.models
@@ -393,9 +393,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         models += f" +{cold} cold" if cold else ""
         pct = 100.0 * load.kv_blocks_used / load.kv_blocks_total if load.kv_blocks_total else 0.0
         seen = f"{node.load_age_ms}ms" if node.load_age_ms >= 0 else "never"
+        step = f"{load.recent_decode_step_ms:.1f}ms" if load.recent_decode_step_ms else "-"
         print(f"{info.node_id:<10} {info.gpu:<6} {info.engine or 'sim':<6} {info.address:<22} {models:<18} "
               f"{load.num_running:>4} {load.num_waiting:>4} {f'{load.kv_blocks_used}/{load.kv_blocks_total}':>16} "
-              f"{pct:>5.1f} {info.price_per_hour:>6.2f} {seen:>7}")
+              f"{pct:>5.1f} {step:>7} {info.price_per_hour:>6.2f} {seen:>7}")
         for model in info.models:  # what placement reads of this node (docs/placement.md, "Engine profiles")
             profile = profile_from_proto(model)
             described = profile.describe() if profile else "none registered (placed by the policy's fallback)"

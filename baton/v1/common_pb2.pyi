@@ -177,7 +177,7 @@ class NodeInfo(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., gpu: _Optional[str] = ..., hbm_bytes: _Optional[int] = ..., region: _Optional[str] = ..., price_per_hour: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., kv_block_size: _Optional[int] = ..., engine: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class NodeLoad(_message.Message):
-    __slots__ = ("node_id", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "active_decode_blocks", "pending_prefill_tokens", "reported_at_ms", "num_received")
+    __slots__ = ("node_id", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "active_decode_blocks", "pending_prefill_tokens", "reported_at_ms", "num_received", "recent_decode_step_ms")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,7 @@ class NodeLoad(_message.Message):
     PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REPORTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     NUM_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    RECENT_DECODE_STEP_MS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     num_running: int
     num_waiting: int
@@ -196,4 +197,5 @@ class NodeLoad(_message.Message):
     pending_prefill_tokens: int
     reported_at_ms: int
     num_received: int
-    def __init__(self, node_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., active_decode_blocks: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., reported_at_ms: _Optional[int] = ..., num_received: _Optional[int] = ...) -> None: ...
+    recent_decode_step_ms: float
+    def __init__(self, node_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., active_decode_blocks: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., reported_at_ms: _Optional[int] = ..., num_received: _Optional[int] = ..., recent_decode_step_ms: _Optional[float] = ...) -> None: ...

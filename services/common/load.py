@@ -21,6 +21,12 @@ class Load:
     # a placement as load the node has not reported until this count shows the request arrived. None:
     # not counted (an agent older than the field), and every report supersedes all placements.
     num_received: int | None = None
+    # The mean time of the engine's latest decode steps (about their last second, RecentSteps), the prefill
+    # chunks riding in them included: the TPOT a request decoding there now sees. 0: none yet, or not reported.
+    recent_decode_step_ms: float = 0.0
+    # The mean time of the engine's latest steps that carried decode tokens (about the last second of
+    # them), prefill chunks riding in them included: the TPOT a request decoding there now sees. 0: none.
+    recent_decode_step_ms: float = 0.0
 
 
 def load_to_proto(node_id: str, load: Load, reported_at_ms: int = 0) -> common_pb2.NodeLoad:
@@ -33,6 +39,7 @@ def load_to_proto(node_id: str, load: Load, reported_at_ms: int = 0) -> common_p
         active_decode_blocks=load.active_decode_blocks,
         pending_prefill_tokens=load.pending_prefill_tokens,
         reported_at_ms=reported_at_ms,
+        recent_decode_step_ms=load.recent_decode_step_ms,
     )
     if load.num_received is not None:
         message.num_received = load.num_received
@@ -48,4 +55,5 @@ def load_from_proto(message: common_pb2.NodeLoad) -> Load:
         active_decode_blocks=message.active_decode_blocks,
         pending_prefill_tokens=message.pending_prefill_tokens,
         num_received=message.num_received if message.HasField("num_received") else None,
+        recent_decode_step_ms=message.recent_decode_step_ms,
     )

@@ -1,4 +1,4 @@
-"""This node's load as metrics: the engine's queue depth and KV cache usage."""
+"""This node's load as metrics: the engine's queue depth, KV cache usage and latest decode step time."""
 
 from __future__ import annotations
 
@@ -29,6 +29,10 @@ class LoadGauges:
             meter.create_observable_gauge(name, [self._observe(read)], description=description)
         meter.create_observable_gauge("baton.node.kv_cache_usage", [self._observe(_usage)], unit="1",
                                       description="fraction of the KV cache's blocks in use")
+        meter.create_observable_gauge(
+            "baton.node.decode_step", [self._observe(lambda load: load.recent_decode_step_ms)], unit="ms",
+            description="mean time of the engine's latest decode steps (about their last second), the prefill "
+                        "chunks riding in them included")
 
     def _observe(self, read: Callable[[Load], float]) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def observe(options: CallbackOptions) -> Iterable[Observation]:

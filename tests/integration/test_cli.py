@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -94,6 +95,8 @@ def test_up_generate_status_and_stop(tmp_path: Path) -> None:
         assert "2 nodes" in status.stdout and "scheduler leader: scheduler-0" in status.stdout
         rows = {line.split()[0]: line.split()[1] for line in status.stdout.splitlines() if line.startswith("node-")}
         assert rows == {"node-0": "h100", "node-1": "l4"}
+        # The node that served the generates shows its latest decode step time (seen ages are whole ms).
+        assert any(re.search(r" \d+\.\dms ", line) for line in status.stdout.splitlines() if line.startswith("node-"))
         assert "recent placements (policy baton)" in status.stdout  # the generates above
         assert "admission queue: 0 waiting" in status.stdout  # nothing is queued at an idle leader
 

@@ -51,6 +51,18 @@ async def test_a_client_streams_a_completion(cluster: LocalCluster) -> None:
     assert len(result.node_ids) == 1 and result.node_ids[0].startswith("node-")
 
 
+async def test_the_node_that_decoded_reports_its_latest_step_time_to_the_scheduler(cluster: LocalCluster) -> None:
+    """The node's own measure of its latest decode steps (the TPOT a request decoding there now sees), carried
+    in its load report to the scheduler and shown by GetClusterState."""
+    result = await stream(cluster, "How long does a decode step take here? " * 2, max_tokens=32)
+    served = result.node_ids[0]
+
+    def reported_ms() -> float:
+        return next(n.load.recent_decode_step_ms for n in cluster.cluster_state().nodes if n.info.node_id == served)
+
+    await eventually(lambda: reported_ms() > 0, 10, f"{served} to report its decode step time")
+
+
 async def test_twenty_concurrent_streams_all_complete_with_the_right_tokens(cluster: LocalCluster) -> None:
     prompts = [f"request {i}: tell me about the number {i * 7919}." for i in range(20)]
     results = await asyncio.gather(*(stream(cluster, p, max_tokens=48) for p in prompts))

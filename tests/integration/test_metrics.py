@@ -144,6 +144,8 @@ def test_every_service_exports_its_counters_and_gauges(observed: LocalCluster) -
         assert value(samples, "baton_node_kv_blocks_total", node=f"node-{i}") > 0
         assert "baton_node_kv_cache_usage" in samples and "baton_node_requests_waiting" in samples
     assert sum(value(scrape(node), "baton_node_generated_tokens_total") for node in observed.nodes) >= 8
+    wait_until(lambda: max(value(scrape(node), "baton_node_decode_step_milliseconds") for node in observed.nodes) > 0,
+               15, "a node that decoded to export its latest decode step time")
     # Blocks a node stored before the kvindex synced with it arrive in its snapshot, not as events: once
     # both have synced, a prompt of blocks no node holds is stored, and its events are counted.
     kvindex = observed.kvindex

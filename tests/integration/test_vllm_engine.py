@@ -124,6 +124,17 @@ async def test_stream_through_the_mesh_equals_vllm_run_directly(vllm_cluster: Lo
     assert usage.gpu_ms > 0
 
 
+async def test_a_vllm_node_reports_the_time_of_its_latest_decode_steps(vllm_cluster: LocalCluster) -> None:
+    """vLLM does not report step times: the node measures them between its oldest stream's outputs."""
+    async with BatonClient(vllm_cluster.router.address) as client:
+        result = await client.complete(MODEL, prompt_token_ids=PROMPT_IDS, max_tokens=NUM_TOKENS, ignore_eos=True,
+                                       timeout_s=120)
+    node = next(n for n in vllm_cluster.nodes if n.name == result.node_ids[0])
+    async with grpc.aio.insecure_channel(node.address) as channel:
+        load = await node_agent_pb2_grpc.NodeAgentStub(channel).GetLoad(node_agent_pb2.GetLoadRequest(), timeout=10)
+    assert load.recent_decode_step_ms > 0
+
+
 @pytest.mark.parametrize(("num_received", "sampling"), [(1, "greedy"), (13, "greedy"), (31, "greedy"),
                                                        (1, "seeded"), (31, "seeded")])
 async def test_a_stream_resumed_from_its_tokens_continues_as_the_uninterrupted_run(

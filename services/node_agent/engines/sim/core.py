@@ -6,6 +6,7 @@ import math
 from collections import deque
 
 from services.common.load import Load
+from services.common.recent_steps import RecentSteps
 from services.node_agent.engines.sim.kv_cache import KVBlock, KVCache
 from services.node_agent.engines.sim.models import SimModelSpec
 from services.node_agent.engines.sim.sequence import SimSequence
@@ -62,6 +63,8 @@ class SimEngineCore:
         self._running: list[SimSequence] = []
         # The waiting head that last failed to fit, and the cache state it failed against.
         self._blocked: tuple[SimSequence, int, int, int] | None = None
+        # The modelled times of the latest steps that carried decode tokens (Load.recent_decode_step_ms).
+        self._recent_steps = RecentSteps()
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request; ValueError if it is a duplicate or could never be served."""
@@ -157,6 +160,7 @@ class SimEngineCore:
             pending_prefill_tokens=self._waiting_tokens + self._stepping_prefill
             + sum(seq.num_uncomputed_tokens for seq in self._running if seq.is_prefilling),
             num_received=self._num_received,
+            recent_decode_step_ms=self._recent_steps.mean_ms,
         )
 
     def cached_block_hashes(self) -> list[int]:
@@ -190,6 +194,8 @@ class SimEngineCore:
             decode_context_tokens=sum(seq.num_computed_tokens + n for seq, n in decode),
             prefill_chunks=[n for seq, n in scheduled if seq.is_prefilling],
         )
+        if decode:
+            self._recent_steps.note(duration_ms)
         outputs: list[RequestOutput] = []
         num_step_tokens = sum(n for _, n in scheduled)
         for seq, num_new in scheduled:
@@ -298,6 +304,7 @@ class SimEngineCore:
             if step > 0 and (duration_ms + step_ms) / 1000.0 > max_duration_s:
                 break
             duration_ms += step_ms
+            self._recent_steps.note(step_ms)
             context += len(running)
             share_ms = step_ms / len(running)
             for seq in running:

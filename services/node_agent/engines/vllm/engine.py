@@ -20,6 +20,7 @@ from typing import Any
 from services.common.change_signal import ChangeSignal
 from services.common.engine_profile import EngineProfile
 from services.common.load import Load
+from services.common.recent_steps import RecentSteps
 from services.common.timeouts import within
 from services.node_agent.engines.base import EngineInputError
 from services.node_agent.engines.types import (
@@ -140,6 +141,8 @@ class VllmEngine:
         self._kv_events: list[KVEvent] = []
         self._kv_ready = asyncio.Event()
         self._step_ms = 0.0
+        # The oldest decoding request's time per output token, over about the last second (Load).
+        self._recent_steps = RecentSteps()
         # Whether vLLM's kernels give the same logits for a context however it was computed (prefill or
         # decode, in any batch); unknown, so False, until run() has asked the workers.
         self._deterministic_kernels = False
@@ -379,6 +382,7 @@ class VllmEngine:
             return
         decoding = [r for r in self._requests.values() if r.has_first_token]
         if decoding and decoding[0] is running:
+            self._recent_steps.note((now - running.last_output_at) * 1000.0, num_new_tokens)
             self._profiler.decoded(now - running.last_output_at, num_new_tokens, len(decoding),
                                    sum(r.prompt_len + r.num_completion_tokens for r in decoding),
                                    len(self._requests) - len(decoding), now)
@@ -428,6 +432,7 @@ class VllmEngine:
             pending_prefill_tokens=sum(r.prompt_len - r.num_cached_tokens for r in self._requests.values()
                                        if not r.has_first_token),
             num_received=self._num_received,
+            recent_decode_step_ms=self._recent_steps.mean_ms,
         )
 
     async def next_kv_events(self) -> list[KVEvent]:
