@@ -38,8 +38,9 @@ before is judged on seeds 40-59; one already run on earlier seeds over all its s
 seeds did not see a 0.15 % loss that more seeds did (this session's variant passes the rule on each of seeds
 10-19, 20-29 and 30-39 and on 10-29, and fails it over 20-39, over 10-19 with 30-39, and over 10-39).
 Seeds 40-59 have since judged three variants (one passed and was adopted: the sixth round's, in
-docs/evaluation.md), seeds 60-79 a fourth (it failed), seeds 80-99 a fifth (it failed); the next variant is
-judged on seeds 100-119, the current policy run on them too.
+docs/evaluation.md), seeds 60-79 a fourth (it failed), seeds 80-99 a fifth (it failed), seeds 100-119 a sixth and
+seeds 120-139 a seventh (both failed: the ninth round); the next variant is judged on seeds 140-159, the current
+policy run on them too.
 """
 
 from __future__ import annotations
