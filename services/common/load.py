@@ -22,10 +22,8 @@ class Load:
     # not counted (an agent older than the field), and every report supersedes all placements.
     num_received: int | None = None
     # The mean time of the engine's latest decode steps (about their last second, RecentSteps), the prefill
-    # chunks riding in them included: the TPOT a request decoding there now sees. 0: none yet, or not reported.
-    recent_decode_step_ms: float = 0.0
-    # The mean time of the engine's latest steps that carried decode tokens (about the last second of
-    # them), prefill chunks riding in them included: the TPOT a request decoding there now sees. 0: none.
+    # chunks riding in them included: the TPOT a request decoding there now sees. On a node that has
+    # stopped decoding, those before it stopped. 0: none yet, or not reported.
     recent_decode_step_ms: float = 0.0
 
 

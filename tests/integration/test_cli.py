@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.conftest import wait_until
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 BATON = str(Path(sys.executable).parent / "baton")
@@ -95,8 +97,14 @@ def test_up_generate_status_and_stop(tmp_path: Path) -> None:
         assert "2 nodes" in status.stdout and "scheduler leader: scheduler-0" in status.stdout
         rows = {line.split()[0]: line.split()[1] for line in status.stdout.splitlines() if line.startswith("node-")}
         assert rows == {"node-0": "h100", "node-1": "l4"}
-        # The node that served the generates shows its latest decode step time (seen ages are whole ms).
-        assert any(re.search(r" \d+\.\dms ", line) for line in status.stdout.splitlines() if line.startswith("node-"))
+
+        def shows_step_time() -> bool:
+            """A node that served the generates shows its latest decode step time (seen ages are whole ms),
+            once its load report has reached the leader."""
+            lines = baton("status").stdout.splitlines()
+            return any(re.search(r" \d+\.\dms ", line) for line in lines if line.startswith("node-"))
+
+        wait_until(shows_step_time, 20, "baton status to show a node's latest decode step time")
         assert "recent placements (policy baton)" in status.stdout  # the generates above
         assert "admission queue: 0 waiting" in status.stdout  # nothing is queued at an idle leader
 

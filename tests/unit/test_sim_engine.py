@@ -8,7 +8,6 @@ import math
 import pytest
 
 from services.common.block_hash import block_hashes
-from services.common.recent_steps import RecentSteps
 from services.node_agent.engines.sim.core import SimEngineCore
 from services.node_agent.engines.sim.models import GPU_SPECS, SimModelSpec, get_model, kv_capacity_blocks
 from services.node_agent.engines.sim.timing import TimingModel, load_coefficients
@@ -435,32 +434,36 @@ def test_load_reports_queues_blocks_and_pending_prefill() -> None:
 
 def test_load_reports_the_time_of_its_latest_decode_steps_prefill_riding_in_them_included() -> None:
     """What a request decoding there now sees: a prompt arriving at a node chunks into its decode steps,
-    which run far slower than the batch alone would make them, and the report says so at once."""
+    which run far slower than the batch alone would make them. A step counts once its time has passed,
+    as a vLLM node could only see it; after a pause in decoding the mean starts afresh."""
     core = make_core(max_num_batched_tokens=2048)
     assert core.load().recent_decode_step_ms == 0  # nothing has decoded
-    core.add_request(request("decoding", prompt(30), max_tokens=50))
+    core.add_request(request("decoding", prompt(30), max_tokens=20))
     core.step()  # its prefill: not a decode step
+    core.step_ended()
     assert core.load().recent_decode_step_ms == 0
-    plain = [core.step().duration_s * 1000 for _ in range(5)]
+    plain = []
+    for _ in range(5):
+        plain.append(core.step().duration_s * 1000)
+        core.step_ended()
     assert core.load().recent_decode_step_ms == pytest.approx(sum(plain) / 5)
     core.add_request(request("burst", prompt(8000, 1), max_tokens=3))
     riding = core.step().duration_s * 1000  # a 2,048-token chunk rides in the decode step
     assert riding > 3 * max(plain)
+    assert core.load().recent_decode_step_ms == pytest.approx(sum(plain) / 5)  # the step has not yet run
+    core.step_ended()
     assert core.load().recent_decode_step_ms == pytest.approx((sum(plain) + riding) / 6)
-
-
-def test_recent_steps_average_about_the_last_window_of_them() -> None:
-    steps = RecentSteps(window_ms=100.0)
-    assert steps.mean_ms == 0
-    for _ in range(10):
-        steps.note(10.0)
-    assert steps.mean_ms == pytest.approx(10.0)
-    steps.note(60.0, steps=2)  # two steps of 30 ms, as one reading
-    assert steps.mean_ms == pytest.approx((4 * 10 + 60) / 6)  # the latest 100 ms of steps: six, not twelve
-    steps.note(500.0)  # one step longer than the window: it alone is the latest
-    assert steps.mean_ms == pytest.approx(500.0)
-    with pytest.raises(ValueError, match="window_ms=0"):
-        RecentSteps(window_ms=0)
+    run_until_idle(core)
+    core.step_ended()
+    stopped = core.load().recent_decode_step_ms
+    assert stopped > 0  # idle: the steps before it stopped
+    core.add_request(request("later", prompt(30, 2), max_tokens=5))
+    core.step()  # a prefill alone: nothing decodes, so the next decode step starts afresh
+    core.step_ended()
+    assert core.load().recent_decode_step_ms == stopped
+    fresh = core.step().duration_s * 1000
+    core.step_ended()
+    assert core.load().recent_decode_step_ms == pytest.approx(fresh)
 
 
 def test_load_counts_every_request_handed_in_refused_ones_too() -> None:

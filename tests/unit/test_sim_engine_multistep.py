@@ -26,7 +26,7 @@ def requests() -> list[EngineRequest]:
     ]
 
 
-def run(engine: SimEngineCore, max_decode_steps: int) -> tuple[dict[str, list[int]], list[str], float, list]:
+def run(engine: SimEngineCore, max_decode_steps: int) -> tuple[dict[str, list[int]], list[str], float, list, float]:
     for request in requests():
         engine.add_request(request)
     tokens: dict[str, list[int]] = {}
@@ -42,7 +42,8 @@ def run(engine: SimEngineCore, max_decode_steps: int) -> tuple[dict[str, list[in
             if output.finish_reason is not None:
                 assert output.finish_reason == FinishReason.LENGTH
                 finished.append(output.request_id)
-    return tokens, finished, total_s, events
+    engine.step_ended()
+    return tokens, finished, total_s, events, engine.load().recent_decode_step_ms
 
 
 @pytest.mark.parametrize("num_blocks", [4096, 40])  # roomy, and tight enough to preempt
@@ -53,6 +54,7 @@ def test_merged_decode_steps_equal_single_steps(num_blocks: int) -> None:
     assert merged[1] == single[1]  # finish order
     assert merged[2] == pytest.approx(single[2], rel=1e-9)  # modelled time
     assert merged[3] == single[3]  # KV events
+    assert merged[4] == pytest.approx(single[4], rel=1e-9)  # the load's mean of its latest decode steps
 
 
 def test_merging_stops_at_the_duration_limit_and_after_a_finish() -> None:

@@ -63,8 +63,10 @@ class SimEngineCore:
         self._running: list[SimSequence] = []
         # The waiting head that last failed to fit, and the cache state it failed against.
         self._blocked: tuple[SimSequence, int, int, int] | None = None
-        # The modelled times of the latest steps that carried decode tokens (Load.recent_decode_step_ms).
+        # The modelled times of the latest steps that carried decode tokens (Load.recent_decode_step_ms), and
+        # those of the step under way, noted once its time has passed (as the pending prefill above).
         self._recent_steps = RecentSteps()
+        self._stepping_decode_ms: list[float] = []
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request; ValueError if it is a duplicate or could never be served."""
@@ -181,7 +183,7 @@ class SimEngineCore:
         lacks, and once max_duration_s is reached. A simulator uses it to skip the event-loop
         round trip per token; the real-time driver runs one step at a time.
         """
-        self._stepping_prefill = 0
+        self._end_step()
         if max_decode_steps > 1:
             merged = self._decode_steps(max_decode_steps, max_duration_s)
             if merged is not None:
@@ -195,7 +197,9 @@ class SimEngineCore:
             prefill_chunks=[n for seq, n in scheduled if seq.is_prefilling],
         )
         if decode:
-            self._recent_steps.note(duration_ms)
+            self._stepping_decode_ms.append(duration_ms)
+        else:  # nothing decodes: the next decode step starts a fresh mean
+            self._recent_steps.stopped()
         outputs: list[RequestOutput] = []
         num_step_tokens = sum(n for _, n in scheduled)
         for seq, num_new in scheduled:
@@ -217,8 +221,15 @@ class SimEngineCore:
 
     def step_ended(self) -> None:
         """The last step's modelled time has passed: its prefill chunks are computed (load() no longer
-        counts them pending). The driver calls it when it hands out the step's outputs."""
+        counts them pending) and its decode steps' times join the load's mean. The driver calls it when it
+        hands out the step's outputs; the next step() does it too, for a driver that does not."""
+        self._end_step()
+
+    def _end_step(self) -> None:
         self._stepping_prefill = 0
+        for step_ms in self._stepping_decode_ms:
+            self._recent_steps.note(step_ms)
+        self._stepping_decode_ms.clear()
 
     def _schedule(self) -> list[tuple[SimSequence, int]]:
         """Pick this step's (request, new tokens) pairs: running first, then waiting FCFS."""
@@ -304,7 +315,7 @@ class SimEngineCore:
             if step > 0 and (duration_ms + step_ms) / 1000.0 > max_duration_s:
                 break
             duration_ms += step_ms
-            self._recent_steps.note(step_ms)
+            self._stepping_decode_ms.append(step_ms)
             context += len(running)
             share_ms = step_ms / len(running)
             for seq in running:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
@@ -144,7 +145,10 @@ class SimEngine:
         return self._core.progress(request_id)
 
     def load(self) -> Load:
-        return self._core.load()
+        """The core's load, its decode steps' mean in wall-clock time, as expected_step_ms (0 when timing is off)."""
+        load = self._core.load()
+        step_ms = load.recent_decode_step_ms / self._speed if self._speed > 0 else 0.0
+        return dataclasses.replace(load, recent_decode_step_ms=step_ms)
 
     async def next_kv_events(self) -> list[KVEvent]:
         await self._kv_ready.wait()

@@ -141,7 +141,7 @@ class VllmEngine:
         self._kv_events: list[KVEvent] = []
         self._kv_ready = asyncio.Event()
         self._step_ms = 0.0
-        # The oldest decoding request's time per output token, over about the last second (Load).
+        # The oldest decoding request's time per step (each token vLLM produced for it), about the last second.
         self._recent_steps = RecentSteps()
         # Whether vLLM's kernels give the same logits for a context however it was computed (prefill or
         # decode, in any batch); unknown, so False, until run() has asked the workers.
@@ -330,6 +330,7 @@ class VllmEngine:
         """One Baton output from the vLLM outputs that came since the last read."""
         new_token_ids: list[int] = []
         finish: FinishReason | None = None
+        num_steps = 0  # the tokens vLLM produced, each a step: an end of sequence or text past a stop included
         for item in pending:
             if isinstance(item, Exception):
                 if _is_input_error(item):
@@ -338,6 +339,7 @@ class VllmEngine:
                 raise item
             completion = item.outputs[0]
             token_ids = list(completion.token_ids)
+            num_steps += len(token_ids)
             if item.num_cached_tokens is not None and not running.has_first_token:
                 running.num_cached_tokens = item.num_cached_tokens
             if completion.finish_reason == "stop" and token_ids:
@@ -352,7 +354,7 @@ class VllmEngine:
                 finish = _FINISH_REASONS.get(completion.finish_reason or "abort", FinishReason.ABORT)
                 break
         now = asyncio.get_running_loop().time()
-        self._observe_step(request_id, running, len(new_token_ids), now)
+        self._observe_step(request_id, running, len(new_token_ids), num_steps, now)
         if running.has_first_token and new_token_ids:
             # Decode steps as this request saw them: time per token since its previous output, smoothed.
             interval_ms = (now - running.last_output_at) * 1000.0 / len(new_token_ids)
@@ -373,8 +375,10 @@ class VllmEngine:
             gpu_ms=gpu_ms,
         )
 
-    def _observe_step(self, request_id: str, running: _Running, num_new_tokens: int, now: float) -> None:
-        """Hand the profiler this output's reading of a step (the oldest decoding request's only)."""
+    def _observe_step(self, request_id: str, running: _Running, num_new_tokens: int, num_steps: int,
+                      now: float) -> None:
+        """Hand the profiler, and the load's mean of decode steps, this output's reading of the steps since
+        the request's last output (the oldest decoding request's only)."""
         if not num_new_tokens:
             return
         if not running.has_first_token:
@@ -382,7 +386,7 @@ class VllmEngine:
             return
         decoding = [r for r in self._requests.values() if r.has_first_token]
         if decoding and decoding[0] is running:
-            self._recent_steps.note((now - running.last_output_at) * 1000.0, num_new_tokens)
+            self._recent_steps.note((now - running.last_output_at) * 1000.0, max(num_steps, num_new_tokens))
             self._profiler.decoded(now - running.last_output_at, num_new_tokens, len(decoding),
                                    sum(r.prompt_len + r.num_completion_tokens for r in decoding),
                                    len(self._requests) - len(decoding), now)
@@ -394,6 +398,8 @@ class VllmEngine:
             return
         running.pump.cancel()
         self._gpu_time.finish(request_id, asyncio.get_running_loop().time())
+        if not any(r.has_first_token for r in self._requests.values()):
+            self._recent_steps.stopped()  # nothing decodes: the next decode reading starts a fresh mean
         self.load_changed.notify()
 
     # -- load and KV cache ---------------------------------------------------------------------------
