@@ -61,9 +61,9 @@ async def test_the_node_that_decoded_reports_its_latest_step_time_to_the_schedul
         return next(n.load.recent_decode_step_ms for n in cluster.cluster_state().nodes if n.info.node_id == served)
 
     await eventually(lambda: reported_ms() > 0, 10, f"{served} to report its decode step time")
-    # Milliseconds of wall time: the fixture's nodes run their modelled steps (about 7 ms on an H100 to 70
-    # on an L4, an 8B model) 20 times faster.
-    assert 0.1 < reported_ms() < 100
+    # Milliseconds of wall time: the fixture's nodes run their modelled steps (about 7 ms on an H100 to 66
+    # on an L4, an 8B model) 20 times faster, and report them so.
+    assert 0.1 < reported_ms() < 5
 
 
 async def test_twenty_concurrent_streams_all_complete_with_the_right_tokens(cluster: LocalCluster) -> None:

@@ -57,6 +57,20 @@ def test_merged_decode_steps_equal_single_steps(num_blocks: int) -> None:
     assert merged[4] == pytest.approx(single[4], rel=1e-9)  # the load's mean of its latest decode steps
 
 
+def test_merged_decode_steps_join_the_loads_mean_once_their_time_has_passed() -> None:
+    engine = core(4096)
+    for request in requests()[:2]:
+        engine.add_request(request)
+    while not engine.load().recent_decode_step_ms:  # through the prefills to the first decode step
+        engine.step()
+        engine.step_ended()
+    before = engine.load().recent_decode_step_ms
+    merged = engine.step(max_decode_steps=8)
+    assert merged.duration_s > 0 and engine.load().recent_decode_step_ms == before  # still running
+    engine.step_ended()
+    assert engine.load().recent_decode_step_ms != before
+
+
 def test_merging_stops_at_the_duration_limit_and_after_a_finish() -> None:
     engine = core(4096)
     for request in requests()[:2]:

@@ -330,7 +330,8 @@ class VllmEngine:
         """One Baton output from the vLLM outputs that came since the last read."""
         new_token_ids: list[int] = []
         finish: FinishReason | None = None
-        num_steps = 0  # the tokens vLLM produced, each a step: an end of sequence or text past a stop included
+        # The steps since the last read: every token vLLM produced, an end of sequence or text past a stop included.
+        num_steps = sum(len(item.outputs[0].token_ids) for item in pending if not isinstance(item, Exception))
         for item in pending:
             if isinstance(item, Exception):
                 if _is_input_error(item):
@@ -339,7 +340,6 @@ class VllmEngine:
                 raise item
             completion = item.outputs[0]
             token_ids = list(completion.token_ids)
-            num_steps += len(token_ids)
             if item.num_cached_tokens is not None and not running.has_first_token:
                 running.num_cached_tokens = item.num_cached_tokens
             if completion.finish_reason == "stop" and token_ids:
@@ -356,8 +356,8 @@ class VllmEngine:
         now = asyncio.get_running_loop().time()
         self._observe_step(request_id, running, len(new_token_ids), num_steps, now)
         if running.has_first_token and new_token_ids:
-            # Decode steps as this request saw them: time per token since its previous output, smoothed.
-            interval_ms = (now - running.last_output_at) * 1000.0 / len(new_token_ids)
+            # Decode steps as this request saw them: time per step since its previous output, smoothed.
+            interval_ms = (now - running.last_output_at) * 1000.0 / max(num_steps, len(new_token_ids))
             self._step_ms = interval_ms if not self._step_ms else 0.9 * self._step_ms + 0.1 * interval_ms
         running.last_output_at = now
         running.has_first_token = running.has_first_token or bool(new_token_ids) or finish is not None
@@ -386,8 +386,9 @@ class VllmEngine:
             return
         decoding = [r for r in self._requests.values() if r.has_first_token]
         if decoding and decoding[0] is running:
-            self._recent_steps.note((now - running.last_output_at) * 1000.0, max(num_steps, num_new_tokens))
-            self._profiler.decoded(now - running.last_output_at, num_new_tokens, len(decoding),
+            steps = max(num_steps, num_new_tokens)
+            self._recent_steps.note((now - running.last_output_at) * 1000.0, steps)
+            self._profiler.decoded(now - running.last_output_at, steps, len(decoding),
                                    sum(r.prompt_len + r.num_completion_tokens for r in decoding),
                                    len(self._requests) - len(decoding), now)
 
