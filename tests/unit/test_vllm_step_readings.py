@@ -33,7 +33,7 @@ class _Profiler:
 def engine() -> VllmEngine:
     """The engine's output path only: what _merge and abort read."""
     vllm = VllmEngine.__new__(VllmEngine)
-    vllm._requests, vllm._recent_steps, vllm._step_ms = {}, RecentSteps(), 0.0
+    vllm._requests, vllm._recent_steps = {}, RecentSteps()
     vllm._profiler, vllm._gpu_time, vllm.load_changed = _Profiler(), GpuTimeShare(), ChangeSignal()
     return vllm
 

@@ -140,8 +140,8 @@ class VllmEngine:
         self._keys = BlockKeyMap()
         self._kv_events: list[KVEvent] = []
         self._kv_ready = asyncio.Event()
-        self._step_ms = 0.0
-        # The oldest decoding request's time per step (each token vLLM produced for it), about the last second.
+        # The oldest decoding request's time per step (each token vLLM produced for it), about the last second:
+        # the load's mean of decode steps and expected_step_ms.
         self._recent_steps = RecentSteps()
         # Whether vLLM's kernels give the same logits for a context however it was computed (prefill or
         # decode, in any batch); unknown, so False, until run() has asked the workers.
@@ -355,10 +355,6 @@ class VllmEngine:
                 break
         now = asyncio.get_running_loop().time()
         self._observe_step(request_id, running, len(new_token_ids), num_steps, now)
-        if running.has_first_token and new_token_ids:
-            # Decode steps as this request saw them: time per step since its previous output, smoothed.
-            interval_ms = (now - running.last_output_at) * 1000.0 / max(num_steps, len(new_token_ids))
-            self._step_ms = interval_ms if not self._step_ms else 0.9 * self._step_ms + 0.1 * interval_ms
         running.last_output_at = now
         running.has_first_token = running.has_first_token or bool(new_token_ids) or finish is not None
         running.num_completion_tokens += len(new_token_ids)
@@ -386,9 +382,8 @@ class VllmEngine:
             return
         decoding = [r for r in self._requests.values() if r.has_first_token]
         if decoding and decoding[0] is running:
-            steps = max(num_steps, num_new_tokens)
-            self._recent_steps.note((now - running.last_output_at) * 1000.0, steps)
-            self._profiler.decoded(now - running.last_output_at, steps, len(decoding),
+            self._recent_steps.note((now - running.last_output_at) * 1000.0, num_steps)
+            self._profiler.decoded(now - running.last_output_at, num_steps, len(decoding),
                                    sum(r.prompt_len + r.num_completion_tokens for r in decoding),
                                    len(self._requests) - len(decoding), now)
 
@@ -416,9 +411,9 @@ class VllmEngine:
         return RequestProgress(RequestPhase.PREFILLING, num_prompt_tokens=running.prompt_len)
 
     def expected_step_ms(self) -> float:
-        """The decode step time observed on recent streams (vLLM's API does not report step times);
+        """The decode step time lately observed (the load's mean; vLLM's API does not report step times);
         0 until a request has decoded, which leaves the router to its stall floor."""
-        return self._step_ms
+        return self._recent_steps.mean_ms
 
     def load(self) -> Load:
         """Queue depths and KV blocks from vLLM's latest scheduler stats, bounded by what is in flight here."""
