@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench.sim_matrix import BASELINES, SETTINGS, _args, build_parser
+from bench.sim_matrix import BASELINES, SETTINGS, TUNING, _args, build_parser
 from simulator.report import build_workload, simulate
 
 
 def last_requests(setting_name: str, policy: str, seed: int, count: int, options: argparse.Namespace) -> list[str]:
     """The drain and the `count` requests that ended last, one line each."""
-    setting = next(s for s in SETTINGS if s.name == setting_name)
+    setting = next(s for s in SETTINGS + TUNING if s.name == setting_name)
     args = _args(setting, options)
     result = simulate(args, policy, build_workload(args, setting.load), seed)
     last_arrival = max(r.arrival_s for r in result.records)
@@ -42,14 +42,16 @@ def last_requests(setting_name: str, policy: str, seed: int, count: int, options
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.last_requests", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--setting", required=True, help="a setting of the matrix, by its full name")
+    parser.add_argument("--setting", required=True,
+                        help="a setting of the matrix or a tuning window (bench.sim_matrix --tuning), by its full name")
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--policies", default=",".join(("baton", *BASELINES)))
     parser.add_argument("--count", type=int, default=4, help="how many of the last requests to show")
     own, rest = parser.parse_known_args(argv)
-    names = [s.name for s in SETTINGS]
+    names = [s.name for s in SETTINGS + TUNING]
     if own.setting not in names:
-        print(f"--setting: no setting named {own.setting!r}; the matrix has: {'; '.join(names)}", file=sys.stderr)
+        print(f"--setting: no setting named {own.setting!r}; the matrix and its tuning windows have: "
+              f"{'; '.join(names)}", file=sys.stderr)
         return 2
     options = build_parser().parse_args(rest)  # the matrix's own options (--timing-error, --admission, ...)
     for seed in (int(s) for s in own.seeds.split(",")):

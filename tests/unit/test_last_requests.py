@@ -26,3 +26,14 @@ def test_an_unknown_setting_is_refused_naming_it(capsys) -> None:
     assert main(["--setting", "8xH100 at 9x"]) == 2
     assert "no setting named '8xH100 at 9x'" in capsys.readouterr().err
 
+
+def test_a_tuning_window_is_traced_from_its_own_requests(tmp_path: Path, capsys) -> None:
+    """The tuning windows (bench.sim_matrix --tuning) are where Baton's variants are judged, so where they lose
+    is traced there: the window replays the trace from its skip, not from the start."""
+    rows = [{"timestamp": 100 * j, "input_length": 64, "output_length": 4, "hash_ids": [j]} for j in range(3003)]
+    rows.append({"timestamp": 300_300, "input_length": 64, "output_length": 400, "hash_ids": [3003]})
+    (tmp_path / TRACES["mooncake-conversation"]).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["--setting", "Mooncake conversation, 8xH100, 2x, requests 3,000-3,600", "--policies", "baton",
+                 "--count", "1", "--limit", "4", "--traces", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "output 400, on h100-" in lines[1] and len(lines) == 2
