@@ -135,3 +135,30 @@ def test_rule_4_needs_a_window_setting_that_is_not_overloaded(tmp_path: Path) ->
     _, current = load([_write(tmp_path / "current", SEEDS, {mixed_3x: [100.0] * 10})])
     verdict = judge(load([_write(tmp_path / "variant", SEEDS, {mixed_3x: [99.0] * 10})])[1], current)
     assert verdict.cheaper and not verdict.rule_4
+
+
+def test_rule_5_no_harm_lets_a_change_that_moves_nothing_clear_pass_and_a_clear_loss_fail(tmp_path: Path) -> None:
+    """Rule 5's part (a): a variant aimed at what the tuning windows do not contain need not gain there; it must
+    not lose. The mean of the steady window-settings within the margin passes; a clear loss beyond it anywhere
+    (an overloaded window-setting too), more misses, or more window-settings behind the best baseline fail."""
+    loaded = "Mooncake conversation, mixed, 3x, requests 3,000-3,600"
+    current_costs = {"a": [100.0] * 10, "b": [100.0] * 10, loaded: [100.0] * 10}
+    _, current = load([_write(tmp_path / "current", SEEDS, current_costs, misses=2)])
+
+    def verdict(name: str, costs: dict[str, list[float]], misses: int = 2, best: float = 200.0) -> Verdict:
+        baselines = {setting: {"weighted_least_loaded": [_run(best)]} for setting in costs}
+        return judge(load([_write(tmp_path / name, SEEDS, costs, misses)])[1], current, baselines)
+
+    level = verdict("level", {"a": [100.03, 99.97] * 5, "b": [100.0] * 10, loaded: [95.0, 105.0] * 5})
+    assert not level.cheaper and not level.rule_4 and level.no_harm
+    # +0.08 % on one steady setting in every seed, 0 on the other: a mean of +0.04 %, within the margin; but its
+    # own change is clear of zero beyond the margin, so it fails as a clear loss.
+    assert not verdict("one", {"a": [100.08] * 10, "b": [100.0] * 10, loaded: [100.0] * 10}).no_harm
+    assert verdict("small", {"a": [100.04] * 10, "b": [100.04] * 10, loaded: [100.0] * 10}).no_harm
+    assert not verdict("loaded", {"a": [100.0] * 10, "b": [100.0] * 10, loaded: [103.0] * 10}).no_harm
+    # +0.15 % on one steady setting but too noisy to be clear: the steady mean, +0.075 %, is past the margin.
+    assert not verdict("drift", {"a": [100.4, 99.9] * 5, "b": [100.0] * 10, loaded: [100.0] * 10}).no_harm
+    assert not verdict("misses", {"a": [100.0] * 10, "b": [100.0] * 10, loaded: [100.0] * 10}, misses=3).no_harm
+    # +0.01 % on one: within the margin, but now dearer than a baseline the current policy ties with.
+    behind = verdict("behind", {"a": [100.01] * 10, "b": [100.0] * 10, loaded: [100.0] * 10}, best=100.0)
+    assert behind.behind_best == (1, 0) and not behind.no_harm

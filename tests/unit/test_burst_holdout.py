@@ -1,0 +1,68 @@
+"""bench.burst_holdout: rule 5's hold-out windows and its verdict on two runs of them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.burst_holdout import gain, windows
+from bench.sim_matrix import build_parser
+from simulator.report import TRACES
+
+
+def _run(cost: float, misses: int) -> dict:
+    return {"cost_per_successful_task": cost, "slo_attainment": 1 - misses / 600, "num_requests": 600}
+
+
+def _side(misses: list[int], cost: float = 100.0) -> dict[str, list[dict]]:
+    """Three seeds per window, the same misses in each."""
+    return {f"window {i}": [_run(cost, m)] * 3 for i, m in enumerate(misses)}
+
+
+def _azure(path: Path, rows: int) -> None:
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    lines += [f"2023-11-16 18:{i // 6000:02d}:{i // 100 % 60:02d}.{i % 100:02d}00000,512,16" for i in range(rows)]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_the_hold_out_is_azure_at_3x_outside_the_tuning_windows_without_the_burst_it_was_built_on(
+        tmp_path: Path) -> None:
+    _azure(tmp_path / TRACES["azure-code"], 8_818)
+    _azure(tmp_path / TRACES["azure-conv"], 9_000)
+    chosen = windows(build_parser().parse_args(["--traces", str(tmp_path)]))
+    code = [w for w in chosen if w.workload == "azure-code"]
+    conv = [w for w in chosen if w.workload == "azure-conv"]
+    assert [w.skip for w in code] == [600, 1200, 2400, 3600, 4200, 4800, 5400, 6600, 7200, 7800]
+    assert [w.skip for w in conv] == [600, 1200, 1800, 2400, 3600, 4200, 4800, 5400]
+    assert all(w.load == 3.0 and w.fleet == "4xh100,4xa100,4xl4" for w in chosen)
+    assert code[0].name == "Azure code, mixed, 3x, requests 600-1,200"
+
+
+def test_fewer_misses_clear_of_zero_at_no_dearer_a_cost_pass() -> None:
+    current = _side([10, 4, 0, 7, 2])
+    verdict = gain(_side([6, 1, 0, 3, 1]), current)
+    assert verdict.misses[0] == pytest.approx(-2.4) and verdict.misses[0] + verdict.misses[1] < 0
+    assert verdict.passes
+    assert gain(_side([6, 1, 0, 3, 1], cost=100.04), current).passes  # dearer, within the margin
+
+
+def test_no_gain_a_noisy_gain_one_window_or_a_dearer_fleet_fail() -> None:
+    current = _side([10, 4, 0, 7, 2])
+    assert not gain(current, current).passes  # the same misses
+    assert not gain(_side([0, 9, 0, 12, 0]), current).passes  # fewer on average, not clear of zero
+    assert not gain(_side([0, 4, 0, 7, 2]), current).passes  # one window alone can never be clear of zero
+    dearer = gain(_side([6, 1, 0, 3, 1], cost=100.2), current)
+    assert dearer.cost_change == pytest.approx(0.2) and not dearer.passes
+
+
+def test_costs_are_paired_seed_by_seed() -> None:
+    """Each seed draws its own timing error, so a seed's run is compared with the same seed's run."""
+    current = {"w": [_run(100.0, 0), _run(200.0, 0)]}
+    same = gain({"w": [_run(100.0, 0), _run(200.0, 0)]}, current)
+    assert same.cost_change == pytest.approx(0.0)  # unpaired (100 against 200, 200 against 100): +25 %
+
+
+def test_two_runs_of_other_windows_are_refused() -> None:
+    with pytest.raises(ValueError, match="other windows"):
+        gain(_side([1, 2]), _side([1, 2, 3]))
