@@ -15,7 +15,8 @@ variant needs a hold-out of its own. The verdict: per window, the variant's SLO 
 policy's, averaged over the seeds; over the windows, their mean with its 95 % interval must be below zero,
 clear of it; and the mean over the windows of the seed-paired change in whole-fleet cost per successful task
 must not be above the margin (bench.adoption_rule.MARGIN). With one window of 18 differing, the interval
-always holds zero: the hold-out can only judge a change where misses are in several windows.
+always holds zero: the hold-out can only judge a change where misses are in several windows, and even then a
+t-interval over windows this unlike each other is wide (the tenth round's third look: --load 5 --trace code).
 """
 
 from __future__ import annotations
@@ -35,13 +36,18 @@ SEEDS = (0, 1, 2)
 SEEN_BURST_SKIP = 1800
 
 
-def windows(options: argparse.Namespace) -> list[Setting]:
-    """The hold-out's window-settings, in a fixed order (options: bench.sim_matrix's, for --traces)."""
+def windows(options: argparse.Namespace, load: float = 3.0, traces: str = "both") -> list[Setting]:
+    """The hold-out's window-settings, in a fixed order (options: bench.sim_matrix's, for --traces); load and
+    traces ("both", "code", "conv") give the same windows at another load, or of one trace."""
     by_name = {s.name: s for s in SETTINGS}
-    code = replace(by_name["Azure code, mixed, 2x"], name="Azure code, mixed, 3x", load=3.0)
-    conv = by_name["Azure conversation, mixed, 3x"]
-    return ([w for w in held_out_windows(code, options, 20) if w.skip != SEEN_BURST_SKIP]
-            + held_out_windows(conv, options, 8))
+    code = replace(by_name["Azure code, mixed, 2x"], name=f"Azure code, mixed, {load:g}x", load=load)
+    conv = replace(by_name["Azure conversation, mixed, 3x"], name=f"Azure conversation, mixed, {load:g}x", load=load)
+    chosen: list[Setting] = []
+    if traces in ("both", "code"):
+        chosen += [w for w in held_out_windows(code, options, 20) if w.skip != SEEN_BURST_SKIP]
+    if traces in ("both", "conv"):
+        chosen += held_out_windows(conv, options, 8)
+    return chosen
 
 
 @dataclass(frozen=True)
@@ -74,9 +80,9 @@ def gain(variant: dict[str, list[dict]], current: dict[str, list[dict]]) -> Gain
     return Gain(mean_ci(missed), sum(costs) / len(costs), len(missed))
 
 
-def run(out: Path, options: argparse.Namespace) -> None:
+def run(out: Path, options: argparse.Namespace, load: float, traces: str) -> None:
     per_window: dict[str, list[dict]] = {}
-    for window in windows(options):
+    for window in windows(options, load, traces):
         args = _args(window, options)
         per_window[window.name] = [run_one((args, "baton", window.load, seed))[3] for seed in SEEDS]
         attained = " / ".join(f"{r['slo_attainment'] * 100:.1f}" for r in per_window[window.name])
@@ -92,9 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", type=Path)
     parser.add_argument("--current", type=Path)
     parser.add_argument("--traces", default="", help="where the trace files are (default: the simulator's)")
+    parser.add_argument("--load", type=float, default=3.0, help="the load of both traces' windows (default 3x)")
+    parser.add_argument("--trace", choices=("both", "code", "conv"), default="both", help="which trace's windows")
     options = parser.parse_args(argv)
+    if options.load <= 0:
+        parser.error(f"--load must be above 0, not {options.load:g}")
     if options.out:
-        run(options.out, build_parser().parse_args(["--traces", options.traces] if options.traces else []))
+        run(options.out, build_parser().parse_args(["--traces", options.traces] if options.traces else []),
+            options.load, options.trace)
         return 0
     if not (options.variant and options.current):
         parser.error("give --out, or both --variant and --current")

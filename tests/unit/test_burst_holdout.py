@@ -37,6 +37,9 @@ def test_the_hold_out_is_azure_at_3x_outside_the_tuning_windows_without_the_burs
     assert [w.skip for w in conv] == [600, 1200, 1800, 2400, 3600, 4200, 4800, 5400]
     assert all(w.load == 3.0 and w.fleet == "4xh100,4xa100,4xl4" for w in chosen)
     assert code[0].name == "Azure code, mixed, 3x, requests 600-1,200"
+    at_5x = windows(build_parser().parse_args(["--traces", str(tmp_path)]), load=5.0, traces="code")
+    assert [w.skip for w in at_5x] == [w.skip for w in code] and {w.load for w in at_5x} == {5.0}
+    assert at_5x[0].name == "Azure code, mixed, 5x, requests 600-1,200"
 
 
 def test_fewer_misses_clear_of_zero_at_no_dearer_a_cost_pass() -> None:
