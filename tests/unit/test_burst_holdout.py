@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from bench.burst_holdout import gain, windows
+from bench.burst_holdout import gain, main, windows
 from bench.sim_matrix import build_parser
 from simulator.report import TRACES
 
@@ -69,3 +70,15 @@ def test_costs_are_paired_seed_by_seed() -> None:
 def test_two_runs_of_other_windows_are_refused() -> None:
     with pytest.raises(ValueError, match="other windows"):
         gain(_side([1, 2]), _side([1, 2, 3]))
+
+
+def test_runs_of_other_seeds_or_without_a_success_are_refused(tmp_path: Path, capsys) -> None:
+    for name, seeds in (("variant", [0, 1, 2]), ("current", [3, 4, 5])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps({"seeds": seeds, "per_window": _side([1])}))
+    with pytest.raises(SystemExit):
+        main(["--variant", str(tmp_path / "variant"), "--current", str(tmp_path / "current")])
+    assert "--variant ran seeds [0, 1, 2], --current [3, 4, 5]" in capsys.readouterr().err
+    failed = {"w": [{**_run(0.0, 600), "cost_per_successful_task": float("inf")}] * 3}  # no success: no figure
+    with pytest.raises(ValueError, match="no window had a success"):
+        gain(failed, failed)
