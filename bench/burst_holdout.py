@@ -6,7 +6,7 @@
     python -m bench.burst_holdout --variant results/holdout-variant --current results/holdout-current
 
 Baton alone, over seeds 0, 1 and 2 of the timing error, on windows outside the matrix's and the tuning windows:
-the Azure code trace on the mixed fleet at 3x over up to 20 such windows (its trace has 10 more), the window of
+the Azure code trace on the mixed fleet at 3x over its 11 such windows less one, the window of
 requests 1,800-2,400 left out (the burst the tenth round's variant was built on, at 2x), and the Azure
 conversation trace on the mixed fleet at 3x over its first 8 such windows. Not unseen: seven of the Azure code
 windows had run at 2x (the "--windows 8" runs) and the Azure conversation ones at 3x (the fifth round), and
@@ -15,8 +15,9 @@ variant needs a hold-out of its own. The verdict: per window, the variant's SLO 
 policy's, averaged over the seeds; over the windows, their mean with its 95 % interval must be below zero,
 clear of it; and the mean over the windows of the seed-paired change in whole-fleet cost per successful task
 must not be above the margin (bench.adoption_rule.MARGIN). With one window of 18 differing, the interval
-always holds zero: the hold-out can only judge a change where misses are in several windows, and even then a
-t-interval over windows this unlike each other is wide (the tenth round's third look: --load 5 --trace code).
+always holds zero: the hold-out can only judge a change where misses are in several windows, and even then it
+cannot pass a gain concentrated in one of them, which widens the interval with it (the tenth round's third look,
+--load 5 --trace code: fewer misses in all five windows with any, 85 % of the gain in one, and it failed).
 """
 
 from __future__ import annotations

@@ -162,3 +162,12 @@ def test_rule_5_no_harm_lets_a_change_that_moves_nothing_clear_pass_and_a_clear_
     # +0.01 % on one: within the margin, but now dearer than a baseline the current policy ties with.
     behind = verdict("behind", {"a": [100.01] * 10, "b": [100.0] * 10, loaded: [100.0] * 10}, best=100.0)
     assert behind.behind_best == (1, 0) and not behind.no_harm
+
+
+def test_rule_5_is_reported_only_when_it_was_the_rule_written_down(tmp_path: Path, capsys) -> None:
+    current = _write(tmp_path / "current", SEEDS, CURRENT)
+    variant = _write(tmp_path / "variant", SEEDS, CURRENT)
+    assert main(["--variant", str(variant), "--current", str(current)]) == 0
+    assert "rule 5" not in capsys.readouterr().out
+    assert main(["--variant", str(variant), "--current", str(current), "--rule", "5"]) == 0
+    assert "rule 5 (a), no harm: passes" in capsys.readouterr().out
