@@ -109,32 +109,34 @@ class Verdict:
 
     @property
     def rule_2(self) -> bool:
-        mean, half = self.misses_per_seed
-        return self.mean_change <= -0.1 and not self.dearer and mean - half <= 0 and self._baselines_hold()
+        return self.mean_change <= -0.1 and not self.dearer and self._misses_hold() and self._baselines_hold()
 
     @property
     def rule_3(self) -> bool:
-        mean, half = self.misses_per_seed
-        return bool(self.cheaper) and not self.dearer and mean - half <= 0 and self._baselines_hold()
+        return bool(self.cheaper) and not self.dearer and self._misses_hold() and self._baselines_hold()
 
     @property
     def rule_4(self) -> bool:
         steady = self.steady
-        if not steady:
-            return False
-        changes = self.per_setting.values()
-        mean, half = self.misses_per_seed
-        return (not any(m - h > 0 and m > MARGIN for m, h in changes)
-                and any(m + h < 0 and m < -MARGIN for m, h in changes)
-                and sum(steady) <= 0 and mean - half <= 0 and self._baselines_hold())
+        return (bool(steady) and self._no_clear_harm() and sum(steady) <= 0
+                and any(m + h < 0 and m < -MARGIN for m, h in self.per_setting.values()))
 
     @property
     def no_harm(self) -> bool:
         """Rule 5's part (a): rule 4 without its gain, the steady mean bounded by MARGIN instead of zero."""
         steady = self.steady
+        return bool(steady) and self._no_clear_harm() and sum(steady) / len(steady) <= MARGIN
+
+    def _no_clear_harm(self) -> bool:
+        """Rules 4 and 5: no window-setting dearer by more than MARGIN with its interval clear of zero, the
+        misses and the baselines held."""
+        clear_loss = any(m - h > 0 and m > MARGIN for m, h in self.per_setting.values())
+        return not clear_loss and self._misses_hold() and self._baselines_hold()
+
+    def _misses_hold(self) -> bool:
+        """No more SLO misses per seed with the paired interval clear of zero."""
         mean, half = self.misses_per_seed
-        return (bool(steady) and not any(m - h > 0 and m > MARGIN for m, h in self.per_setting.values())
-                and sum(steady) / len(steady) <= MARGIN and mean - half <= 0 and self._baselines_hold())
+        return mean - half <= 0
 
     def _baselines_hold(self) -> bool:
         return self.behind_best is None or self.behind_best[0] <= self.behind_best[1]

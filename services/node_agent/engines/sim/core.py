@@ -183,7 +183,7 @@ class SimEngineCore:
         lacks, and once max_duration_s is reached. A simulator uses it to skip the event-loop
         round trip per token; the real-time driver runs one step at a time.
         """
-        self._end_step()
+        self.step_ended()
         if max_decode_steps > 1:
             merged = self._decode_steps(max_decode_steps, max_duration_s)
             if merged is not None:
@@ -223,9 +223,6 @@ class SimEngineCore:
         """The last step's modelled time has passed: its prefill chunks are computed (load() no longer
         counts them pending) and its decode steps' times join the load's mean. The driver calls it when it
         hands out the step's outputs; the next step() does it too, for a driver that does not."""
-        self._end_step()
-
-    def _end_step(self) -> None:
         self._stepping_prefill = 0
         for step_ms in self._stepping_decode_ms:
             self._recent_steps.note(step_ms)
