@@ -82,3 +82,47 @@ def test_runs_of_other_seeds_or_without_a_success_are_refused(tmp_path: Path, ca
     failed = {"w": [{**_run(0.0, 600), "cost_per_successful_task": float("inf")}] * 3}  # no success: no figure
     with pytest.raises(ValueError, match="no window had a success"):
         gain(failed, failed)
+
+
+def _seeded(misses: list[list[int]], cost: float = 100.0) -> dict[str, list[dict]]:
+    """Per window, each seed's misses."""
+    return {f"window {i}": [_run(cost, m) for m in seeds] for i, seeds in enumerate(misses)}
+
+
+def test_across_the_seeds_a_gain_in_one_window_passes_where_across_the_windows_it_cannot() -> None:
+    current = _seeded([[30, 28, 35, 31], [0, 0, 0, 0], [2, 1, 0, 1], [0, 0, 0, 0]])
+    variant = _seeded([[12, 15, 10, 14], [0, 0, 0, 0], [2, 1, 0, 1], [0, 0, 0, 0]])
+    verdict = gain(variant, current)
+    assert verdict.misses_per_seed[0] == pytest.approx(-18.25)
+    assert verdict.passes_across_seeds and not verdict.passes  # the third look's criterion fails it
+
+
+def test_across_the_seeds_noise_a_clearly_worse_window_or_a_dearer_fleet_fail() -> None:
+    current = _seeded([[30, 28, 35, 31], [0, 0, 0, 0]])
+    assert not gain(current, current).passes_across_seeds  # the same misses
+    noisy = gain(_seeded([[10, 40, 12, 45], [0, 0, 0, 0]]), current)
+    assert noisy.misses_per_seed[0] < 0 and not noisy.passes_across_seeds  # fewer on average, not clear of zero
+    shifted = gain(_seeded([[10, 10, 12, 11], [3, 4, 3, 5]]), current)  # the misses moved to another window
+    assert shifted.misses_per_seed[0] + shifted.misses_per_seed[1] < 0
+    assert shifted.worse_windows == ("window 1",) and not shifted.passes_across_seeds
+    dearer = gain(_seeded([[10, 10, 12, 11], [0, 0, 0, 0]], cost=100.2), current)
+    assert not dearer.passes_across_seeds
+
+
+def test_windows_with_another_number_of_seeds_are_refused() -> None:
+    with pytest.raises(ValueError, match="ran 2 seeds, the first window 3"):
+        gain(_seeded([[1, 2, 3], [1, 2]]), _seeded([[1, 2, 3], [1, 2]]))
+
+
+def test_the_criterion_written_down_is_the_one_printed(tmp_path: Path, capsys) -> None:
+    for name, misses in (("variant", [[1, 2, 1], [0, 0, 0]]), ("current", [[9, 8, 9], [0, 0, 0]])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps({"seeds": [3, 4, 5], "per_window": _seeded(misses)}))
+    sides = ["--variant", str(tmp_path / "variant"), "--current", str(tmp_path / "current")]
+    main(sides)
+    printed = capsys.readouterr().out
+    assert "rule 5 (b), a gain on the hold-out: fails" in printed and "across the seeds" not in printed
+    main([*sides, "--across", "seeds"])
+    printed = capsys.readouterr().out
+    assert "-7.33 ± 2.87 over 3 seeds" in printed
+    assert "the eleventh round's part (b), a gain across the seeds: passes" in printed and "rule 5 (b)" not in printed
