@@ -320,3 +320,23 @@ def test_a_node_with_larger_kv_blocks_is_credited_the_prefix_it_holds_not_twice_
     pending = BatonPolicy().terms(ask, dataclasses.replace(big, load=Load(kv_blocks_total=25_000,
                                                                           pending_prefill_tokens=1600)), 0)
     assert placed is not None and pending is not None and placed.ttft_ms == pytest.approx(pending.ttft_ms)
+
+
+def test_a_node_whose_measured_steps_run_past_the_budget_loses_its_cached_prefix() -> None:
+    """The prediction leaves out the prefill chunks that will ride in a node's steps; the node's measured steps
+    (Load.recent_decode_step_ms) do not. Steps measured past the request's TPOT budget outweigh a cached prefix
+    there; steps past the prediction's target (0.7 of the budget) but inside the budget do not: the target is a
+    margin for what a prediction leaves out, and sending work to slower GPUs for it lost (the ninth round)."""
+    policy = BatonPolicy()
+    short = dataclasses.replace(request(2000, max_tokens=256, ttft_budget_ms=5000), tpot_budget_ms=100)
+    decoding = {"num_running": 8, "active_decode_blocks": 400}
+
+    def measured(step_ms: float) -> list[NodeStatus]:
+        cached = node("h1", "h100", **decoding)
+        cached = dataclasses.replace(cached, load=dataclasses.replace(cached.load, recent_decode_step_ms=step_ms))
+        other = node("h2", "h100", **decoding)
+        return [cached, dataclasses.replace(other, load=dataclasses.replace(other.load, recent_decode_step_ms=20.0))]
+
+    assert chosen(policy, short, measured(20.0), {"h1": 100}) == "h1"  # the same steps: the cache decides
+    assert chosen(policy, short, measured(75.0), {"h1": 100}) == "h1"  # past the target, inside the budget
+    assert chosen(policy, short, measured(130.0), {"h1": 100}) == "h2"  # past the budget

@@ -239,7 +239,17 @@ class BatonPolicy(Policy):
                 + LATENCY_PRICE_SHARE * latency_ms * (fleet_price_per_hour or price)) / 3_600_000.0
         ttft_budget = (request.ttft_budget_ms or self._default_ttft_budget_ms) * BUDGET_MARGIN
         tpot_budget = (request.tpot_budget_ms or self._default_tpot_budget_ms) * TPOT_BUDGET_MARGIN
-        success = _success(ttft_budget, ttft_ms) * _success(tpot_budget, tpot_ms)
+        tpot_success = _success(tpot_budget, tpot_ms)
+        # A node decoding now reports its measured steps, the prefill chunks riding in them included, which the
+        # prediction leaves out (a burst of prompts younger than the prompt rate's window). The measured step plus
+        # what this request's joining adds is judged against the budget itself: the margin above is for what a
+        # prediction leaves out, not for a measurement (judged against it, work went to idle L4s whose long
+        # answers held the fleet: docs/evaluation.md, the tenth and eleventh rounds).
+        if load.num_running and load.recent_decode_step_ms:
+            measured_ms = load.recent_decode_step_ms + max(0.0, tpot_ms - base_tpot_ms)
+            budget_ms = request.tpot_budget_ms or self._default_tpot_budget_ms
+            tpot_success = min(tpot_success, _success(budget_ms, measured_ms))
+        success = _success(ttft_budget, ttft_ms) * tpot_success
         if request.deadline_ms:
             success *= _success(request.deadline_ms * BUDGET_MARGIN, ttft_ms + decode_tokens * tpot_ms)
         needed = (math.ceil((request.num_prompt_tokens + request.max_tokens) / block)
