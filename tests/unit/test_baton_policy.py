@@ -340,3 +340,7 @@ def test_a_node_whose_measured_steps_run_past_the_budget_loses_its_cached_prefix
     assert chosen(policy, short, measured(20.0), {"h1": 100}) == "h1"  # the same steps: the cache decides
     assert chosen(policy, short, measured(75.0), {"h1": 100}) == "h1"  # past the target, inside the budget
     assert chosen(policy, short, measured(130.0), {"h1": 100}) == "h2"  # past the budget
+    # A node that has stopped decoding keeps its last steps' mean; with nothing running, no one's steps are slow.
+    stale = node("h1", "h100")
+    stale = dataclasses.replace(stale, load=dataclasses.replace(stale.load, recent_decode_step_ms=500.0))
+    assert chosen(policy, short, [stale, node("h2", "h100")], {"h1": 100}) == "h1"

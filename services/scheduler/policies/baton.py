@@ -244,7 +244,7 @@ class BatonPolicy(Policy):
         # prediction leaves out (a burst of prompts younger than the prompt rate's window). The measured step plus
         # what this request's joining adds is judged against the budget itself: the margin above is for what a
         # prediction leaves out, not for a measurement (judged against it, work went to idle L4s whose long
-        # answers held the fleet: docs/evaluation.md, the tenth and eleventh rounds).
+        # answers held the fleet: docs/evaluation.md, the ninth to eleventh rounds).
         if load.num_running and load.recent_decode_step_ms:
             measured_ms = load.recent_decode_step_ms + max(0.0, tpot_ms - base_tpot_ms)
             budget_ms = request.tpot_budget_ms or self._default_tpot_budget_ms
