@@ -13,15 +13,32 @@ ended last: arrival, end, prompt and output length, node, TTFT and TPOT.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from dataclasses import replace
 
-from bench.sim_matrix import BASELINES, SETTINGS, TUNING, _args, build_parser
+from bench.sim_matrix import BASELINES, SETTINGS, TUNING, Setting, _args, build_parser
 from simulator.report import build_workload, simulate
 
+WINDOW = re.compile(r"(?P<base>.+), requests (?P<start>[\d,]+)-(?P<end>[\d,]+)")
 
-def last_requests(setting_name: str, policy: str, seed: int, count: int, options: argparse.Namespace) -> list[str]:
+
+def find_setting(name: str, options: argparse.Namespace) -> Setting | None:
+    """A setting of the matrix or a tuning window by its full name, or a matrix setting's window of
+    options.limit requests named as bench.sim_matrix --windows names them ("<setting>, requests 1,200-1,800")."""
+    for setting in SETTINGS + TUNING:
+        if setting.name == name:
+            return setting
+    match = WINDOW.fullmatch(name)
+    base = next((s for s in SETTINGS if match and s.name == match["base"] and s.limit is None), None)
+    if base is None:
+        return None
+    start, end = (int(match[key].replace(",", "")) for key in ("start", "end"))
+    return replace(base, name=name, skip=start) if end - start == options.limit else None
+
+
+def last_requests(setting: Setting, policy: str, seed: int, count: int, options: argparse.Namespace) -> list[str]:
     """The drain and the `count` requests that ended last, one line each."""
-    setting = next(s for s in SETTINGS + TUNING if s.name == setting_name)
     args = _args(setting, options)
     result = simulate(args, policy, build_workload(args, setting.load), seed)
     last_arrival = max(r.arrival_s for r in result.records)
@@ -43,20 +60,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.last_requests", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setting", required=True,
-                        help="a setting of the matrix or a tuning window (bench.sim_matrix --tuning), by its full name")
+                        help="a setting of the matrix or a tuning window (bench.sim_matrix --tuning), by its full "
+                        "name, or another window of a matrix setting as --windows names it "
+                        "(\"<setting>, requests 1,200-1,800\")")
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--policies", default=",".join(("baton", *BASELINES)))
     parser.add_argument("--count", type=int, default=4, help="how many of the last requests to show")
     own, rest = parser.parse_known_args(argv)
-    names = [s.name for s in SETTINGS + TUNING]
-    if own.setting not in names:
-        print(f"--setting: no setting named {own.setting!r}; the matrix and its tuning windows have: "
-              f"{'; '.join(names)}", file=sys.stderr)
-        return 2
     options = build_parser().parse_args(rest)  # the matrix's own options (--timing-error, --admission, ...)
+    setting = find_setting(own.setting, options)
+    if setting is None:
+        names = [s.name for s in SETTINGS + TUNING]
+        print(f"--setting: no setting named {own.setting!r}; the matrix and its tuning windows have: "
+              f"{'; '.join(names)}; or a matrix setting's window of --limit ({options.limit}) requests, "
+              f"\"<setting>, requests <from>-<to>\"", file=sys.stderr)
+        return 2
     for seed in (int(s) for s in own.seeds.split(",")):
         for policy in own.policies.split(","):
-            print("\n".join(last_requests(own.setting, policy.strip(), seed, own.count, options)))
+            print("\n".join(last_requests(setting, policy.strip(), seed, own.count, options)))
     return 0
 
 

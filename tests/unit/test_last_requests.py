@@ -37,3 +37,17 @@ def test_a_tuning_window_is_traced_from_its_own_requests(tmp_path: Path, capsys)
                  "--count", "1", "--limit", "4", "--traces", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "output 400, on h100-" in lines[1] and len(lines) == 2
+
+
+def test_another_window_of_a_matrix_setting_is_traced_as_the_windows_runs_name_it(tmp_path: Path, capsys) -> None:
+    """bench.sim_matrix --windows and bench.burst_holdout report windows such as "<setting>, requests 1,200-1,800";
+    where one of them loses, it is traced from that window's requests. A window of another size is refused."""
+    rows = [{"timestamp": 100 * j, "input_length": 64, "output_length": 4, "hash_ids": [j]} for j in range(1203)]
+    rows.append({"timestamp": 120_300, "input_length": 64, "output_length": 400, "hash_ids": [1203]})
+    (tmp_path / TRACES["mooncake-conversation"]).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["--policies", "baton", "--count", "1", "--limit", "4", "--traces", str(tmp_path)]
+    assert main(["--setting", "Mooncake conversation, 8xH100, 2x, requests 1,200-1,204", *common]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "output 400, on h100-" in lines[1]  # the window's last request, not the trace's first ones
+    assert main(["--setting", "Mooncake conversation, 8xH100, 2x, requests 1,200-1,800", *common]) == 2
+    assert "no setting named 'Mooncake conversation, 8xH100, 2x, requests 1,200-1,800'" in capsys.readouterr().err
