@@ -96,8 +96,8 @@ def gain(variant: dict[str, list[dict]], current: dict[str, list[dict]]) -> Gain
         if len(differences) != len(per_seed):
             raise ValueError(f"{name} ran {len(differences)} seeds, the first window {len(per_seed)}")
         per_seed = [total + d for total, d in zip(per_seed, differences, strict=True)]
-        missed.append(sum(differences) / len(differences))
         mean, half = mean_ci(differences)
+        missed.append(mean)
         if mean - half > 0:
             worse.append(name)
         paired = paired_changes(variant[name], runs, KEY)

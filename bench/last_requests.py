@@ -15,9 +15,8 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from dataclasses import replace
 
-from bench.sim_matrix import BASELINES, SETTINGS, TUNING, Setting, _args, build_parser
+from bench.sim_matrix import BASELINES, SETTINGS, TUNING, Setting, _args, build_parser, window_of
 from simulator.report import build_workload, simulate
 
 WINDOW = re.compile(r"(?P<base>.+), requests (?P<start>[\d,]+)-(?P<end>[\d,]+)")
@@ -34,7 +33,7 @@ def find_setting(name: str, options: argparse.Namespace) -> Setting | None:
     if base is None:
         return None
     start, end = (int(match[key].replace(",", "")) for key in ("start", "end"))
-    return replace(base, name=name, skip=start) if end - start == options.limit else None
+    return window_of(base, start, options.limit) if end - start == options.limit else None
 
 
 def last_requests(setting: Setting, policy: str, seed: int, count: int, options: argparse.Namespace) -> list[str]:

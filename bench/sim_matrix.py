@@ -123,6 +123,11 @@ def _args(setting: Setting, options: argparse.Namespace) -> argparse.Namespace:
 REQUESTS = 600
 
 
+def window_of(setting: Setting, skip: int, size: int) -> Setting:
+    """The setting replayed over `size` requests of its trace from request `skip`, named for them."""
+    return replace(setting, name=f"{setting.name}, requests {skip:,}-{skip + size:,}", skip=skip)
+
+
 def held_out_windows(setting: Setting, options: argparse.Namespace, count: int) -> list[Setting]:
     """The first `count` windows of options.limit requests of setting's trace that share no request with
     the matrix's (the first) or with a tuning window of that trace; fewer where the trace ends."""
@@ -133,7 +138,7 @@ def held_out_windows(setting: Setting, options: argparse.Namespace, count: int) 
     skip = seen
     while len(windows) < count:
         if not any(skip < end and start < skip + size for start, end in used):
-            window = replace(setting, name=f"{setting.name}, requests {skip:,}-{skip + size:,}", skip=skip)
+            window = window_of(setting, skip, size)
             if len(build_workload(_args(window, options), window.load).requests) < size:
                 break  # the trace ends inside it
             windows.append(window)

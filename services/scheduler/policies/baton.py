@@ -238,7 +238,8 @@ class BatonPolicy(Policy):
         cost = ((own_prefill_ms * displaced + load_s * 1000) * price
                 + LATENCY_PRICE_SHARE * latency_ms * (fleet_price_per_hour or price)) / 3_600_000.0
         ttft_budget = (request.ttft_budget_ms or self._default_ttft_budget_ms) * BUDGET_MARGIN
-        tpot_budget = (request.tpot_budget_ms or self._default_tpot_budget_ms) * TPOT_BUDGET_MARGIN
+        full_tpot_budget = request.tpot_budget_ms or self._default_tpot_budget_ms
+        tpot_budget = full_tpot_budget * TPOT_BUDGET_MARGIN
         tpot_success = _success(tpot_budget, tpot_ms)
         # A node decoding now reports its measured steps, the prefill chunks riding in them included, which the
         # prediction leaves out (a burst of prompts younger than the prompt rate's window). The measured step plus
@@ -247,8 +248,7 @@ class BatonPolicy(Policy):
         # answers held the fleet: docs/evaluation.md, the ninth to eleventh rounds).
         if load.num_running and load.recent_decode_step_ms:
             measured_ms = load.recent_decode_step_ms + max(0.0, tpot_ms - base_tpot_ms)
-            budget_ms = request.tpot_budget_ms or self._default_tpot_budget_ms
-            tpot_success = min(tpot_success, _success(budget_ms, measured_ms))
+            tpot_success = min(tpot_success, _success(full_tpot_budget, measured_ms))
         success = _success(ttft_budget, ttft_ms) * tpot_success
         if request.deadline_ms:
             success *= _success(request.deadline_ms * BUDGET_MARGIN, ttft_ms + decode_tokens * tpot_ms)
