@@ -42,7 +42,8 @@ docs/evaluation.md), seeds 60-79 a fourth (it failed), seeds 80-99 a fifth (it f
 seeds 120-139 a seventh (both failed), seeds 140-159 and 160-179 an eighth (it failed rule 4, then rule 5; see
 docs/evaluation.md, the tenth round), seeds 180-199 the same variant once more, by the eleventh round's rule (rule 5 (a)
 on them, and part (b) judged across seeds rather than windows: `bench.burst_holdout --across seeds`), which it passed
-and was adopted; the next variant is judged on seeds 200-219, the current policy run on them too.
+and was adopted; seeds 200-219 the twelfth round's variant (rule 5 (a) there, which it failed: docs/evaluation.md,
+the twelfth round); the next variant is judged on seeds 220-239, the current policy run on them too.
 
 Rule 5 (for a variant aimed at a failure the tuning windows do not contain, such as TPOT misses when a burst of
 prompts lands on a node; written after the tenth round's variant failed rule 4, docs/evaluation.md says how that
@@ -223,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", nargs="+", type=Path, required=True)
     parser.add_argument("--current", nargs="+", type=Path, required=True)
-    parser.add_argument("--baselines", type=Path)
+    parser.add_argument("--baselines", nargs="+", type=Path,
+                        help="runs of the other policies, any seeds; several directories join their window-settings")
     parser.add_argument("--rule", type=int, choices=(4, 5), default=4,
                         help="the rule written down for the variant: 5 adds rule 5's part (a) to the report")
     options = parser.parse_args(argv)
@@ -233,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--variant ran seeds {variant_seeds}, --current {current_seeds}: they must be the same")
     baselines = None
     if options.baselines:
-        baselines = json.loads((options.baselines / "results.json").read_text())["per_seed"]
+        baselines = {}
+        for directory in options.baselines:
+            baselines.update(json.loads((directory / "results.json").read_text())["per_seed"])
     print("\n".join(report(judge(variant, current, baselines), rule_5=options.rule == 5)))
     return 0
 

@@ -171,3 +171,19 @@ def test_rule_5_is_reported_only_when_it_was_the_rule_written_down(tmp_path: Pat
     assert "rule 5" not in capsys.readouterr().out
     assert main(["--variant", str(variant), "--current", str(current), "--rule", "5"]) == 0
     assert "rule 5 (a), no harm: passes" in capsys.readouterr().out
+
+
+def test_baselines_from_several_directories_are_joined_by_window_setting(tmp_path: Path, capsys) -> None:
+    """A hold-out run as several bench.sim_matrix runs (one per --only) names all of their directories; each
+    window-setting is judged against the baselines of the run that holds it, not refused or left out."""
+    current = _write(tmp_path / "current", SEEDS, CURRENT)
+    variant = _write(tmp_path / "variant", SEEDS, {"steady": [100.0] * 10, "overloaded": [99.0] * 10})
+    for name, setting, cost in (("one", "steady", 200.0), ("two", "overloaded", 99.5)):
+        directory = tmp_path / name
+        directory.mkdir()
+        (directory / "results.json").write_text(json.dumps(
+            {"options": {"seeds": "0"}, "settings": {}, "per_seed": {setting: {"dynamo": [_run(cost)]}}}))
+    assert main(["--variant", str(variant), "--current", str(current),
+                 "--baselines", str(tmp_path / "one"), str(tmp_path / "two")]) == 0
+    # Dynamo beats the current policy on the overloaded window-setting only; the variant beats it there too.
+    assert "dearer than the best baseline on 0 window-settings, the current policy on 1" in capsys.readouterr().out
