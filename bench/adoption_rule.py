@@ -4,11 +4,12 @@
     (change the policy)
     python -m bench.sim_matrix --tuning --seeds 10,...,19 --policies baton --out results/tuning-variant
     python -m bench.adoption_rule --variant results/tuning-variant --current results/tuning-current \\
-        [--baselines results/tuning-baselines]
+        [--baselines results/tuning-baselines [more directories ...]]
 
 Each side may name several result directories (e.g. seeds 10-19 and 20-29); their seeds are joined, and
 the variant's and the current policy's runs are paired seed by seed (the same seeds on both sides, or it
-refuses). --baselines: a run of the other policies on the tuning windows, any seeds (their means are used).
+refuses). --baselines: runs of the other policies on the same window-settings, any seeds (their means are
+used); several directories each add their window-settings (one named in two: the later directory's).
 
 Rule 1 (the fifth round's): the whole-fleet cost per successful task at least 0.1 % lower on average over
 the window-settings; no more SLO misses in all; no window-setting more than 2 % dearer; dearer than the best
@@ -37,7 +38,7 @@ left out of the mean only (their noise decides it), and a clear loss there still
 before is judged on seeds 40-59; one already run on earlier seeds over all its seeds, those included: ten
 seeds did not see a 0.15 % loss that more seeds did (this session's variant passes the rule on each of seeds
 10-19, 20-29 and 30-39 and on 10-29, and fails it over 20-39, over 10-19 with 30-39, and over 10-39).
-Seeds 40-59 have since judged three variants (one passed and was adopted: the sixth round's, in
+Tuning seeds 40-59 have since judged three variants (one passed and was adopted: the sixth round's, in
 docs/evaluation.md), seeds 60-79 a fourth (it failed), seeds 80-99 a fifth (it failed), seeds 100-119 a sixth and
 seeds 120-139 a seventh (both failed), seeds 140-159 and 160-179 an eighth (it failed rule 4, then rule 5; see
 docs/evaluation.md, the tenth round), seeds 180-199 the same variant once more, by the eleventh round's rule (rule 5 (a)
@@ -225,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", nargs="+", type=Path, required=True)
     parser.add_argument("--current", nargs="+", type=Path, required=True)
     parser.add_argument("--baselines", nargs="+", type=Path,
-                        help="runs of the other policies, any seeds; several directories join their window-settings")
+                        help="runs of the other policies, any seeds; several directories each add their "
+                             "window-settings (one in two: the later's)")
     parser.add_argument("--rule", type=int, choices=(4, 5), default=4,
                         help="the rule written down for the variant: 5 adds rule 5's part (a) to the report")
     options = parser.parse_args(argv)
