@@ -191,8 +191,8 @@ class VllmEngine:
             self._events_dir.cleanup()
 
     async def _has_deterministic_kernels(self) -> bool:
-        """CPU: one thread per worker (measured in docs/vllm.md: several threads can diverge);
-        GPU: vLLM's batch-invariant mode."""
+        """CPU: one thread per worker (measured in docs/vllm.md: several threads can diverge), on a CPU
+        without AMX (single-threaded resume diverged on one with it); GPU: vLLM's batch-invariant mode."""
         from vllm import envs
         from vllm.platforms import current_platform
 
@@ -200,6 +200,9 @@ class VllmEngine:
             return bool(envs.VLLM_BATCH_INVARIANT)
         threads = await self._llm.collective_rpc("baton_num_threads")
         log.info("vLLM workers of %s run %s CPU threads", self.model, threads)
+        if cpu_has_amx():
+            log.info("the CPU has AMX: resumes of %s are not promised exact (docs/vllm.md)", self.model)
+            return False
         return all(n == 1 for n in threads)
 
     def resumes_exactly(self, sampling: SamplingParams) -> bool:
@@ -453,3 +456,12 @@ def _is_input_error(exc: Exception) -> bool:
     from vllm.exceptions import VLLMClientError
 
     return isinstance(exc, ValueError | VLLMClientError)
+
+
+def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this machine's CPU has AMX tiles (its flags name amx_tile); False where that cannot be read."""
+    try:
+        with open(cpuinfo) as lines:
+            return any(line.startswith("flags") and "amx_tile" in line.split() for line in lines)
+    except OSError:
+        return False
