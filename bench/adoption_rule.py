@@ -44,7 +44,9 @@ seeds 120-139 a seventh (both failed), seeds 140-159 and 160-179 an eighth (it f
 docs/evaluation.md, the tenth round), seeds 180-199 the same variant once more, by the eleventh round's rule (rule 5 (a)
 on them, and part (b) judged across seeds rather than windows: `bench.burst_holdout --across seeds`), which it passed
 and was adopted; seeds 200-219 the twelfth round's variant (rule 5 (a) there, which it failed: docs/evaluation.md,
-the twelfth round); the next variant is judged on seeds 220-239, the current policy run on them too.
+the twelfth round); seeds 220-239 the thirteenth round's variant (rule 5 (a) there, which it failed on one
+window-setting, and rule 4 on seeds 60-79 of six target window-settings, which it passed: docs/evaluation.md, the
+thirteenth round); the next variant is judged on seeds 240-259, the current policy run on them too.
 
 Rule 5 (for a variant aimed at a failure the tuning windows do not contain, such as TPOT misses when a burst of
 prompts lands on a node; written after the tenth round's variant failed rule 4, docs/evaluation.md says how that
