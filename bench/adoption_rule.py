@@ -52,8 +52,10 @@ docs/evaluation.md, the fourteenth round); seeds 260-279 the fifteenth round's v
 passed, and rule 4 on seeds 100-119 of the six target window-settings, which it failed on one: docs/evaluation.md,
 the fifteenth round); seeds 280-299 the sixteenth round's variant (rule 5 (a) there, which it failed on two
 window-settings, and rule 4 on seeds 120-139 of the six target window-settings, which it passed: docs/evaluation.md,
-the sixteenth round); the next variant is judged on seeds 300-319 (and, where the target is unmet, on seeds
-140-159), the current policy run on them too.
+the sixteenth round); seeds 300-319 the seventeenth round's variant (rule 5 (a) there, which it failed on one
+window-setting, and rule 4 on seeds 140-159 of the six target window-settings, which it passed: docs/evaluation.md,
+the seventeenth round); the next variant is judged on seeds 320-339 (and, where the target is unmet, on seeds
+160-179), the current policy run on them too.
 
 Rule 5 (for a variant aimed at a failure the tuning windows do not contain, such as TPOT misses when a burst of
 prompts lands on a node; written after the tenth round's variant failed rule 4, docs/evaluation.md says how that
