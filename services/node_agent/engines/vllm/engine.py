@@ -200,8 +200,9 @@ class VllmEngine:
             return bool(envs.VLLM_BATCH_INVARIANT)
         threads = await self._llm.collective_rpc("baton_num_threads")
         log.info("vLLM workers of %s run %s CPU threads", self.model, threads)
-        if cpu_has_amx():
-            log.info("the CPU has AMX: resumes of %s are not promised exact (docs/vllm.md)", self.model)
+        if not cpu_resumes_exactly():
+            log.info("not a CPU where resume was measured exact: resumes of %s are not promised exact (docs/vllm.md)",
+                     self.model)
             return False
         return all(n == 1 for n in threads)
 
@@ -458,10 +459,12 @@ def _is_input_error(exc: Exception) -> bool:
     return isinstance(exc, ValueError | VLLMClientError)
 
 
-def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this machine's CPU has AMX tiles (its flags name amx_tile); False where that cannot be read."""
+def cpu_resumes_exactly(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU is of the kind where a re-prefilled resume was measured to match decoding (docs/vllm.md):
+    native bf16 dot products (avx512_bf16) and no AMX tiles. False where its flags cannot be read."""
     try:
         with open(cpuinfo) as lines:
-            return any(line.startswith("flags") and "amx_tile" in line.split() for line in lines)
+            flags = next((line.split() for line in lines if line.startswith("flags")), [])
     except OSError:
         return False
+    return "avx512_bf16" in flags and "amx_tile" not in flags
