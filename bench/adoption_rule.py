@@ -54,9 +54,10 @@ the fifteenth round); seeds 280-299 the sixteenth round's variant (rule 5 (a) th
 window-settings, and rule 4 on seeds 120-139 of the six target window-settings, which it passed: docs/evaluation.md,
 the sixteenth round); seeds 300-319 the seventeenth round's variant (rule 5 (a) there, which it failed on one
 window-setting, and rule 4 on seeds 140-159 of the six target window-settings, which it passed: docs/evaluation.md,
-the seventeenth round); seeds 320-339 the eighteenth round's variant (rule 5 (a) there, which it passed, and rule 4 on seeds 160-179
-of the six target window-settings, which it failed: docs/evaluation.md, the eighteenth round); the next variant is
-judged on seeds 340-359 (and, where the target is unmet, on seeds 180-199), the current policy run on them too.
+the seventeenth round); seeds 320-339 the eighteenth round's variant (rule 5 (a) there, which it passed, and rule
+4 on seeds 160-179 of the six target window-settings, which it failed: docs/evaluation.md, the eighteenth round); the
+next variant is judged on seeds 340-359 (and, where the target is unmet, on seeds 180-199), the current policy run on
+them too.
 
 Rule 5 (for a variant aimed at a failure the tuning windows do not contain, such as TPOT misses when a burst of
 prompts lands on a node; written after the tenth round's variant failed rule 4, docs/evaluation.md says how that
