@@ -7,7 +7,18 @@ succeed moves only with when that is: the last few answers and what ran beside t
         --policies baton,weighted_least_loaded
 
 prints, per seed and policy, when the fleet drained (after the last arrival) and the requests that
-ended last: arrival, end, prompt and output length, node, TTFT and TPOT.
+ended last: arrival, end, prompt and output length, node, TTFT and TPOT. With --by-gpu, also where the
+requests ran and where they missed their SLO, per GPU kind:
+
+    python -m bench.last_requests --setting "Mooncake conversation, 2xH100+8xL4, 1x" --seeds 360 \\
+        --policies baton --count 0 --by-gpu
+
+    seed 360 baton: the fleet drained ...
+       h100: placed 449, late 160 (TTFT 160), failed 0
+       l4: placed 151, late 84 (TTFT 53), failed 0
+
+(late: finished past one of its budgets, the TTFT one or another; each request held to its own budgets, as
+the matrix's SLO attainment counts it.)
 """
 
 from __future__ import annotations
@@ -15,9 +26,13 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections import Counter
 
 from bench.sim_matrix import BASELINES, SETTINGS, TUNING, Setting, _args, build_parser, window_of
+from services.common.slo import Outcome
+from simulator.metrics import Slo
 from simulator.report import build_workload, simulate
+from simulator.simulation import RequestRecord
 
 WINDOW = re.compile(r"(?P<base>.+), requests (?P<start>[\d,]+)-(?P<end>[\d,]+)")
 
@@ -36,8 +51,29 @@ def find_setting(name: str, options: argparse.Namespace) -> Setting | None:
     return window_of(base, start, options.limit) if end - start == options.limit else None
 
 
-def last_requests(setting: Setting, policy: str, seed: int, count: int, options: argparse.Namespace) -> list[str]:
-    """The drain and the `count` requests that ended last, one line each."""
+def by_gpu(records: list[RequestRecord], slo: Slo) -> list[str]:
+    """Per GPU kind (the node id's prefix, "h100" of "h100-2"): the requests last placed there, those that ended
+    late (and how many of them past their TTFT budget) and those that failed."""
+    placed: Counter[str] = Counter()
+    late: Counter[str] = Counter()
+    late_ttft: Counter[str] = Counter()
+    failed: Counter[str] = Counter()
+    for record in records:
+        kind = record.node_id.rsplit("-", 1)[0] if record.node_id else "not placed"
+        placed[kind] += 1
+        outcome = slo.outcome(record)
+        if outcome == Outcome.LATE:
+            late[kind] += 1
+            late_ttft[kind] += record.ttft_s is not None and record.ttft_s * 1000 > slo.for_record(record).ttft_ms
+        elif outcome != Outcome.SUCCEEDED:
+            failed[kind] += 1
+    return [f"   {kind}: placed {placed[kind]}, late {late[kind]} (TTFT {late_ttft[kind]}), failed {failed[kind]}"
+            for kind in sorted(placed)]
+
+
+def last_requests(setting: Setting, policy: str, seed: int, count: int, options: argparse.Namespace,
+                  per_gpu: bool = False) -> list[str]:
+    """The drain and the `count` requests that ended last, one line each; per_gpu: and a line per GPU kind."""
     args = _args(setting, options)
     result = simulate(args, policy, build_workload(args, setting.load), seed)
     last_arrival = max(r.arrival_s for r in result.records)
@@ -52,6 +88,8 @@ def last_requests(setting: Setting, policy: str, seed: int, count: int, options:
         lines.append(f"   {record.request.request_id} arrived {record.arrival_s:.2f} s, ended {record.finish_s:.2f} s: "
                      f"prompt {record.request.prompt_len}, output {record.num_generated}, on {record.node_id}, "
                      f"TTFT {record.first_token_s - record.arrival_s:.2f} s, TPOT {tpot_ms:.1f} ms")
+    if per_gpu:
+        lines += by_gpu(result.records, Slo(args.ttft_slo, args.tpot_slo))
     return lines
 
 
@@ -65,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--policies", default=",".join(("baton", *BASELINES)))
     parser.add_argument("--count", type=int, default=4, help="how many of the last requests to show")
+    parser.add_argument("--by-gpu", action="store_true",
+                        help="also, per GPU kind, the requests placed there and those that ended late or failed")
     own, rest = parser.parse_known_args(argv)
     options = build_parser().parse_args(rest)  # the matrix's own options (--timing-error, --admission, ...)
     setting = find_setting(own.setting, options)
@@ -76,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for seed in (int(s) for s in own.seeds.split(",")):
         for policy in own.policies.split(","):
-            print("\n".join(last_requests(setting, policy.strip(), seed, own.count, options)))
+            print("\n".join(last_requests(setting, policy.strip(), seed, own.count, options, own.by_gpu)))
     return 0
 
 

@@ -24,9 +24,13 @@ class Slo:
         self.ttft_s, self.tpot_s = ttft_s, tpot_s
         self._slo = RequestSlo(ttft_s * 1000, tpot_s * 1000, deadline_s * 1000)
 
-    def outcome(self, record: RequestRecord) -> Outcome:
+    def for_record(self, record: RequestRecord) -> RequestSlo:
+        """The budgets the request is held to (in ms): its own, these where it sets none."""
         request = record.request
-        slo = self._slo.for_request(request.ttft_budget_ms, request.tpot_budget_ms, request.deadline_ms)
+        return self._slo.for_request(request.ttft_budget_ms, request.tpot_budget_ms, request.deadline_ms)
+
+    def outcome(self, record: RequestRecord) -> Outcome:
+        slo = self.for_record(record)
         ttft, tpot = record.ttft_s, record.tpot_s
         return classify(slo, finished=record.finish_s is not None,
                         ttft_ms=None if ttft is None else ttft * 1000, tpot_ms=None if tpot is None else tpot * 1000,

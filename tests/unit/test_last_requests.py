@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.last_requests import main
+from bench.last_requests import by_gpu, main
+from simulator.metrics import Slo
 from simulator.report import TRACES
+from simulator.simulation import RequestRecord
+from simulator.workload import SimRequest
 
 
 def test_it_names_the_request_that_ended_last_and_when_the_fleet_drained(tmp_path: Path, capsys) -> None:
@@ -51,3 +54,20 @@ def test_another_window_of_a_matrix_setting_is_traced_as_the_windows_runs_name_i
     assert "output 400, on h100-" in lines[1]  # the window's last request, not the trace's first ones
     assert main(["--setting", "Mooncake conversation, 8xH100, 2x, requests 1,200-1,800", *common]) == 2
     assert "no setting named 'Mooncake conversation, 8xH100, 2x, requests 1,200-1,800'" in capsys.readouterr().err
+
+
+def test_by_gpu_counts_where_requests_ran_and_which_budget_each_late_one_missed() -> None:
+    """A round's trace asks where the misses moved (docs/evaluation.md, the twentieth round): each request counts
+    on the GPU kind it ran on last, late past its own TTFT budget or past another, or failed."""
+    def record(node: str, ttft_s: float | None, tpot_s: float, ttft_budget_ms: int = 0) -> RequestRecord:
+        request = SimRequest(f"r{node}{ttft_s}", 0.0, (), 64, 11, "t", ttft_budget_ms=ttft_budget_ms)
+        finish = None if ttft_s is None else ttft_s + 10 * tpot_s
+        return RequestRecord(request, 0.0, first_token_s=ttft_s, finish_s=finish, num_generated=11, node_id=node)
+
+    records = [record("h100-0", 0.1, 0.01), record("h100-1", 6.0, 0.01), record("h100-1", 0.5, 0.01, 400),
+               record("l4-3", 0.2, 0.2), record("l4-4", None, 0.0), record("", None, 0.0)]
+    assert by_gpu(records, Slo(ttft_s=5.0, tpot_s=0.1)) == [
+        "   h100: placed 3, late 2 (TTFT 2), failed 0",  # 6 s past the 5 s default; 0.5 s past its own 400 ms
+        "   l4: placed 2, late 1 (TTFT 0), failed 1",  # 200 ms a token past 100 ms; one never began
+        "   not placed: placed 1, late 0 (TTFT 0), failed 1",
+    ]
