@@ -17,7 +17,7 @@ A seed draws the timing error only: every seed of a setting replays the same req
 long answer decides how long the fleet runs, it decides it in every seed. `--windows N` replays each
 chosen setting over N further windows of its trace instead (none sharing a request with the matrix's
 or the tuning windows), and pools them: Baton's change against each baseline, seed-averaged within a
-window, with its interval over the windows.
+window, with its interval over the windows, on the whole fleet and on the busy-time floor.
 """
 
 from __future__ import annotations
@@ -154,11 +154,12 @@ def _has_figure(run: dict, key: str) -> bool:
     return math.isfinite(run[key]) and run[key] > 0
 
 
-def pooled_change(per_window: list[dict[str, list[dict]]], mine: str, theirs: str) -> tuple[list[float], list[float]]:
+def pooled_change(per_window: list[dict[str, list[dict]]], mine: str, theirs: str,
+                  key: str = "cost_per_successful_task") -> tuple[list[float], list[float]]:
     """Per window, the change of `mine` against `theirs` (or against the cheapest of the other policies in that
-    window, theirs=CHEAPEST), each seed paired with the same seed and averaged over them: whole-fleet cost per
-    successful task in %, and SLO attainment in points. Windows where a run had no success are left out."""
-    key = "cost_per_successful_task"
+    window by `key`, theirs=CHEAPEST), each seed paired with the same seed and averaged over them: the cost per
+    successful task `key` (whole fleet unless told) in %, and SLO attainment in points. Windows where a run had no
+    success are left out."""
     costs, slos = [], []
     for runs in per_window:
         other = theirs if theirs != CHEAPEST else min((p for p in runs if p != mine),
@@ -174,25 +175,32 @@ def pooled_change(per_window: list[dict[str, list[dict]]], mine: str, theirs: st
 def pooled_verdict(per_window: list[dict[str, list[dict]]]) -> list[str]:
     """Two tables over the windows. Baton against each baseline and against the cheapest in each window:
     the mean of the per-window changes (pooled_change) with its 95 % interval over the windows, and the
-    windows where Baton was cheaper. Then the same statistic for every policy, against the cheapest of the
-    others in each window: the cheapest of several policies is cheaper than any one of them partly by
-    chance, and this shows how far each policy is from it."""
+    windows where Baton was cheaper; beside them the busy-time floor the same way (against the cheapest by
+    busy time in each window, which may be another policy). Then the same statistic for every policy, against
+    the cheapest of the others in each window: the cheapest of several policies is cheaper than any one of
+    them partly by chance, and this shows how far each policy is from it."""
     policies = list(per_window[0])
 
-    def row(name: str, costs: list[float], slos: list[float] | None = None) -> str:
+    def row(name: str, costs: list[float], slos: list[float] | None = None,
+            busy: list[float] | None = None) -> str:
         cost, ci = mean_ci(costs)
         cells = [name, f"{cost:+.2f} ± {ci:.2f} %", f"{sum(c < 0 for c in costs)} of {len(costs)}"]
         if slos is not None:
             slo, slo_ci = mean_ci(slos)
             cells.append(f"{slo:+.2f} ± {slo_ci:.2f} pt")
+        if busy is not None:
+            floor, floor_ci = mean_ci(busy) if busy else (math.nan, math.nan)
+            cells.append(f"{floor:+.1f} ± {floor_ci:.1f} %, {sum(c < 0 for c in busy)} of {len(busy)}")
         return "| " + " | ".join(cells) + " |"
 
-    lines = ["| baseline | whole-fleet cost per successful task | Baton cheaper in | SLO attainment |",
-             "|---|---:|---:|---:|"]
+    lines = ["| baseline | whole-fleet cost per successful task | Baton cheaper in | SLO attainment "
+             "| busy-time floor (Baton cheaper in) |",
+             "|---|---:|---:|---:|---:|"]
     for theirs in [p for p in policies if p != "baton"] + [CHEAPEST]:
         costs, slos = pooled_change(per_window, "baton", theirs)
         if costs:
-            lines.append(row(theirs, costs, slos))
+            busy, _ = pooled_change(per_window, "baton", theirs, key="busy_cost_per_successful_task")
+            lines.append(row(theirs, costs, slos, busy))
     lines += ["", "Each policy against the cheapest of the others in each window:", "",
               "| policy | whole-fleet cost per successful task | cheaper in |", "|---|---:|---:|"]
     for mine in policies:

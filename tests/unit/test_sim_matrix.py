@@ -106,6 +106,22 @@ def test_the_pooled_verdict_averages_seeds_within_a_window_then_windows() -> Non
     assert dynamo[3].startswith("-1.00 ± ")  # SLO: 0 pt in window 1, -2 pt in window 2
 
 
+def test_the_pooled_table_puts_the_busy_time_floor_beside_the_whole_fleet_cost() -> None:
+    # Baton is dearer than dynamo on the whole fleet but cheaper by busy time; llm_d is the cheapest by busy time,
+    # so the row against the cheapest in each window compares busy time with llm_d, not with dynamo.
+    def costs(fleet: float, busy: float) -> dict:
+        return {KEY: fleet, "busy_cost_per_successful_task": busy, "slo_attainment": 1.0}
+
+    window = {"baton": [costs(101.0, 40.0)], "dynamo": [costs(100.0, 60.0)], "llm_d": [costs(200.0, 50.0)]}
+    lines = pooled_verdict([window, window])
+    assert lines[0].endswith("| busy-time floor (Baton cheaper in) |")
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in lines[2:5]}
+    assert rows["dynamo"][1].startswith("+1.00 ± ")  # the whole fleet: dearer
+    assert rows["dynamo"][4] == "-33.3 ± 0.0 %, 2 of 2 |"  # its floor: 40 against 60
+    assert rows["the cheapest in each window"][1].startswith("+1.00 ± ")  # dynamo, the cheapest whole fleet
+    assert rows["the cheapest in each window"][4] == "-20.0 ± 0.0 %, 2 of 2 |"  # llm_d, the cheapest floor
+
+
 def test_the_pooled_control_compares_every_policy_with_the_cheapest_of_the_others() -> None:
     # Three policies that tie on average, each cheapest in one window: every one is dearer than the
     # cheapest of the others, which is what a tie looks like by that comparison.
