@@ -189,7 +189,7 @@ def pooled_verdict(per_window: list[dict[str, list[dict]]]) -> list[str]:
             slo, slo_ci = mean_ci(slos)
             cells.append(f"{slo:+.2f} ± {slo_ci:.2f} pt")
         if busy is not None:
-            floor, floor_ci = mean_ci(busy) if busy else (math.nan, math.nan)
+            floor, floor_ci = mean_ci(busy)  # a window without a busy figure has no whole-fleet one either
             cells.append(f"{floor:+.1f} ± {floor_ci:.1f} %, {sum(c < 0 for c in busy)} of {len(busy)}")
         return "| " + " | ".join(cells) + " |"
 
