@@ -10,6 +10,8 @@ smaller fleet for the same load and SLO is the one an operator saves with; this 
 the whole-fleet KPI implies.
 
     python -m bench.cheapest_fleet --out results/cheapest      # the table in docs/evaluation.md
+    python -m bench.cheapest_fleet --skip 3600 --seeds 400,401,402 --out results/cheapest-3600
+        # the same search on a later window of the trace (requests 3,600-4,200)
 """
 
 from __future__ import annotations
@@ -57,12 +59,14 @@ def _mean(summaries: list[dict], key: str) -> float:
     return sum(s[key] for s in summaries) / len(summaries)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.cheapest_fleet", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default="mooncake-conversation")
     parser.add_argument("--load", type=float, default=1.0)
     parser.add_argument("--limit", type=int, default=600)
+    parser.add_argument("--skip", type=int, default=0,
+                        help="requests of the trace skipped before the ones replayed (a later window of it)")
     parser.add_argument("--target", type=float, default=0.99, help="SLO attainment to hold")
     parser.add_argument("--ttft-slo", type=float, default=5.0)
     parser.add_argument("--tpot-slo", type=float, default=0.1)
@@ -72,15 +76,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--traces", default="")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default="results/cheapest")
-    options = parser.parse_args(argv)
+    return parser
+
+
+def args_for(options: argparse.Namespace, fleet: str) -> argparse.Namespace:
+    """The simulator's options for one run of the search on fleet."""
+    argv = ["--workload", options.workload, "--fleet", fleet, "--loads", f"{options.load:g}",
+            "--limit", str(options.limit), "--skip", str(options.skip), "--ttft-slo", str(options.ttft_slo),
+            "--tpot-slo", str(options.tpot_slo), "--timing-error", str(options.timing_error)]
+    return parse_args(argv + (["--traces", options.traces] if options.traces else []))
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = build_parser().parse_args(argv)
     policies = options.policies.split(",")
     seeds = [int(s) for s in options.seeds.split(",")]
-
-    def args_for(fleet: str) -> argparse.Namespace:
-        argv = ["--workload", options.workload, "--fleet", fleet, "--loads", f"{options.load:g}",
-                "--limit", str(options.limit), "--ttft-slo", str(options.ttft_slo), "--tpot-slo",
-                str(options.tpot_slo), "--timing-error", str(options.timing_error)]
-        return parse_args(argv + (["--traces", options.traces] if options.traces else []))
 
     started = time.perf_counter()
     runs: dict[tuple[str, str], list[dict]] = {}  # (policy, fleet): one summary per seed
@@ -92,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             probes = {key: (bounds[key][0] + bounds[key][1]) // 2 for key in open_}
             jobs = [(key, families[key[1]].fleet(k)) for key, k in probes.items()]
             todo = sorted({(key[0], fleet) for key, fleet in jobs if (key[0], fleet) not in runs})
-            summaries = list(pool.map(_run, [(args_for(f), p, seed) for p, f in todo for seed in seeds]))
+            summaries = list(pool.map(_run, [(args_for(options, f), p, seed) for p, f in todo for seed in seeds]))
             for i, (policy, fleet) in enumerate(todo):
                 runs[(policy, fleet)] = summaries[i * len(seeds):(i + 1) * len(seeds)]
             for key, fleet in jobs:
@@ -103,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
                     bounds[key][0] = k + 1
     wall_s = time.perf_counter() - started
 
+    replayed = (f"requests {options.skip:,}-{options.skip + options.limit:,}" if options.skip
+                else f"first {options.limit} requests")
     lines = [f"Cheapest fleet holding {options.target:.0%} SLO attainment (TTFT {options.ttft_slo:g} s, TPOT "
-             f"{options.tpot_slo * 1000:.0f} ms): {options.workload}, first {options.limit} requests at "
+             f"{options.tpot_slo * 1000:.0f} ms): {options.workload}, {replayed} at "
              f"{options.load:g}x, ±{options.timing_error:.0%} timing error (seeds {options.seeds}; attainment and "
              f"costs their means); {len(runs) * len(seeds)} runs in {wall_s / 60:.0f} min.", "",
              "| policy | " + " | ".join(f.name for f in FAMILIES)
