@@ -101,13 +101,19 @@ class BatonClient:
             request.prompt_token_ids.ids.extend(prompt_token_ids)
         if not request.request_id:
             request.request_id = uuid.uuid4().hex  # the same id on every router it may resume on
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        sent = time.monotonic()
+        deadline = None if timeout_s is None else sent + timeout_s
+        # deadline_ms counts from the request's arrival at a router: a resumed stream sends the part left of it,
+        # not the whole again (each router counts from its own arrival).
+        deadline_ms = request.deadline_ms
         received: list[int] = []
         failovers = 0
         # This stream's router: its own, as other streams of the client fail over at the same time.
         index = self._current
         connect_budget_s = FAILOVER_CONNECT_S
         while True:
+            if failovers and deadline_ms:
+                request.deadline_ms = max(1, deadline_ms - round((time.monotonic() - sent) * 1000))
             if received:
                 del request.resume.token_ids[:]
                 request.resume.token_ids.extend(received)

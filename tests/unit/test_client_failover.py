@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import types
 
 import grpc
 import pytest
@@ -111,3 +112,46 @@ async def test_with_every_router_down_a_request_waits_only_for_channels_in_backo
             assert all(0 < wait <= timeout_s for _, wait in waits)
     finally:
         await client.close()
+
+
+@pytest.mark.asyncio
+async def test_a_resumed_stream_sends_the_part_of_its_deadline_left_not_the_whole_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # deadline_ms counts from the request's arrival at a router. A stream that fails over 3 s into a 4 s
+    # deadline must not get a fresh 4 s from the next router (it ran 4.9 s against a real cluster).
+    clock = [100.0]
+    monkeypatch.setattr("baton.client.time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    seen: list[tuple[int, list[int]]] = []
+
+    class Dying(router_pb2_grpc.RouterServicer):
+        async def Generate(self, request, context):  # noqa: N802 - the generated servicer's name
+            seen.append((request.deadline_ms, list(request.resume.token_ids)))
+            yield router_pb2.GenerateChunk(request_id=request.request_id, token_ids=[7, 8], index=0, node_id="n1")
+            clock[0] += 3.0  # the router dies 3 s after the request was sent
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "router going away")
+
+    class Live(router_pb2_grpc.RouterServicer):
+        async def Generate(self, request, context):  # noqa: N802 - the generated servicer's name
+            seen.append((request.deadline_ms, list(request.resume.token_ids)))
+            yield router_pb2.GenerateChunk(request_id=request.request_id, token_ids=[9], index=2, node_id="n2",
+                                           finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+    servers, addresses = [], []
+    for servicer in (Dying(), Live()):
+        port, server = free_port(), grpc.aio.server()
+        router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
+        assert server.add_insecure_port(f"127.0.0.1:{port}") == port
+        await server.start()
+        servers.append(server)
+        addresses.append(f"127.0.0.1:{port}")
+    client = BatonClient(addresses, max_failovers=1)
+    try:
+        completion = await asyncio.wait_for(
+            client.complete("m", prompt="hi", max_tokens=3, deadline_ms=4000), 30)
+        assert completion.token_ids == [7, 8, 9]
+        assert seen == [(4000, []), (1000, [7, 8])]
+    finally:
+        await client.close()
+        for server in servers:
+            await server.stop(None)
