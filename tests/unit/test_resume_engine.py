@@ -151,3 +151,53 @@ def test_num_resumed_tokens_just_below_the_prompt_length_is_accepted() -> None:
     request = EngineRequest("edge", PROMPT + tuple(full[:5]), _sampling(N - 5, 0.0, None), len(PROMPT) + 4)
     tokens, finish = _run(request)
     assert (tokens, finish) == (full[5:], FinishReason.LENGTH)
+
+
+@pytest.mark.asyncio
+async def test_a_request_aborted_while_its_step_runs_and_resumed_under_its_id_gets_no_token_of_the_old_one() -> None:
+    # A router dies mid-stream: its node stream breaks (the node aborts the request) while a step that decodes
+    # it is running, and the next router resumes it on the same node under the same id before that step's
+    # outputs are handed out. The old sequence's token must not reach the resumed stream: it got its first
+    # token twice (121 tokens for max_tokens=120, against a real cluster).
+    import asyncio
+
+    from services.node_agent.engines.sim.engine import SimEngine
+
+    full = _uninterrupted(0.0, None)
+    k = 5
+    core = SimEngineCore(MODEL, TIMING, 2000)
+    engine = SimEngine(core, MODEL.name, 0)
+    resumed: list = []
+    step = core.step
+
+    def step_then_resume():
+        result = step()
+        if not resumed and any(o.num_completion_tokens == k + 1 for o in result.outputs):
+            # The step holding the old sequence's token k has run; while its time passes, before its outputs
+            # go out, the request is aborted and resumed from its first k tokens.
+            resumed.append(None)
+            asyncio.get_running_loop().call_soon(resume)
+        return result
+
+    def resume():
+        engine.abort("r")
+        request = EngineRequest("r", PROMPT + tuple(full[:k]), _sampling(N - k, 0.0, None), num_resumed_tokens=k)
+        resumed[0] = engine.generate(request, heartbeat_s=5.0)
+
+    core.step = step_then_resume
+    runner = asyncio.create_task(engine.run())
+    try:
+        # Its heartbeats (None) end the wait once it is aborted: it gets no output then.
+        first = engine.generate(EngineRequest("r", PROMPT, _sampling(N, 0.0, None)), heartbeat_s=0.01)
+        async for output in first:
+            if resumed and resumed[0] is not None:
+                break
+        tokens: list[int] = []
+        async for output in resumed[0]:
+            assert output is not None, "the resumed stream went silent"
+            tokens += output.new_token_ids
+            if output.finish_reason is not None:
+                break
+        assert full[:k] + tokens == full
+    finally:
+        runner.cancel()

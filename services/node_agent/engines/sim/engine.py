@@ -84,6 +84,10 @@ class SimEngine:
                 await self._wake.wait()
                 deadline = loop.time()
             result = self._core.step()
+            # Each output goes to the reader its request had when the step ran: while the step's time passes, the
+            # request may be aborted and a new one of the same id added (a stream resumed here after its router
+            # died), and the old sequence's token must not reach the new reader (it got its first token twice).
+            readers = [(output, self._buffers.get(output.request_id)) for output in result.outputs]
             if self._speed > 0:
                 # The step's outputs exist only once the modelled GPU time has passed.
                 deadline = max(deadline + result.duration_s / self._speed, loop.time() - _MAX_LAG_S)
@@ -91,11 +95,10 @@ class SimEngine:
             else:
                 await asyncio.sleep(0)
             self._core.step_ended()
-            for output in result.outputs:
+            for output, buffer in readers:
                 if output.finish_reason is not None:
                     self.load_changed.notify()
-                buffer = self._buffers.get(output.request_id)
-                if buffer is not None:
+                if buffer is not None and self._buffers.get(output.request_id) is buffer:
                     buffer.put(output)
             if result.kv_events:
                 self._kv_events.extend(result.kv_events)
