@@ -201,3 +201,36 @@ async def test_a_request_aborted_while_its_step_runs_and_resumed_under_its_id_ge
         assert full[:k] + tokens == full
     finally:
         runner.cancel()
+
+
+@pytest.mark.asyncio
+async def test_a_stream_closed_late_does_not_abort_the_request_resumed_under_its_id() -> None:
+    # The node aborted the old request and a resumed one of the same id was added before the old stream's
+    # generator was closed (an async generator left at a yield is closed later, by the event loop).
+    import asyncio
+
+    from services.node_agent.engines.sim.engine import SimEngine
+
+    full = _uninterrupted(0.0, None)
+    core = SimEngineCore(MODEL, TIMING, 2000)
+    engine = SimEngine(core, MODEL.name, 0)
+    runner = asyncio.create_task(engine.run())
+    try:
+        old = engine.generate(EngineRequest("r", PROMPT, _sampling(N, 0.0, None)), heartbeat_s=5.0)
+        first = await anext(old)
+        while first is None:
+            first = await anext(old)
+        k = len(first.new_token_ids)
+        engine.abort("r")
+        new = engine.generate(EngineRequest("r", PROMPT + tuple(full[:k]), _sampling(N - k, 0.0, None),
+                                            num_resumed_tokens=k), heartbeat_s=5.0)
+        await old.aclose()
+        tokens: list[int] = []
+        async for output in new:
+            assert output is not None, "the resumed request went silent"
+            tokens += output.new_token_ids
+            if output.finish_reason is not None:
+                break
+        assert full[:k] + tokens == full
+    finally:
+        runner.cancel()

@@ -133,8 +133,9 @@ class SimEngine:
                 finished = output is not None and output.finish_reason is not None
                 yield output
         finally:
-            if not finished:
-                # Reader went away (client cancelled, stream closed): free the KV blocks now.
+            if not finished and self._buffers.get(request_id) is buffer:
+                # Reader went away (client cancelled, stream closed): free the KV blocks now. Only its own request:
+                # closed late, after a request of the same id was added, it must not abort that one.
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
