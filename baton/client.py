@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -112,8 +113,6 @@ class BatonClient:
         index = self._current
         connect_budget_s = FAILOVER_CONNECT_S
         while True:
-            if failovers and deadline_ms:
-                request.deadline_ms = max(1, deadline_ms - round((time.monotonic() - sent) * 1000))
             if received:
                 del request.resume.token_ids[:]
                 request.resume.token_ids.extend(received)
@@ -123,6 +122,8 @@ class BatonClient:
                 connect_budget_s -= await self._wait_ready(
                     channel, connect_budget_s if remaining is None else min(connect_budget_s, remaining))
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if failovers and deadline_ms:  # after any wait for the channel: that time is gone too
+                request.deadline_ms = max(1, deadline_ms - math.ceil((time.monotonic() - sent) * 1000))
             call = router_pb2_grpc.RouterStub(channel).Generate(request, timeout=remaining, metadata=self._metadata)
             try:
                 async for chunk in call:
