@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+
 import pytest
 
 from services.node_agent.engines.sim.core import SimEngineCore
+from services.node_agent.engines.sim.engine import SimEngine
 from services.node_agent.engines.sim.models import get_model
 from services.node_agent.engines.sim.timing import load_coefficients
-from services.node_agent.engines.types import EngineRequest, FinishReason, SamplingParams
+from services.node_agent.engines.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
 
 MODEL = get_model("sim-llama-3-8b")
 TIMING = load_coefficients("h100", MODEL.perf_model)
@@ -159,10 +163,6 @@ async def test_a_request_aborted_while_its_step_runs_and_resumed_under_its_id_ge
     # it is running, and the next router resumes it on the same node under the same id before that step's
     # outputs are handed out. The old sequence's token must not reach the resumed stream: it got its first
     # token twice (121 tokens for max_tokens=120, against a real cluster).
-    import asyncio
-
-    from services.node_agent.engines.sim.engine import SimEngine
-
     full = _uninterrupted(0.0, None)
     k = 5
     core = SimEngineCore(MODEL, TIMING, 2000)
@@ -192,13 +192,7 @@ async def test_a_request_aborted_while_its_step_runs_and_resumed_under_its_id_ge
         async for output in first:
             if resumed and resumed[0] is not None:
                 break
-        tokens: list[int] = []
-        async for output in resumed[0]:
-            assert output is not None, "the resumed stream went silent"
-            tokens += output.new_token_ids
-            if output.finish_reason is not None:
-                break
-        assert full[:k] + tokens == full
+        assert full[:k] + await _read_to_end(resumed[0]) == full
     finally:
         runner.cancel()
 
@@ -207,10 +201,6 @@ async def test_a_request_aborted_while_its_step_runs_and_resumed_under_its_id_ge
 async def test_a_stream_closed_late_does_not_abort_the_request_resumed_under_its_id() -> None:
     # The node aborted the old request and a resumed one of the same id was added before the old stream's
     # generator was closed (an async generator left at a yield is closed later, by the event loop).
-    import asyncio
-
-    from services.node_agent.engines.sim.engine import SimEngine
-
     full = _uninterrupted(0.0, None)
     core = SimEngineCore(MODEL, TIMING, 2000)
     engine = SimEngine(core, MODEL.name, 0)
@@ -225,12 +215,17 @@ async def test_a_stream_closed_late_does_not_abort_the_request_resumed_under_its
         new = engine.generate(EngineRequest("r", PROMPT + tuple(full[:k]), _sampling(N - k, 0.0, None),
                                             num_resumed_tokens=k), heartbeat_s=5.0)
         await old.aclose()
-        tokens: list[int] = []
-        async for output in new:
-            assert output is not None, "the resumed request went silent"
-            tokens += output.new_token_ids
-            if output.finish_reason is not None:
-                break
-        assert full[:k] + tokens == full
+        assert full[:k] + await _read_to_end(new) == full
     finally:
         runner.cancel()
+
+
+async def _read_to_end(stream: AsyncIterator[RequestOutput | None]) -> list[int]:
+    """The tokens of an engine stream up to its finish; a heartbeat (None) means it went silent."""
+    tokens: list[int] = []
+    async for output in stream:
+        assert output is not None, "the stream went silent"
+        tokens += output.new_token_ids
+        if output.finish_reason is not None:
+            break
+    return tokens
