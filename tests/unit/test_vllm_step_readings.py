@@ -1,4 +1,5 @@
-"""The vllm engine's reading of its decode steps from its outputs (no vLLM runs here: fake outputs)."""
+"""The vllm engine's output path: its reading of decode steps, and whose request a closed reader aborts
+(no vLLM runs here: fake outputs)."""
 
 from __future__ import annotations
 
@@ -79,3 +80,17 @@ async def test_after_the_last_decoding_request_leaves_the_next_reading_starts_af
     second = decoding(vllm, "second", elapsed_s=0.2)
     vllm._merge("second", second, [output([5, 6, 7, 8])], StopMatcher(()))
     assert vllm._recent_steps.mean_ms == pytest.approx(50, rel=0.1)  # not (200 + 200) / 5 with the first
+
+
+async def test_a_reader_closed_late_does_not_abort_a_request_of_the_same_id_admitted_since() -> None:
+    """A resume on the same node: the old request is aborted and one of the same id admitted before the old
+    stream's reader is closed; closing it must leave the new request running."""
+    vllm = engine()
+    old = decoding(vllm, "r")
+    reader = vllm._outputs("r", StopMatcher(()), heartbeat_s=60.0)
+    old.queue.put_nowait(output([5]))
+    assert (await anext(reader)).new_token_ids == [5]
+    vllm.abort("r")
+    new = decoding(vllm, "r")
+    await reader.aclose()
+    assert vllm._requests.get("r") is new

@@ -328,7 +328,10 @@ class VllmEngine:
                 finished = output.finish_reason is not None
                 yield output
         finally:
-            self.abort(request_id)
+            # Only its own request: a reader closed late (after its request was aborted and another of the
+            # same id admitted, as a resume on this node does) must not abort the new one.
+            if self._requests.get(request_id) is running:
+                self.abort(request_id)
 
     def _merge(self, request_id: str, running: _Running, pending: list[Any], stops: StopMatcher) -> RequestOutput:
         """One Baton output from the vLLM outputs that came since the last read."""
