@@ -123,7 +123,10 @@ class BatonClient:
                     channel, connect_budget_s if remaining is None else min(connect_budget_s, remaining))
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             if failovers and deadline_ms:  # after any wait for the channel: that time is gone too
-                request.deadline_ms = max(1, deadline_ms - math.ceil((time.monotonic() - sent) * 1000))
+                left_ms = deadline_ms - math.ceil((time.monotonic() - sent) * 1000)
+                if left_ms <= 0:  # it passed while the stream moved: ended as a router ends it, tokens kept
+                    raise _deadline_passed(deadline_ms, request.request_id, len(received))
+                request.deadline_ms = left_ms
             call = router_pb2_grpc.RouterStub(channel).Generate(request, timeout=remaining, metadata=self._metadata)
             try:
                 async for chunk in call:
@@ -164,6 +167,14 @@ class BatonClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _deadline_passed(deadline_ms: int, request_id: str, num_received: int) -> grpc.aio.AioRpcError:
+    """The error a router ends a stream with when its deadline_ms passes (the tokens sent so far stand)."""
+    details = (f"deadline_ms={deadline_ms}: passed after {num_received} generated tokens of request {request_id}, "
+               "while its stream moved to another router; the tokens sent so far stand")
+    return grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                details=details)
 
 
 class Completion:

@@ -114,21 +114,19 @@ async def test_with_every_router_down_a_request_waits_only_for_channels_in_backo
         await client.close()
 
 
-@pytest.mark.asyncio
-async def test_a_resumed_stream_sends_the_part_of_its_deadline_left_not_the_whole_again(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # deadline_ms counts from the request's arrival at a router. A stream that fails over 3 s into a 4 s
-    # deadline must not get a fresh 4 s from the next router (it ran 4.9 s against a real cluster).
+async def _fail_over_at(monkeypatch: pytest.MonkeyPatch, dies_after_s: float, deadline_ms: int,
+                        seen: list[tuple[int, list[int]]], received: list[int]) -> None:
+    """A stream with deadline_ms whose router dies dies_after_s (on the client's clock) after the request was
+    sent, with tokens [7, 8] out, and a router that finishes it with [9]. seen: each router's (deadline_ms,
+    resumed tokens) as it was called; received: the tokens the client got, up to an error if one ended it."""
     clock = [100.0]
     monkeypatch.setattr("baton.client.time", types.SimpleNamespace(monotonic=lambda: clock[0]))
-    seen: list[tuple[int, list[int]]] = []
 
     class Dying(router_pb2_grpc.RouterServicer):
         async def Generate(self, request, context):  # noqa: N802 - the generated servicer's name
             seen.append((request.deadline_ms, list(request.resume.token_ids)))
             yield router_pb2.GenerateChunk(request_id=request.request_id, token_ids=[7, 8], index=0, node_id="n1")
-            clock[0] += 3.0  # the router dies 3 s after the request was sent
+            clock[0] += dies_after_s
             await context.abort(grpc.StatusCode.UNAVAILABLE, "router going away")
 
     class Live(router_pb2_grpc.RouterServicer):
@@ -147,11 +145,39 @@ async def test_a_resumed_stream_sends_the_part_of_its_deadline_left_not_the_whol
         addresses.append(f"127.0.0.1:{port}")
     client = BatonClient(addresses, max_failovers=1)
     try:
-        completion = await asyncio.wait_for(
-            client.complete("m", prompt="hi", max_tokens=3, deadline_ms=4000), 30)
-        assert completion.token_ids == [7, 8, 9]
-        assert seen == [(4000, []), (1000, [7, 8])]
+        async with asyncio.timeout(30):
+            async for chunk in client.generate("m", prompt="hi", max_tokens=3, deadline_ms=deadline_ms):
+                received.extend(chunk.token_ids)
     finally:
         await client.close()
         for server in servers:
             await server.stop(None)
+
+
+@pytest.mark.asyncio
+async def test_a_resumed_stream_sends_the_part_of_its_deadline_left_not_the_whole_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # deadline_ms counts from the request's arrival at a router. A stream that fails over 3 s into a 4 s
+    # deadline must not get a fresh 4 s from the next router (it ran 4.9 s against a real cluster).
+    seen: list[tuple[int, list[int]]] = []
+    received: list[int] = []
+    await _fail_over_at(monkeypatch, 3.0, 4000, seen, received)
+    assert received == [7, 8, 9]
+    assert seen == [(4000, []), (1000, [7, 8])]
+
+
+@pytest.mark.asyncio
+async def test_a_stream_whose_deadline_passed_before_it_moved_ends_with_deadline_exceeded_its_tokens_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Its router died 5 s into a 4 s deadline: no other router is asked; the stream ends as a router ends a
+    # stream past its deadline, not refused by admission as a 1 ms request would be.
+    seen: list[tuple[int, list[int]]] = []
+    received: list[int] = []
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await _fail_over_at(monkeypatch, 5.0, 4000, seen, received)
+    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "deadline_ms=4000" in raised.value.details()
+    assert received == [7, 8]
+    assert seen == [(4000, [])]
