@@ -156,8 +156,9 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         except EngineInputError as exc:  # an engine that checks part of its input as it runs (vLLM)
             await abort(context, InvalidArgument(exc.field, exc.value, exc.reason))
         finally:
-            # The client went away or the stream broke: the engine must not go on for nobody.
-            engine.abort(request.request_id)
+            # The client went away or the stream broke: the engine must not go on for nobody. Closing the stream
+            # ends this request only (not one of the same id admitted since, closed late as it may be).
+            await outputs.aclose()
 
     def _chunk(self, request: node_agent_pb2.NodeGenerateRequest, index: int,
                **fields: Any) -> node_agent_pb2.NodeGenerateChunk:

@@ -90,3 +90,27 @@ async def test_a_prompt_no_longer_counts_as_pending_once_its_step_has_run() -> N
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def test_a_stream_closed_after_its_last_chunk_leaves_a_request_of_its_id_admitted_since_running() -> None:
+    # A router died while the node was writing a stream's last chunk: the stream's handler is closed only later,
+    # after the next router has resumed the request on this node under the same id. Closing the old handler
+    # must end its own request, not the new one (before, it aborted by id and the new stream went silent).
+    async with _node() as node:
+        old = node.Generate(_request("r", 3), None)  # type: ignore[arg-type]
+        async with contextlib.aclosing(old):
+            while not (await anext(old)).finish_reason:
+                pass
+            new = node.Generate(_request("r", 5), None)  # type: ignore[arg-type]
+            async with contextlib.aclosing(new):
+                assert (await anext(new)).HasField("started")
+                await old.aclose()
+                tokens: list[int] = []
+                while True:
+                    chunk = await anext(new)
+                    assert chunk.token_ids or chunk.finish_reason or chunk.HasField("progress"), \
+                        "the request is gone from the engine: its stream went silent"
+                    tokens += chunk.token_ids
+                    if chunk.finish_reason:
+                        break
+    assert len(tokens) == 5

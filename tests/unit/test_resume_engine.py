@@ -229,3 +229,15 @@ async def _read_to_end(stream: AsyncIterator[RequestOutput | None]) -> list[int]
         if output.finish_reason is not None:
             break
     return tokens
+
+
+@pytest.mark.asyncio
+async def test_a_stream_closed_before_it_was_read_ends_its_request() -> None:
+    # A node stream broken before its first output was read: an async generator never started runs no cleanup
+    # of its own, so the engine's stream must end the request itself.
+    core = SimEngineCore(MODEL, TIMING, 2000)
+    engine = SimEngine(core, MODEL.name, 0)
+    stream = engine.generate(EngineRequest("r", PROMPT, _sampling(N, 0.0, None)), heartbeat_s=5.0)
+    assert core.has_unfinished_requests()
+    await stream.aclose()
+    assert not core.has_unfinished_requests() and engine.progress("r") is None

@@ -94,3 +94,18 @@ async def test_a_reader_closed_late_does_not_abort_a_request_of_the_same_id_admi
     new = decoding(vllm, "r")
     await reader.aclose()
     assert vllm._requests.get("r") is new
+
+
+async def test_a_reader_whose_request_was_aborted_ends_without_touching_a_request_of_the_same_id() -> None:
+    """Outputs of the old request still queued are not handed out once it is aborted, and its finish there
+    does not take the new request out of the engine."""
+    vllm = engine()
+    old = decoding(vllm, "r")
+    reader = vllm._outputs("r", StopMatcher(()), heartbeat_s=60.0)
+    old.queue.put_nowait(output([5]))
+    assert (await anext(reader)).new_token_ids == [5]
+    old.queue.put_nowait(output([6], "length"))
+    vllm.abort("r")
+    new = decoding(vllm, "r")
+    assert [item async for item in reader] == []
+    assert vllm._requests.get("r") is new

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Callable
 from typing import Protocol
 
 from services.common.change_signal import ChangeSignal
@@ -27,6 +27,28 @@ class EngineInputError(ValueError):
         self.reason = reason
 
 
+class OutputStream:
+    """One request's outputs. Closing it ends that request only: a stream closed late, after its request was
+    aborted and another of the same id admitted (a stream resumed on this node), leaves the new one running.
+    Closing a stream never read ends its request too (an async generator's own cleanup would not run)."""
+
+    def __init__(self, outputs: AsyncGenerator[RequestOutput | None, None], release: Callable[[], None]) -> None:
+        self._outputs = outputs
+        self._release = release  # ends this request if it is still the one its id names; idempotent
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput | None:
+        return await anext(self._outputs)
+
+    async def aclose(self) -> None:
+        try:
+            await self._outputs.aclose()
+        finally:
+            self._release()
+
+
 class Engine(Protocol):
     """An inference engine for one model, driven in real time."""
 
@@ -43,12 +65,13 @@ class Engine(Protocol):
     async def run(self) -> None:
         """The engine loop; runs until cancelled."""
 
-    def generate(self, request: EngineRequest, heartbeat_s: float) -> AsyncIterator[RequestOutput | None]:
+    def generate(self, request: EngineRequest, heartbeat_s: float) -> OutputStream:
         """Admit request at once (EngineInputError if it cannot be served); return its outputs.
 
         Outputs come as they are produced, several steps merged when the reader is slow; None
         when nothing came for heartbeat_s (the engine is alive, e.g. still prefilling).
-        Closing the iterator early aborts the request and frees its KV blocks.
+        Closing the stream early aborts the request (this one, not a later one of its id) and frees
+        its KV blocks; every stream must be closed.
         """
 
     def resumes_exactly(self, sampling: SamplingParams) -> bool:

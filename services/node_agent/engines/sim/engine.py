@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from services.common.change_signal import ChangeSignal
 from services.common.load import Load
 from services.common.timeouts import within
-from services.node_agent.engines.base import EngineInputError
+from services.node_agent.engines.base import EngineInputError, OutputStream
 from services.node_agent.engines.sim.core import SimEngineCore
 from services.node_agent.engines.types import (
     EngineRequest,
@@ -112,31 +112,36 @@ class SimEngine:
         """Wall-clock time of the next decode step (0 when timing is off)."""
         return self._core.expected_decode_step_ms() / self._speed if self._speed > 0 else 0.0
 
-    def generate(self, request: EngineRequest, heartbeat_s: float) -> AsyncIterator[RequestOutput | None]:
+    def generate(self, request: EngineRequest, heartbeat_s: float) -> OutputStream:
         """Admit request now (EngineInputError if it cannot be served) and return its outputs."""
         try:
             self._core.add_request(request)
         except ValueError as exc:
             raise EngineInputError("request", request.request_id, str(exc)) from exc
-        buffer = self._buffers[request.request_id] = _OutputBuffer()
+        request_id = request.request_id
+        buffer = self._buffers[request_id] = _OutputBuffer()
         self._wake.set()
         self.load_changed.notify()
-        return self._outputs(request.request_id, buffer, heartbeat_s)
+        return OutputStream(self._outputs(request_id, buffer, heartbeat_s), lambda: self._release(request_id, buffer))
 
     async def _outputs(
         self, request_id: str, buffer: _OutputBuffer, heartbeat_s: float
-    ) -> AsyncIterator[RequestOutput | None]:
-        finished = False
+    ) -> AsyncGenerator[RequestOutput | None, None]:
         try:
-            while not finished:
+            while True:
                 output = await buffer.take(heartbeat_s)
-                finished = output is not None and output.finish_reason is not None
                 yield output
+                if output is not None and output.finish_reason is not None:
+                    return
         finally:
-            if not finished and self._buffers.get(request_id) is buffer:
-                # Reader went away (client cancelled, stream closed): free the KV blocks now. Only its own request:
-                # closed late, after a request of the same id was added, it must not abort that one.
-                self.abort(request_id)
+            self._release(request_id, buffer)
+
+    def _release(self, request_id: str, buffer: _OutputBuffer) -> None:
+        """The reader of buffer is done (finished, or gone: client cancelled, stream closed): its request, if
+        still running, is aborted and its KV blocks freed. Only its own: closed late, after a request of the
+        same id was added, it must not abort that one."""
+        if self._buffers.get(request_id) is buffer:
+            self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Stop request_id and free its KV blocks; nothing happens if it already finished."""

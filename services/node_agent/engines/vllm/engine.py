@@ -12,7 +12,7 @@ import asyncio
 import logging
 import math
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from services.common.engine_profile import EngineProfile
 from services.common.load import Load
 from services.common.recent_steps import RecentSteps
 from services.common.timeouts import within
-from services.node_agent.engines.base import EngineInputError
+from services.node_agent.engines.base import EngineInputError, OutputStream
 from services.node_agent.engines.types import (
     EngineRequest,
     FinishReason,
@@ -236,7 +236,7 @@ class VllmEngine:
 
     # -- requests ------------------------------------------------------------------------------------
 
-    def generate(self, request: EngineRequest, heartbeat_s: float) -> AsyncIterator[RequestOutput | None]:
+    def generate(self, request: EngineRequest, heartbeat_s: float) -> OutputStream:
         """Admit request now (EngineInputError naming the value if vLLM could not serve it)."""
         self._num_received += 1
         self._check(request)
@@ -264,13 +264,15 @@ class VllmEngine:
         queue: asyncio.Queue[Any] = asyncio.Queue()
         pump = asyncio.get_running_loop().create_task(
             self._pump(request.request_id, prompt, params, queue, request.cache_salt))
-        self._requests[request.request_id] = _Running(
+        running = self._requests[request.request_id] = _Running(
             prompt_len=len(prompt), pump=pump, queue=queue,
             num_cached_tokens=self._keys.cached_prefix_tokens(prompt, request.cache_salt))
         self._gpu_time.start(request.request_id, asyncio.get_running_loop().time())
         self._profiler.admitted(request.request_id, len(self._requests), asyncio.get_running_loop().time())
         self.load_changed.notify()
-        return self._outputs(request.request_id, StopMatcher(sampling.stop, resumed), heartbeat_s)
+        request_id = request.request_id
+        return OutputStream(self._outputs(request_id, StopMatcher(sampling.stop, resumed), heartbeat_s),
+                            lambda: self._release(request_id, running))
 
     def _check(self, request: EngineRequest) -> None:
         rid, prompt, max_tokens = request.request_id, request.prompt_token_ids, request.sampling.max_tokens
@@ -311,11 +313,12 @@ class VllmEngine:
             queue.put_nowait(exc)
 
     async def _outputs(self, request_id: str, stops: StopMatcher,
-                       heartbeat_s: float) -> AsyncIterator[RequestOutput | None]:
+                       heartbeat_s: float) -> AsyncGenerator[RequestOutput | None, None]:
         running = self._requests[request_id]
         finished = False
         try:
-            while not finished:
+            # Until it finishes, or is aborted (its reader then ends without a finish: the stream broke).
+            while not finished and self._requests.get(request_id) is running:
                 try:
                     first = await within(running.queue.get(), heartbeat_s)
                 except TimeoutError:
@@ -328,10 +331,14 @@ class VllmEngine:
                 finished = output.finish_reason is not None
                 yield output
         finally:
-            # Only its own request: a reader closed late (after its request was aborted and another of the
-            # same id admitted, as a resume on this node does) must not abort the new one.
-            if self._requests.get(request_id) is running:
-                self.abort(request_id)
+            self._release(request_id, running)
+
+    def _release(self, request_id: str, running: _Running) -> None:
+        """running's reader is done, or it finished: it leaves vLLM and the load, if it is still there. Only its
+        own request: a reader closed late (after its request was aborted and another of the same id admitted, as
+        a resume on this node does) must not abort the new one."""
+        if self._requests.get(request_id) is running:
+            self.abort(request_id)
 
     def _merge(self, request_id: str, running: _Running, pending: list[Any], stops: StopMatcher) -> RequestOutput:
         """One Baton output from the vLLM outputs that came since the last read."""
@@ -367,7 +374,7 @@ class VllmEngine:
         running.num_completion_tokens += len(new_token_ids)
         gpu_ms = self._gpu_time.gpu_ms(request_id, now)
         if finish is not None:
-            self.abort(request_id)  # finished: out of the load at once (and out of vLLM, after a stop sequence)
+            self._release(request_id, running)  # finished: out of the load at once (and of vLLM, after a stop)
         return RequestOutput(
             request_id=request_id,
             new_token_ids=new_token_ids,
