@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from baton.protocol import AUTHORIZATION_KEY, is_transport_failure
+from baton.protocol import AUTHORIZATION_KEY, ORIGIN_KEY, is_transport_failure
 from baton.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.common.reconnect import RECONNECT_OPTIONS
 
@@ -82,6 +82,15 @@ class BatonClient:
                 await channel.channel_ready()
         return time.monotonic() - started
 
+    @staticmethod
+    def _deadline_left_ms(deadline_ms: int, sent: float, request_id: str, num_received: int) -> int:
+        """The part of deadline_ms left since the request was first sent, rounded down to whole ms; none left:
+        DEADLINE_EXCEEDED, as a router ends a stream past its deadline."""
+        left_ms = deadline_ms - math.ceil((time.monotonic() - sent) * 1000)
+        if left_ms <= 0:
+            raise _deadline_passed(deadline_ms, request_id, num_received)
+        return left_ms
+
     def _stub(self) -> router_pb2_grpc.RouterStub:
         return router_pb2_grpc.RouterStub(self._channels[self.current_address])
 
@@ -118,15 +127,15 @@ class BatonClient:
                 request.resume.token_ids.extend(received)
             channel = self._channels[self.addresses[index]]
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if failovers and deadline_ms:  # what is left of it; passed while the stream moved: ended, tokens kept
+                left_ms = self._deadline_left_ms(deadline_ms, sent, request.request_id, len(received))
+                remaining = left_ms / 1000 if remaining is None else min(remaining, left_ms / 1000)
             if failovers and connect_budget_s > 0 and channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
                 connect_budget_s -= await self._wait_ready(
                     channel, connect_budget_s if remaining is None else min(connect_budget_s, remaining))
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             if failovers and deadline_ms:  # after any wait for the channel: that time is gone too
-                left_ms = deadline_ms - math.ceil((time.monotonic() - sent) * 1000)
-                if left_ms <= 0:  # it passed while the stream moved: ended as a router ends it, tokens kept
-                    raise _deadline_passed(deadline_ms, request.request_id, len(received))
-                request.deadline_ms = left_ms
+                request.deadline_ms = self._deadline_left_ms(deadline_ms, sent, request.request_id, len(received))
             call = router_pb2_grpc.RouterStub(channel).Generate(request, timeout=remaining, metadata=self._metadata)
             try:
                 async for chunk in call:
@@ -173,8 +182,9 @@ def _deadline_passed(deadline_ms: int, request_id: str, num_received: int) -> gr
     """The error a router ends a stream with when its deadline_ms passes (the tokens sent so far stand)."""
     details = (f"deadline_ms={deadline_ms}: passed after {num_received} generated tokens of request {request_id}, "
                "while its stream moved to another router; the tokens sent so far stand")
-    return grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                details=details)
+    # Marked as Baton's own status, as a router's is: the request's limit, not the transport failing.
+    return grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
+                                grpc.aio.Metadata((ORIGIN_KEY, "baton")), details=details, debug_error_string="")
 
 
 class Completion:

@@ -10,6 +10,7 @@ import pytest
 
 from baton.client import FAILOVER_CONNECT_S, BatonClient
 from baton.cluster import free_port
+from baton.protocol import ORIGIN_KEY, is_transport_failure
 from baton.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
@@ -110,6 +111,35 @@ async def test_with_every_router_down_a_request_waits_only_for_channels_in_backo
             assert waits == [(routers[0], FAILOVER_CONNECT_S)]
         else:  # never past the request's deadline (the stand-in returns at once, so it may be asked again)
             assert all(0 < wait <= timeout_s for _, wait in waits)
+    finally:
+        await client.close()
+
+
+@pytest.mark.asyncio
+async def test_the_wait_for_a_router_in_backoff_ends_at_the_requests_deadline_ms(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every router down: the client waits for a channel in backoff only as long as deadline_ms allows, then
+    # ends the request with DEADLINE_EXCEEDED, marked as Baton's own status (it waited the whole 3 s budget).
+    clock = [100.0]
+    monkeypatch.setattr("baton.client.time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    routers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    client = BatonClient(routers, max_failovers=5)
+    waits: list[float] = []
+
+    async def waited_in_full(channel: grpc.aio.Channel, wait_s: float) -> float:
+        waits.append(wait_s)
+        clock[0] += wait_s  # as if the router never came back
+        return wait_s
+
+    monkeypatch.setattr(BatonClient, "_wait_ready", staticmethod(waited_in_full))
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await asyncio.wait_for(client.complete("m", prompt="hi", max_tokens=3, deadline_ms=500), 30)
+        assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert not is_transport_failure(failed.value)
+        assert (ORIGIN_KEY, "baton") in tuple(failed.value.trailing_metadata())
+        assert waits == [pytest.approx(0.5)]
     finally:
         await client.close()
 
