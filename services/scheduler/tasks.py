@@ -3,9 +3,11 @@
 A task is a workflow (its steps share workflow_id; total_steps says how many) or a request
 without one (a task of one step). The router reports every placed request's end with the GPU
 time it used on each node; the ledger prices it and adds it to its task. A task succeeds when
-every one of its steps has succeeded (a step retried after a failure counts once it succeeds);
-it fails when it stays silent for `timeout_s` before that. A workflow that does not say how many
-steps it has ends at the timeout, succeeded if its last step did. Failed tasks' GPU cost stays in
+every one of its steps has succeeded (a step retried after a failure counts once it succeeds; a
+step that succeeded stays so, whatever late notice of another attempt of it says); it fails when
+it stays silent for `timeout_s` before that. A workflow that does not say how many steps it has
+ends at the timeout, succeeded if every step it numbered has succeeded (unnumbered: if its last
+request did). Failed tasks' GPU cost stays in
 the numerator, and so does GPU time spent loading models: the busy-time cost per successful task =
 (cost of every ended task + model loads) ÷ tasks succeeded — the floor that scaling idle GPUs away
 could reach. The headline is what the operator pays: every registered GPU, idle or not, for as long
@@ -24,8 +26,17 @@ class _Task:
     total_steps: int
     spent_usd: float = 0.0
     succeeded: set[int] = field(default_factory=set)
+    # Steps that failed and have not succeeded since.
+    failed: set[int] = field(default_factory=set)
     last_ok: bool = False
     last_at: float = 0.0
+
+    def all_ok(self) -> bool:
+        """Whether a task of unknown length went well: every step it numbered succeeded, or, with none
+        numbered, its last request did."""
+        if self.succeeded or self.failed:
+            return not self.failed
+        return self.last_ok
 
 
 @dataclass(frozen=True)
@@ -80,8 +91,9 @@ class TaskLedger:
         task.last_at = now
         if ok and step > 0:
             task.succeeded.add(step)
-        elif not ok and step > 0:
-            task.succeeded.discard(step)
+            task.failed.discard(step)
+        elif not ok and step > 0 and step not in task.succeeded:  # a late loser does not undo a success
+            task.failed.add(step)
         if task.total_steps and len(task.succeeded) >= task.total_steps:
             self._end(task_id, task, True)
             return True
@@ -102,7 +114,7 @@ class TaskLedger:
             if now - task.last_at < self.timeout_s:
                 break
             del self._open[task_id]
-            self._end(task_id, task, not task.total_steps and task.last_ok)
+            self._end(task_id, task, not task.total_steps and task.all_ok())
             ended += 1
         return ended
 
@@ -136,7 +148,7 @@ class TaskLedger:
         return {
             "succeeded": self.succeeded, "failed": self.failed, "ended_cost_usd": self.ended_cost_usd,
             "overhead_usd": self.overhead_usd, "fleet_cost_usd": self.fleet_cost_usd,
-            "open": {k: [t.total_steps, t.spent_usd, sorted(t.succeeded), t.last_ok, now - t.last_at]
+            "open": {k: [t.total_steps, t.spent_usd, sorted(t.succeeded), t.last_ok, now - t.last_at, sorted(t.failed)]
                      for k, t in recent},
             "ended": list(self._ended)[-max_open:],
         }
@@ -148,6 +160,8 @@ class TaskLedger:
         self.overhead_usd = float(state.get("overhead_usd", 0.0))
         self.fleet_cost_usd = float(state.get("fleet_cost_usd", 0.0))
         self._open = OrderedDict(
-            (k, _Task(int(total), float(spent), set(steps), bool(ok), now - float(age)))
-            for k, (total, spent, steps, ok, age) in state["open"].items())
+            (k, _Task(int(total), float(spent), set(steps), set(failed[0] if failed else ()), bool(ok),
+                      now - float(age)))
+            # A state written before failed steps were handed over has five fields.
+            for k, (total, spent, steps, ok, age, *failed) in state["open"].items())
         self._ended = OrderedDict.fromkeys(state.get("ended", ()))

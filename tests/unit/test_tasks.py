@@ -78,3 +78,40 @@ def test_the_headline_counts_the_whole_fleet_idle_time_included_and_survives_a_h
     successor = TaskLedger()
     successor.restore(ledger.to_state(10, now=5.0), now=100.0)
     assert successor.stats().fleet_cost_usd == pytest.approx(2.0)
+
+
+def test_a_late_failure_of_a_step_that_succeeded_does_not_undo_it() -> None:
+    # Hedged step requests, or a router that notices its client's failover after the next router's success:
+    # the loser's notice comes after the winner's.
+    ledger = TaskLedger()
+    ledger.record("wf", 1, 3, 0.01, ok=True, now=0.0)
+    ledger.record("wf", 2, 3, 0.01, ok=True, now=1.0)
+    ledger.record("wf", 2, 3, 0.01, ok=False, now=2.0)
+    assert ledger.record("wf", 3, 3, 0.01, ok=True, now=3.0) is True
+    stats = ledger.stats()
+    assert (stats.succeeded, stats.failed) == (1, 0)
+    assert stats.ended_cost_usd == pytest.approx(0.04)
+
+
+def test_a_workflow_of_unknown_length_succeeds_only_if_every_numbered_step_has() -> None:
+    gave_up = TaskLedger(timeout_s=10.0)
+    gave_up.record("wf", 1, 0, 0.01, ok=False, now=0.0)  # step 1 failed for good ...
+    gave_up.record("wf", 2, 0, 0.01, ok=True, now=1.0)  # ... though the last step went well
+    gave_up.expire(now=20.0)
+    assert (gave_up.stats().succeeded, gave_up.stats().failed) == (0, 1)
+    late_loser = TaskLedger(timeout_s=10.0)
+    late_loser.record("wf", 1, 0, 0.01, ok=True, now=0.0)
+    late_loser.record("wf", 2, 0, 0.01, ok=True, now=1.0)
+    late_loser.record("wf", 1, 0, 0.01, ok=False, now=2.0)  # a late notice of another attempt of step 1
+    late_loser.expire(now=20.0)
+    assert (late_loser.stats().succeeded, late_loser.stats().failed) == (1, 0)
+
+
+def test_a_failed_step_is_handed_to_the_next_leader() -> None:
+    ledger = TaskLedger(timeout_s=10.0)
+    ledger.record("wf", 1, 0, 0.01, ok=False, now=0.0)
+    ledger.record("wf", 2, 0, 0.01, ok=True, now=1.0)
+    successor = TaskLedger(timeout_s=10.0)
+    successor.restore(ledger.to_state(max_open=100, now=1.0), now=1.0)
+    successor.expire(now=20.0)
+    assert (successor.stats().succeeded, successor.stats().failed) == (0, 1)
