@@ -57,9 +57,10 @@ class Relay:
 
     async def stream(
         self, generation: Generation, request: router_pb2.GenerateRequest,
-        time_remaining: Callable[[], float | None],
+        time_remaining: Callable[[], float | None], deadline_at: float | None = None,
     ) -> AsyncIterator[node_agent_pb2.NodeGenerateChunk]:
-        """The generation's chunks, indexed from its start, moving to another node when one fails."""
+        """The generation's chunks, indexed from its start, moving to another node when one fails. deadline_at:
+        when (on the loop's clock) the reader ends the stream at the request's deadline_ms, if it has one."""
         loop = asyncio.get_running_loop()
         if generation.num_remaining == 0:  # a resumed request that already has every token
             yield _length_finish(generation)
@@ -136,8 +137,9 @@ class Relay:
                 finally:
                     generation.add_gpu_ms(placement.node_id, attempt_gpu_ms)
         except (asyncio.CancelledError, GeneratorExit):
-            if outcome == scheduler_pb2.REQUEST_OUTCOME_FAILED:
-                outcome = scheduler_pb2.REQUEST_OUTCOME_CANCELLED  # the client went away
+            if outcome == scheduler_pb2.REQUEST_OUTCOME_FAILED and not (
+                    deadline_at is not None and loop.time() >= deadline_at - _CLOCK_SLACK_S):
+                outcome = scheduler_pb2.REQUEST_OUTCOME_CANCELLED  # the client went away (not its deadline)
             raise
         finally:
             # Placed or not (a refused request is a failed task too), the leader learns how it ended.
@@ -328,6 +330,8 @@ class _LeaderReplaced(Exception):
     """etcd shows another leader than the one a placement was sent to."""
 
 
+# A timer may fire this early on the loop's clock: a stream closed this near its deadline was closed by it.
+_CLOCK_SLACK_S = 0.001
 # Standby redirects followed per placement (views that disagree must not bounce it forever).
 _MAX_REDIRECTS = 3
 

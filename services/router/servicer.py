@@ -259,14 +259,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
             is_first = True
             live_id = generation.request_id
             self._live[live_id] += 1
-            # Tokens that come faster than one message per stream interval, or while the client is
-            # behind, go out merged; a migration never shares a message (node_id names one node).
-            chunks = coalesce(self._relay.stream(generation, request, time_remaining), merge_chunks,
-                              min_interval_s=self._config.stream_interval_s,
-                              max_pending=self._config.max_pending_chunks, key=lambda chunk: chunk.node_id)
             # A stream that passes its end-to-end deadline ends there: the tokens sent so far stay sent.
             deadline_at = (asyncio.get_running_loop().time() + request.deadline_ms / 1000
                            if request.deadline_ms else None)
+            # Tokens that come faster than one message per stream interval, or while the client is
+            # behind, go out merged; a migration never shares a message (node_id names one node).
+            chunks = coalesce(self._relay.stream(generation, request, time_remaining, deadline_at), merge_chunks,
+                              min_interval_s=self._config.stream_interval_s,
+                              max_pending=self._config.max_pending_chunks, key=lambda chunk: chunk.node_id)
             # Closed at once, whoever stops reading (a client gone): the relay stops its node stream.
             passed = until(chunks, deadline_at, lambda: DeadlineExceeded(
                 f"deadline_ms={request.deadline_ms}: passed after {len(generation.generated)} generated "

@@ -53,6 +53,7 @@ class _FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
     node_address: str = ""
     places: list[scheduler_pb2.PlaceRequest] = field(default_factory=list)
+    finished: asyncio.Queue[scheduler_pb2.FinishedRequest] = field(default_factory=asyncio.Queue)
 
     async def Place(  # noqa: N802
         self, request: scheduler_pb2.PlaceRequest, context: grpc.aio.ServicerContext
@@ -65,6 +66,7 @@ class _FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     async def Finished(  # noqa: N802
         self, request: scheduler_pb2.FinishedRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.FinishedAck:
+        self.finished.put_nowait(request)
         return scheduler_pb2.FinishedAck()
 
 
@@ -177,16 +179,37 @@ async def test_a_stream_that_passes_its_deadline_ends_with_deadline_exceeded_kee
         await never.wait()
         yield Chunk(node_id=NODE, index=5, token_ids=[102])
 
-    async with _router(generate, stall_floor_s=60.0) as (router, _):
+    async with _router(generate, stall_floor_s=60.0) as (router, scheduler):
         call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2000,
                                                           deadline_ms=1000))
         received = []
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             async for message in call:
                 received.extend(message.token_ids)
+        # The leader hears it failed, not that its client went away.
+        notice = await asyncio.wait_for(scheduler.finished.get(), 10)
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "deadline_ms=1000: passed after" in (raised.value.details() or "")
     assert received == [97, 98, 99, 100, 101]
+    assert notice.outcome == scheduler_pb2.REQUEST_OUTCOME_FAILED
+
+
+async def test_a_stream_its_client_cancels_is_reported_cancelled() -> None:
+    never = asyncio.Event()
+
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        yield _started()
+        yield Chunk(node_id=NODE, index=0, token_ids=[97])
+        await never.wait()
+        yield Chunk(node_id=NODE, index=1, token_ids=[98])
+
+    async with _router(generate, stall_floor_s=60.0) as (router, scheduler):
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=8,
+                                                          deadline_ms=60_000))
+        assert list((await anext(aiter(call))).token_ids) == [97]
+        call.cancel()
+        notice = await asyncio.wait_for(scheduler.finished.get(), 10)
+    assert notice.outcome == scheduler_pb2.REQUEST_OUTCOME_CANCELLED
 
 
 async def test_a_node_that_fails_after_the_last_token_ends_the_stream_complete_without_a_move() -> None:
