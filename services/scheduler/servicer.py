@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 
 _DECISIONS_KEPT = 200
 _WORKFLOWS_HANDED_OVER = 10_000
+# A successor adds the whole fleet's cost from where its predecessor stopped counting to its own takeover,
+# at the fleet's price then, up to this long: a longer gap is a control plane restarted on an old etcd,
+# not a failover, and is left out (logged).
+_MAX_FLEET_GAP_S = 600.0
 _SUCCEEDED = scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
 _LATE = scheduler_pb2.REQUEST_OUTCOME_LATE
 # How long a Place without a deadline is held while the leader's lease is unconfirmed.
@@ -103,9 +107,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     service_names = ("baton.v1.Scheduler",)
 
     def __init__(self, config: SchedulerConfig, telemetry: Telemetry,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
         self._config = config
         self._clock = clock
+        # The whole fleet's cost is counted up to this time (clock's; None: not yet), and up to this wall-clock
+        # time, which a successor compares with its own across hosts.
+        self._wall_clock = wall_clock
+        self._fleet_counted_at: float | None = None
+        self._fleet_counted_unix = wall_clock()
         # A lapsed registration (etcd froze, or the node died) keeps a node only while it reports load
         # within a keep-alive interval; the view holds it for one TTL (docs/etcd.md).
         self._cluster = ClusterView(load_timeout_s=config.load_timeout_s, lapsed_silence_s=config.lease_ttl_s / 3)
@@ -194,6 +203,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             # The most recent workflows' GPU spend (dicts keep insertion order).
             "workflow_spent": dict(list(spent.items())[-_WORKFLOWS_HANDED_OVER:]),
             "tasks": self._tasks.to_state(_WORKFLOWS_HANDED_OVER, now),
+            "fleet": {"counted_until_unix": self._fleet_counted_unix, "price_per_hour": self.fleet_price_per_hour()},
         }
 
     def _take_over_state(self, state: dict[str, Any]) -> None:
@@ -202,6 +212,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._policy.restore_workflow_state({k: float(v) for k, v in state.get("workflow_spent", {}).items()})
         if "tasks" in state:
             self._tasks.restore(state["tasks"], self._clock())
+            self._count_leaderless_gap(state.get("fleet"))
         log.info("took over from %s: %s, %d workflows", state.get("leader"), budget,
                  len(state.get("workflow_spent", {})))
 
@@ -342,17 +353,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self._placer.refresh(plan, self._clock(), self._loader.changing_nodes)
 
     async def _plan_models(self) -> None:
-        """While leading: load models short of warm capacity, unload idle ones; end silent tasks."""
-        last = self._clock()
+        """While leading: load models short of warm capacity, unload idle ones; end silent tasks; count the
+        whole fleet's cost."""
+        self._fleet_counted_at = self._clock()
         while True:
             await asyncio.sleep(self._config.model_plan_interval_s)
             now = self._clock()
-            elapsed, last = now - last, now
             self._tasks.expire(now)
             if not self._role.is_leader:
                 self._planner.release()  # a successor plans afresh; on return, so does this one
+                self._fleet_counted_at = now  # the leader counts this interval
                 continue
-            self._tasks.add_fleet_time(elapsed, self.fleet_price_per_hour())
+            self._count_fleet_time()
             actions = self._planner.plan(self._cluster, now, self._loader.busy_nodes(), self._loader.loading_models())
             by_node: dict[str, list[ModelAction]] = {}
             for action in actions:
@@ -361,6 +373,25 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 status = self._cluster.get(node_id)
                 if status is not None:
                     self._loader.start(status.spec.address, node_actions)
+
+    def _count_fleet_time(self) -> None:
+        """The whole fleet's cost since it was last counted, at its price now (the leader, each interval)."""
+        now = self._clock()
+        if self._fleet_counted_at is not None:
+            self._tasks.add_fleet_time(max(0.0, now - self._fleet_counted_at), self.fleet_price_per_hour())
+        self._fleet_counted_at, self._fleet_counted_unix = now, self._wall_clock()
+
+    def _count_leaderless_gap(self, fleet: dict[str, float] | None) -> None:
+        """On takeover: the fleet was paid while no leader counted it, from where the predecessor stopped (its
+        wall clock) to now, at the price it last saw; from now on this leader counts."""
+        self._fleet_counted_at, self._fleet_counted_unix = self._clock(), self._wall_clock()
+        if not fleet:  # a state written before the gap was handed over
+            return
+        gap_s = self._fleet_counted_unix - float(fleet["counted_until_unix"])
+        if 0.0 <= gap_s <= _MAX_FLEET_GAP_S:
+            self._tasks.add_fleet_time(gap_s, float(fleet["price_per_hour"]))
+        else:
+            log.warning("not counting the fleet's cost for a %.0f s gap since the last leader counted it", gap_s)
 
     def _is_saturated(self) -> bool:
         """From live signals: queue depth and KV use reported by every node (llm-d's saturation).

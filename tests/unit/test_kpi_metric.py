@@ -83,3 +83,31 @@ async def test_a_scheduler_that_first_sees_a_node_draining_charges_its_streams_a
     await service.Finished(finished, None)  # type: ignore[arg-type]
     assert service._tasks.stats().cost_per_successful_task == pytest.approx(3.6)
     await service.close()
+
+
+async def test_a_successor_counts_the_fleet_for_the_time_no_leader_did(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leader died 1 s after it last counted the fleet, and its successor took over 3 s later (the lease's
+    TTL): the fleet was paid those 4 s too. Before, the successor counted only from its own takeover."""
+    fake_leadership(monkeypatch, lambda: True)
+    wall = [1_000.0]
+    info = common_pb2.NodeInfo(node_id="a", address="127.0.0.1:1", gpu="h100", price_per_hour=3.6)
+    nodes = {etcd_keys.node_key("a"): json_format.MessageToJson(info).encode()}
+    leader = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"), clock=lambda: 50.0,
+                              wall_clock=lambda: wall[0])
+    leader._on_nodes_changed(nodes)
+    leader._count_fleet_time()
+    wall[0] += 1.0
+    state = leader._hand_over_state()  # its last write before it died
+    wall[0] += 3.0
+    successor = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"), clock=lambda: 7.0,
+                                 wall_clock=lambda: wall[0])  # another host's monotonic clock
+    successor._on_nodes_changed(nodes)
+    successor._take_over_state(state)
+    assert successor._tasks.stats().fleet_cost_usd == pytest.approx(4.0 / 3600 * 3.6)
+    # A control plane started again an hour later on the same etcd: that hour is not taken for a failover gap.
+    wall[0] += 3600.0
+    restarted = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"), wall_clock=lambda: wall[0])
+    restarted._take_over_state(state)
+    assert restarted._tasks.stats().fleet_cost_usd == pytest.approx(0.0)
+    for service in (leader, successor, restarted):
+        await service.close()
