@@ -320,6 +320,9 @@ class LocalCluster:
         spec = self.spec
         if spec.tls:
             self.pki = generate_throwaway_pki(self.workdir / "tls")
+        # A new cluster, not the last one of this workdir again: its etcd would hand the new leader the old
+        # cluster's task ledger (its successes, costs and open tasks) and tenants.
+        shutil.rmtree(self.workdir / "etcd", ignore_errors=True)
         self.etcd = start_etcd(self.workdir, timeout_s, self.pki)
         self.etcd_endpoint = self.etcd.address
         if spec.auth:

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from baton.client import BatonClient
-from baton.cluster import ClusterSpec, LocalCluster, ManagedProcess
+from baton.cluster import ClusterSpec, LocalCluster, ManagedProcess, start_etcd
 from baton.v1 import kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common import etcd_keys
 from services.common.block_hash import block_hashes
@@ -198,3 +198,28 @@ async def test_a_node_whose_lease_ended_rejoins_with_its_kv_index_resynced(three
     await eventually(listed, 5 * TTL_S, f"{node.name} to rejoin")
     for kvindex in cluster.kvindexes:
         await eventually(functools.partial(indexed_on, kvindex), 10, f"{kvindex.name} to re-sync {node.name}")
+
+
+async def test_a_cluster_started_where_an_earlier_one_ran_does_not_inherit_its_ledger(tmp_path) -> None:
+    # `baton up --workdir DIR` again: the earlier cluster's etcd, left in DIR, held a task ledger (here 48
+    # successes) that the new leader restored, with a differently sized fleet's costs (a review saw it).
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    earlier = start_etcd(workdir)
+    try:
+        ledger = {"succeeded": 48, "failed": 0, "ended_cost_usd": 0.1, "open": {}, "ended": []}
+        state = {"leader": "scheduler-0", "retry_budget": {"requests": 0, "retries": 0}, "tasks": ledger}
+        client = connect(earlier.address)
+        try:
+            await client.put(etcd_keys.SCHEDULER_STATE.encode(), json.dumps(state).encode())
+        finally:
+            await client.close()
+    finally:
+        earlier.stop()
+    cluster = LocalCluster(ClusterSpec(num_nodes=1, speed=0.0, lease_ttl_s=TTL_S), workdir)
+    try:
+        await asyncio.to_thread(cluster.start)
+        await eventually(lambda: cluster.cluster_state().leading_revision, 30, "the scheduler to lead")
+        assert cluster.cluster_state().tasks.tasks_succeeded == 0
+    finally:
+        await asyncio.to_thread(cluster.stop)
