@@ -117,6 +117,7 @@ class BatonClient:
         # not the whole again (each router counts from its own arrival).
         deadline_ms = request.deadline_ms
         received: list[int] = []
+        first_token_at: float | None = None
         failovers = 0
         # This stream's router: its own, as other streams of the client fail over at the same time.
         index = self._current
@@ -125,6 +126,8 @@ class BatonClient:
             if received:
                 del request.resume.token_ids[:]
                 request.resume.token_ids.extend(received)
+            if failovers and first_token_at is not None:  # its TTFT was what it was, wherever it resumes
+                request.resume.first_token_ms = int((first_token_at - sent) * 1000)
             channel = self._channels[self.addresses[index]]
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             if failovers and deadline_ms:  # what is left of it; passed while the stream moved: ended, tokens kept
@@ -136,6 +139,9 @@ class BatonClient:
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             if failovers and deadline_ms:  # after any wait for the channel: that time is gone too
                 request.deadline_ms = self._deadline_left_ms(deadline_ms, sent, request.request_id, len(received))
+            if failovers:  # its TTFT and TPOT are judged from when it was first sent
+                request.resume.elapsed_ms = max(int((time.monotonic() - sent) * 1000),
+                                                request.resume.first_token_ms)
             call = router_pb2_grpc.RouterStub(channel).Generate(request, timeout=remaining, metadata=self._metadata)
             try:
                 async for chunk in call:
@@ -144,6 +150,8 @@ class BatonClient:
                     if chunk.model and chunk.model != request.model:  # an alternative runs it: resume on that one
                         request.model = chunk.model
                         del request.alternative_models[:]
+                    if chunk.token_ids and first_token_at is None:
+                        first_token_at = time.monotonic()
                     received.extend(chunk.token_ids)
                     yield chunk
                 return

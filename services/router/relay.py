@@ -65,9 +65,15 @@ class Relay:
         if generation.num_remaining == 0:  # a resumed request that already has every token
             yield _length_finish(generation)
             return
-        started_at = loop.time()
+        # Judged on the client's timeline: a stream it resumes here after its router died was sent resume.elapsed_ms
+        # ago and may have had its first token long before (deadline_ms, resent as the part left, counts from here).
+        arrived_at = loop.time()
+        started_at = arrived_at - request.resume.elapsed_ms / 1000
         num_resumed = len(generation.generated)  # tokens the client had before this stream
         first_token_at: float | None = None
+        if request.resume.HasField("first_token_ms"):
+            first_token_at = started_at + request.resume.first_token_ms / 1000
+            num_resumed = 0  # its time per token counts every token since that first one
         outcome = scheduler_pb2.REQUEST_OUTCOME_FAILED
         try:
             retry_cause = ""
@@ -75,7 +81,7 @@ class Relay:
             failed_at: float | None = None
             while True:
                 if generation.num_remaining == 0:  # its node failed after the last token, before the finish
-                    outcome = _outcome(common_pb2.FINISH_REASON_LENGTH, request, self._slo, started_at,
+                    outcome = _outcome(common_pb2.FINISH_REASON_LENGTH, request, self._slo, started_at, arrived_at,
                                        first_token_at, last_token_at, len(generation.generated) - num_resumed,
                                        loop.time())
                     yield _length_finish(generation)
@@ -114,8 +120,9 @@ class Relay:
                             self._recomputed.add(recomputed, {"model": generation.model})
                         chunk.index += base
                         if chunk.finish_reason:
-                            outcome = _outcome(chunk.finish_reason, request, self._slo, started_at, first_token_at,
-                                               last_token_at, len(generation.generated) - num_resumed, loop.time())
+                            outcome = _outcome(chunk.finish_reason, request, self._slo, started_at, arrived_at,
+                                               first_token_at, last_token_at, len(generation.generated) - num_resumed,
+                                               loop.time())
                             # Charged before the last chunk goes out: its reader totals the usage from it.
                             generation.add_gpu_ms(placement.node_id, attempt_gpu_ms)
                             attempt_gpu_ms = 0.0
@@ -343,14 +350,15 @@ def _length_finish(generation: Generation) -> node_agent_pb2.NodeGenerateChunk:
 
 
 def _outcome(finish_reason: common_pb2.FinishReason.ValueType, request: router_pb2.GenerateRequest, slo: Slo,
-             started_at: float, first_token_at: float | None, last_token_at: float | None, num_tokens: int,
-             now: float) -> scheduler_pb2.RequestOutcome.ValueType:
-    """How a finished request went against its own SLO (the cluster's where it sets none)."""
+             started_at: float, arrived_at: float, first_token_at: float | None, last_token_at: float | None,
+             num_tokens: int, now: float) -> scheduler_pb2.RequestOutcome.ValueType:
+    """How a finished request went against its own SLO (the cluster's where it sets none): TTFT from when the
+    client first sent it (started_at), deadline_ms from its arrival here (arrived_at), as each was sent."""
     ttft_ms = ((first_token_at if first_token_at is not None else now) - started_at) * 1000
     tpot_ms = None
     if first_token_at is not None and last_token_at is not None and num_tokens > 1:
         tpot_ms = (last_token_at - first_token_at) * 1000 / (num_tokens - 1)
     outcome = classify(slo.for_request(request.ttft_budget_ms, request.tpot_budget_ms, request.deadline_ms),
                        finished=True, cancelled=finish_reason == common_pb2.FINISH_REASON_ABORT, ttft_ms=ttft_ms,
-                       tpot_ms=tpot_ms, elapsed_ms=(now - started_at) * 1000)
+                       tpot_ms=tpot_ms, elapsed_ms=(now - arrived_at) * 1000)
     return int(outcome)

@@ -144,24 +144,30 @@ async def test_the_wait_for_a_router_in_backoff_ends_at_the_requests_deadline_ms
         await client.close()
 
 
+def _as_seen(request: router_pb2.GenerateRequest) -> tuple[int, list[int], int, int | None]:
+    """What a router is told of a request's past: deadline_ms, the resumed tokens, and the client's timeline."""
+    resume = request.resume
+    first_token_ms = resume.first_token_ms if resume.HasField("first_token_ms") else None
+    return request.deadline_ms, list(resume.token_ids), resume.elapsed_ms, first_token_ms
+
+
 async def _fail_over_at(monkeypatch: pytest.MonkeyPatch, dies_after_s: float, deadline_ms: int,
-                        seen: list[tuple[int, list[int]]], received: list[int]) -> None:
+                        seen: list[tuple[int, list[int], int, int | None]], received: list[int]) -> None:
     """A stream with deadline_ms whose router dies dies_after_s (on the client's clock) after the request was
-    sent, with tokens [7, 8] out, and a router that finishes it with [9]. seen: each router's (deadline_ms,
-    resumed tokens) as it was called; received: the tokens the client got, up to an error if one ended it."""
+    sent, with tokens [7, 8] out (at once: its first chunk), and a router that finishes it with [9]. seen: each router's
+    _as_seen of the request as it was called; received: the tokens the client got, up to an error if one ended it."""
     clock = [100.0]
     monkeypatch.setattr("baton.client.time", types.SimpleNamespace(monotonic=lambda: clock[0]))
 
     class Dying(router_pb2_grpc.RouterServicer):
         async def Generate(self, request, context):  # noqa: N802 - the generated servicer's name
-            seen.append((request.deadline_ms, list(request.resume.token_ids)))
+            seen.append(_as_seen(request))
             yield router_pb2.GenerateChunk(request_id=request.request_id, token_ids=[7, 8], index=0, node_id="n1")
-            clock[0] += dies_after_s
             await context.abort(grpc.StatusCode.UNAVAILABLE, "router going away")
 
     class Live(router_pb2_grpc.RouterServicer):
         async def Generate(self, request, context):  # noqa: N802 - the generated servicer's name
-            seen.append((request.deadline_ms, list(request.resume.token_ids)))
+            seen.append(_as_seen(request))
             yield router_pb2.GenerateChunk(request_id=request.request_id, token_ids=[9], index=2, node_id="n2",
                                            finish_reason=common_pb2.FINISH_REASON_LENGTH)
 
@@ -177,6 +183,8 @@ async def _fail_over_at(monkeypatch: pytest.MonkeyPatch, dies_after_s: float, de
     try:
         async with asyncio.timeout(30):
             async for chunk in client.generate("m", prompt="hi", max_tokens=3, deadline_ms=deadline_ms):
+                if not received:  # its router dies this long after the first chunk reached the client
+                    clock[0] += dies_after_s
                 received.extend(chunk.token_ids)
     finally:
         await client.close()
@@ -190,11 +198,12 @@ async def test_a_resumed_stream_sends_the_part_of_its_deadline_left_not_the_whol
 ) -> None:
     # deadline_ms counts from the request's arrival at a router. A stream that fails over 3 s into a 4 s
     # deadline must not get a fresh 4 s from the next router (it ran 4.9 s against a real cluster).
-    seen: list[tuple[int, list[int]]] = []
+    seen: list[tuple[int, list[int], int, int | None]] = []
     received: list[int] = []
     await _fail_over_at(monkeypatch, 3.0, 4000, seen, received)
     assert received == [7, 8, 9]
-    assert seen == [(4000, []), (1000, [7, 8])]
+    # Its first token came at once; it was sent again 3 s after it was first sent.
+    assert seen == [(4000, [], 0, None), (1000, [7, 8], 3000, 0)]
 
 
 @pytest.mark.asyncio
@@ -203,11 +212,11 @@ async def test_a_stream_whose_deadline_passed_before_it_moved_ends_with_deadline
 ) -> None:
     # Its router died 5 s into a 4 s deadline: no other router is asked; the stream ends as a router ends a
     # stream past its deadline, not refused by admission as a 1 ms request would be.
-    seen: list[tuple[int, list[int]]] = []
+    seen: list[tuple[int, list[int], int, int | None]] = []
     received: list[int] = []
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await _fail_over_at(monkeypatch, 5.0, 4000, seen, received)
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "deadline_ms=4000" in raised.value.details()
     assert received == [7, 8]
-    assert seen == [(4000, [])]
+    assert seen == [(4000, [], 0, None)]

@@ -231,3 +231,19 @@ async def test_a_node_that_fails_after_the_last_token_ends_the_stream_complete_w
     assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert messages[-1].usage.num_migrations == 0
     assert [p.retry_cause for p in scheduler.places] == [""]
+
+
+@pytest.mark.parametrize(("resume", "outcome"), [
+    # Resumed here after its router died: its first token came 3 s after it was first sent, past its 1 s budget.
+    (router_pb2.Resume(token_ids=[97], elapsed_ms=3500, first_token_ms=3000), scheduler_pb2.REQUEST_OUTCOME_LATE),
+    # Without the client's timeline, as an older client sends it: judged from here, on time.
+    (router_pb2.Resume(token_ids=[97]), scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED),
+])
+async def test_a_resumed_stream_is_judged_on_its_clients_timeline(
+        resume: router_pb2.Resume, outcome: scheduler_pb2.RequestOutcome.ValueType) -> None:
+    async with _router(_token_stream(2, pace_s=0.001)) as (router, scheduler):
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=3, ttft_budget_ms=1000,
+                                                          tpot_budget_ms=60_000, resume=resume))
+        assert sum(len(m.token_ids) for m in [m async for m in call]) == 2
+        notice = await asyncio.wait_for(scheduler.finished.get(), 10)
+    assert notice.outcome == outcome

@@ -42,13 +42,14 @@ def test_the_router_counts_a_stream_too_slow_per_token_as_late_with_the_cluster_
     request = router_pb2.GenerateRequest(model="m", prompt="hi")
     length = common_pb2.FINISH_REASON_LENGTH
     # 11 tokens over 1.5 s after the first: 150 ms a token, over the 100 ms default.
-    assert _outcome(length, request, DEFAULTS, 0.0, 0.2, 1.7, 11, 1.7) == scheduler_pb2.REQUEST_OUTCOME_LATE
-    assert _outcome(length, request, DEFAULTS, 0.0, 0.2, 0.7, 11, 0.7) == scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
+    # (started_at, arrived_at, first token, last token, tokens, now)
+    assert _outcome(length, request, DEFAULTS, 0.0, 0.0, 0.2, 1.7, 11, 1.7) == scheduler_pb2.REQUEST_OUTCOME_LATE
+    assert _outcome(length, request, DEFAULTS, 0.0, 0.0, 0.2, 0.7, 11, 0.7) == scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
     # The request's own budget overrides the default.
     lax = router_pb2.GenerateRequest(model="m", prompt="hi", tpot_budget_ms=200)
-    assert _outcome(length, lax, DEFAULTS, 0.0, 0.2, 1.7, 11, 1.7) == scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
+    assert _outcome(length, lax, DEFAULTS, 0.0, 0.0, 0.2, 1.7, 11, 1.7) == scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
     abort = common_pb2.FINISH_REASON_ABORT
-    assert _outcome(abort, request, DEFAULTS, 0.0, 0.2, 0.7, 11, 0.7) == scheduler_pb2.REQUEST_OUTCOME_CANCELLED
+    assert _outcome(abort, request, DEFAULTS, 0.0, 0.0, 0.2, 0.7, 11, 0.7) == scheduler_pb2.REQUEST_OUTCOME_CANCELLED
 
 
 

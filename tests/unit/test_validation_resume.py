@@ -97,3 +97,20 @@ def test_resuming_a_greedy_request_needs_no_seed() -> None:
     valid = _validate(_request([97, 98], max_tokens=10))
     assert valid.resume_token_ids == [97, 98]
     assert not valid.sampling.HasField("seed")
+
+
+@pytest.mark.parametrize(("resume", "named"), [
+    (router_pb2.Resume(elapsed_ms=-5), "resume.elapsed_ms=-5"),
+    (router_pb2.Resume(token_ids=[97], elapsed_ms=100, first_token_ms=200), "resume.first_token_ms=200"),
+    (router_pb2.Resume(token_ids=[97], elapsed_ms=100, first_token_ms=-1), "resume.first_token_ms=-1"),
+    (router_pb2.Resume(elapsed_ms=100, first_token_ms=50), "resume.first_token_ms=50"),  # a first token, but none kept
+])
+def test_a_resume_timeline_that_cannot_be_is_refused_naming_the_field(resume: router_pb2.Resume, named: str) -> None:
+    error = _refusal(router_pb2.GenerateRequest(model="m", prompt="hi", request_id="r1", max_tokens=10, resume=resume))
+    assert str(error).startswith(named)
+
+
+def test_a_resume_timeline_is_accepted() -> None:
+    resume = router_pb2.Resume(token_ids=[97], elapsed_ms=3500, first_token_ms=3000)
+    valid = _validate(router_pb2.GenerateRequest(model="m", prompt="hi", request_id="r1", max_tokens=10, resume=resume))
+    assert valid.resume_token_ids == [97]
