@@ -62,9 +62,6 @@ class Relay:
         """The generation's chunks, indexed from its start, moving to another node when one fails. deadline_at:
         when (on the loop's clock) the reader ends the stream at the request's deadline_ms, if it has one."""
         loop = asyncio.get_running_loop()
-        if generation.num_remaining == 0:  # a resumed request that already has every token
-            yield _length_finish(generation)
-            return
         # Judged on the client's timeline: a stream it resumes here after its router died was sent resume.elapsed_ms
         # ago and may have had its first token long before (deadline_ms, resent as the part left, counts from here).
         arrived_at = loop.time()
@@ -80,7 +77,9 @@ class Relay:
             last_token_at: float | None = None
             failed_at: float | None = None
             while True:
-                if generation.num_remaining == 0:  # its node failed after the last token, before the finish
+                # Its node failed after the last token, before the finish; or a resumed request came with every token
+                # (its router died before the finish): it ends here, and the leader hears it ended.
+                if generation.num_remaining == 0:
                     outcome = _outcome(common_pb2.FINISH_REASON_LENGTH, request, self._slo, started_at, arrived_at,
                                        first_token_at, last_token_at, len(generation.generated) - num_resumed,
                                        loop.time())

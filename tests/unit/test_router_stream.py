@@ -247,3 +247,20 @@ async def test_a_resumed_stream_is_judged_on_its_clients_timeline(
         assert sum(len(m.token_ids) for m in [m async for m in call]) == 2
         notice = await asyncio.wait_for(scheduler.finished.get(), 10)
     assert notice.outcome == outcome
+
+
+async def test_a_resumed_request_that_has_every_token_ends_at_once_and_the_leader_hears_it() -> None:
+    # Its router died after the last token, before the finish: the next router ends it without a node, and its
+    # task is counted (before, no notice was sent: the leader never heard the request ended).
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        raise AssertionError("no node is asked")
+        yield  # an async generator
+
+    async with _router(generate) as (router, scheduler):
+        resume = router_pb2.Resume(token_ids=[97, 98, 99], elapsed_ms=500, first_token_ms=100)
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=3, resume=resume))
+        messages = [m async for m in call]
+        notice = await asyncio.wait_for(scheduler.finished.get(), 10)
+    assert [(m.index, list(m.token_ids), m.finish_reason) for m in messages] == [
+        (3, [], common_pb2.FINISH_REASON_LENGTH)]
+    assert notice.outcome == scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED and not scheduler.places
