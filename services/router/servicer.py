@@ -81,6 +81,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                             lambda node_id: self._node_gpus.get(node_id, ""))
         # Requests this router serves now (an id twice if a client sent it twice), reported to the leader.
         self._live: Counter[str] = Counter()
+        # The workflow of each live request that is a step of one.
+        self._live_workflows: dict[str, str] = {}
         self._requests = telemetry.meter.create_counter(
             "baton.router.requests", description="Generate requests, by final status"
         )
@@ -121,8 +123,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
             stub = scheduler_pb2_grpc.SchedulerStub(self._leader.channel(address))
             live = list(self._live)
             for start in range(0, len(live), _LIVE_IDS_PER_REPORT):
-                report = scheduler_pb2.LiveRequests(router_id=self._config.instance_id,
-                                                    request_ids=live[start:start + _LIVE_IDS_PER_REPORT])
+                ids = live[start:start + _LIVE_IDS_PER_REPORT]
+                workflows = sorted({self._live_workflows[i] for i in ids if i in self._live_workflows})
+                report = scheduler_pb2.LiveRequests(router_id=self._config.instance_id, request_ids=ids,
+                                                    workflow_ids=workflows)
                 try:
                     await stub.ReportLiveRequests(report, timeout=interval_s)
                 except grpc.aio.AioRpcError as exc:
@@ -259,6 +263,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             is_first = True
             live_id = generation.request_id
             self._live[live_id] += 1
+            if request.workflow_id:
+                self._live_workflows[live_id] = request.workflow_id
             # A stream that passes its end-to-end deadline ends there: the tokens sent so far stay sent.
             deadline_at = (asyncio.get_running_loop().time() + request.deadline_ms / 1000
                            if request.deadline_ms else None)
@@ -299,6 +305,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 self._live[live_id] -= 1
                 if self._live[live_id] <= 0:
                     del self._live[live_id]
+                    self._live_workflows.pop(live_id, None)
             self._requests.add(1, {"status": outcome})
 
 

@@ -424,7 +424,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.LiveRequests, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.LiveRequestsAck:
         await self._role.wait_if_taking_over(self._config.lease_ttl_s)
-        num_held = self._gate.renew(request.request_ids) if self._role.is_leader else 0
+        num_held = 0
+        if self._role.is_leader:
+            num_held = self._gate.renew(request.request_ids)
+            self._tasks.touch(request.workflow_ids, self._clock())  # a long step does not time its task out
         return scheduler_pb2.LiveRequestsAck(num_held=num_held,
                                              lease_ms=int(self._config.admission_lease_s * 1000))
 

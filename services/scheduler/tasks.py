@@ -5,10 +5,10 @@ without one (a task of one step). The router reports every placed request's end 
 time it used on each node; the ledger prices it and adds it to its task. A task succeeds when
 every one of its steps has succeeded (a step retried after a failure counts once it succeeds; a
 step that succeeded stays so, whatever late notice of another attempt of it says); it fails when
-it stays silent for `timeout_s` before that. A workflow that does not say how many steps it has
-ends at the timeout, succeeded if every step it numbered has succeeded (unnumbered: if its last
-request did). Failed tasks' GPU cost stays in
-the numerator, and so does GPU time spent loading models: the busy-time cost per successful task =
+it stays silent for `timeout_s` before that (a step the routers report running is not silence). A
+workflow that does not say how many steps it has ends at the timeout, succeeded if every step it
+numbered has succeeded (unnumbered: if its last request did). Failed tasks' GPU cost stays in the
+numerator, and so does GPU time spent loading models: the busy-time cost per successful task =
 (cost of every ended task + model loads) ÷ tasks succeeded — the floor that scaling idle GPUs away
 could reach. The headline is what the operator pays: every registered GPU, idle or not, for as long
 as the ledger has run (the leader adds each interval's fleet cost) ÷ tasks succeeded.
@@ -17,6 +17,7 @@ as the ledger has run (the leader adds each interval's fleet cost) ÷ tasks succ
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +102,14 @@ class TaskLedger:
         if len(self._open) > self._max_open:  # the least recently active gives way: it failed
             self._end(*self._open.popitem(last=False), False)
         return None
+
+    def touch(self, task_ids: Iterable[str], now: float) -> None:
+        """These tasks have a step running: they are not silent (an open one's timeout starts again)."""
+        for task_id in task_ids:
+            task = self._open.get(task_id)
+            if task is not None:
+                task.last_at = max(task.last_at, now)
+                self._open.move_to_end(task_id)
 
     def spent(self, task_id: str) -> float:
         task = self._open.get(task_id)

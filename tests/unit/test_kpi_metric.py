@@ -111,3 +111,18 @@ async def test_a_successor_counts_the_fleet_for_the_time_no_leader_did(monkeypat
     assert restarted._tasks.stats().fleet_cost_usd == pytest.approx(0.0)
     for service in (leader, successor, restarted):
         await service.close()
+
+
+async def test_a_workflow_step_the_routers_report_running_keeps_its_task_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 2 of a workflow ran (or queued) past the task timeout: the routers' live reports name its workflow,
+    and the leader does not end the task as abandoned (it failed the whole workflow before)."""
+    fake_leadership(monkeypatch, lambda: True)
+    now = [0.0]
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"), clock=lambda: now[0])
+    timeout_s = service._tasks.timeout_s
+    service._tasks.record("wf", 1, 2, 0.01, ok=True, now=0.0)
+    now[0] = timeout_s - 10.0
+    await service.ReportLiveRequests(scheduler_pb2.LiveRequests(request_ids=["s2"], workflow_ids=["wf"]), None)
+    assert service._tasks.expire(timeout_s + 10.0) == 0
+    assert service._tasks.record("wf", 2, 2, 0.01, ok=True, now=timeout_s + 20.0) is True
+    await service.close()

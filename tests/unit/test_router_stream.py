@@ -54,6 +54,9 @@ class _FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     node_address: str = ""
     places: list[scheduler_pb2.PlaceRequest] = field(default_factory=list)
     finished: asyncio.Queue[scheduler_pb2.FinishedRequest] = field(default_factory=asyncio.Queue)
+    live_reports: asyncio.Queue[scheduler_pb2.LiveRequests] = field(default_factory=asyncio.Queue)
+    # The router under test (its background loops are not started unless a test starts one).
+    router: RouterService | None = None
 
     async def Place(  # noqa: N802
         self, request: scheduler_pb2.PlaceRequest, context: grpc.aio.ServicerContext
@@ -68,6 +71,12 @@ class _FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     ) -> scheduler_pb2.FinishedAck:
         self.finished.put_nowait(request)
         return scheduler_pb2.FinishedAck()
+
+    async def ReportLiveRequests(  # noqa: N802
+        self, request: scheduler_pb2.LiveRequests, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.LiveRequestsAck:
+        self.live_reports.put_nowait(request)
+        return scheduler_pb2.LiveRequestsAck(num_held=len(request.request_ids), lease_ms=15_000)
 
 
 @contextlib.asynccontextmanager
@@ -93,7 +102,8 @@ async def _router(handler: NodeHandler, **config: object) -> AsyncIterator[tuple
         scheduler.node_address = node_address
         scheduler_address = await stack.enter_async_context(
             _server(lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, s)))
-        service = RouterService(RouterConfig(etcd="127.0.0.1:1", **config), Telemetry("router/test", "none"))
+        service = scheduler.router = RouterService(RouterConfig(etcd="127.0.0.1:1", **config),
+                                                   Telemetry("router/test", "none"))
         leader = LeaderRecord("/baton/election/scheduler/0", 1, scheduler_address)
         service._leader.leader = lambda: leader  # type: ignore[method-assign]
         service._leader.address = lambda: scheduler_address  # type: ignore[method-assign]
@@ -264,3 +274,27 @@ async def test_a_resumed_request_that_has_every_token_ends_at_once_and_the_leade
     assert [(m.index, list(m.token_ids), m.finish_reason) for m in messages] == [
         (3, [], common_pb2.FINISH_REASON_LENGTH)]
     assert notice.outcome == scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED and not scheduler.places
+
+
+async def test_the_router_reports_the_workflows_of_the_steps_it_serves() -> None:
+    # A step can run longer than the leader's task timeout: the leader hears its workflow is alive.
+    never = asyncio.Event()
+
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        yield _started()
+        yield Chunk(node_id=NODE, index=0, token_ids=[97])
+        await never.wait()
+        yield Chunk(node_id=NODE, index=1, token_ids=[98])
+
+    async with _router(generate, stall_floor_s=60.0, live_report_interval_s=0.05) as (router, scheduler):
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=8, request_id="s2",
+                                                          workflow_id="wf-1", step=2, total_steps=3))
+        assert list((await anext(aiter(call))).token_ids) == [97]
+        assert scheduler.router is not None
+        reporting = asyncio.create_task(scheduler.router._report_live())
+        try:
+            report = await asyncio.wait_for(scheduler.live_reports.get(), 10)
+        finally:
+            reporting.cancel()
+            call.cancel()
+    assert list(report.request_ids) == ["s2"] and list(report.workflow_ids) == ["wf-1"]

@@ -115,3 +115,13 @@ def test_a_failed_step_is_handed_to_the_next_leader() -> None:
     successor.restore(ledger.to_state(max_open=100, now=1.0), now=1.0)
     successor.expire(now=20.0)
     assert (successor.stats().succeeded, successor.stats().failed) == (0, 1)
+
+
+def test_a_workflow_whose_step_runs_longer_than_the_timeout_is_not_abandoned() -> None:
+    ledger = TaskLedger(timeout_s=300.0)
+    ledger.record("wf", 1, 2, 0.01, ok=True, now=0.0)
+    ledger.record("other", 1, 2, 0.01, ok=True, now=1.0)
+    ledger.touch(["wf"], now=250.0)  # step 2 is running (the routers say so)
+    assert ledger.expire(now=302.0) == 1  # "other" went silent; "wf" did not
+    assert ledger.record("wf", 2, 2, 0.01, ok=True, now=400.0) is True
+    assert (ledger.stats().succeeded, ledger.stats().failed) == (1, 1)
