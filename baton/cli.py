@@ -373,14 +373,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     if state is None:
         print(f"baton status: no scheduler answered ({'; '.join(errors)})", file=sys.stderr)
         return 1
+    leader_error = ""
     if state.leader_address and state.leader_address != address:  # the KPI and model actions are the leader's
         try:
             with sync_channel(state.leader_address, _credentials(args)) as channel:
                 state = scheduler_pb2_grpc.SchedulerStub(channel).GetClusterState(
                     scheduler_pb2.GetClusterStateRequest(), timeout=3.0, metadata=_metadata(args))
             address = state.leader_address
-        except grpc.RpcError:
-            pass
+        except grpc.RpcError as exc:
+            leader_error = f"the leader at {state.leader_address} did not answer ({exc.code().name})"
     leader = f"{state.leader_id} at {state.leader_address}" if state.leader_id else "none elected"
     print(f"scheduler leader: {leader} (asked {state.scheduler_id}); {len(state.nodes)} nodes")
     print(f"{'node':<10} {'gpu':<6} {'engine':<6} {'address':<22} {'models':<18} {'run':>4} {'wait':>4} "
@@ -409,6 +410,10 @@ def cmd_status(args: argparse.Namespace) -> int:
               f"whole fleet ${tasks.fleet_cost_usd:.6f}; busy GPU time ${tasks.ended_cost_usd:.6f} "
               f"+ ${tasks.model_load_cost_usd:.6f} of model loads")
         print(f"cost per successful task: {fleet} for the whole fleet (idle GPUs included), {busy} busy time only")
+    else:  # only the leader keeps the ledger: say why it is missing rather than leave it out
+        why = leader_error or ("no leader is elected" if not state.leader_id
+                               else f"{state.scheduler_id} answered, and it does not lead on a confirmed lease")
+        print(f"tasks: not shown: {why}")
     if state.leading_revision:
         queued = ", ".join(f"{tenant} {n}" for tenant, n in sorted(state.queued_by_tenant.items()))
         print(f"admission queue: {sum(state.queued_by_tenant.values())} waiting{f' ({queued})' if queued else ''}")
