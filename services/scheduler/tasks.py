@@ -152,10 +152,14 @@ class TaskLedger:
     # -- hand-over to the next leader -------------------------------------------------------------
 
     def to_state(self, max_open: int, now: float) -> dict[str, Any]:
-        """Totals, and the most recently active open tasks with their age (clocks differ between hosts)."""
-        recent = list(self._open.items())[-max_open:]
+        """Totals, and the most recently active open tasks with their age (clocks differ between hosts); the
+        open tasks beyond max_open are handed over as failed, their cost kept (as the ledger's own overflow is)."""
+        open_tasks = list(self._open.items())
+        split = max(0, len(open_tasks) - max_open)
+        dropped, recent = open_tasks[:split], open_tasks[split:]
         return {
-            "succeeded": self.succeeded, "failed": self.failed, "ended_cost_usd": self.ended_cost_usd,
+            "succeeded": self.succeeded, "failed": self.failed + len(dropped),
+            "ended_cost_usd": self.ended_cost_usd + sum(task.spent_usd for _, task in dropped),
             "overhead_usd": self.overhead_usd, "fleet_cost_usd": self.fleet_cost_usd,
             "open": {k: [t.total_steps, t.spent_usd, sorted(t.succeeded), t.last_ok, now - t.last_at, sorted(t.failed)]
                      for k, t in recent},

@@ -125,3 +125,16 @@ def test_a_workflow_whose_step_runs_longer_than_the_timeout_is_not_abandoned() -
     assert ledger.expire(now=302.0) == 1  # "other" went silent; "wf" did not
     assert ledger.record("wf", 2, 2, 0.01, ok=True, now=400.0) is True
     assert (ledger.stats().succeeded, ledger.stats().failed) == (1, 1)
+
+
+def test_open_tasks_beyond_what_is_handed_over_reach_the_next_leader_as_failed_with_their_cost() -> None:
+    ledger = TaskLedger(timeout_s=60.0)
+    for i in range(3):
+        ledger.record(f"wf{i}", 1, 2, 0.01, ok=True, now=float(i))
+    successor = TaskLedger(timeout_s=60.0)
+    successor.restore(ledger.to_state(max_open=1, now=3.0), now=3.0)
+    stats = successor.stats()
+    assert (stats.succeeded, stats.failed, stats.open) == (0, 2, 1)
+    assert stats.ended_cost_usd == pytest.approx(0.02)
+    assert successor.spent("wf2") == pytest.approx(0.01)  # the most recently active goes on
+    assert ledger.stats().open == 3  # the leader's own ledger is unchanged
