@@ -159,14 +159,21 @@ class Relay:
         address = self._leader.address()
         if address is None:
             return
-        stub = scheduler_pb2_grpc.SchedulerStub(self._leader.channel(address))
         notice = scheduler_pb2.FinishedRequest(
             request_id=generation.request_id, context=context_of(request), ttft_ms=ttft_ms, outcome=outcome,
             gpu_ms_by_node=generation.gpu_ms_by_node, model=generation.model,
             num_output_tokens=len(generation.generated))
 
         async def send() -> scheduler_pb2.FinishedAck:
-            return await stub.Finished(notice, timeout=2.0)
+            try:
+                return await scheduler_pb2_grpc.SchedulerStub(self._leader.channel(address)).Finished(
+                    notice, timeout=2.0)
+            except grpc.aio.AioRpcError as exc:
+                # A standby (this router's view of the leader lags) refuses it, naming the leader: sent there once.
+                hint = dict(exc.trailing_metadata() or ()).get(LEADER_KEY)
+                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or not hint or hint == address:
+                    raise
+                return await scheduler_pb2_grpc.SchedulerStub(self._leader.channel(hint)).Finished(notice, timeout=2.0)
 
         task = asyncio.get_running_loop().create_task(send())
         self._notices.add(task)

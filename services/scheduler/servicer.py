@@ -405,6 +405,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.FinishedRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.FinishedAck:
         await self._role.wait_if_taking_over(self._config.lease_ttl_s)  # not to be overwritten by the hand-over
+        await self._wait_for_election(self._config.lease_ttl_s)
+        if not self._role.is_leader:  # a standby's ledger is overwritten when it takes over: the notice would be lost
+            await abort(context, self._not_leader())
         self._gate.finished(request.request_id)
         ctx = request.context
         if request.ttft_ms and ctx.ttft_budget_ms:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import pytest
 from google.protobuf import json_format
 from opentelemetry.sdk.metrics import MeterProvider
@@ -125,4 +126,29 @@ async def test_a_workflow_step_the_routers_report_running_keeps_its_task_open(mo
     await service.ReportLiveRequests(scheduler_pb2.LiveRequests(request_ids=["s2"], workflow_ids=["wf"]), None)
     assert service._tasks.expire(timeout_s + 10.0) == 0
     assert service._tasks.record("wf", 2, 2, 0.01, ok=True, now=timeout_s + 20.0) is True
+    await service.close()
+
+
+async def test_a_standby_refuses_a_finished_notice_naming_the_leader(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router whose view of the leader lags sends a notice to a standby: its ledger is overwritten when it takes
+    over, so it refuses the notice (the router sends it to the leader named) rather than count it there."""
+    from baton.protocol import LEADER_KEY
+    from services.scheduler.leadership import LeaderRole
+    from tests.unit.test_place_during_election import FakeContext, Refused
+
+    fake_leadership(monkeypatch, lambda: False)
+    monkeypatch.setattr(LeaderRole, "leader", lambda self: ("scheduler-1", "127.0.0.1:9"))
+    hints: list[object] = []
+
+    class Context(FakeContext):
+        async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: object = ()) -> None:
+            hints.append(dict(trailing_metadata).get(LEADER_KEY))  # type: ignore[call-overload]
+            await super().abort(code, details)
+
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    notice = scheduler_pb2.FinishedRequest(request_id="r1", outcome=scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED)
+    with pytest.raises(Refused) as refused:
+        await service.Finished(notice, Context())  # type: ignore[arg-type]
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION and hints == ["127.0.0.1:9"]
+    assert service._tasks.stats().succeeded == 0
     await service.close()

@@ -12,6 +12,7 @@ import grpc
 import pytest
 from google.protobuf import json_format
 
+from baton.protocol import LEADER_KEY
 from baton.v1 import (
     common_pb2,
     node_agent_pb2,
@@ -92,10 +93,11 @@ async def _server(add: Callable[[grpc.aio.Server], None]) -> AsyncIterator[str]:
 
 
 @contextlib.asynccontextmanager
-async def _router(handler: NodeHandler, **config: object) -> AsyncIterator[tuple[router_pb2_grpc.RouterStub,
-                                                                                   _FakeScheduler]]:
-    """A router serving on 127.0.0.1 that sees one scheduler leader and one node (no etcd)."""
-    scheduler = _FakeScheduler()
+async def _router(handler: NodeHandler, scheduler: _FakeScheduler | None = None,
+                  **config: object) -> AsyncIterator[tuple[router_pb2_grpc.RouterStub, _FakeScheduler]]:
+    """A router serving on 127.0.0.1 that sees one scheduler leader (scheduler, or a _FakeScheduler) and one
+    node (no etcd)."""
+    scheduler = scheduler or _FakeScheduler()
     async with contextlib.AsyncExitStack() as stack:
         node_address = await stack.enter_async_context(
             _server(lambda s: node_agent_pb2_grpc.add_NodeAgentServicer_to_server(_FakeNode(handler), s)))
@@ -298,3 +300,29 @@ async def test_the_router_reports_the_workflows_of_the_steps_it_serves() -> None
             reporting.cancel()
             call.cancel()
     assert list(report.request_ids) == ["s2"] and list(report.workflow_ids) == ["wf-1"]
+
+
+async def test_a_finished_notice_refused_by_a_standby_goes_to_the_leader_it_names() -> None:
+    # The router's view of the leader lags: the replica it tells refuses (its ledger would be overwritten when
+    # it takes over) and names the leader, which counts the task.
+    leader = _FakeScheduler()
+
+    @dataclass
+    class Standby(_FakeScheduler):
+        leader_address: str = ""
+
+        async def Finished(  # noqa: N802
+            self, request: scheduler_pb2.FinishedRequest, context: grpc.aio.ServicerContext
+        ) -> scheduler_pb2.FinishedAck:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a standby",
+                                trailing_metadata=((LEADER_KEY, self.leader_address),))
+            raise AssertionError("aborted")
+
+    async with _server(lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(leader, s)) as leader_address:
+        standby = Standby(leader_address=leader_address)
+        async with _router(_token_stream(2, pace_s=0.001), scheduler=standby) as (router, _):
+            call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2,
+                                                              request_id="r9"))
+            assert sum(len(m.token_ids) for m in [m async for m in call]) == 2
+            notice = await asyncio.wait_for(leader.finished.get(), 10)
+    assert notice.request_id == "r9" and notice.outcome == scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
