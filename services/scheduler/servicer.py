@@ -405,9 +405,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.FinishedRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.FinishedAck:
         await self._role.wait_if_taking_over(self._config.lease_ttl_s)  # not to be overwritten by the hand-over
-        await self._wait_for_election(self._config.lease_ttl_s)
-        if not self._role.is_leader:  # a standby's ledger is overwritten when it takes over: the notice would be lost
-            await abort(context, self._not_leader())
+        # A standby's ledger is replaced when it takes over, so the notice would be lost there: as for Place, wait
+        # out an election under way or a late keep-alive (within the call's time), then refuse, naming the leader.
+        await self._wait_for_election(context.time_remaining())
+        try:
+            await self._confirm_leadership(context)
+        except BatonError as error:
+            await abort(context, error)
         self._gate.finished(request.request_id)
         ctx = request.context
         if request.ttft_ms and ctx.ttft_budget_ms:
@@ -430,7 +434,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         num_held = 0
         if self._role.is_leader:
             num_held = self._gate.renew(request.request_ids)
-            self._tasks.touch(request.workflow_ids, self._clock())  # a long step does not time its task out
+            # A long step (or a retry of a lone request, whose task is its id) does not time its task out.
+            self._tasks.touch([*request.workflow_ids, *request.request_ids], self._clock())
         return scheduler_pb2.LiveRequestsAck(num_held=num_held,
                                              lease_ms=int(self._config.admission_lease_s * 1000))
 

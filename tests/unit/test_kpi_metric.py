@@ -17,6 +17,7 @@ from services.common.telemetry import Telemetry
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.servicer import SchedulerService
 from tests.unit.leading import fake_leadership
+from tests.unit.test_place_during_election import FakeContext
 
 
 def exported(reader: InMemoryMetricReader) -> dict[str, list[tuple[dict, float]]]:
@@ -81,7 +82,7 @@ async def test_a_scheduler_that_first_sees_a_node_draining_charges_its_streams_a
     service._on_nodes_changed({etcd_keys.node_key("b"): json_format.MessageToJson(info).encode()})
     finished = scheduler_pb2.FinishedRequest(request_id="r", outcome=scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED,
                                              gpu_ms_by_node={"b": 3_600_000})  # an hour of b's GPU
-    await service.Finished(finished, None)  # type: ignore[arg-type]
+    await service.Finished(finished, FakeContext())  # type: ignore[arg-type]
     assert service._tasks.stats().cost_per_successful_task == pytest.approx(3.6)
     await service.close()
 
@@ -134,10 +135,15 @@ async def test_a_standby_refuses_a_finished_notice_naming_the_leader(monkeypatch
     over, so it refuses the notice (the router sends it to the leader named) rather than count it there."""
     from baton.protocol import LEADER_KEY
     from services.scheduler.leadership import LeaderRole
-    from tests.unit.test_place_during_election import FakeContext, Refused
+    from tests.unit.test_place_during_election import Refused
 
     fake_leadership(monkeypatch, lambda: False)
     monkeypatch.setattr(LeaderRole, "leader", lambda self: ("scheduler-1", "127.0.0.1:9"))
+
+    async def successor_already_shown(self: LeaderRole, timeout_s: float) -> None:
+        return None  # (this test feeds no etcd view to wait on)
+
+    monkeypatch.setattr(LeaderRole, "wait_successor_shown", successor_already_shown)
     hints: list[object] = []
 
     class Context(FakeContext):
@@ -151,4 +157,24 @@ async def test_a_standby_refuses_a_finished_notice_naming_the_leader(monkeypatch
         await service.Finished(notice, Context())  # type: ignore[arg-type]
     assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION and hints == ["127.0.0.1:9"]
     assert service._tasks.stats().succeeded == 0
+    await service.close()
+
+
+async def test_a_leader_whose_keep_alive_is_late_still_counts_a_finished_notice(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its lease unconfirmed for a moment (is_leader false), the leader holds the notice until a refresh confirms
+    it, and counts it, rather than refuse it without naming anyone (the notice was then lost)."""
+    from services.scheduler.leadership import LeaderRole
+
+    async def confirmed_after_a_late_keep_alive(self: LeaderRole, timeout_s: float) -> bool:
+        return True
+
+    fake_leadership(monkeypatch, lambda: False)
+    monkeypatch.setattr(LeaderRole, "wait_confirmed", confirmed_after_a_late_keep_alive)
+    monkeypatch.setattr(LeaderRole, "leader", lambda self: ("scheduler-0", "127.0.0.1:9"))  # itself
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    service._role.elected.set()  # it took over long ago
+    notice = scheduler_pb2.FinishedRequest(request_id="r1", outcome=scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED)
+    await service.Finished(notice, FakeContext())  # type: ignore[arg-type]
+    assert service._tasks.stats().succeeded == 1
     await service.close()
