@@ -178,3 +178,16 @@ async def test_a_leader_whose_keep_alive_is_late_still_counts_a_finished_notice(
     await service.Finished(notice, FakeContext())  # type: ignore[arg-type]
     assert service._tasks.stats().succeeded == 1
     await service.close()
+
+
+async def test_a_lone_request_retried_past_the_task_timeout_is_not_abandoned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its first attempt failed (its task stays open for a retry); the retry, reported running, keeps it open."""
+    fake_leadership(monkeypatch, lambda: True)
+    now = [0.0]
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"), clock=lambda: now[0])
+    timeout_s = service._tasks.timeout_s
+    service._tasks.record("r1", 1, 1, 0.01, ok=False, now=0.0)
+    now[0] = timeout_s - 10.0
+    await service.ReportLiveRequests(scheduler_pb2.LiveRequests(request_ids=["r1"]), None)
+    assert service._tasks.expire(timeout_s + 10.0) == 0
+    await service.close()
