@@ -523,7 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--metrics", action="store_true",
                     help="every service serves Prometheus metrics at /metrics on a free port (listed at start)")
     up.add_argument("--workdir", default="", help="where logs and etcd data go (default: a temp dir); "
-                    "etcd's data from an earlier cluster there is removed: each `up` starts a new cluster")
+                    "etcd's data from an earlier cluster there is removed: each `up` starts a new cluster "
+                    "(refused while one still runs there)")
     up.add_argument("--timeout-s", type=float, default=0.0,
                     help="how long to wait for readiness (default: 0, meaning 60 s, or 300 s with vllm nodes)")
     up.add_argument("--demo", action="store_true", help="send a demo request once the cluster is up")

@@ -6,6 +6,7 @@ Used by `baton up`, by the integration tests and by the benchmarks.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import random
@@ -282,6 +283,8 @@ class LocalCluster:
         self.admin_key = ""
         # With spec.tls: the throwaway CA and its certificates, under workdir/tls.
         self.pki: ThrowawayPki | None = None
+        # Held while the cluster runs: one cluster per workdir (the kernel releases it if this process dies).
+        self._workdir_lock: Any = None
 
     @property
     def router(self) -> ManagedProcess | None:
@@ -320,6 +323,7 @@ class LocalCluster:
         spec = self.spec
         if spec.tls:
             self.pki = generate_throwaway_pki(self.workdir / "tls")
+        self._lock_workdir()
         # A new cluster, not the last one of this workdir again: its etcd would hand the new leader the old
         # cluster's task ledger (its successes, costs and open tasks) and tenants.
         shutil.rmtree(self.workdir / "etcd", ignore_errors=True)
@@ -441,10 +445,30 @@ class LocalCluster:
         """Each service's Prometheus endpoint, by process name (none unless spec.metrics)."""
         return {p.name: f"http://{p.metrics_address}/metrics" for p in self.processes if p.metrics_address}
 
+    def _lock_workdir(self) -> None:
+        """Claim the workdir, or StartError if a running cluster has it (its etcd data must not be removed)."""
+        lock = open(self.workdir / "cluster.lock", "a+")  # held until stop()
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            lock.close()
+            raise StartError(f"workdir {self.workdir} is in use by a running cluster ({holder}): stop it, or "
+                             "give another --workdir") from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()}\n")
+        lock.flush()
+        self._workdir_lock = lock
+
     def stop(self) -> None:
         """Stop what this cluster started, by pid: router first, etcd last."""
         for process in self.processes:
             process.stop()
+        if self._workdir_lock is not None:
+            self._workdir_lock.close()  # releases the claim
+            self._workdir_lock = None
         if self._own_workdir and os.environ.get("BATON_KEEP_WORKDIR") != "1":
             shutil.rmtree(self.workdir, ignore_errors=True)
 

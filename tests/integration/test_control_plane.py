@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from baton.client import BatonClient
-from baton.cluster import ClusterSpec, LocalCluster, ManagedProcess, start_etcd
+from baton.cluster import ClusterSpec, LocalCluster, ManagedProcess, StartError, start_etcd
 from baton.v1 import kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common import etcd_keys
 from services.common.block_hash import block_hashes
@@ -223,3 +223,17 @@ async def test_a_cluster_started_where_an_earlier_one_ran_does_not_inherit_its_l
         assert cluster.cluster_state().tasks.tasks_succeeded == 0
     finally:
         await asyncio.to_thread(cluster.stop)
+
+
+def test_a_second_cluster_is_refused_a_workdir_a_running_one_holds(tmp_path) -> None:
+    # Starting it would remove the running cluster's etcd data from under it (a review saw its WAL deleted).
+    workdir = tmp_path / "work"
+    with LocalCluster(ClusterSpec(num_nodes=1, speed=0.0, lease_ttl_s=TTL_S), workdir):
+        wal = sorted((workdir / "etcd").rglob("*.wal"))
+        second = LocalCluster(ClusterSpec(num_nodes=1, speed=0.0, lease_ttl_s=TTL_S), workdir)
+        with pytest.raises(StartError, match="is in use by a running cluster"):
+            second.start()
+        assert wal and all(path.exists() for path in wal)
+    # Stopped, it gives the workdir up.
+    with LocalCluster(ClusterSpec(num_nodes=1, speed=0.0, lease_ttl_s=TTL_S), workdir) as third:
+        assert third.cluster_state().nodes
