@@ -161,9 +161,12 @@ class TaskLedger:
             "succeeded": self.succeeded, "failed": self.failed + len(dropped),
             "ended_cost_usd": self.ended_cost_usd + sum(task.spent_usd for _, task in dropped),
             "overhead_usd": self.overhead_usd, "fleet_cost_usd": self.fleet_cost_usd,
-            "open": {k: [t.total_steps, t.spent_usd, sorted(t.succeeded), t.last_ok, now - t.last_at, sorted(t.failed)]
+            # Five fields each, as every version reads them; failed steps under a key of their own.
+            "open": {k: [t.total_steps, t.spent_usd, sorted(t.succeeded), t.last_ok, now - t.last_at]
                      for k, t in recent},
-            "ended": list(self._ended)[-max_open:],
+            "open_failed_steps": {k: sorted(t.failed) for k, t in recent if t.failed},
+            # The dropped ones ended here: a late notice of one must not open it again at the successor.
+            "ended": (list(self._ended) + [k for k, _ in dropped])[-max_open:],
         }
 
     def restore(self, state: dict[str, Any], now: float) -> None:
@@ -172,9 +175,8 @@ class TaskLedger:
         self.ended_cost_usd = float(state["ended_cost_usd"])
         self.overhead_usd = float(state.get("overhead_usd", 0.0))
         self.fleet_cost_usd = float(state.get("fleet_cost_usd", 0.0))
+        failed_steps = state.get("open_failed_steps", {})
         self._open = OrderedDict(
-            (k, _Task(int(total), float(spent), set(steps), set(failed[0] if failed else ()), bool(ok),
-                      now - float(age)))
-            # A state written before failed steps were handed over has five fields.
-            for k, (total, spent, steps, ok, age, *failed) in state["open"].items())
+            (k, _Task(int(total), float(spent), set(steps), set(failed_steps.get(k, ())), bool(ok), now - float(age)))
+            for k, (total, spent, steps, ok, age) in state["open"].items())
         self._ended = OrderedDict.fromkeys(state.get("ended", ()))

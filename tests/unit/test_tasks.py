@@ -129,12 +129,26 @@ def test_a_workflow_whose_step_runs_longer_than_the_timeout_is_not_abandoned() -
 
 def test_open_tasks_beyond_what_is_handed_over_reach_the_next_leader_as_failed_with_their_cost() -> None:
     ledger = TaskLedger(timeout_s=60.0)
-    for i in range(3):
+    for i in range(4):
         ledger.record(f"wf{i}", 1, 2, 0.01, ok=True, now=float(i))
     successor = TaskLedger(timeout_s=60.0)
-    successor.restore(ledger.to_state(max_open=1, now=3.0), now=3.0)
+    successor.restore(ledger.to_state(max_open=2, now=4.0), now=4.0)
     stats = successor.stats()
-    assert (stats.succeeded, stats.failed, stats.open) == (0, 2, 1)
+    assert (stats.succeeded, stats.failed, stats.open) == (0, 2, 2)
     assert stats.ended_cost_usd == pytest.approx(0.02)
-    assert successor.spent("wf2") == pytest.approx(0.01)  # the most recently active goes on
-    assert ledger.stats().open == 3  # the leader's own ledger is unchanged
+    assert successor.spent("wf3") == pytest.approx(0.01)  # the most recently active go on
+    assert ledger.stats().open == 4  # the leader's own ledger is unchanged
+    # A late notice of a dropped one adds its cost and does not open it again (to be counted twice).
+    assert successor.record("wf0", 2, 2, 0.01, ok=True, now=5.0) is None
+    stats = successor.stats()
+    assert (stats.succeeded, stats.failed, stats.open) == (0, 2, 2)
+    assert stats.ended_cost_usd == pytest.approx(0.03)
+
+
+def test_the_hand_over_state_keeps_the_form_an_earlier_version_reads() -> None:
+    # A rollback's successor unpacks five fields per open task; the failed steps travel beside them.
+    ledger = TaskLedger(timeout_s=10.0)
+    ledger.record("wf", 1, 0, 0.01, ok=False, now=0.0)
+    state = ledger.to_state(max_open=100, now=0.0)
+    assert [len(fields) for fields in state["open"].values()] == [5]
+    assert state["open_failed_steps"] == {"wf": [1]}
