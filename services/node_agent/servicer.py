@@ -126,8 +126,8 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             outputs = engine.generate(engine_request, self._config.heartbeat_interval_s)
         except EngineInputError as exc:
             await abort(context, InvalidArgument(exc.field, exc.value, exc.reason))
-        exact = engine.resumes_exactly(engine_request.sampling)
         try:
+            exact = engine.resumes_exactly(engine_request.sampling)
             yield self._chunk(request, 0,
                               started=node_agent_pb2.StreamStarted(
                                   heartbeat_interval_ms=int(self._config.heartbeat_interval_s * 1000),

@@ -69,7 +69,7 @@ class Relay:
         num_resumed = len(generation.generated)  # tokens the client had before this stream
         first_token_at: float | None = None
         if request.resume.HasField("first_token_ms"):
-            first_token_at = started_at + request.resume.first_token_ms / 1000
+            first_token_at = started_at + min(request.resume.first_token_ms, request.resume.elapsed_ms) / 1000
             num_resumed = 0  # its time per token counts every token since that first one
         outcome = scheduler_pb2.REQUEST_OUTCOME_FAILED
         try:

@@ -87,7 +87,7 @@ async def test_a_reader_closed_late_does_not_abort_a_request_of_the_same_id_admi
     stream's reader is closed; closing it must leave the new request running."""
     vllm = engine()
     old = decoding(vllm, "r")
-    reader = vllm._outputs("r", StopMatcher(()), heartbeat_s=60.0)
+    reader = vllm._outputs("r", old, StopMatcher(()), heartbeat_s=60.0)
     old.queue.put_nowait(output([5]))
     assert (await anext(reader)).new_token_ids == [5]
     vllm.abort("r")
@@ -101,7 +101,7 @@ async def test_a_reader_whose_request_was_aborted_ends_without_touching_a_reques
     does not take the new request out of the engine."""
     vllm = engine()
     old = decoding(vllm, "r")
-    reader = vllm._outputs("r", StopMatcher(()), heartbeat_s=60.0)
+    reader = vllm._outputs("r", old, StopMatcher(()), heartbeat_s=60.0)
     old.queue.put_nowait(output([5]))
     assert (await anext(reader)).new_token_ids == [5]
     old.queue.put_nowait(output([6], "length"))

@@ -271,7 +271,7 @@ class VllmEngine:
         self._profiler.admitted(request.request_id, len(self._requests), asyncio.get_running_loop().time())
         self.load_changed.notify()
         request_id = request.request_id
-        return OutputStream(self._outputs(request_id, StopMatcher(sampling.stop, resumed), heartbeat_s),
+        return OutputStream(self._outputs(request_id, running, StopMatcher(sampling.stop, resumed), heartbeat_s),
                             lambda: self._release(request_id, running))
 
     def _check(self, request: EngineRequest) -> None:
@@ -312,9 +312,8 @@ class VllmEngine:
         except Exception as exc:  # handed to the reader, which raises it in the stream
             queue.put_nowait(exc)
 
-    async def _outputs(self, request_id: str, stops: StopMatcher,
+    async def _outputs(self, request_id: str, running: _Running, stops: StopMatcher,
                        heartbeat_s: float) -> AsyncGenerator[RequestOutput | None, None]:
-        running = self._requests[request_id]
         finished = False
         try:
             # Until it finishes, or is aborted (its reader then ends without a finish: the stream broke).
