@@ -321,9 +321,9 @@ class LocalCluster:
 
     def _start(self, timeout_s: float) -> None:
         spec = self.spec
+        self._lock_workdir()  # before anything is written there (a running cluster's certificates included)
         if spec.tls:
             self.pki = generate_throwaway_pki(self.workdir / "tls")
-        self._lock_workdir()
         # A new cluster, not the last one of this workdir again: its etcd would hand the new leader the old
         # cluster's task ledger (its successes, costs and open tasks) and tenants.
         shutil.rmtree(self.workdir / "etcd", ignore_errors=True)

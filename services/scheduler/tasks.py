@@ -166,7 +166,8 @@ class TaskLedger:
                      for k, t in recent},
             "open_failed_steps": {k: sorted(t.failed) for k, t in recent if t.failed},
             # The dropped ones ended here: a late notice of one must not open it again at the successor.
-            "ended": (list(self._ended) + [k for k, _ in dropped])[-max_open:],
+            # (the most recently ended kept first, then the dropped ones, within the cap)
+            "ended": ([k for k, _ in dropped] + list(self._ended))[-max_open:],
         }
 
     def restore(self, state: dict[str, Any], now: float) -> None:
@@ -177,6 +178,8 @@ class TaskLedger:
         self.fleet_cost_usd = float(state.get("fleet_cost_usd", 0.0))
         failed_steps = state.get("open_failed_steps", {})
         self._open = OrderedDict(
-            (k, _Task(int(total), float(spent), set(steps), set(failed_steps.get(k, ())), bool(ok), now - float(age)))
-            for k, (total, spent, steps, ok, age) in state["open"].items())
+            (k, _Task(int(total), float(spent), set(steps), set(failed_steps.get(k, legacy[0] if legacy else ())),
+                      bool(ok), now - float(age)))
+            # A state written by the versions that put failed steps in a sixth field.
+            for k, (total, spent, steps, ok, age, *legacy) in state["open"].items())
         self._ended = OrderedDict.fromkeys(state.get("ended", ()))

@@ -152,3 +152,12 @@ def test_the_hand_over_state_keeps_the_form_an_earlier_version_reads() -> None:
     state = ledger.to_state(max_open=100, now=0.0)
     assert [len(fields) for fields in state["open"].values()] == [5]
     assert state["open_failed_steps"] == {"wf": [1]}
+
+
+def test_a_state_with_failed_steps_in_a_sixth_field_is_restored() -> None:
+    state = {"succeeded": 0, "failed": 0, "ended_cost_usd": 0.0, "ended": [],
+             "open": {"wf": [0, 0.01, [2], False, 1.0, [1]]}}
+    successor = TaskLedger(timeout_s=10.0)
+    successor.restore(state, now=0.0)
+    successor.expire(now=20.0)
+    assert (successor.stats().succeeded, successor.stats().failed) == (0, 1)
