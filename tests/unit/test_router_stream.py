@@ -137,6 +137,13 @@ def _token_stream(num_tokens: int, pace_s: float) -> NodeHandler:
     return generate
 
 
+async def _one_token_then_silent(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+    """A node that sends one token and then nothing (its stall is not detected within a test)."""
+    yield _started()
+    yield Chunk(node_id=NODE, index=0, token_ids=[97])
+    await asyncio.Event().wait()
+
+
 async def test_a_reader_that_sleeps_per_message_gets_merged_tokens() -> None:
     """Issue 15.6: a reader pausing per message used to get one message per token, long after
     the node had finished; now the tokens come merged, all of them, in order."""
@@ -207,15 +214,7 @@ async def test_a_stream_that_passes_its_deadline_ends_with_deadline_exceeded_kee
 
 
 async def test_a_stream_its_client_cancels_is_reported_cancelled() -> None:
-    never = asyncio.Event()
-
-    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
-        yield _started()
-        yield Chunk(node_id=NODE, index=0, token_ids=[97])
-        await never.wait()
-        yield Chunk(node_id=NODE, index=1, token_ids=[98])
-
-    async with _router(generate, stall_floor_s=60.0) as (router, scheduler):
+    async with _router(_one_token_then_silent, stall_floor_s=60.0) as (router, scheduler):
         call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=8,
                                                           deadline_ms=60_000))
         assert list((await anext(aiter(call))).token_ids) == [97]
@@ -280,15 +279,7 @@ async def test_a_resumed_request_that_has_every_token_ends_at_once_and_the_leade
 
 async def test_the_router_reports_the_workflows_of_the_steps_it_serves() -> None:
     # A step can run longer than the leader's task timeout: the leader hears its workflow is alive.
-    never = asyncio.Event()
-
-    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
-        yield _started()
-        yield Chunk(node_id=NODE, index=0, token_ids=[97])
-        await never.wait()
-        yield Chunk(node_id=NODE, index=1, token_ids=[98])
-
-    async with _router(generate, stall_floor_s=60.0, live_report_interval_s=0.05) as (router, scheduler):
+    async with _router(_one_token_then_silent, stall_floor_s=60.0, live_report_interval_s=0.05) as (router, scheduler):
         call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=8, request_id="s2",
                                                           workflow_id="wf-1", step=2, total_steps=3))
         assert list((await anext(aiter(call))).token_ids) == [97]
