@@ -172,7 +172,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     timeout_s = args.timeout_s or (300.0 if "vllm" in node_engines(args) else 60.0)
     cluster = LocalCluster(spec, Path(args.workdir) if args.workdir else None)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # SIGHUP too: a closed terminal stops the cluster as Ctrl-C does, instead of leaving its services running.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
     try:
         cluster.start(timeout_s=timeout_s)

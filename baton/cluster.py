@@ -199,6 +199,37 @@ def wait_etcd_healthy(process: ManagedProcess, timeout_s: float, tls: TlsFiles |
     raise StartError(f"etcd not healthy within {timeout_s:.0f}s; log {process.log_path}:\n{process.log_tail()}")
 
 
+def _refuse_a_live_etcd(data_dir: Path) -> None:
+    """StartError if an etcd still runs on data_dir: one whose `baton up` was killed outlives it (each service
+    runs in its own process group), and the workdir lock dies with `baton up`. etcd's database holds a file lock
+    of its own (bbolt's flock) while it runs; a lock of ours that it refuses is that etcd."""
+    database = data_dir / "member" / "snap" / "db"
+    try:
+        with open(database, "rb") as db:
+            try:
+                fcntl.flock(db, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _flock_holder(os.fstat(db.fileno()).st_ino)
+                raise StartError(f"an etcd still runs on {data_dir} ({f'pid {holder}' if holder else 'pid unknown'}; "
+                                 "left by a `baton up` that was killed?): stop it and the services it serves, or give "
+                                 "another --workdir") from None
+    except FileNotFoundError:
+        return
+
+
+def _flock_holder(inode: int) -> int | None:
+    """The pid that holds a flock on the file of inode, from /proc/locks (Linux); None where unknown."""
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()  # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"
+        if len(fields) > 5 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] == str(inode):
+            return int(fields[4])
+    return None
+
+
 def start_etcd(workdir: Path, timeout_s: float = 30.0, pki: ThrowawayPki | None = None) -> ManagedProcess:
     """A single-member etcd on free loopback ports with its data under workdir, once healthy; with pki,
     its client port speaks TLS only and requires a client certificate the CA signed."""
@@ -326,6 +357,7 @@ class LocalCluster:
             self.pki = generate_throwaway_pki(self.workdir / "tls")
         # A new cluster, not the last one of this workdir again: its etcd would hand the new leader the old
         # cluster's task ledger (its successes, costs and open tasks) and tenants.
+        _refuse_a_live_etcd(self.workdir / "etcd")
         shutil.rmtree(self.workdir / "etcd", ignore_errors=True)
         self.etcd = start_etcd(self.workdir, timeout_s, self.pki)
         self.etcd_endpoint = self.etcd.address

@@ -123,3 +123,30 @@ def test_up_generate_status_and_stop(tmp_path: Path) -> None:
     assert not [pid for pid in services if is_alive(pid)]
     assert not state.exists()
     assert os.path.isdir(tmp_path / "work")
+
+
+def test_a_closed_terminal_stops_the_cluster(tmp_path: Path) -> None:
+    # SIGHUP (the terminal `baton up` ran in was closed) stops it as Ctrl-C does: before, it died at once and
+    # left etcd and every service running, each in its own process group.
+    env = {**os.environ, "BATON_STATE_DIR": str(tmp_path / "state")}
+    up = subprocess.Popen([BATON, "up", "--nodes", "1", "--router-port", "0", "--http-port", "-1", "--speed", "0",
+                           "--workdir", str(tmp_path / "work")],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    services: set[int] = set()
+    try:
+        assert up.stdout is not None
+        for line in up.stdout:  # bounded by the module's timeout
+            if "Ctrl-C stops the cluster" in line:
+                break
+        services = children_of(up.pid)
+        assert len(services) == 5  # etcd, kvindex, scheduler, router, node agent
+        up.send_signal(signal.SIGHUP)
+        assert up.wait(60) == 0
+        assert not [pid for pid in services if is_alive(pid)]
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            up.wait(60)
+        for pid in services:  # what it left running when the feature is broken: this test's own, by pid
+            if is_alive(pid):
+                os.kill(pid, signal.SIGKILL)

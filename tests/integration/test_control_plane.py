@@ -225,6 +225,25 @@ async def test_a_cluster_started_where_an_earlier_one_ran_does_not_inherit_its_l
         await asyncio.to_thread(cluster.stop)
 
 
+
+def test_a_cluster_is_refused_a_workdir_whose_etcd_outlived_its_baton_up(tmp_path) -> None:
+    # A SIGKILLed `baton up` releases the workdir lock, but its etcd (its own process group) runs on: the next
+    # `up` there must not remove that etcd's data from under it.
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    orphan = start_etcd(workdir)
+    try:
+        wal = sorted((workdir / "etcd").rglob("*.wal"))
+        cluster = LocalCluster(ClusterSpec(num_nodes=1, speed=0.0, lease_ttl_s=TTL_S), workdir)
+        try:
+            with pytest.raises(StartError, match=f"an etcd still runs on .*pid {orphan.pid}"):
+                cluster.start()
+        finally:
+            cluster.stop()  # had it started (the check missing), what it started
+        assert wal and all(path.exists() for path in wal)
+    finally:
+        orphan.stop()
+
 def test_a_second_cluster_is_refused_a_workdir_a_running_one_holds(tmp_path) -> None:
     # Starting it would remove the running cluster's etcd data from under it (a review saw its WAL deleted).
     workdir = tmp_path / "work"
