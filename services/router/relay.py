@@ -6,6 +6,7 @@ import asyncio
 import logging
 import math
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry.metrics import Meter
@@ -23,6 +24,21 @@ from services.router.node_stream import NodeLiveness, watched_stream
 from services.router.stall import NodeActivity
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Ending:
+    """How a generation ended, for the leader's Finished notice."""
+
+    generation: Generation
+    request: router_pb2.GenerateRequest
+    ttft_ms: int
+    outcome: scheduler_pb2.RequestOutcome.ValueType
+
+    def undelivered(self) -> None:
+        """Its last reply never reached the client, who went away first: it did not succeed (nor end late)."""
+        if self.outcome in (scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED, scheduler_pb2.REQUEST_OUTCOME_LATE):
+            self.outcome = scheduler_pb2.REQUEST_OUTCOME_CANCELLED
 
 
 class Relay:
@@ -58,9 +74,12 @@ class Relay:
     async def stream(
         self, generation: Generation, request: router_pb2.GenerateRequest,
         time_remaining: Callable[[], float | None], deadline_at: float | None = None,
+        held: list[Ending] | None = None,
     ) -> AsyncIterator[node_agent_pb2.NodeGenerateChunk]:
         """The generation's chunks, indexed from its start, moving to another node when one fails. deadline_at:
-        when (on the loop's clock) the reader ends the stream at the request's deadline_ms, if it has one."""
+        when (on the loop's clock) the reader ends the stream at the request's deadline_ms, if it has one. held:
+        where its Ending goes, for the caller to tell the leader once it knows whether the last chunk reached its
+        client (this stream ends as soon as its reader takes that chunk); without it, the leader is told here."""
         loop = asyncio.get_running_loop()
         # Judged on the client's timeline: a stream it resumes here after its router died was sent resume.elapsed_ms
         # ago and may have had its first token long before (deadline_ms, resent as the part left, counts from here).
@@ -150,15 +169,19 @@ class Relay:
         finally:
             # Placed or not (a refused request is a failed task too), the leader learns how it ended.
             ttft_ms = int((first_token_at - started_at) * 1000) if first_token_at is not None else 0
-            self._tell_finished(generation, request, ttft_ms, outcome)
+            ending = Ending(generation, request, ttft_ms, outcome)
+            if held is None:
+                self.tell_finished(ending)
+            else:
+                held.append(ending)
 
-    def _tell_finished(self, generation: Generation, request: router_pb2.GenerateRequest, ttft_ms: int,
-                       outcome: scheduler_pb2.RequestOutcome.ValueType) -> None:
+    def tell_finished(self, ending: Ending) -> None:
         """Tell the leader the request ended: its admission slot is released and its task charged.
         Best effort, in the background."""
         address = self._leader.address()
         if address is None:
             return
+        generation, request, ttft_ms, outcome = ending.generation, ending.request, ending.ttft_ms, ending.outcome
         notice = scheduler_pb2.FinishedRequest(
             request_id=generation.request_id, context=context_of(request), ttft_ms=ttft_ms, outcome=outcome,
             gpu_ms_by_node=generation.gpu_ms_by_node, model=generation.model,

@@ -34,7 +34,7 @@ from services.router.config import RouterConfig
 from services.router.generation import Generation
 from services.router.http_api import HttpApi
 from services.router.node_stream import NodeLiveness
-from services.router.relay import Relay
+from services.router.relay import Ending, Relay
 from services.router.request_scope import cluster_request_id, name_as_client
 from services.router.tokenizer import TOKENIZERS
 from services.router.validation import ModelEntry, validate
@@ -237,6 +237,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         resumed on node failures; BatonError, naming what was wrong, when it cannot be served."""
         outcome = "OK"
         live_id: str | None = None
+        # How the generation ended, told the leader once this stream knows whether its last reply went out.
+        held: list[Ending] = []
+        delivered = False
         # The request as the cluster knows it (with --auth, in its tenant's namespace) and as the client does.
         cluster_id = client_id = request.request_id
         try:
@@ -270,7 +273,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                            if request.deadline_ms else None)
             # Tokens that come faster than one message per stream interval, or while the client is
             # behind, go out merged; a migration never shares a message (node_id names one node).
-            chunks = coalesce(self._relay.stream(generation, request, time_remaining, deadline_at), merge_chunks,
+            chunks = coalesce(self._relay.stream(generation, request, time_remaining, deadline_at, held), merge_chunks,
                               min_interval_s=self._config.stream_interval_s,
                               max_pending=self._config.max_pending_chunks, key=lambda chunk: chunk.node_id)
             # Closed at once, whoever stops reading (a client gone): the relay stops its node stream.
@@ -296,11 +299,18 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     if chunk.finish_reason:
                         reply.usage.CopyFrom(generation.usage(chunk.usage))
                     yield reply
+                    # Resumed: its front end took the last reply on (a gRPC write completed), the client did not
+                    # go away before it.
+                    delivered = delivered or bool(chunk.finish_reason)
         except BatonError as error:
             outcome = error.code.name
             name_as_client(error, cluster_id, client_id)
             raise
         finally:
+            for ending in held:  # the relay has ended: closing the stream above waited for it
+                if not delivered:
+                    ending.undelivered()
+                self._relay.tell_finished(ending)
             if live_id is not None:
                 self._live[live_id] -= 1
                 if self._live[live_id] <= 0:

@@ -223,6 +223,25 @@ async def test_a_stream_its_client_cancels_is_reported_cancelled() -> None:
     assert notice.outcome == scheduler_pb2.REQUEST_OUTCOME_CANCELLED
 
 
+
+async def test_a_client_gone_before_its_last_reply_went_out_is_not_counted_a_success() -> None:
+    # The relay ends as soon as the router's stream takes the last chunk from it, before the chunk is written to
+    # the client: a client gone by then (a slow one that gave up) did not get its answer.
+    async with _router(_token_stream(3, 0.0)) as (_, scheduler):
+        assert scheduler.router is not None
+        outcomes = []
+        for written in (False, True):
+            stream = scheduler.router.generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=3),
+                                               lambda: None)
+            while not (await anext(stream)).finish_reason:
+                pass
+            if written:  # the front end asks for more once the last reply is written
+                with pytest.raises(StopAsyncIteration):
+                    await anext(stream)
+            await stream.aclose()  # the front end closes it unwritten when its client has gone
+            outcomes.append((await asyncio.wait_for(scheduler.finished.get(), 10)).outcome)
+    assert outcomes == [scheduler_pb2.REQUEST_OUTCOME_CANCELLED, scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED]
+
 async def test_a_node_that_fails_after_the_last_token_ends_the_stream_complete_without_a_move() -> None:
     """A node that sent every token max_tokens allows and then died before its finish chunk: the
     generation is complete, so it ends with FINISH_REASON_LENGTH instead of asking the scheduler to
