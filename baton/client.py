@@ -118,6 +118,7 @@ class BatonClient:
         deadline_ms = request.deadline_ms
         received: list[int] = []
         first_token_at: float | None = None
+        last_token_at: float | None = None
         failovers = 0
         # This stream's router: its own, as other streams of the client fail over at the same time.
         index = self._current
@@ -128,6 +129,8 @@ class BatonClient:
                 request.resume.token_ids.extend(received)
             if failovers and first_token_at is not None:  # its TTFT was what it was, wherever it resumes
                 request.resume.first_token_ms = int((first_token_at - sent) * 1000)
+                assert last_token_at is not None
+                request.resume.last_token_ms = int((last_token_at - sent) * 1000)
             channel = self._channels[self.addresses[index]]
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             if failovers and deadline_ms:  # what is left of it; passed while the stream moved: ended, tokens kept
@@ -150,8 +153,10 @@ class BatonClient:
                     if chunk.model and chunk.model != request.model:  # an alternative runs it: resume on that one
                         request.model = chunk.model
                         del request.alternative_models[:]
-                    if chunk.token_ids and first_token_at is None:
-                        first_token_at = time.monotonic()
+                    if chunk.token_ids:
+                        last_token_at = time.monotonic()
+                        if first_token_at is None:
+                            first_token_at = last_token_at
                     received.extend(chunk.token_ids)
                     yield chunk
                 return

@@ -52,14 +52,16 @@ class GenerateRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokens, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., ttft_budget_ms: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., workflow_id: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., alternative_models: _Optional[_Iterable[str]] = ..., tpot_budget_ms: _Optional[int] = ...) -> None: ...
 
 class Resume(_message.Message):
-    __slots__ = ("token_ids", "elapsed_ms", "first_token_ms")
+    __slots__ = ("token_ids", "elapsed_ms", "first_token_ms", "last_token_ms")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    LAST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     elapsed_ms: int
     first_token_ms: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., elapsed_ms: _Optional[int] = ..., first_token_ms: _Optional[int] = ...) -> None: ...
+    last_token_ms: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., elapsed_ms: _Optional[int] = ..., first_token_ms: _Optional[int] = ..., last_token_ms: _Optional[int] = ...) -> None: ...
 
 class PromptTokens(_message.Message):
     __slots__ = ("ids",)

@@ -87,21 +87,30 @@ class Relay:
         started_at = arrived_at - request.resume.elapsed_ms / 1000
         num_resumed = len(generation.generated)  # tokens the client had before this stream
         first_token_at: float | None = None
+        # The client's last token before it resent the request: what its time per token ends at when no new one comes.
+        resumed_last_at: float | None = None
         if request.resume.HasField("first_token_ms"):
             first_token_at = started_at + min(request.resume.first_token_ms, request.resume.elapsed_ms) / 1000
             num_resumed = 0  # its time per token counts every token since that first one
+            if request.resume.HasField("last_token_ms"):
+                resumed_last_at = min(max(started_at + request.resume.last_token_ms / 1000, first_token_at),
+                                      arrived_at)
         outcome = scheduler_pb2.REQUEST_OUTCOME_FAILED
+        last_token_at: float | None = None
+
+        def judged(finish_reason: common_pb2.FinishReason.ValueType) -> scheduler_pb2.RequestOutcome.ValueType:
+            last_at = last_token_at if last_token_at is not None else resumed_last_at
+            return _outcome(finish_reason, request, self._slo, started_at, arrived_at, first_token_at, last_at,
+                            len(generation.generated) - num_resumed, loop.time())
+
         try:
             retry_cause = ""
-            last_token_at: float | None = None
             failed_at: float | None = None
             while True:
                 # Its node failed after the last token, before the finish; or a resumed request came with every token
                 # (its router died before the finish): it ends here, and the leader hears it ended.
                 if generation.num_remaining == 0:
-                    outcome = _outcome(common_pb2.FINISH_REASON_LENGTH, request, self._slo, started_at, arrived_at,
-                                       first_token_at, last_token_at, len(generation.generated) - num_resumed,
-                                       loop.time())
+                    outcome = judged(common_pb2.FINISH_REASON_LENGTH)
                     yield _length_finish(generation)
                     return
                 placement = await self._place(generation, request, retry_cause, time_remaining())
@@ -138,9 +147,7 @@ class Relay:
                             self._recomputed.add(recomputed, {"model": generation.model})
                         chunk.index += base
                         if chunk.finish_reason:
-                            outcome = _outcome(chunk.finish_reason, request, self._slo, started_at, arrived_at,
-                                               first_token_at, last_token_at, len(generation.generated) - num_resumed,
-                                               loop.time())
+                            outcome = judged(chunk.finish_reason)
                             # Charged before the last chunk goes out: its reader totals the usage from it.
                             generation.add_gpu_ms(placement.node_id, attempt_gpu_ms)
                             attempt_gpu_ms = 0.0

@@ -118,6 +118,11 @@ def validate(
     if request.resume.HasField("first_token_ms") and not (resumed and request.resume.first_token_ms >= 0):
         raise InvalidArgument("resume.first_token_ms", request.resume.first_token_ms,
                               "must not be negative, and comes with resume.token_ids")
+    # (Nor one before the first token, or after elapsed_ms: taken as the nearer of the two.)
+    if request.resume.HasField("last_token_ms") and not (request.resume.HasField("first_token_ms")
+                                                         and request.resume.last_token_ms >= 0):
+        raise InvalidArgument("resume.last_token_ms", request.resume.last_token_ms,
+                              "must not be negative, and comes with resume.first_token_ms")
 
     if len(prompt) >= context:
         raise InvalidArgument("prompt", f"{len(prompt)} tokens", f"does not fit the context window of {context}")

@@ -144,25 +144,32 @@ async def test_the_wait_for_a_router_in_backoff_ends_at_the_requests_deadline_ms
         await client.close()
 
 
-def _as_seen(request: router_pb2.GenerateRequest) -> tuple[int, list[int], int, int | None]:
+# deadline_ms, resume.token_ids, resume.elapsed_ms, first_token_ms and last_token_ms (None when not sent).
+Seen = tuple[int, list[int], int, int | None, int | None]
+
+
+def _as_seen(request: router_pb2.GenerateRequest) -> Seen:
     """What a router is told of a request's past: deadline_ms, the resumed tokens, and the client's timeline."""
     resume = request.resume
     first_token_ms = resume.first_token_ms if resume.HasField("first_token_ms") else None
-    return request.deadline_ms, list(resume.token_ids), resume.elapsed_ms, first_token_ms
+    last_token_ms = resume.last_token_ms if resume.HasField("last_token_ms") else None
+    return request.deadline_ms, list(resume.token_ids), resume.elapsed_ms, first_token_ms, last_token_ms
 
 
 async def _fail_over_at(monkeypatch: pytest.MonkeyPatch, dies_after_s: float, deadline_ms: int,
-                        seen: list[tuple[int, list[int], int, int | None]], received: list[int]) -> None:
+                        seen: list[Seen], received: list[int]) -> None:
     """A stream with deadline_ms whose router dies dies_after_s (on the client's clock) after the request was
-    sent, with tokens [7, 8] out (at once: its first chunk), and a router that finishes it with [9]. seen: each router's
-    _as_seen of the request as it was called; received: the tokens the client got, up to an error if one ended it."""
+    sent, with tokens [7] (at once) and [8] (just before it dies) out, and a router that finishes it with [9].
+    seen: each router's _as_seen of the request as it was called; received: the tokens the client got, up to an
+    error if one ended it."""
     clock = [100.0]
     monkeypatch.setattr("baton.client.time", types.SimpleNamespace(monotonic=lambda: clock[0]))
 
     class Dying(router_pb2_grpc.RouterServicer):
         async def Generate(self, request, context):  # noqa: N802 - the generated servicer's name
             seen.append(_as_seen(request))
-            yield router_pb2.GenerateChunk(request_id=request.request_id, token_ids=[7, 8], index=0, node_id="n1")
+            yield router_pb2.GenerateChunk(request_id=request.request_id, token_ids=[7], index=0, node_id="n1")
+            yield router_pb2.GenerateChunk(request_id=request.request_id, token_ids=[8], index=1, node_id="n1")
             await context.abort(grpc.StatusCode.UNAVAILABLE, "router going away")
 
     class Live(router_pb2_grpc.RouterServicer):
@@ -198,12 +205,12 @@ async def test_a_resumed_stream_sends_the_part_of_its_deadline_left_not_the_whol
 ) -> None:
     # deadline_ms counts from the request's arrival at a router. A stream that fails over 3 s into a 4 s
     # deadline must not get a fresh 4 s from the next router (it ran 4.9 s against a real cluster).
-    seen: list[tuple[int, list[int], int, int | None]] = []
+    seen: list[Seen] = []
     received: list[int] = []
     await _fail_over_at(monkeypatch, 3.0, 4000, seen, received)
     assert received == [7, 8, 9]
-    # Its first token came at once; it was sent again 3 s after it was first sent.
-    assert seen == [(4000, [], 0, None), (1000, [7, 8], 3000, 0)]
+    # Its first token came at once, its last 3 s in; it was sent again then.
+    assert seen == [(4000, [], 0, None, None), (1000, [7, 8], 3000, 0, 3000)]
 
 
 @pytest.mark.asyncio
@@ -212,11 +219,11 @@ async def test_a_stream_whose_deadline_passed_before_it_moved_ends_with_deadline
 ) -> None:
     # Its router died 5 s into a 4 s deadline: no other router is asked; the stream ends as a router ends a
     # stream past its deadline, not refused by admission as a 1 ms request would be.
-    seen: list[tuple[int, list[int], int, int | None]] = []
+    seen: list[Seen] = []
     received: list[int] = []
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await _fail_over_at(monkeypatch, 5.0, 4000, seen, received)
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "deadline_ms=4000" in raised.value.details()
     assert received == [7, 8]
-    assert seen == [(4000, [], 0, None)]
+    assert seen == [(4000, [], 0, None, None)]

@@ -279,21 +279,30 @@ async def test_a_resumed_stream_is_judged_on_its_clients_timeline(
     assert notice.outcome == outcome
 
 
-async def test_a_resumed_request_that_has_every_token_ends_at_once_and_the_leader_hears_it() -> None:
+@pytest.mark.parametrize(("last_token_ms", "outcome"), [
+    (None, scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED),  # an older client: its time per token is not judged
+    (300, scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED),  # 100 ms a token, within the 150 ms budget
+    (500, scheduler_pb2.REQUEST_OUTCOME_LATE),  # 200 ms a token, on the client's timeline
+])
+async def test_a_resumed_request_that_has_every_token_ends_at_once_and_the_leader_hears_it(
+        last_token_ms: int | None, outcome: scheduler_pb2.RequestOutcome.ValueType) -> None:
     # Its router died after the last token, before the finish: the next router ends it without a node, and its
-    # task is counted (before, no notice was sent: the leader never heard the request ended).
+    # task is counted (before, no notice was sent: the leader never heard the request ended), judged on the
+    # client's timeline (before last_token_ms, its time per token went unjudged: no token came here).
     async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
         raise AssertionError("no node is asked")
         yield  # an async generator
 
     async with _router(generate) as (router, scheduler):
-        resume = router_pb2.Resume(token_ids=[97, 98, 99], elapsed_ms=500, first_token_ms=100)
-        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=3, resume=resume))
+        resume = router_pb2.Resume(token_ids=[97, 98, 99], elapsed_ms=600, first_token_ms=100,
+                                   last_token_ms=last_token_ms)
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=3, resume=resume,
+                                                          tpot_budget_ms=150))
         messages = [m async for m in call]
         notice = await asyncio.wait_for(scheduler.finished.get(), 10)
     assert [(m.index, list(m.token_ids), m.finish_reason) for m in messages] == [
         (3, [], common_pb2.FINISH_REASON_LENGTH)]
-    assert notice.outcome == scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED and not scheduler.places
+    assert notice.outcome == outcome and not scheduler.places
 
 
 async def test_the_router_reports_the_workflows_of_the_steps_it_serves() -> None:

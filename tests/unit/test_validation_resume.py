@@ -103,6 +103,8 @@ def test_resuming_a_greedy_request_needs_no_seed() -> None:
     (router_pb2.Resume(elapsed_ms=-5), "resume.elapsed_ms=-5"),
     (router_pb2.Resume(token_ids=[97], elapsed_ms=100, first_token_ms=-1), "resume.first_token_ms=-1"),
     (router_pb2.Resume(elapsed_ms=100, first_token_ms=50), "resume.first_token_ms=50"),  # a first token, but none kept
+    (router_pb2.Resume(token_ids=[97], elapsed_ms=100, first_token_ms=10, last_token_ms=-1), "resume.last_token_ms=-1"),
+    (router_pb2.Resume(token_ids=[97], elapsed_ms=100, last_token_ms=50), "resume.last_token_ms=50"),  # no first token
 ])
 def test_a_resume_timeline_that_cannot_be_is_refused_naming_the_field(resume: router_pb2.Resume, named: str) -> None:
     error = _refusal(router_pb2.GenerateRequest(model="m", prompt="hi", request_id="r1", max_tokens=10, resume=resume))
