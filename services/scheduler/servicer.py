@@ -53,6 +53,9 @@ _SUCCEEDED = scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
 _LATE = scheduler_pb2.REQUEST_OUTCOME_LATE
 # How long a Place without a deadline is held while the leader's lease is unconfirmed.
 _UNCONFIRMED_HOLD_S = 30.0
+# Of a call's time, what its waits for leadership leave for the reply: a refusal that names the leader after the
+# caller's deadline is a DEADLINE_EXCEEDED to it, and a Finished notice refused so is lost.
+_REPLY_RESERVE_S = 0.2
 
 
 def place_ask(request: scheduler_pb2.PlaceRequest) -> PlaceAsk:
@@ -474,10 +477,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         A leader whose lease is unconfirmed (a keep-alive late, etcd unreachable) holds the call
         until a refresh confirms it or etcd says it lost, within the caller's time.
         """
-        remaining = context.time_remaining()
-        if not await self._role.wait_confirmed(_UNCONFIRMED_HOLD_S if remaining is None else remaining):
+        remaining = _usable(context.time_remaining())
+        # Half of what is left at most: if the lease is lost, the rest is for etcd to show the successor.
+        if not await self._role.wait_confirmed(_UNCONFIRMED_HOLD_S if remaining is None else remaining / 2):
             # Just deposed, this replica's view may still show itself: name the successor once it shows.
-            remaining = context.time_remaining()
+            remaining = _usable(context.time_remaining())
             bound_s = self._config.lease_ttl_s if remaining is None else min(self._config.lease_ttl_s, remaining)
             await self._role.wait_successor_shown(bound_s)
             raise self._not_leader()
@@ -534,8 +538,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         leader exists. Refused then, the router would wait for a different leader in vain."""
         if self._role.is_leader or self._role.leader() is not None:
             return
+        remaining_s = _usable(remaining_s)
         wait_s = self._config.lease_ttl_s if remaining_s is None else min(self._config.lease_ttl_s, remaining_s)
-        await wait_or_timeout(self._role.elected, max(0.0, wait_s))
+        await wait_or_timeout(self._role.elected, wait_s)
 
     def _not_leader(self) -> FailedPrecondition:
         leader = self._role.leader()
@@ -585,3 +590,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 )
             )
         return state
+
+
+def _usable(remaining_s: float | None) -> float | None:
+    """Of a call's remaining time (None: no deadline), what a wait for leadership may use."""
+    return None if remaining_s is None else max(0.0, remaining_s - _REPLY_RESERVE_S)
