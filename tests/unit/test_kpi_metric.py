@@ -160,6 +160,30 @@ async def test_a_standby_refuses_a_finished_notice_naming_the_leader(monkeypatch
     await service.close()
 
 
+async def test_a_deposed_leader_that_knows_no_successor_refuses_a_finished_notice_and_counts_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its election lease ended and etcd's view still shows itself: it names no leader, yet refuses the notice
+    (its ledger is replaced when a leader takes over) rather than count it."""
+    from services.scheduler.leadership import LeaderRole
+    from tests.unit.test_place_during_election import Refused
+
+    async def no_successor_shown(self: LeaderRole, timeout_s: float) -> None:
+        return None  # (this test feeds no etcd view to wait on)
+
+    fake_leadership(monkeypatch, lambda: False)
+    monkeypatch.setattr(LeaderRole, "leader", lambda self: ("scheduler-0", "127.0.0.1:9"))  # itself, deposed
+    monkeypatch.setattr(LeaderRole, "wait_successor_shown", no_successor_shown)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    service._tasks.record("earlier", 1, 1, 0.002, ok=True, now=time.monotonic())
+    ledger = service._tasks.stats()
+    notice = scheduler_pb2.FinishedRequest(request_id="r1", outcome=scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED)
+    with pytest.raises(Refused) as refused:
+        await service.Finished(notice, FakeContext())  # type: ignore[arg-type]
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION and "does not lead" in str(refused.value)
+    assert service._tasks.stats() == ledger  # succeeded, failed, open and cost as they were
+    await service.close()
+
+
 async def test_a_leader_whose_keep_alive_is_late_still_counts_a_finished_notice(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Its lease unconfirmed for a moment (is_leader false), the leader holds the notice until a refresh confirms

@@ -109,3 +109,17 @@ async def test_a_reader_whose_request_was_aborted_ends_without_touching_a_reques
     new = decoding(vllm, "r")
     assert [item async for item in reader] == []
     assert vllm._requests.get("r") is new
+
+
+async def test_a_stream_first_read_after_a_resume_of_its_id_hands_out_none_of_the_new_requests_outputs() -> None:
+    """A stream opened, then aborted and its id admitted again before anything read it: reading it yields none of
+    the new request's outputs, and the new request's finish does not take it out of the engine through the old
+    stream."""
+    vllm = engine()
+    old = decoding(vllm, "r")
+    reader = vllm._outputs("r", old, StopMatcher(()), heartbeat_s=60.0)  # not started: nothing looked up yet
+    vllm.abort("r")
+    new = decoding(vllm, "r")
+    new.queue.put_nowait(output([7], "length"))
+    assert [item async for item in reader] == []
+    assert vllm._requests.get("r") is new and new.queue.qsize() == 1  # still its own to read
