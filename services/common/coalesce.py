@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -29,7 +29,7 @@ async def coalesce(
 
     Memory: at most max_pending items wait. When that many do, the reader stops reading source
     (its producer feels the back-pressure: gRPC flow control) until the consumer takes them.
-    Closing this iterator cancels the reader.
+    Closing this iterator cancels the reader and closes source.
     """
     if max_pending < 1 or min_interval_s < 0:
         raise ValueError(f"coalesce: max_pending must be >= 1 and min_interval_s >= 0, got {max_pending}, "
@@ -92,3 +92,7 @@ async def coalesce(
         reader.cancel()
         # wait() neither raises the reader's cancellation nor hides one aimed at us.
         await asyncio.wait([reader])
+        # A reader cancelled while it waited for room left source paused at a yield: its cleanup (a relay's
+        # notice to the leader) runs now, not whenever it is collected.
+        if isinstance(source, AsyncGenerator):
+            await source.aclose()

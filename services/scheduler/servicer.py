@@ -478,8 +478,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         until a refresh confirms it or etcd says it lost, within the caller's time.
         """
         remaining = _usable(context.time_remaining())
-        # Half of what is left at most: if the lease is lost, the rest is for etcd to show the successor.
-        if not await self._role.wait_confirmed(_UNCONFIRMED_HOLD_S if remaining is None else remaining / 2):
+        if not await self._role.wait_confirmed(_UNCONFIRMED_HOLD_S if remaining is None else remaining):
             # Just deposed, this replica's view may still show itself: name the successor once it shows.
             remaining = _usable(context.time_remaining())
             bound_s = self._config.lease_ttl_s if remaining is None else min(self._config.lease_ttl_s, remaining)

@@ -94,6 +94,27 @@ async def test_closing_the_consumer_early_cancels_the_reader() -> None:
     assert asyncio.all_tasks() == {asyncio.current_task()}
 
 
+
+async def test_closing_the_consumer_while_the_backlog_is_full_closes_the_source() -> None:
+    # The reader waits for room with the source paused at a yield: the source's cleanup must run at the close, not
+    # when it is collected (a router's relay told the leader how its request ended there, and the notice was lost).
+    asked_for_second, closed = asyncio.Event(), asyncio.Event()
+
+    async def source() -> AsyncIterator[list[int]]:
+        try:
+            yield [1]
+            asked_for_second.set()
+            yield [2]  # pending is full with it: the reader waits for the consumer
+            yield [3]
+        finally:
+            closed.set()
+
+    items = coalesce(source(), _merge, max_pending=1)
+    assert await anext(items) == [1]
+    await asyncio.wait_for(asked_for_second.wait(), GUARD_S)
+    await items.aclose()
+    assert closed.is_set()
+
 async def test_stream_ends_after_items_pending_when_the_source_finished() -> None:
     async def source() -> AsyncIterator[list[int]]:
         for i in range(3):
