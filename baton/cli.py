@@ -172,8 +172,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     timeout_s = args.timeout_s or (300.0 if "vllm" in node_engines(args) else 60.0)
     cluster = LocalCluster(spec, Path(args.workdir) if args.workdir else None)
     stop = threading.Event()
-    # SIGHUP too: a closed terminal stops the cluster as Ctrl-C does, instead of leaving its services running.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    # SIGHUP too: a closed terminal stops the cluster as Ctrl-C does, instead of leaving its services running;
+    # not where it is ignored (`nohup baton up`), which asks the cluster to outlive its terminal.
+    hangup = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)
+    for sig in (signal.SIGINT, signal.SIGTERM, *hangup):
         signal.signal(sig, lambda *_: stop.set())
     try:
         cluster.start(timeout_s=timeout_s)

@@ -209,24 +209,29 @@ def _refuse_a_live_etcd(data_dir: Path) -> None:
             try:
                 fcntl.flock(db, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _flock_holder(os.fstat(db.fileno()).st_ino)
+                holder = _flock_holder(os.fstat(db.fileno()))
                 raise StartError(f"an etcd still runs on {data_dir} ({f'pid {holder}' if holder else 'pid unknown'}; "
                                  "left by a `baton up` that was killed?): stop it and the services it serves, or give "
                                  "another --workdir") from None
     except FileNotFoundError:
         return
+    except OSError as exc:  # not ours to read (an etcd of another user's): not ours to remove either
+        raise StartError(f"cannot check whether an etcd runs on {data_dir}: {exc}; give another --workdir") from None
 
 
-def _flock_holder(inode: int) -> int | None:
-    """The pid that holds a flock on the file of inode, from /proc/locks (Linux); None where unknown."""
+def _flock_holder(file: os.stat_result) -> int | None:
+    """The pid that holds a flock on file, from /proc/locks (Linux); None where unknown (0 there: another pid
+    namespace's)."""
     try:
         lines = Path("/proc/locks").read_text().splitlines()
     except OSError:
         return None
+    # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF": device major and minor in hex, the inode in decimal.
+    where = f"{os.major(file.st_dev):02x}:{os.minor(file.st_dev):02x}:{file.st_ino}"
     for line in lines:
-        fields = line.split()  # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"
-        if len(fields) > 5 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] == str(inode):
-            return int(fields[4])
+        fields = line.split()
+        if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == where:
+            return int(fields[4]) or None
     return None
 
 
