@@ -227,12 +227,13 @@ def _flock_holder(file: os.stat_result) -> int | None:
     except OSError:
         return None
     # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF": device major and minor in hex, the inode in decimal.
+    # By device and inode; by inode alone where no device matches (btrfs: stat shows a subvolume's device, the
+    # lock its filesystem's).
     where = f"{os.major(file.st_dev):02x}:{os.minor(file.st_dev):02x}:{file.st_ino}"
-    for line in lines:
-        fields = line.split()
-        if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == where:
-            return int(fields[4]) or None
-    return None
+    holders = {fields[5]: int(fields[4]) for fields in map(str.split, lines)
+               if len(fields) > 5 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] == str(file.st_ino)}
+    pid = holders.get(where, next(iter(holders.values())) if len(holders) == 1 else 0)
+    return pid or None
 
 
 def start_etcd(workdir: Path, timeout_s: float = 30.0, pki: ThrowawayPki | None = None) -> ManagedProcess:

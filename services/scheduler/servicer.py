@@ -56,6 +56,9 @@ _UNCONFIRMED_HOLD_S = 30.0
 # Of a call's time, what its waits for leadership leave for the reply: a refusal that names the leader after the
 # caller's deadline is a DEADLINE_EXCEEDED to it, and a Finished notice refused so is lost.
 _REPLY_RESERVE_S = 0.2
+# Of what is left of it, what a wait for an unconfirmed lease leaves for etcd to show a successor (a quarter
+# at most).
+_SUCCESSOR_WINDOW_S = 0.5
 
 
 def place_ask(request: scheduler_pb2.PlaceRequest) -> PlaceAsk:
@@ -478,7 +481,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         until a refresh confirms it or etcd says it lost, within the caller's time.
         """
         remaining = _usable(context.time_remaining())
-        if not await self._role.wait_confirmed(_UNCONFIRMED_HOLD_S if remaining is None else remaining):
+        # Not all of it: if the lease was lost, what is left is for etcd to show the successor the refusal names.
+        hold_s = _UNCONFIRMED_HOLD_S if remaining is None else remaining - min(_SUCCESSOR_WINDOW_S, remaining / 4)
+        if not await self._role.wait_confirmed(hold_s):
             # Just deposed, this replica's view may still show itself: name the successor once it shows.
             remaining = _usable(context.time_remaining())
             bound_s = self._config.lease_ttl_s if remaining is None else min(self._config.lease_ttl_s, remaining)

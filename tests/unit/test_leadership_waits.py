@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from baton.protocol import LEADER_KEY
 from baton.v1 import scheduler_pb2
 from services.common.telemetry import Telemetry
 from services.scheduler.config import SchedulerConfig
@@ -65,3 +66,41 @@ async def test_a_leader_whose_lease_is_unconfirmed_answers_within_the_routers_ti
     if not counted:
         [(at, code)] = answered
         assert at < CALL_S and code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_a_deposed_leader_names_its_successor_within_the_routers_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its lease lost while etcd was slow to say so: it holds the notice for a refresh that never comes, and must
+    # still leave time for etcd to show the successor, or the refusal names no one and the notice is lost.
+    clock = [0.0]
+    shown = [False]
+    answered: list[tuple[float, grpc.StatusCode]] = []
+    hints: list[object] = []
+
+    async def never_confirmed(self: LeaderRole, timeout_s: float) -> bool:
+        clock[0] += timeout_s
+        return False
+
+    async def successor_shown_after(self: LeaderRole, timeout_s: float) -> None:
+        clock[0] += min(timeout_s, 0.3)
+        shown[0] = timeout_s >= 0.3
+
+    class NamingCall(RoutersCall):
+        async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: object = ()) -> None:
+            hints.append(dict(trailing_metadata).get(LEADER_KEY))  # type: ignore[call-overload]
+            await super().abort(code, details)
+
+    fake_leadership(monkeypatch, lambda: False)
+    monkeypatch.setattr(LeaderRole, "wait_confirmed", never_confirmed)
+    monkeypatch.setattr(LeaderRole, "wait_successor_shown", successor_shown_after)
+    monkeypatch.setattr(LeaderRole, "leader",
+                        lambda self: ("scheduler-1", "127.0.0.1:9") if shown[0] else ("scheduler-0", "127.0.0.1:8"))
+    service = SchedulerService(SchedulerConfig(instance_id="scheduler-0"), Telemetry("scheduler/test", "none"))
+    try:
+        notice = scheduler_pb2.FinishedRequest(request_id="r1", outcome=scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED)
+        with pytest.raises(Refused):
+            await service.Finished(notice, NamingCall(clock, answered))  # type: ignore[arg-type]
+    finally:
+        await service.close()
+    [(at, code)] = answered
+    assert at < CALL_S and code == grpc.StatusCode.FAILED_PRECONDITION and hints == ["127.0.0.1:9"]
+    assert service._tasks.stats().succeeded == 0
