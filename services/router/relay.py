@@ -73,13 +73,12 @@ class Relay:
 
     async def stream(
         self, generation: Generation, request: router_pb2.GenerateRequest,
-        time_remaining: Callable[[], float | None], deadline_at: float | None = None,
-        held: list[Ending] | None = None,
+        time_remaining: Callable[[], float | None], deadline_at: float | None, held: list[Ending],
     ) -> AsyncIterator[node_agent_pb2.NodeGenerateChunk]:
         """The generation's chunks, indexed from its start, moving to another node when one fails. deadline_at:
         when (on the loop's clock) the reader ends the stream at the request's deadline_ms, if it has one. held:
-        where its Ending goes, for the caller to tell the leader once it knows whether the last chunk reached its
-        client (this stream ends as soon as its reader takes that chunk); without it, the leader is told here."""
+        where its Ending goes, for the caller to tell the leader (tell_finished) once it knows whether the last chunk
+        reached its client: this stream ends as soon as its reader takes that chunk."""
         loop = asyncio.get_running_loop()
         # Judged on the client's timeline: a stream it resumes here after its router died was sent resume.elapsed_ms
         # ago and may have had its first token long before (deadline_ms, resent as the part left, counts from here).
@@ -176,11 +175,7 @@ class Relay:
         finally:
             # Placed or not (a refused request is a failed task too), the leader learns how it ended.
             ttft_ms = int((first_token_at - started_at) * 1000) if first_token_at is not None else 0
-            ending = Ending(generation, request, ttft_ms, outcome)
-            if held is None:
-                self.tell_finished(ending)
-            else:
-                held.append(ending)
+            held.append(Ending(generation, request, ttft_ms, outcome))
 
     def tell_finished(self, ending: Ending) -> None:
         """Tell the leader the request ended: its admission slot is released and its task charged.
