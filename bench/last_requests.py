@@ -7,7 +7,8 @@ succeed moves only with when that is: the last few answers and what ran beside t
         --policies baton,weighted_least_loaded
 
 prints, per seed and policy, when the fleet drained (after the last arrival) and the requests that
-ended last: arrival, end, prompt and output length, node, TTFT and TPOT. With --by-gpu, also where the
+ended last: arrival, end, prompt and output length, node, TTFT and TPOT, and the requests that arrived while
+it decoded and ran on its node (their prompts rode in its steps), against the mean on each other GPU of its kind. With --by-gpu, also where the
 requests ran and where they missed their SLO, per GPU kind:
 
     python -m bench.last_requests --setting "Mooncake conversation, 2xH100+8xL4, 1x" --seeds 360 \\
@@ -51,6 +52,10 @@ def find_setting(name: str, options: argparse.Namespace) -> Setting | None:
     return window_of(base, start, options.limit) if end - start == options.limit else None
 
 
+def _kind(node_id: str) -> str:
+    return node_id.rsplit("-", 1)[0]
+
+
 def by_gpu(records: list[RequestRecord], slo: Slo) -> list[str]:
     """Per GPU kind (the node id's prefix, "h100" of "h100-2"): the requests last placed there, those that ended
     late (and how many of them past their TTFT budget) and those that failed."""
@@ -59,7 +64,7 @@ def by_gpu(records: list[RequestRecord], slo: Slo) -> list[str]:
     late_ttft: Counter[str] = Counter()
     failed: Counter[str] = Counter()
     for record in records:
-        kind = record.node_id.rsplit("-", 1)[0] if record.node_id else "not placed"
+        kind = _kind(record.node_id) if record.node_id else "not placed"
         placed[kind] += 1
         outcome = slo.outcome(record)
         if outcome == Outcome.LATE:
@@ -69,6 +74,14 @@ def by_gpu(records: list[RequestRecord], slo: Slo) -> list[str]:
             failed[kind] += 1
     return [f"   {kind}: placed {placed[kind]}, late {late[kind]} (TTFT {late_ttft[kind]}), failed {failed[kind]}"
             for kind in sorted(placed)]
+
+
+def placed_beside(record: RequestRecord, records: list[RequestRecord], node_id: str = "") -> list[RequestRecord]:
+    """The requests that arrived while record decoded and ran on its node (or on node_id): on its own node their
+    prompts' chunks rode in its steps (a request that moved is counted on the node it ended on)."""
+    assert record.first_token_s is not None and record.finish_s is not None
+    return [r for r in records if r is not record and r.node_id == (node_id or record.node_id)
+            and record.first_token_s <= r.arrival_s < record.finish_s]
 
 
 def last_requests(setting: Setting, policy: str, seed: int, count: int, options: argparse.Namespace,
@@ -85,9 +98,14 @@ def last_requests(setting: Setting, policy: str, seed: int, count: int, options:
             lines.append(f"   {record.request.request_id} arrived {record.arrival_s:.2f} s: {why}")
             continue
         tpot_ms = (record.finish_s - record.first_token_s) / max(1, record.num_generated - 1) * 1000
+        beside = placed_beside(record, result.records)
+        peers = [n for n in result.price_per_hour if _kind(n) == _kind(record.node_id) and n != record.node_id]
+        on_peers = sum(len(placed_beside(record, result.records, n)) for n in peers) / max(1, len(peers))
         lines.append(f"   {record.request.request_id} arrived {record.arrival_s:.2f} s, ended {record.finish_s:.2f} s: "
                      f"prompt {record.request.prompt_len}, output {record.num_generated}, on {record.node_id}, "
-                     f"TTFT {record.first_token_s - record.arrival_s:.2f} s, TPOT {tpot_ms:.1f} ms")
+                     f"TTFT {record.first_token_s - record.arrival_s:.2f} s, TPOT {tpot_ms:.1f} ms; placed beside it "
+                     f"while it decoded: {len(beside)} requests, {sum(r.request.prompt_len for r in beside):,} "
+                     f"prompt tokens (meanwhile {on_peers:.1f} on each other {_kind(record.node_id)})")
     if per_gpu:
         lines += by_gpu(result.records, Slo(args.ttft_slo, args.tpot_slo))
     return lines

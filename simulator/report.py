@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -44,10 +45,12 @@ def build_workload(args: argparse.Namespace, load: float) -> Workload:
     return with_slo_mix(workload, args.slo_mix) if args.slo_mix else workload
 
 
-def simulate(args: argparse.Namespace, policy: str, workload: Workload, seed: int) -> RunResult:
-    """One run of workload under policy, as these options set it up."""
+def simulate(args: argparse.Namespace, policy: str, workload: Workload, seed: int,
+             simulation: Callable[..., Simulation] = Simulation) -> RunResult:
+    """One run of workload under policy, as these options set it up (by `simulation`: a subclass that
+    explores a mechanism the services lack, `bench.tail_moves`)."""
     failures = tuple((float(at), node) for at, node in (k.split(":") for k in args.kill)) if args.kill else ()
-    return Simulation(fleet(args.fleet), make_policy(policy), model=args.model, failures=failures,
+    return simulation(fleet(args.fleet), make_policy(policy), model=args.model, failures=failures,
                       ttft_budget_ms=int(args.ttft_slo * 1000), tpot_budget_ms=int(args.tpot_slo * 1000),
                       max_tokens=args.max_tokens, timing_error=args.timing_error, seed=seed,
                       admission=args.admission).run(workload)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.last_requests import by_gpu, main
+from bench.last_requests import by_gpu, main, placed_beside
 from simulator.metrics import Slo
 from simulator.report import TRACES
 from simulator.simulation import RequestRecord
@@ -71,3 +71,19 @@ def test_by_gpu_counts_where_requests_ran_and_which_budget_each_late_one_missed(
         "   l4: placed 2, late 1 (TTFT 0), failed 1",  # 200 ms a token past 100 ms; one never began
         "   not placed: placed 1, late 0 (TTFT 0), failed 1",
     ]
+
+
+def test_placed_beside_counts_the_requests_that_arrived_on_its_node_while_it_decoded() -> None:
+    """Why the last long answer decoded slower under one policy (docs/explored/tail-moves.md): the prompts placed
+    on its node while it decoded rode in its steps. Arrivals before its first token, after its end, or on another
+    node do not count."""
+    def record(name: str, node: str, arrival_s: float, first_s: float | None = None,
+               finish_s: float | None = None) -> RequestRecord:
+        return RequestRecord(SimRequest(name, arrival_s, (), 100, 10, "t"), arrival_s, first_token_s=first_s,
+                             finish_s=finish_s, num_generated=10, node_id=node)
+
+    long = record("long", "h100-0", 0.0, 0.1, 10.0)
+    records = [long, record("before", "h100-0", 0.05), record("during", "h100-0", 3.0),
+               record("elsewhere", "h100-1", 3.0), record("after", "h100-0", 10.0), record("last", "h100-0", 9.9)]
+    assert [r.request.request_id for r in placed_beside(long, records)] == ["during", "last"]
+    assert [r.request.request_id for r in placed_beside(long, records, "h100-1")] == ["elsewhere"]
