@@ -13,7 +13,7 @@ import logging
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import aclosing
+from contextlib import aclosing, suppress
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -211,11 +211,23 @@ class HttpApi:
             if not parsed.stream:
                 try:
                     builder.add(first)
-                    async for chunk in chunks:
-                        builder.add(chunk)
+                    last = first
+                    if not first.finish_reason:
+                        async for last in chunks:
+                            builder.add(last)
+                            if last.finish_reason:
+                                break
                 except BatonError as error:
                     return _error(error, parsed.names)
-                return _json_response(200, builder.response())
+                # The router counts an answer delivered once it is asked for more after its last reply, so the
+                # response is written first: a client gone by then (the write fails, as a stream's does) did
+                # not get its answer, and the stream is closed unread.
+                response = _json_response(200, builder.response())
+                await response.prepare(request)
+                await response.write_eof()
+                with suppress(StopAsyncIteration, BatonError):  # the answer is out: nothing more to say
+                    await anext(chunks)
+                return response
             response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
             await response.prepare(request)
             try:

@@ -3,13 +3,17 @@ before and during a stream arrive, and what a malformed request gets."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import AsyncIterator, Callable, Mapping
+from unittest import mock
 
 import aiohttp
 import grpc
 import openai
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp import StreamReader
+from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 
 from baton.v1 import common_pb2, router_pb2
 from services.common.errors import BatonError, ResourceExhausted, Unavailable
@@ -153,3 +157,52 @@ async def test_each_v1_request_counts_against_its_own_connection_and_health_prob
         await http.close()
     assert len(counted) == 3 and counted[0] == counted[1] != counted[2]
     assert counted[0].startswith("http:127.0.0.1:")
+
+
+class _DeliveryRouter(_FakeRouter):
+    """Notes, as the router core does, whether its stream was asked for more after its last reply (delivered) or
+    closed there (the client gone), and whether the response was written by then."""
+
+    def __init__(self, written: Callable[[], bool]) -> None:
+        super().__init__(["a", "b"])
+        self.written = written
+        self.delivered: bool | None = None
+        self.written_when_delivered = False
+
+    async def generate(self, request: router_pb2.GenerateRequest, time_remaining: Callable[[], float | None],
+                       authorization: str | None = None) -> AsyncIterator[router_pb2.GenerateChunk]:
+        self.delivered = False
+        async for chunk in super().generate(request, time_remaining, authorization):
+            yield chunk
+        self.delivered, self.written_when_delivered = True, self.written()
+
+
+@pytest.mark.parametrize("client_gone", [False, True])
+async def test_a_whole_answer_counts_delivered_only_once_its_response_is_written(client_gone: bool) -> None:
+    """Not streamed, the answer goes out as one response after the last token: a client gone by then (the write
+    fails) did not get it, and the router must not count it a success."""
+    writes: list[bytes] = []
+    request = make_mocked_request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                                  payload=_body({"model": "m", "prompt": "x"}))
+    writer = request._payload_writer  # what the response writes through: a closed connection fails its writes
+    if client_gone:
+        writer.write_headers = mock.AsyncMock(side_effect=ConnectionResetError("Cannot write to closing transport"))
+    else:
+        writer.write_eof = mock.AsyncMock(side_effect=lambda data=b"": writes.append(data))
+    router = _DeliveryRouter(lambda: bool(writes))
+    api = HttpApi(router, "127.0.0.1:0", max_prompt_bytes=1024)
+    handler = (await api.app.router.resolve(request)).handler
+    if client_gone:
+        with pytest.raises(ConnectionResetError):
+            await handler(request)
+        assert router.delivered is False
+    else:
+        response = await handler(request)
+        assert response.status == 200 and router.delivered and router.written_when_delivered
+
+
+def _body(body: dict) -> StreamReader:
+    payload = StreamReader(mock.Mock(_reading_paused=False), 2**16, loop=asyncio.get_running_loop())
+    payload.feed_data(json.dumps(body).encode())
+    payload.feed_eof()
+    return payload
