@@ -8,8 +8,8 @@ succeed moves only with when that is: the last few answers and what ran beside t
 
 prints, per seed and policy, when the fleet drained (after the last arrival) and the requests that
 ended last: arrival, end, prompt and output length, node, TTFT and TPOT, and the requests that arrived while
-it decoded and ran on its node (their prompts rode in its steps), against the mean on each other GPU of its kind. With --by-gpu, also where the
-requests ran and where they missed their SLO, per GPU kind:
+it decoded and ran on its node (their prompts rode in its steps), against the mean on each other GPU of its
+kind. With --by-gpu, also where the requests ran and where they missed their SLO, per GPU kind:
 
     python -m bench.last_requests --setting "Mooncake conversation, 2xH100+8xL4, 1x" --seeds 360 \\
         --policies baton --count 0 --by-gpu
@@ -100,12 +100,15 @@ def last_requests(setting: Setting, policy: str, seed: int, count: int, options:
         tpot_ms = (record.finish_s - record.first_token_s) / max(1, record.num_generated - 1) * 1000
         beside = placed_beside(record, result.records)
         peers = [n for n in result.price_per_hour if _kind(n) == _kind(record.node_id) and n != record.node_id]
-        on_peers = sum(len(placed_beside(record, result.records, n)) for n in peers) / max(1, len(peers))
+        on_peers = [placed_beside(record, result.records, n) for n in peers]
+        per_peer = sum(len(p) for p in on_peers) / max(1, len(peers))
+        tokens_per_peer = sum(r.request.prompt_len for p in on_peers for r in p) / max(1, len(peers))
         lines.append(f"   {record.request.request_id} arrived {record.arrival_s:.2f} s, ended {record.finish_s:.2f} s: "
                      f"prompt {record.request.prompt_len}, output {record.num_generated}, on {record.node_id}, "
                      f"TTFT {record.first_token_s - record.arrival_s:.2f} s, TPOT {tpot_ms:.1f} ms; placed beside it "
                      f"while it decoded: {len(beside)} requests, {sum(r.request.prompt_len for r in beside):,} "
-                     f"prompt tokens (meanwhile {on_peers:.1f} on each other {_kind(record.node_id)})")
+                     f"prompt tokens (meanwhile on each other {_kind(record.node_id)}: {per_peer:.1f} requests, "
+                     f"{tokens_per_peer:,.0f} prompt tokens)")
     if per_gpu:
         lines += by_gpu(result.records, Slo(args.ttft_slo, args.tpot_slo))
     return lines

@@ -3,8 +3,9 @@
 A fleet paid until its last request ends pays for the last long answer's decode, and that answer decodes
 slower beside other work. Baton's resume path can move a running generation to another node (its context
 prefilled again there), so a scheduler could move a long answer off a shared GPU whenever another GPU of
-the fleet goes idle. This measures what such moves could give with knowledge no live scheduler has:
-the mover reads each running request's **true** remaining length.
+the fleet goes idle. This measures what such moves give with knowledge no live scheduler has: the mover
+reads each running request's **true** remaining length (the rest of its rule is a choice, not a bound on
+every mover).
 
 When a node finishes a step with nothing left to run (and nothing waits for admission), the mover looks at the
 decoding requests on the other nodes of its model that run two requests or more: of those with at least
@@ -32,7 +33,7 @@ from simulator.simulation import Simulation
 
 
 class TailMoves(Simulation):
-    """The simulator, with a mover that knows every request's true remaining length (an upper bound)."""
+    """The simulator, with a mover that knows every request's true remaining length (no live scheduler does)."""
 
     def __init__(self, *args, min_remaining: int = 300, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -41,9 +42,6 @@ class TailMoves(Simulation):
         self._moved: set[str] = set()
         self.num_moves = 0
 
-    def _true_remaining(self, request_id: str) -> int:
-        record = self._records[request_id]
-        return record.request.output_len - record.num_generated
 
     def _step_ms(self, node, num_seqs: int, num_context_tokens: int) -> float:
         return self._profile(node.config.gpu, node.model).timing.decode_step_ms(num_seqs, num_context_tokens)
@@ -52,6 +50,9 @@ class TailMoves(Simulation):
         super()._step_done(node, result)
         idle = (node.is_alive and node.core is not None and not node.core.has_unfinished_requests()
                 and not node.flights and not node.waiting_for_load)
+        # A request that ended, or whose node died, before its move frees the idle node it was moving to.
+        self._moves = {request_id: target for request_id, target in self._moves.items()
+                       if any(request_id in n.flights for n in self._nodes.values() if n.is_alive)}
         if not idle or self._held or node.config.node_id in self._moves.values():
             return
         best: tuple[int, str] | None = None
@@ -64,7 +65,7 @@ class TailMoves(Simulation):
                 record = self._records[request_id]
                 if request_id in self._moves or request_id in self._moved or record.first_token_s is None:
                     continue
-                remaining = self._true_remaining(request_id)
+                remaining = generation.num_remaining  # where the engine stops: the true length, within max_tokens
                 alone_here = self._step_ms(node, 1, len(generation.context))
                 refill = self._profile(node.config.gpu, node.model).timing.prefill_ms([len(generation.context)])
                 if (remaining >= self._min_remaining and remaining * (step_there - alone_here) > refill

@@ -13,7 +13,7 @@ import logging
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import aclosing, suppress
+from contextlib import aclosing
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -225,8 +225,12 @@ class HttpApi:
                 response = _json_response(200, builder.response())
                 await response.prepare(request)
                 await response.write_eof()
-                with suppress(StopAsyncIteration, BatonError):  # the answer is out: nothing more to say
+                try:
                     await anext(chunks)
+                except (StopAsyncIteration, BatonError):  # the answer is out: nothing more to say
+                    pass
+                except Exception:  # a bug, but not one to answer: the client has its response
+                    log.exception("HTTP %s %s failed after its answer was written", request.method, request.path)
                 return response
             response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
             await response.prepare(request)

@@ -182,13 +182,16 @@ async def test_a_whole_answer_counts_delivered_only_once_its_response_is_written
     """Not streamed, the answer goes out as one response after the last token: a client gone by then (the write
     fails) did not get it, and the router must not count it a success."""
     writes: list[bytes] = []
+
+    async def write_eof(data: bytes = b"") -> None:  # where aiohttp's write to a closed connection fails
+        if client_gone:
+            raise ConnectionResetError("Cannot write to closing transport")
+        writes.append(data)
+
+    writer = mock.Mock(write_headers=mock.AsyncMock(), write=mock.AsyncMock(), drain=mock.AsyncMock(),
+                       write_eof=write_eof)
     request = make_mocked_request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
-                                  payload=_body({"model": "m", "prompt": "x"}))
-    writer = request._payload_writer  # what the response writes through: a closed connection fails its writes
-    if client_gone:
-        writer.write_headers = mock.AsyncMock(side_effect=ConnectionResetError("Cannot write to closing transport"))
-    else:
-        writer.write_eof = mock.AsyncMock(side_effect=lambda data=b"": writes.append(data))
+                                  payload=_body({"model": "m", "prompt": "x"}), writer=writer)
     router = _DeliveryRouter(lambda: bool(writes))
     api = HttpApi(router, "127.0.0.1:0", max_prompt_bytes=1024)
     handler = (await api.app.router.resolve(request)).handler
