@@ -13,6 +13,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from baton.v1 import common_pb2, scheduler_pb2
 from services.common import etcd_keys
+from services.common.load import Load
 from services.common.telemetry import Telemetry
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.servicer import SchedulerService
@@ -70,6 +71,25 @@ async def test_a_draining_node_is_paid_for_until_it_leaves(monkeypatch: pytest.M
     service._on_nodes_changed(dict([registered("a", 4.0, False)]))
     assert service.fleet_price_per_hour() == pytest.approx(4.0)
     await service.close()
+
+
+async def test_a_dead_node_leaves_the_fleets_price_with_its_registration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a node's lease has lapsed and it has gone silent, it is gone from the fleet as `baton status` lists it,
+    and from the price paid: etcd's grace for its key (which keeps a node alive through an etcd freeze) does not keep
+    a dead node priced. A lapsed node that still reports (etcd froze, the node did not) is still paid for."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    items = dict(_registered(node_id, price) for node_id, price in (("a", 4.0), ("b", 2.5), ("c", 1.0)))
+    service._nodes.lapsed = frozenset({etcd_keys.node_key("b"), etcd_keys.node_key("c")})  # their leases ended
+    service._on_nodes_changed(items)
+    service._cluster.report_load("c", Load(), service._clock())  # c reports on; b went silent
+    assert service.fleet_price_per_hour() == pytest.approx(5.0)
+    await service.close()
+
+
+def _registered(node_id: str, price: float) -> tuple[str, bytes]:
+    info = common_pb2.NodeInfo(node_id=node_id, address="127.0.0.1:1", gpu="h100", price_per_hour=price)
+    return etcd_keys.node_key(node_id), json_format.MessageToJson(info).encode()
 
 
 async def test_a_scheduler_that_first_sees_a_node_draining_charges_its_streams_at_its_price(
