@@ -40,8 +40,15 @@ class LiveRequestsAck(_message.Message):
     def __init__(self, num_held: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class FinishedRequest(_message.Message):
-    __slots__ = ("request_id", "context", "ttft_ms", "outcome", "gpu_ms_by_node", "model", "num_output_tokens")
+    __slots__ = ("request_id", "context", "ttft_ms", "outcome", "gpu_ms_by_node", "model", "num_output_tokens", "price_per_hour_by_node")
     class GpuMsByNodeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class PricePerHourByNodeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +62,7 @@ class FinishedRequest(_message.Message):
     GPU_MS_BY_NODE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRICE_PER_HOUR_BY_NODE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context: _common_pb2.RequestContext
     ttft_ms: int
@@ -62,7 +70,8 @@ class FinishedRequest(_message.Message):
     gpu_ms_by_node: _containers.ScalarMap[str, float]
     model: str
     num_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., context: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., ttft_ms: _Optional[int] = ..., outcome: _Optional[_Union[RequestOutcome, str]] = ..., gpu_ms_by_node: _Optional[_Mapping[str, float]] = ..., model: _Optional[str] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
+    price_per_hour_by_node: _containers.ScalarMap[str, float]
+    def __init__(self, request_id: _Optional[str] = ..., context: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., ttft_ms: _Optional[int] = ..., outcome: _Optional[_Union[RequestOutcome, str]] = ..., gpu_ms_by_node: _Optional[_Mapping[str, float]] = ..., model: _Optional[str] = ..., num_output_tokens: _Optional[int] = ..., price_per_hour_by_node: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class TaskStats(_message.Message):
     __slots__ = ("tasks_succeeded", "tasks_failed", "tasks_open", "ended_cost_usd", "cost_per_successful_task_usd", "model_load_cost_usd", "fleet_cost_usd", "fleet_cost_per_successful_task_usd")

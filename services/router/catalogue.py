@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from baton.v1 import common_pb2
 from services.common.node_registration import parse_node_info
 from services.router.validation import ModelEntry
 
@@ -28,12 +29,11 @@ def models_from_registrations(items: dict[str, bytes], lapsed: frozenset[str] = 
     return entries
 
 
-def gpus_from_registrations(items: dict[str, bytes]) -> dict[str, str]:
-    """Each registered node's GPU generation, by node id."""
-    gpus: dict[str, str] = {}
+def registrations(items: dict[str, bytes]) -> dict[str, common_pb2.NodeInfo]:
+    """Each registered node's registration (its GPU generation, its price), by node id."""
+    infos: dict[str, common_pb2.NodeInfo] = {}
     for key, value in items.items():
         info = parse_node_info(key, value, quiet=True)  # models_from_registrations logs it
-        if info is None:
-            continue
-        gpus[info.node_id] = info.gpu
-    return gpus
+        if info is not None:
+            infos[info.node_id] = info
+    return infos

@@ -45,10 +45,11 @@ class Relay:
     """Streams generations from nodes, resuming each on another node when its node fails."""
 
     def __init__(self, config: RouterConfig, leader: LeaderDirectory, node_channels: ChannelPool,
-                 liveness: NodeLiveness, meter: Meter, gpu_of: Callable[[str], str]) -> None:
+                 liveness: NodeLiveness, meter: Meter,
+                 registration_of: Callable[[str], common_pb2.NodeInfo | None]) -> None:
         self._config = config
-        # The GPU generation of a node, by id, as its registration says.
-        self._gpu_of = gpu_of
+        # A node's registration (its GPU generation, its price) by id, as this router last saw it; None if never.
+        self._registration_of = registration_of
         self._slo = config.slo
         self._leader = leader
         self._node_channels = node_channels
@@ -177,6 +178,10 @@ class Relay:
             ttft_ms = int((first_token_at - started_at) * 1000) if first_token_at is not None else 0
             held.append(Ending(generation, request, ttft_ms, outcome))
 
+    def _gpu_of(self, node_id: str) -> str:
+        info = self._registration_of(node_id)
+        return info.gpu if info is not None else ""
+
     def tell_finished(self, ending: Ending) -> None:
         """Tell the leader the request ended: its admission slot is released and its task charged.
         Best effort, in the background."""
@@ -187,7 +192,9 @@ class Relay:
         notice = scheduler_pb2.FinishedRequest(
             request_id=generation.request_id, context=context_of(request), ttft_ms=ttft_ms, outcome=outcome,
             gpu_ms_by_node=generation.gpu_ms_by_node, model=generation.model,
-            num_output_tokens=len(generation.generated))
+            num_output_tokens=len(generation.generated),
+            price_per_hour_by_node={node: info.price_per_hour for node in generation.gpu_ms_by_node
+                                    if (info := self._registration_of(node)) is not None})
 
         async def send() -> scheduler_pb2.FinishedAck:
             try:

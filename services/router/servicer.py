@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 
 from baton.v1 import (
+    common_pb2,
     node_agent_pb2,
     router_pb2,
     router_pb2_grpc,
@@ -29,7 +30,7 @@ from services.common.etcd_session import Membership, PrefixView
 from services.common.telemetry import Telemetry
 from services.common.tenant_directory import TenantDirectory
 from services.common.tls import server_ssl_context
-from services.router.catalogue import gpus_from_registrations, models_from_registrations
+from services.router.catalogue import models_from_registrations, registrations
 from services.router.config import RouterConfig
 from services.router.generation import Generation
 from services.router.http_api import HttpApi
@@ -75,10 +76,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._leader = LeaderDirectory(self._member.client, etcd_keys.SCHEDULER_ELECTION, telemetry)
         self._node_channels = ChannelPool(telemetry)
         self._liveness = NodeLiveness()
-        # Each node's GPU generation, by node id (kept after a node leaves: its last tokens may come later).
-        self._node_gpus: dict[str, str] = {}
+        # Each node's registration (GPU generation, price), by node id, kept after a node leaves: its last tokens
+        # may come later, and a leader that never saw it prices its GPU time from the Finished notice.
+        self._node_infos: dict[str, common_pb2.NodeInfo] = {}
         self._relay = Relay(config, self._leader, self._node_channels, self._liveness, telemetry.meter,
-                            lambda node_id: self._node_gpus.get(node_id, ""))
+                            self._node_infos.get)
         # Requests this router serves now (an id twice if a client sent it twice), reported to the leader.
         self._live: Counter[str] = Counter()
         # The workflow of each live request that is a step of one.
@@ -135,7 +137,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     def _on_nodes_changed(self, items: dict[str, bytes]) -> None:
         self._models = models_from_registrations(items, self._nodes.lapsed)
-        self._node_gpus.update(gpus_from_registrations(items))
+        self._node_infos.update(registrations(items))
         self._liveness.update({key.removeprefix(etcd_keys.NODES) for key in items})
 
     async def open_http(self) -> bool:

@@ -429,7 +429,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if request.outcome in (_SUCCEEDED, _LATE) and request.model:  # ran to its end: a length to learn
             self._policy.observe_finished(request.model, request.num_output_tokens)
         if request.outcome:
-            cost = sum(ms / 3_600_000 * self._prices.get(node, 0.0) for node, ms in request.gpu_ms_by_node.items())
+            # At the price this leader saw the node registered with, else at the router's (a node that left before
+            # this leader began), else at nothing.
+            cost = sum(ms / 3_600_000 * self._prices.get(node, max(0.0, request.price_per_hour_by_node.get(node, 0.0)))
+                       for node, ms in request.gpu_ms_by_node.items())
             if ctx.workflow_id:
                 self._tasks.record(ctx.workflow_id, ctx.step, ctx.total_steps, cost,
                                    request.outcome == _SUCCEEDED, self._clock())

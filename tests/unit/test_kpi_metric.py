@@ -107,6 +107,23 @@ async def test_a_scheduler_that_first_sees_a_node_draining_charges_its_streams_a
     await service.close()
 
 
+async def test_a_leader_that_never_saw_a_node_charges_its_gpu_time_at_the_routers_price(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node that left before this leader began (it died, and the request moved on) is known only to the router
+    that streamed from it: its notice carries the node's price, and the GPU time is charged at it, not at nothing.
+    A node the leader knows is charged at the leader's own price."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    service._on_nodes_changed(dict([_registered("a", 1.0)]))
+    finished = scheduler_pb2.FinishedRequest(
+        request_id="r", outcome=scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED,
+        gpu_ms_by_node={"gone": 3_600_000, "a": 3_600_000},  # an hour on each
+        price_per_hour_by_node={"gone": 3.6, "a": 9.0})
+    await service.Finished(finished, FakeContext())  # type: ignore[arg-type]
+    assert service._tasks.stats().cost_per_successful_task == pytest.approx(4.6)
+    await service.close()
+
+
 async def test_a_successor_counts_the_fleet_for_the_time_no_leader_did(monkeypatch: pytest.MonkeyPatch) -> None:
     """A leader died 1 s after it last counted the fleet, and its successor took over 3 s later (the lease's
     TTL): the fleet was paid those 4 s too. Before, the successor counted only from its own takeover."""

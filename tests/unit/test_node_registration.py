@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from services.common.node_registration import parse_node_info
-from services.router.catalogue import gpus_from_registrations, models_from_registrations
+from services.router.catalogue import models_from_registrations, registrations
 
 
 def test_a_registration_from_a_newer_node_agent_is_read_and_its_unknown_fields_skipped() -> None:
@@ -15,7 +15,7 @@ def test_a_registration_from_a_newer_node_agent_is_read_and_its_unknown_fields_s
         "anotherNewField": True}).encode()
     info = parse_node_info("/baton/nodes/n1", newer)
     assert info is not None and info.node_id == "n1" and info.models[0].profile.a_ms == 1.0
-    assert gpus_from_registrations({"/baton/nodes/n1": newer}) == {"n1": "h100"}
+    assert registrations({"/baton/nodes/n1": newer})["n1"].gpu == "h100"
     assert models_from_registrations({"/baton/nodes/n1": newer})["m"].num_warm_nodes == 1
 
 

@@ -53,7 +53,7 @@ async def test_a_stale_hint_from_the_new_leader_does_not_make_the_router_wait_it
     answered as a standby naming the dead old leader; the call there failed in transport, and the router
     then waited for a leader other than the new one — which never came — until --leader-wait-s ran out."""
     relay = Relay(RouterConfig(leader_wait_s=5.0), ElectionAsEtcdShowsIt(NEW),  # type: ignore[arg-type]
-                  None, None, Telemetry("router/test", "none").meter, lambda _: "")  # type: ignore[arg-type]
+                  None, None, Telemetry("router/test", "none").meter, lambda _: None)  # type: ignore[arg-type]
     calls: list[str] = []
 
     async def place_at(address: str, is_current: object, place: object, timeout_s: float) -> scheduler_pb2.Placement:
@@ -73,7 +73,7 @@ async def test_a_stale_hint_from_the_new_leader_does_not_make_the_router_wait_it
 
 async def test_with_no_leader_answering_the_router_gives_up_after_the_leader_wait() -> None:
     relay = Relay(RouterConfig(leader_wait_s=0.2), ElectionAsEtcdShowsIt(NEW),  # type: ignore[arg-type]
-                  None, None, Telemetry("router/test", "none").meter, lambda _: "")  # type: ignore[arg-type]
+                  None, None, Telemetry("router/test", "none").meter, lambda _: None)  # type: ignore[arg-type]
 
     async def place_at(address: str, is_current: object, place: object, timeout_s: float) -> scheduler_pb2.Placement:
         raise _error(grpc.StatusCode.UNAVAILABLE, "Socket closed")

@@ -109,8 +109,9 @@ async def _router(handler: NodeHandler, scheduler: _FakeScheduler | None = None,
         leader = LeaderRecord("/baton/election/scheduler/0", 1, scheduler_address)
         service._leader.leader = lambda: leader  # type: ignore[method-assign]
         service._leader.address = lambda: scheduler_address  # type: ignore[method-assign]
-        info = common_pb2.NodeInfo(node_id=NODE, address=node_address, models=[common_pb2.ModelInfo(
-            name=MODEL, max_context_tokens=4096, tokenizer="byte", vocab_size=257, is_warm=True)])
+        info = common_pb2.NodeInfo(node_id=NODE, address=node_address, price_per_hour=4.25,
+                                   models=[common_pb2.ModelInfo(name=MODEL, max_context_tokens=4096, tokenizer="byte",
+                                                                vocab_size=257, is_warm=True)])
         service._on_nodes_changed({etcd_keys.node_key(NODE): json_format.MessageToJson(info).encode()})
         stack.push_async_callback(service.close)
         router_address = await stack.enter_async_context(_server(service.register))
@@ -241,6 +242,21 @@ async def test_a_client_gone_before_its_last_reply_went_out_is_not_counted_a_suc
             await stream.aclose()  # the front end closes it unwritten when its client has gone
             outcomes.append((await asyncio.wait_for(scheduler.finished.get(), 10)).outcome)
     assert outcomes == [scheduler_pb2.REQUEST_OUTCOME_CANCELLED, scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED]
+
+async def test_the_finished_notice_carries_the_price_of_each_node_the_request_ran_on() -> None:
+    # The leader charges a node's GPU time at its price; one that began after the node left knows it only from here.
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        yield _started()
+        yield Chunk(node_id=NODE, index=0, token_ids=[97], finish_reason=common_pb2.FINISH_REASON_LENGTH,
+                    checkpoint=node_agent_pb2.Checkpoint(gpu_ms=12.5))
+
+    async with _router(generate) as (router, scheduler):
+        assert len([m async for m in router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi",
+                                                                                 max_tokens=1))]) == 1
+        notice = await asyncio.wait_for(scheduler.finished.get(), 10)
+    assert dict(notice.gpu_ms_by_node) == {NODE: 12.5}
+    assert dict(notice.price_per_hour_by_node) == {NODE: 4.25}
+
 
 async def test_a_node_that_fails_after_the_last_token_ends_the_stream_complete_without_a_move() -> None:
     """A node that sent every token max_tokens allows and then died before its finish chunk: the
