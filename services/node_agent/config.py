@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from services.common.config import ServiceConfig, doc
@@ -57,6 +58,9 @@ class NodeAgentConfig(ServiceConfig):
             raise ValueError(f"--gpu-memory-utilization: expected a share in (0, 1], got {self.gpu_memory_utilization}")
         if self.speed < 0:
             raise ValueError(f"--speed: must be 0 or more, got {self.speed}")
+        if not (math.isfinite(self.price_per_hour) and self.price_per_hour >= 0):
+            raise ValueError(f"--price-per-hour: must be a finite 0 or more (0: the catalogue price), got "
+                             f"{self.price_per_hour}")
         if self.kv_blocks < 0:
             raise ValueError(f"--kv-blocks: must be 0 or more, got {self.kv_blocks}")
         if self.disk_gbps <= 0 or self.engine_start_s < 0:

@@ -109,6 +109,13 @@ def node_spec(info: common_pb2.NodeInfo) -> NodeSpec:
     )
 
 
+def _price(price_per_hour: float) -> float:
+    """A registration's or a notice's price as the ledger counts it: one not finite or below 0 (a node agent checks
+    its own flag; a registration or notice from elsewhere may not) counts as nothing, not as a ledger poisoned for
+    good."""
+    return price_per_hour if math.isfinite(price_per_hour) and price_per_hour >= 0 else 0.0
+
+
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     service_names = ("baton.v1.Scheduler",)
 
@@ -229,8 +236,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if info is None:
                 continue
             if info.draining:  # leaving cleanly: its streams finish, nothing new goes there; still paid for
-                draining_price += info.price_per_hour
-                self._prices[info.node_id] = info.price_per_hour  # its streams' GPU time is charged at it
+                if key not in self._nodes.lapsed:  # a draining node reports no load: lapsed, it is taken for gone
+                    draining_price += _price(info.price_per_hour)
+                self._prices[info.node_id] = _price(info.price_per_hour)  # its streams' GPU time is charged at it
                 continue
             infos[info.node_id] = info
             specs.append(node_spec(info))
@@ -239,7 +247,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._node_infos = infos
         self._draining_price_per_hour = draining_price
         self._cluster.set_nodes(specs, self._clock(), frozenset(lapsed))
-        self._prices.update((spec.node_id, spec.price_per_hour) for spec in specs)
+        self._prices.update((spec.node_id, _price(spec.price_per_hour)) for spec in specs)
         self._gate.capacity_changed()  # a model may have turned warm
         self._nodes_changed.notify()
 
@@ -249,7 +257,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         for its key has not ended (priced through that grace, a dead node was paid for about twice its lease)."""
         now = self._clock()
         listed = (s for s in self._cluster.nodes() if self._cluster.is_listed(s, now))
-        return sum(s.spec.price_per_hour for s in listed) + self._draining_price_per_hour
+        return sum(_price(s.spec.price_per_hour) for s in listed) + self._draining_price_per_hour
 
     async def before_stop(self) -> None:
         await self._role.resign()
@@ -431,8 +439,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if request.outcome:
             # At the price this leader saw the node registered with, else at the router's (a node that left before
             # this leader began), else at nothing.
-            cost = sum(ms / 3_600_000 * self._prices.get(node, max(0.0, request.price_per_hour_by_node.get(node, 0.0)))
-                       for node, ms in request.gpu_ms_by_node.items())
+            cost = sum(ms / 3_600_000 * self._prices.get(node, _price(request.price_per_hour_by_node.get(node, 0.0)))
+                       for node, ms in request.gpu_ms_by_node.items() if math.isfinite(ms) and ms > 0)
             if ctx.workflow_id:
                 self._tasks.record(ctx.workflow_id, ctx.step, ctx.total_steps, cost,
                                    request.outcome == _SUCCEEDED, self._clock())

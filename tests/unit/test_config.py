@@ -129,6 +129,14 @@ def test_vllm_engine_needs_a_model_directory() -> None:
         NodeAgentConfig(engine="vllm", model_dir="/models/m", block_size=24)
 
 
+@pytest.mark.parametrize("price", [-1.0, float("nan"), float("inf")])
+def test_a_node_refuses_a_price_that_is_not_one(price: float) -> None:
+    from services.node_agent.config import NodeAgentConfig
+
+    with pytest.raises(ValueError, match=f"--price-per-hour: .*got {price}"):
+        NodeAgentConfig(price_per_hour=price)
+
+
 def test_vllm_node_refuses_a_directory_that_holds_no_model(tmp_path: Path) -> None:
     from services.node_agent.config import NodeAgentConfig
     from services.node_agent.engines.factory import build_host

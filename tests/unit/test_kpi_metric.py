@@ -87,8 +87,41 @@ async def test_a_dead_node_leaves_the_fleets_price_with_its_registration(monkeyp
     await service.close()
 
 
-def _registered(node_id: str, price: float) -> tuple[str, bytes]:
-    info = common_pb2.NodeInfo(node_id=node_id, address="127.0.0.1:1", gpu="h100", price_per_hour=price)
+async def test_a_draining_node_that_died_leaves_the_fleets_price_with_its_registration(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draining node reports no load, so once its lease lapses it is taken for gone, as any silent lapsed node."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    items = dict([_registered("a", 4.0), _registered("b", 2.5, draining=True)])
+    service._on_nodes_changed(items)
+    assert service.fleet_price_per_hour() == pytest.approx(6.5)
+    service._nodes.lapsed = frozenset({etcd_keys.node_key("b")})
+    service._on_nodes_changed(items)
+    assert service.fleet_price_per_hour() == pytest.approx(4.0)
+    await service.close()
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), -5.0])
+async def test_a_price_that_is_not_a_price_counts_as_nothing_instead_of_poisoning_the_ledger(
+        monkeypatch: pytest.MonkeyPatch, bad: float) -> None:
+    """A registration or a notice from outside this code base may carry any double: inf or NaN would stay in the
+    ledger for good, a negative price would pay the operator."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    service._on_nodes_changed(dict([_registered("a", 1.0), _registered("b", bad)]))
+    assert service.fleet_price_per_hour() == pytest.approx(1.0)
+    finished = scheduler_pb2.FinishedRequest(
+        request_id="r", outcome=scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED,
+        gpu_ms_by_node={"a": 3_600_000, "b": 3_600_000, "gone": 3_600_000, "odd": bad},
+        price_per_hour_by_node={"gone": bad, "odd": 1.0})
+    await service.Finished(finished, FakeContext())  # type: ignore[arg-type]
+    assert service._tasks.stats().cost_per_successful_task == pytest.approx(1.0)
+    await service.close()
+
+
+def _registered(node_id: str, price: float, draining: bool = False) -> tuple[str, bytes]:
+    info = common_pb2.NodeInfo(node_id=node_id, address="127.0.0.1:1", gpu="h100", price_per_hour=price,
+                               draining=draining)
     return etcd_keys.node_key(node_id), json_format.MessageToJson(info).encode()
 
 

@@ -243,6 +243,7 @@ async def test_a_client_gone_before_its_last_reply_went_out_is_not_counted_a_suc
             outcomes.append((await asyncio.wait_for(scheduler.finished.get(), 10)).outcome)
     assert outcomes == [scheduler_pb2.REQUEST_OUTCOME_CANCELLED, scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED]
 
+
 async def test_the_finished_notice_carries_the_price_of_each_node_the_request_ran_on() -> None:
     # The leader charges a node's GPU time at its price; one that began after the node left knows it only from here.
     async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
