@@ -252,9 +252,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._nodes_changed.notify()
 
     def fleet_price_per_hour(self) -> float:
-        """What the operator pays an hour for the GPUs the fleet lists (`GetClusterState`, `baton status`): busy,
-        idle or draining. A node whose registration lapsed and that has gone silent is gone, though etcd's grace
-        for its key has not ended (priced through that grace, a dead node was paid for about twice its lease)."""
+        """What the operator pays an hour for the GPUs the fleet lists (`GetClusterState`, `baton status`), busy or
+        idle, and for those draining out of it. A node whose registration lapsed and that has gone silent is gone,
+        though etcd's grace for its key has not ended (priced through that grace, a dead node was paid for about
+        twice its lease)."""
         now = self._clock()
         listed = (s for s in self._cluster.nodes() if self._cluster.is_listed(s, now))
         return sum(_price(s.spec.price_per_hour) for s in listed) + self._draining_price_per_hour
