@@ -11,7 +11,7 @@ import json
 import os
 import signal
 import sys
-import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -46,6 +46,8 @@ from simulator.report import main as simulator_main
 DEMO_PROMPT = "Explain in one paragraph why a generation should survive the death of the GPU serving it."
 _SIM_MODEL = "sim-llama-3-8b"
 ENGINES = ("sim", "vllm")
+# How often `baton up` looks whether a signal asked it to stop.
+_STOP_POLL_S = 0.2
 
 
 def _split(text: str) -> list[str]:
@@ -171,12 +173,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     spec = up_spec(args)
     timeout_s = args.timeout_s or (300.0 if "vllm" in node_engines(args) else 60.0)
     cluster = LocalCluster(spec, Path(args.workdir) if args.workdir else None)
-    stop = threading.Event()
+    # The signals that stop the cluster, as their handler notes them: a list, not a threading.Event, for a handler
+    # runs between two bytecodes of the main thread and must not take a lock that thread may hold (Event.wait holds
+    # the one Event.set takes).
+    stop: list[int] = []
     # SIGHUP too: a closed terminal stops the cluster as Ctrl-C does, instead of leaving its services running;
     # not where it is ignored (`nohup baton up`), which asks the cluster to outlive its terminal.
     hangup = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)
     for sig in (signal.SIGINT, signal.SIGTERM, *hangup):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda signum, _: stop.append(signum))
     try:
         cluster.start(timeout_s=timeout_s)
     except StartError as exc:
@@ -216,7 +221,11 @@ def cmd_up(args: argparse.Namespace) -> int:
             asyncio.run(_demo([p.address for p in cluster.routers], spec.model, cluster.admin_key or None,
                               cluster.client_credentials))
         print("Ctrl-C stops the cluster.", flush=True)
-        stop.wait()
+        # Looked at every little while: the kernel may hand the signal to another thread (gRPC's), and its Python
+        # handler then runs only once this thread runs Python code, which a blocking wait never did (a closed
+        # terminal's SIGHUP was lost until the next signal happened to reach this thread).
+        while not stop:
+            time.sleep(_STOP_POLL_S)
     finally:
         # With piped output whose reader is gone (`make run | tee` and Ctrl-C) a print raises
         # BrokenPipeError; it must not skip the ordered shutdown.
