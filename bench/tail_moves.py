@@ -40,8 +40,10 @@ class TailMoves(Simulation):
         self._min_remaining = min_remaining
         self._moves: dict[str, str] = {}  # request id -> the idle node it moves to
         self._moved: set[str] = set()
-        self.num_moves = 0
 
+    @property
+    def num_moves(self) -> int:
+        return len(self._moved)
 
     def _step_ms(self, node, num_seqs: int, num_context_tokens: int) -> float:
         return self._profile(node.config.gpu, node.model).timing.decode_step_ms(num_seqs, num_context_tokens)
@@ -50,10 +52,12 @@ class TailMoves(Simulation):
         super()._step_done(node, result)
         idle = (node.is_alive and node.core is not None and not node.core.has_unfinished_requests()
                 and not node.flights and not node.waiting_for_load)
+        if not idle or self._held:
+            return
         # A request that ended, or whose node died, before its move frees the idle node it was moving to.
         self._moves = {request_id: target for request_id, target in self._moves.items()
                        if any(request_id in n.flights for n in self._nodes.values() if n.is_alive)}
-        if not idle or self._held or node.config.node_id in self._moves.values():
+        if node.config.node_id in self._moves.values():
             return
         best: tuple[int, str] | None = None
         for other in self._nodes.values():
@@ -86,7 +90,6 @@ class TailMoves(Simulation):
                 record.end_attempt()  # the attempt's GPU time is paid, as a migration's is
                 record.node_id = target.config.node_id
                 self._moved.add(request_id)
-                self.num_moves += 1
                 self._start_on(target, generation, record, tuple(generation.context_block_hashes()))
         super()._kick(node)
 

@@ -211,11 +211,10 @@ class HttpApi:
             if not parsed.stream:
                 try:
                     builder.add(first)
-                    last = first
                     if not first.finish_reason:
-                        async for last in chunks:
-                            builder.add(last)
-                            if last.finish_reason:
+                        async for chunk in chunks:
+                            builder.add(chunk)
+                            if chunk.finish_reason:
                                 break
                 except BatonError as error:
                     return _error(error, parsed.names)

@@ -87,6 +87,13 @@ def place_ask(request: scheduler_pb2.PlaceRequest) -> PlaceAsk:
     )
 
 
+def _price(price_per_hour: float) -> float:
+    """A registration's or a notice's price as the ledger counts it: one not finite or below 0 (a node agent checks
+    its own flag; a registration or notice from elsewhere may not) counts as nothing, not as a ledger poisoned for
+    good."""
+    return price_per_hour if math.isfinite(price_per_hour) and price_per_hour >= 0 else 0.0
+
+
 def node_spec(info: common_pb2.NodeInfo) -> NodeSpec:
     profiles = {m.name: p for m in info.models if (p := profile_from_proto(m)) is not None}
     # A step's token budget is the warm model's engine's (chunked prefill); 2048 until it registers one.
@@ -95,7 +102,7 @@ def node_spec(info: common_pb2.NodeInfo) -> NodeSpec:
         node_id=info.node_id,
         address=info.address,
         gpu=info.gpu,
-        price_per_hour=info.price_per_hour,
+        price_per_hour=_price(info.price_per_hour),
         warm_models=frozenset(m.name for m in info.models if m.is_warm),
         kv_block_size=info.kv_block_size or 16,
         cold_models=frozenset(m.name for m in info.models if not m.is_warm),
@@ -107,13 +114,6 @@ def node_spec(info: common_pb2.NodeInfo) -> NodeSpec:
         profiles=profiles,
         **({"max_num_batched_tokens": warm[0].max_num_batched_tokens} if warm else {}),
     )
-
-
-def _price(price_per_hour: float) -> float:
-    """A registration's or a notice's price as the ledger counts it: one not finite or below 0 (a node agent checks
-    its own flag; a registration or notice from elsewhere may not) counts as nothing, not as a ledger poisoned for
-    good."""
-    return price_per_hour if math.isfinite(price_per_hour) and price_per_hour >= 0 else 0.0
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
@@ -236,9 +236,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if info is None:
                 continue
             if info.draining:  # leaving cleanly: its streams finish, nothing new goes there; still paid for
+                # Its streams' GPU time is charged at its price.
+                price = self._prices[info.node_id] = _price(info.price_per_hour)
                 if key not in self._nodes.lapsed:  # a draining node reports no load: lapsed, it is taken for gone
-                    draining_price += _price(info.price_per_hour)
-                self._prices[info.node_id] = _price(info.price_per_hour)  # its streams' GPU time is charged at it
+                    draining_price += price
                 continue
             infos[info.node_id] = info
             specs.append(node_spec(info))
@@ -247,7 +248,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._node_infos = infos
         self._draining_price_per_hour = draining_price
         self._cluster.set_nodes(specs, self._clock(), frozenset(lapsed))
-        self._prices.update((spec.node_id, _price(spec.price_per_hour)) for spec in specs)
+        self._prices.update((spec.node_id, spec.price_per_hour) for spec in specs)
         self._gate.capacity_changed()  # a model may have turned warm
         self._nodes_changed.notify()
 
@@ -258,7 +259,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         twice its lease)."""
         now = self._clock()
         listed = (s for s in self._cluster.nodes() if self._cluster.is_listed(s, now))
-        return sum(_price(s.spec.price_per_hour) for s in listed) + self._draining_price_per_hour
+        return sum(s.spec.price_per_hour for s in listed) + self._draining_price_per_hour
 
     async def before_stop(self) -> None:
         await self._role.resign()
