@@ -90,9 +90,22 @@ async def coalesce(
                 return
     finally:
         reader.cancel()
-        # wait() neither raises the reader's cancellation nor hides one aimed at us.
-        await asyncio.wait([reader])
-        # A reader cancelled while it waited for room left source paused at a yield: its cleanup (a relay's
-        # notice to the leader) runs now, not whenever it is collected.
-        if isinstance(source, AsyncGenerator):
-            await source.aclose()
+        # The close runs in a task of its own, shielded: a consumer cancelled again while it waits still has its
+        # source closed as soon as the reader has stopped, not whenever the source is collected.
+        closing = asyncio.ensure_future(_close_after(reader, source))
+        _closing.add(closing)
+        closing.add_done_callback(_closing.discard)
+        await asyncio.shield(closing)
+
+
+# Closes under way, held until they end (the event loop keeps only weak references to tasks).
+_closing: set[asyncio.Future[None]] = set()
+
+
+async def _close_after(reader: asyncio.Task[None], source: AsyncIterator[T]) -> None:
+    # wait() neither raises the reader's cancellation nor hides one aimed at us.
+    await asyncio.wait([reader])
+    # A reader cancelled while it waited for room left source paused at a yield: its cleanup (a relay's
+    # notice to the leader) runs now, not whenever it is collected.
+    if isinstance(source, AsyncGenerator):
+        await source.aclose()

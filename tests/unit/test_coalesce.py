@@ -115,6 +115,38 @@ async def test_closing_the_consumer_while_the_backlog_is_full_closes_the_source(
     await items.aclose()
     assert closed.is_set()
 
+async def test_a_consumer_cancelled_again_while_closing_still_closes_the_source() -> None:
+    # A caller that cancels twice (a gRPC handler torn down while its stream closes) cancels the consumer while it
+    # waits for the reader to stop: the source paused at a yield must still be closed at once, not when collected.
+    got_first, closed = asyncio.Event(), asyncio.Event()
+
+    async def source() -> AsyncIterator[list[int]]:
+        try:
+            yield [1]
+            yield [2]  # pending is full with it: the reader waits for the consumer
+            yield [3]
+        finally:
+            closed.set()
+
+    held = source()  # referenced here, so only a close (not the collector) can end it
+
+    async def consume() -> None:
+        async with aclosing(coalesce(held, _merge, max_pending=1)) as items:
+            async for _ in items:
+                got_first.set()
+                await asyncio.Event().wait()
+
+    consumer = asyncio.create_task(consume())
+    await asyncio.wait_for(got_first.wait(), GUARD_S)
+    consumer.cancel()
+    # Runs after the consumer's next step (the loop runs callbacks in order): it has cancelled the reader and
+    # waits for it, and this cancels that wait.
+    asyncio.get_running_loop().call_soon(consumer.cancel)
+    with pytest.raises(asyncio.CancelledError):
+        await consumer
+    await asyncio.wait_for(closed.wait(), GUARD_S)
+
+
 async def test_stream_ends_after_items_pending_when_the_source_finished() -> None:
     async def source() -> AsyncIterator[list[int]]:
         for i in range(3):
