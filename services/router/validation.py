@@ -32,6 +32,10 @@ class InputLimits:
 
 DEFAULT_LIMITS = InputLimits()
 
+# How far past resume.elapsed_ms a resent request's first or last token may lie and still be taken as a client's
+# rounding (its two clock reads truncated apart): accepted as elapsed_ms. Further off, the timeline is refused.
+RESUME_ROUNDING_MS = 1000
+
 
 @dataclass(frozen=True)
 class ModelEntry:
@@ -114,15 +118,20 @@ def validate(
     _check_vocabulary("resume.token_ids", resumed, model.vocab_size)
     if request.resume.elapsed_ms < 0:
         raise InvalidArgument("resume.elapsed_ms", request.resume.elapsed_ms, "must not be negative")
-    # (A first token later than elapsed_ms, a client's rounding, is taken as elapsed_ms: not worth failing a stream.)
-    if request.resume.HasField("first_token_ms") and not (resumed and request.resume.first_token_ms >= 0):
+    # (A first token up to RESUME_ROUNDING_MS later than elapsed_ms, a client's rounding, is taken as elapsed_ms.)
+    latest_ms = request.resume.elapsed_ms + RESUME_ROUNDING_MS
+    if request.resume.HasField("first_token_ms") and not (resumed and 0 <= request.resume.first_token_ms <= latest_ms):
         raise InvalidArgument("resume.first_token_ms", request.resume.first_token_ms,
-                              "must not be negative, and comes with resume.token_ids")
-    # (Nor one before the first token, or after elapsed_ms: taken as the nearer of the two.)
-    if request.resume.HasField("last_token_ms") and not (request.resume.HasField("first_token_ms")
-                                                         and request.resume.last_token_ms >= 0):
-        raise InvalidArgument("resume.last_token_ms", request.resume.last_token_ms,
-                              "must not be negative, and comes with resume.first_token_ms")
+                              f"must not be negative or later than resume.elapsed_ms ({request.resume.elapsed_ms}) "
+                              f"by more than {RESUME_ROUNDING_MS} ms, and comes with resume.token_ids")
+    # (Nor a last one before the first token, or after elapsed_ms, within as much: taken as the nearer of the two.)
+    earliest_last_ms = max(0, request.resume.first_token_ms - RESUME_ROUNDING_MS)
+    last_ms = request.resume.last_token_ms
+    if request.resume.HasField("last_token_ms") and not (
+            request.resume.HasField("first_token_ms") and earliest_last_ms <= last_ms <= latest_ms):
+        raise InvalidArgument("resume.last_token_ms", last_ms,
+                              f"must not be negative, must lie between resume.first_token_ms and resume.elapsed_ms "
+                              f"(within {RESUME_ROUNDING_MS} ms), and comes with resume.first_token_ms")
 
     if len(prompt) >= context:
         raise InvalidArgument("prompt", f"{len(prompt)} tokens", f"does not fit the context window of {context}")

@@ -297,9 +297,10 @@ async def test_a_resumed_stream_is_judged_on_its_clients_timeline(
 
 
 async def test_a_resumed_streams_first_token_reported_past_its_elapsed_time_counts_as_at_the_resume() -> None:
-    # A client's rounding can put first_token_ms past elapsed_ms: its first token came no later than the resume, so
-    # the leader hears a TTFT of elapsed_ms and an on-time request (3000 ms would be past its 1 s budget).
-    resume = router_pb2.Resume(token_ids=[97], elapsed_ms=500, first_token_ms=3000)
+    # A client's rounding can put first_token_ms past elapsed_ms (up to a second is taken as such): its first token
+    # came no later than the resume, so the leader hears a TTFT of elapsed_ms and an on-time request (1500 ms would
+    # be past its 1 s budget).
+    resume = router_pb2.Resume(token_ids=[97], elapsed_ms=500, first_token_ms=1500)
     async with _router(_token_stream(2, pace_s=0.001)) as (router, scheduler):
         call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=3, ttft_budget_ms=1000,
                                                           tpot_budget_ms=60_000, resume=resume))

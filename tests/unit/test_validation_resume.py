@@ -105,14 +105,22 @@ def test_resuming_a_greedy_request_needs_no_seed() -> None:
     (router_pb2.Resume(elapsed_ms=100, first_token_ms=50), "resume.first_token_ms=50"),  # a first token, but none kept
     (router_pb2.Resume(token_ids=[97], elapsed_ms=100, first_token_ms=10, last_token_ms=-1), "resume.last_token_ms=-1"),
     (router_pb2.Resume(token_ids=[97], elapsed_ms=100, last_token_ms=50), "resume.last_token_ms=50"),  # no first token
+    # Past elapsed_ms by more than a rounding: a timeline in another unit, or a clock the client did not share.
+    (router_pb2.Resume(token_ids=[97], elapsed_ms=100, first_token_ms=1101), "resume.first_token_ms=1101"),
+    (router_pb2.Resume(token_ids=[97], elapsed_ms=100, first_token_ms=10, last_token_ms=1101),
+     "resume.last_token_ms=1101"),
+    (router_pb2.Resume(token_ids=[97], elapsed_ms=5000, first_token_ms=3000, last_token_ms=1999),
+     "resume.last_token_ms=1999"),  # long before its first token
 ])
 def test_a_resume_timeline_that_cannot_be_is_refused_naming_the_field(resume: router_pb2.Resume, named: str) -> None:
     error = _refusal(router_pb2.GenerateRequest(model="m", prompt="hi", request_id="r1", max_tokens=10, resume=resume))
     assert str(error).startswith(named)
 
 
-@pytest.mark.parametrize("first_token_ms", [3000, 3501])  # a first token 1 ms after elapsed_ms: a client's rounding
-def test_a_resume_timeline_is_accepted(first_token_ms: int) -> None:
-    resume = router_pb2.Resume(token_ids=[97], elapsed_ms=3500, first_token_ms=first_token_ms)
+# A first or last token a little after elapsed_ms, or a last one a little before the first: a client's rounding.
+@pytest.mark.parametrize(("first_token_ms", "last_token_ms"), [(3000, None), (3501, None), (4500, 4500), (3000, 2000)])
+def test_a_resume_timeline_is_accepted(first_token_ms: int, last_token_ms: int | None) -> None:
+    resume = router_pb2.Resume(token_ids=[97], elapsed_ms=3500, first_token_ms=first_token_ms,
+                               last_token_ms=last_token_ms)
     valid = _validate(router_pb2.GenerateRequest(model="m", prompt="hi", request_id="r1", max_tokens=10, resume=resume))
     assert valid.resume_token_ids == [97]
