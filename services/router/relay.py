@@ -41,6 +41,34 @@ class Ending:
             self.outcome = scheduler_pb2.REQUEST_OUTCOME_CANCELLED
 
 
+class HeldEndings:
+    """How a stream's generation ended, held until the stream knows whether its last reply reached the client
+    (settle), then told the leader. One that comes after (the stream was cancelled again while it closed, and the
+    relay ended later, in coalesce's own close) is told at once, undelivered unless the stream had delivered."""
+
+    def __init__(self, tell: Callable[[Ending], None]) -> None:
+        self._tell = tell
+        self._held: list[Ending] = []
+        self._delivered: bool | None = None  # None until settled
+
+    def append(self, ending: Ending) -> None:
+        if self._delivered is None:
+            self._held.append(ending)
+        else:
+            self._told(ending)
+
+    def settle(self, delivered: bool) -> None:
+        self._delivered = delivered
+        held, self._held = self._held, []
+        for ending in held:
+            self._told(ending)
+
+    def _told(self, ending: Ending) -> None:
+        if not self._delivered:
+            ending.undelivered()
+        self._tell(ending)
+
+
 class Relay:
     """Streams generations from nodes, resuming each on another node when its node fails."""
 
@@ -74,7 +102,7 @@ class Relay:
 
     async def stream(
         self, generation: Generation, request: router_pb2.GenerateRequest,
-        time_remaining: Callable[[], float | None], deadline_at: float | None, held: list[Ending],
+        time_remaining: Callable[[], float | None], deadline_at: float | None, held: HeldEndings,
     ) -> AsyncIterator[node_agent_pb2.NodeGenerateChunk]:
         """The generation's chunks, indexed from its start, moving to another node when one fails. deadline_at:
         when (on the loop's clock) the reader ends the stream at the request's deadline_ms, if it has one. held:

@@ -35,7 +35,7 @@ from services.router.config import RouterConfig
 from services.router.generation import Generation
 from services.router.http_api import HttpApi
 from services.router.node_stream import NodeLiveness
-from services.router.relay import Ending, Relay
+from services.router.relay import HeldEndings, Relay
 from services.router.request_scope import cluster_request_id, name_as_client
 from services.router.tokenizer import TOKENIZERS
 from services.router.validation import ModelEntry, validate
@@ -240,7 +240,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         outcome = "OK"
         live_id: str | None = None
         # How the generation ended, told the leader once this stream knows whether its last reply went out.
-        held: list[Ending] = []
+        held = HeldEndings(self._relay.tell_finished)
         delivered = False
         # The request as the cluster knows it (with --auth, in its tenant's namespace) and as the client does.
         cluster_id = client_id = request.request_id
@@ -309,10 +309,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
             name_as_client(error, cluster_id, client_id)
             raise
         finally:
-            for ending in held:  # the relay has ended: closing the stream above waited for it
-                if not delivered:
-                    ending.undelivered()
-                self._relay.tell_finished(ending)
+            # The relay has ended, unless this stream was cancelled again while it closed: then its ending is told
+            # when it comes.
+            held.settle(delivered)
             if live_id is not None:
                 self._live[live_id] -= 1
                 if self._live[live_id] <= 0:

@@ -27,6 +27,7 @@ from services.common.directory import LeaderRecord
 from services.common.errors import Unavailable, abort
 from services.common.telemetry import Telemetry
 from services.router.config import RouterConfig
+from services.router.relay import Ending, HeldEndings
 from services.router.servicer import RouterService
 
 pytestmark = pytest.mark.timeout(60)
@@ -223,6 +224,63 @@ async def test_a_stream_its_client_cancels_is_reported_cancelled() -> None:
         notice = await asyncio.wait_for(scheduler.finished.get(), 10)
     assert notice.outcome == scheduler_pb2.REQUEST_OUTCOME_CANCELLED
 
+
+
+async def test_a_stream_cancelled_again_while_its_relay_closes_still_tells_the_leader() -> None:
+    # A caller that cancels twice (a handler torn down while its stream closes) stops waiting for the relay to end;
+    # the relay's ending, which comes later, must still reach the leader (before, the stream had told what it held
+    # by then, nothing, and the leader never heard the request ended: its admission slot and task stayed open).
+    async with _router(_token_stream(1, 0.0)) as (_, scheduler):
+        service = scheduler.router
+        assert service is not None
+        closing, release = asyncio.Event(), asyncio.Event()
+
+        async def relay_slow_to_close(generation: object, request: router_pb2.GenerateRequest,
+                                      time_remaining: object, deadline_at: object,
+                                      held: HeldEndings) -> AsyncIterator[Chunk]:
+            try:
+                yield Chunk(node_id=NODE, index=0, token_ids=[97])
+                await asyncio.Event().wait()
+            finally:
+                closing.set()
+                await release.wait()  # its node call closing
+                held.append(Ending(generation, request, 5, scheduler_pb2.REQUEST_OUTCOME_CANCELLED))  # type: ignore
+
+        service._relay.stream = relay_slow_to_close  # type: ignore[method-assign]
+        got_first = asyncio.Event()
+
+        async def consume() -> None:
+            request = router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=8, request_id="twice")
+            async with contextlib.aclosing(service.generate(request, lambda: None)) as stream:
+                async for _ in stream:
+                    got_first.set()
+                    await asyncio.Event().wait()
+
+        consumer = asyncio.create_task(consume())
+        await asyncio.wait_for(got_first.wait(), 10)
+        consumer.cancel()
+        # Runs after the consumer's next step (the loop runs callbacks in order), which waits for the relay to end.
+        asyncio.get_running_loop().call_soon(consumer.cancel)
+        with pytest.raises(asyncio.CancelledError):
+            await consumer
+        assert closing.is_set() and scheduler.finished.empty()
+        release.set()
+        notice = await asyncio.wait_for(scheduler.finished.get(), 10)
+    assert (notice.request_id, notice.outcome) == ("twice", scheduler_pb2.REQUEST_OUTCOME_CANCELLED)
+
+
+def test_an_ending_held_is_told_once_settled_and_one_after_at_once() -> None:
+    told: list[Ending] = []
+    held = HeldEndings(told.append)
+
+    def ending(outcome: scheduler_pb2.RequestOutcome.ValueType) -> Ending:
+        return Ending(None, router_pb2.GenerateRequest(), 0, outcome)  # type: ignore[arg-type]
+
+    held.append(ending(scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED))
+    assert told == []
+    held.settle(delivered=False)  # its client went away before the last reply: not a success
+    held.append(ending(scheduler_pb2.REQUEST_OUTCOME_LATE))
+    assert [e.outcome for e in told] == [scheduler_pb2.REQUEST_OUTCOME_CANCELLED] * 2
 
 
 async def test_a_client_gone_before_its_last_reply_went_out_is_not_counted_a_success() -> None:
