@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 async def coalesce(
@@ -95,11 +98,20 @@ async def coalesce(
         closing = asyncio.ensure_future(_close_after(reader, source))
         _closing.add(closing)
         closing.add_done_callback(_closing.discard)
-        await asyncio.shield(closing)
+        try:
+            await asyncio.shield(closing)
+        except asyncio.CancelledError:
+            closing.add_done_callback(_log_failure)  # no one awaits it now to hear how it ended
+            raise
 
 
 # Closes under way, held until they end (the event loop keeps only weak references to tasks).
 _closing: set[asyncio.Future[None]] = set()
+
+
+def _log_failure(closing: asyncio.Future[None]) -> None:
+    if not closing.cancelled() and (exc := closing.exception()) is not None:
+        log.warning("coalesce: closing the source failed after its consumer was cancelled: %r", exc)
 
 
 async def _close_after(reader: asyncio.Task[None], source: AsyncIterator[T]) -> None:

@@ -8,6 +8,7 @@ from contextlib import aclosing
 
 import pytest
 
+from services.common import coalesce as coalesce_module
 from services.common.coalesce import coalesce
 
 pytestmark = pytest.mark.timeout(10)
@@ -228,3 +229,38 @@ async def test_a_full_backlog_stops_the_reader_until_the_consumer_takes_it() -> 
             await asyncio.sleep(0)
         assert produced == len(first) + 3  # three pending; the source is not read on
         assert await anext(items) == [len(first) + 1, len(first) + 2, len(first) + 3]
+
+
+async def test_a_source_that_fails_to_close_after_a_second_cancellation_is_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # No one awaits the close once its consumer is cancelled again: its failure is logged, not left to the loop's
+    # "exception was never retrieved".
+    got_first, failed = asyncio.Event(), asyncio.Event()
+
+    async def source() -> AsyncIterator[list[int]]:
+        try:
+            yield [1]
+            yield [2]  # pending is full with it: the reader waits for the consumer
+        finally:
+            failed.set()
+            raise Boom("cannot close")
+
+    held = source()
+
+    async def consume() -> None:
+        async with aclosing(coalesce(held, _merge, max_pending=1)) as items:
+            async for _ in items:
+                got_first.set()
+                await asyncio.Event().wait()
+
+    consumer = asyncio.create_task(consume())
+    await asyncio.wait_for(got_first.wait(), GUARD_S)
+    consumer.cancel()
+    asyncio.get_running_loop().call_soon(consumer.cancel)  # as in the test above
+    with pytest.raises(asyncio.CancelledError):
+        await consumer
+    await asyncio.wait_for(failed.wait(), GUARD_S)
+    closing = next(iter(coalesce_module._closing), None)
+    if closing is not None:  # not yet through its callbacks
+        await asyncio.wait([closing])
+    assert "closing the source failed" in caplog.text and "cannot close" in caplog.text
