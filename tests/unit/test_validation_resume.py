@@ -117,8 +117,10 @@ def test_a_resume_timeline_that_cannot_be_is_refused_naming_the_field(resume: ro
     assert str(error).startswith(named)
 
 
-# A first or last token a little after elapsed_ms, or a last one a little before the first: a client's rounding.
-@pytest.mark.parametrize(("first_token_ms", "last_token_ms"), [(3000, None), (3501, None), (4500, 4500), (3000, 2000)])
+# A first or last token a little after elapsed_ms, or a last one a little before the first (taken as at most
+# elapsed_ms): a client's rounding.
+@pytest.mark.parametrize(("first_token_ms", "last_token_ms"),
+                         [(3000, None), (3501, None), (4500, 4500), (3000, 2000), (4500, 2500)])
 def test_a_resume_timeline_is_accepted(first_token_ms: int, last_token_ms: int | None) -> None:
     resume = router_pb2.Resume(token_ids=[97], elapsed_ms=3500, first_token_ms=first_token_ms,
                                last_token_ms=last_token_ms)
