@@ -32,7 +32,8 @@ async def coalesce(
 
     Memory: at most max_pending items wait. When that many do, the reader stops reading source
     (its producer feels the back-pressure: gRPC flow control) until the consumer takes them.
-    Closing this iterator cancels the reader and closes source.
+    Closing this iterator cancels the reader and closes source, at once even when its consumer is
+    cancelled again while it waits for that (the close then goes on without it).
     """
     if max_pending < 1 or min_interval_s < 0:
         raise ValueError(f"coalesce: max_pending must be >= 1 and min_interval_s >= 0, got {max_pending}, "
