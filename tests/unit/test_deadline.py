@@ -57,3 +57,32 @@ async def test_a_passed_deadline_cuts_off_a_stream_whose_items_are_ready() -> No
         async for item in until(ready(), asyncio.get_running_loop().time() - 1, Passed):
             received.append(item)
     assert received == []
+
+
+async def test_a_deadline_passed_after_the_last_item_does_not_cut_off_the_streams_end() -> None:
+    # The answer was finished within its deadline; its consumer (a slow client's write) asked for the end after it.
+    now = [0.0]
+
+    async def answer():
+        yield "token"
+        yield "finished"
+
+    stream = until(answer(), 10.0, Passed, last=lambda item: item == "finished", clock=lambda: now[0])
+    assert [await anext(stream), await anext(stream)] == ["token", "finished"]
+    now[0] = 11.0  # past the deadline before the consumer asks for more
+    with pytest.raises(StopAsyncIteration):
+        await anext(stream)
+
+
+async def test_a_deadline_passed_before_the_last_item_still_cuts_off_the_stream() -> None:
+    now = [0.0]
+
+    async def answer():
+        yield "token"
+        yield "finished"
+
+    stream = until(answer(), 10.0, Passed, last=lambda item: item == "finished", clock=lambda: now[0])
+    assert await anext(stream) == "token"
+    now[0] = 11.0
+    with pytest.raises(Passed):
+        await anext(stream)

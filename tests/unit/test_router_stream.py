@@ -215,6 +215,24 @@ async def test_a_stream_that_passes_its_deadline_ends_with_deadline_exceeded_kee
     assert notice.outcome == scheduler_pb2.REQUEST_OUTCOME_FAILED
 
 
+async def test_a_finished_answer_taken_after_its_deadline_ends_without_an_error() -> None:
+    # The answer was finished within its deadline; its front end (a slow client's write) asked for the stream's end
+    # after the deadline had passed. Before, the client got DEADLINE_EXCEEDED after its finish chunk.
+    async with _router(_token_stream(2, 0.0)) as (_, scheduler):
+        assert scheduler.router is not None
+        loop = asyncio.get_running_loop()
+        sent_at = loop.time()
+        stream = scheduler.router.generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2,
+                                                                      deadline_ms=2000), lambda: None)
+        while not (await anext(stream)).finish_reason:
+            pass
+        await asyncio.sleep(sent_at + 2.1 - loop.time())  # a slow client: the deadline passes before it asks again
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+        notice = await asyncio.wait_for(scheduler.finished.get(), 10)
+    assert notice.outcome == scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
+
+
 async def test_a_stream_its_client_cancels_is_reported_cancelled() -> None:
     async with _router(_one_token_then_silent, stall_floor_s=60.0) as (router, scheduler):
         call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=8,
