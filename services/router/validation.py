@@ -125,15 +125,15 @@ def validate(
                               f"must not be negative or later than resume.elapsed_ms ({request.resume.elapsed_ms}) "
                               f"by more than {RESUME_ROUNDING_MS} ms, and comes with resume.token_ids")
     # (Nor a last one before the first token, or after elapsed_ms, within as much: taken as the nearer of the two.)
-    # (first_token_ms as it is taken: at most elapsed_ms.)
-    earliest_last_ms = max(0, min(request.resume.first_token_ms, request.resume.elapsed_ms) - RESUME_ROUNDING_MS)
-    last_ms = request.resume.last_token_ms
-    if request.resume.HasField("last_token_ms") and not (
-            request.resume.HasField("first_token_ms") and earliest_last_ms <= last_ms <= latest_ms):
-        raise InvalidArgument("resume.last_token_ms", last_ms,
-                              f"must lie between resume.first_token_ms ({request.resume.first_token_ms}) and "
-                              f"resume.elapsed_ms ({request.resume.elapsed_ms}) within {RESUME_ROUNDING_MS} ms, not "
-                              f"below 0, and comes with resume.first_token_ms")
+    if request.resume.HasField("last_token_ms"):
+        last_ms = request.resume.last_token_ms
+        if not request.resume.HasField("first_token_ms"):
+            raise InvalidArgument("resume.last_token_ms", last_ms, "comes with resume.first_token_ms")
+        first_ms = min(request.resume.first_token_ms, request.resume.elapsed_ms)  # as it is taken
+        if not max(0, first_ms - RESUME_ROUNDING_MS) <= last_ms <= latest_ms:
+            raise InvalidArgument("resume.last_token_ms", last_ms,
+                                  f"must lie between the first token ({first_ms} ms) and resume.elapsed_ms "
+                                  f"({request.resume.elapsed_ms}), within {RESUME_ROUNDING_MS} ms, and not below 0")
 
     if len(prompt) >= context:
         raise InvalidArgument("prompt", f"{len(prompt)} tokens", f"does not fit the context window of {context}")
