@@ -116,23 +116,14 @@ async def test_closing_the_consumer_while_the_backlog_is_full_closes_the_source(
     await items.aclose()
     assert closed.is_set()
 
-async def test_a_consumer_cancelled_again_while_closing_still_closes_the_source() -> None:
-    # A caller that cancels twice (a gRPC handler torn down while its stream closes) cancels the consumer while it
-    # waits for the reader to stop: the source paused at a yield must still be closed at once, not when collected.
-    got_first, closed = asyncio.Event(), asyncio.Event()
-
-    async def source() -> AsyncIterator[list[int]]:
-        try:
-            yield [1]
-            yield [2]  # pending is full with it: the reader waits for the consumer
-            yield [3]
-        finally:
-            closed.set()
-
-    held = source()  # referenced here, so only a close (not the collector) can end it
+async def _cancel_twice_while_closing(source: AsyncIterator[list[int]]) -> None:
+    """Consume coalesce(source) one item at a time (max_pending 1), take the first item, then cancel the consumer
+    twice: the second while it waits for the reader to stop (as a caller that cancels twice, a gRPC handler torn
+    down while its stream closes, does)."""
+    got_first = asyncio.Event()
 
     async def consume() -> None:
-        async with aclosing(coalesce(held, _merge, max_pending=1)) as items:
+        async with aclosing(coalesce(source, _merge, max_pending=1)) as items:
             async for _ in items:
                 got_first.set()
                 await asyncio.Event().wait()
@@ -145,6 +136,22 @@ async def test_a_consumer_cancelled_again_while_closing_still_closes_the_source(
     asyncio.get_running_loop().call_soon(consumer.cancel)
     with pytest.raises(asyncio.CancelledError):
         await consumer
+
+
+async def test_a_consumer_cancelled_again_while_closing_still_closes_the_source() -> None:
+    # The source paused at a yield must still be closed at once, not when it is collected.
+    closed = asyncio.Event()
+
+    async def source() -> AsyncIterator[list[int]]:
+        try:
+            yield [1]
+            yield [2]  # pending is full with it: the reader waits for the consumer
+            yield [3]
+        finally:
+            closed.set()
+
+    held = source()  # referenced here, so only a close (not the collector) can end it
+    await _cancel_twice_while_closing(held)
     await asyncio.wait_for(closed.wait(), GUARD_S)
 
 
@@ -235,7 +242,7 @@ async def test_a_source_that_fails_to_close_after_a_second_cancellation_is_logge
         caplog: pytest.LogCaptureFixture) -> None:
     # No one awaits the close once its consumer is cancelled again: its failure is logged, not left to the loop's
     # "exception was never retrieved".
-    got_first, failed = asyncio.Event(), asyncio.Event()
+    failed = asyncio.Event()
 
     async def source() -> AsyncIterator[list[int]]:
         try:
@@ -246,19 +253,7 @@ async def test_a_source_that_fails_to_close_after_a_second_cancellation_is_logge
             raise Boom("cannot close")
 
     held = source()
-
-    async def consume() -> None:
-        async with aclosing(coalesce(held, _merge, max_pending=1)) as items:
-            async for _ in items:
-                got_first.set()
-                await asyncio.Event().wait()
-
-    consumer = asyncio.create_task(consume())
-    await asyncio.wait_for(got_first.wait(), GUARD_S)
-    consumer.cancel()
-    asyncio.get_running_loop().call_soon(consumer.cancel)  # as in the test above
-    with pytest.raises(asyncio.CancelledError):
-        await consumer
+    await _cancel_twice_while_closing(held)
     await asyncio.wait_for(failed.wait(), GUARD_S)
     closing = next(iter(coalesce_module._closing), None)
     if closing is not None:  # not yet through its callbacks

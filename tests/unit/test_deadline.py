@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -59,15 +60,19 @@ async def test_a_passed_deadline_cuts_off_a_stream_whose_items_are_ready() -> No
     assert received == []
 
 
-async def test_a_deadline_passed_after_the_last_item_does_not_cut_off_the_streams_end() -> None:
-    # The answer was finished within its deadline; its consumer (a slow client's write) asked for the end after it.
-    now = [0.0]
-
-    async def answer():
+def _answer(now: list[float]) -> AsyncIterator[str]:
+    """A token and a finished answer, through until() with a deadline at 10 on the clock now[0]."""
+    async def answer() -> AsyncIterator[str]:
         yield "token"
         yield "finished"
 
-    stream = until(answer(), 10.0, Passed, last=lambda item: item == "finished", clock=lambda: now[0])
+    return until(answer(), 10.0, Passed, last=lambda item: item == "finished", clock=lambda: now[0])
+
+
+async def test_a_deadline_passed_after_the_last_item_does_not_cut_off_the_streams_end() -> None:
+    # The answer was finished within its deadline; its consumer (a slow client's write) asked for the end after it.
+    now = [0.0]
+    stream = _answer(now)
     assert [await anext(stream), await anext(stream)] == ["token", "finished"]
     now[0] = 11.0  # past the deadline before the consumer asks for more
     with pytest.raises(StopAsyncIteration):
@@ -76,12 +81,7 @@ async def test_a_deadline_passed_after_the_last_item_does_not_cut_off_the_stream
 
 async def test_a_deadline_passed_before_the_last_item_still_cuts_off_the_stream() -> None:
     now = [0.0]
-
-    async def answer():
-        yield "token"
-        yield "finished"
-
-    stream = until(answer(), 10.0, Passed, last=lambda item: item == "finished", clock=lambda: now[0])
+    stream = _answer(now)
     assert await anext(stream) == "token"
     now[0] = 11.0
     with pytest.raises(Passed):
