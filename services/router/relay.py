@@ -86,8 +86,9 @@ class Relay:
         self._activity = NodeActivity()
         # Nodes that failed a stream lately, avoided by every placement until the time given.
         self._suspects: dict[str, float] = {}
-        # Finished notices in flight (kept so they are not collected mid-call).
+        # Finished notices in flight (kept so they are not collected mid-call, and awaited by close).
         self._notices: set[asyncio.Task[scheduler_pb2.FinishedAck]] = set()
+        self._closed = False
         self._migrations = meter.create_counter(
             "baton.router.migrations", description="generations moved to another node, by cause"
         )
@@ -216,6 +217,10 @@ class Relay:
         address = self._leader.address()
         if address is None:
             return
+        if self._closed:  # its channels are gone: the leader's lease sweep frees the slot
+            log.debug("request %s: ended after the router closed; its Finished notice is not sent",
+                      ending.generation.request_id)
+            return
         generation, request, ttft_ms, outcome = ending.generation, ending.request, ending.ttft_ms, ending.outcome
         notice = scheduler_pb2.FinishedRequest(
             request_id=generation.request_id, context=context_of(request), ttft_ms=ttft_ms, outcome=outcome,
@@ -238,6 +243,14 @@ class Relay:
         task = asyncio.get_running_loop().create_task(send())
         self._notices.add(task)
         task.add_done_callback(self._finished_notice_done)
+
+    async def close(self) -> None:
+        """Wait for the Finished notices under way (each bounded by its calls' timeouts): a router that stops
+        with its last streams tells the leader how they ended before its channels close (closed first, the
+        notices were cancelled, and those tasks were never counted). Notices after this are not sent."""
+        while self._notices:
+            await asyncio.wait(set(self._notices))
+        self._closed = True
 
     def _finished_notice_done(self, task: asyncio.Task[scheduler_pb2.FinishedAck]) -> None:
         self._notices.discard(task)

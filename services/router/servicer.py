@@ -156,6 +156,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
     async def close(self) -> None:
         if self._http is not None:
             await self._http.close()
+        await self._relay.close()  # the leader hears how the last streams ended before its channel closes
         await self._leader.close()
         await self._node_channels.close()
         await self._member.close()

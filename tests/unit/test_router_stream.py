@@ -59,6 +59,8 @@ class _FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     live_reports: asyncio.Queue[scheduler_pb2.LiveRequests] = field(default_factory=asyncio.Queue)
     # The router under test (its background loops are not started unless a test starts one).
     router: RouterService | None = None
+    # How long the leader takes to answer a Finished notice.
+    finished_delay_s: float = 0.0
 
     async def Place(  # noqa: N802
         self, request: scheduler_pb2.PlaceRequest, context: grpc.aio.ServicerContext
@@ -71,6 +73,7 @@ class _FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     async def Finished(  # noqa: N802
         self, request: scheduler_pb2.FinishedRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.FinishedAck:
+        await asyncio.sleep(self.finished_delay_s)  # the modelled leader's latency, not synchronisation
         self.finished.put_nowait(request)
         return scheduler_pb2.FinishedAck()
 
@@ -231,6 +234,17 @@ async def test_a_finished_answer_taken_after_its_deadline_ends_without_an_error(
             await anext(stream)
         notice = await asyncio.wait_for(scheduler.finished.get(), 10)
     assert notice.outcome == scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
+
+
+async def test_a_router_that_stops_sends_the_finished_notices_under_way_before_its_channels_close() -> None:
+    # Its last stream has ended for its client, and the leader is slow to take the notice: before, the router closed
+    # its channel to the leader at once, the notice was cancelled, and the leader never counted that task.
+    scheduler = _FakeScheduler(finished_delay_s=0.3)
+    async with _router(_token_stream(2, 0.0), scheduler) as (router, _):
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2))
+        assert sum(len(m.token_ids) for m in [m async for m in call]) == 2
+    # The router has closed (with the context), the leader still serving.
+    assert scheduler.finished.get_nowait().outcome == scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
 
 
 async def test_a_stream_its_client_cancels_is_reported_cancelled() -> None:
