@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 # Request ids per ReportLiveRequests call (well under gRPC's 4 MiB message limit at 257 characters each:
 # a tenant's name and its request id, each at most --max-id-len 128 by default).
 _LIVE_IDS_PER_REPORT = 10_000
+# How long a router that stops waits for the streams its server cut to end (their cleanup tells the leader).
+_CLOSE_STREAMS_S = 5.0
 
 
 def merge_chunks(chunks: list[node_agent_pb2.NodeGenerateChunk]) -> node_agent_pb2.NodeGenerateChunk:
@@ -85,6 +87,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._live: Counter[str] = Counter()
         # The workflow of each live request that is a step of one.
         self._live_workflows: dict[str, str] = {}
+        # Streams begun and not yet settled (valid or not), and an event set whenever that count reaches 0.
+        self._open_streams = 0
+        self._streams_ended = asyncio.Event()
         self._requests = telemetry.meter.create_counter(
             "baton.router.requests", description="Generate requests, by final status"
         )
@@ -156,10 +161,24 @@ class RouterService(router_pb2_grpc.RouterServicer):
     async def close(self) -> None:
         if self._http is not None:
             await self._http.close()
-        await self._relay.close()  # the leader hears how the last streams ended before its channel closes
+        # The leader hears how the last streams ended before its channel closes: those the server cut as it stopped
+        # end over the next turns of the loop, and their notices go out then.
+        await self._streams_closed(_CLOSE_STREAMS_S)
+        await self._relay.close()
         await self._leader.close()
         await self._node_channels.close()
         await self._member.close()
+
+    async def _streams_closed(self, timeout_s: float) -> None:
+        """Until every stream begun has settled, or timeout_s has passed (logged)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self._open_streams:
+                    self._streams_ended.clear()
+                    await self._streams_ended.wait()
+        except TimeoutError:
+            log.warning("closing with %d streams still open after %.0f s: their Finished notices are not sent",
+                        self._open_streams, timeout_s)
 
     def served_models(self) -> list[router_pb2.ServedModel]:
         """The models the cluster serves now, by name."""
@@ -245,6 +264,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         delivered = False
         # The request as the cluster knows it (with --auth, in its tenant's namespace) and as the client does.
         cluster_id = client_id = request.request_id
+        self._open_streams += 1
         try:
             cache_salt = await self._authenticate(request, authorization)
             valid = validate(request, self._models, self._config.default_max_tokens, self._rng,
@@ -321,6 +341,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     del self._live[live_id]
                     self._live_workflows.pop(live_id, None)
             self._requests.add(1, {"status": outcome})
+            self._open_streams -= 1
+            if not self._open_streams:
+                self._streams_ended.set()
 
 
 def _authorization(context: grpc.aio.ServicerContext) -> str | None:

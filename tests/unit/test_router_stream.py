@@ -247,6 +247,29 @@ async def test_a_router_that_stops_sends_the_finished_notices_under_way_before_i
     assert scheduler.finished.get_nowait().outcome == scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
 
 
+async def test_a_stream_cut_when_its_router_stops_is_still_told_to_the_leader() -> None:
+    # The router stops: its server cancels the streams still open, and the router closes at once. Those streams end
+    # over the next turns of the loop; their notices must go out before its channel to the leader closes (before,
+    # close found no notice under way, and the one that came next was lost).
+    async with _router(_one_token_then_silent, stall_floor_s=60.0) as (_, scheduler):
+        service = scheduler.router
+        assert service is not None
+        got_first = asyncio.Event()
+
+        async def handler() -> None:
+            request = router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=8, request_id="cut")
+            async with contextlib.aclosing(service.generate(request, lambda: None)) as stream:
+                async for _ in stream:
+                    got_first.set()
+
+        open_stream = asyncio.create_task(handler())
+        await asyncio.wait_for(got_first.wait(), 10)
+        open_stream.cancel()  # as the server's stop cancels its handlers
+        await service.close()  # at once, as serve() closes the service after its server's stop
+        notice = scheduler.finished.get_nowait()
+    assert (notice.request_id, notice.outcome) == ("cut", scheduler_pb2.REQUEST_OUTCOME_CANCELLED)
+
+
 async def test_a_stream_its_client_cancels_is_reported_cancelled() -> None:
     async with _router(_one_token_then_silent, stall_floor_s=60.0) as (router, scheduler):
         call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=8,
