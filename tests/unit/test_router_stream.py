@@ -247,6 +247,23 @@ async def test_a_router_that_stops_sends_the_finished_notices_under_way_before_i
     assert scheduler.finished.get_nowait().outcome == scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
 
 
+async def _reading_its_first_reply(service: RouterService, request_id: str) -> asyncio.Task[None]:
+    """A front end's task streaming request_id through service.generate, returned once it has the first reply; it
+    then waits (as for a slow client) until cancelled."""
+    got_first = asyncio.Event()
+
+    async def front_end() -> None:
+        request = router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=8, request_id=request_id)
+        async with contextlib.aclosing(service.generate(request, lambda: None)) as stream:
+            async for _ in stream:
+                got_first.set()
+                await asyncio.Event().wait()
+
+    task = asyncio.create_task(front_end())
+    await asyncio.wait_for(got_first.wait(), 10)
+    return task
+
+
 async def test_a_stream_cut_when_its_router_stops_is_still_told_to_the_leader() -> None:
     # The router stops: its server cancels the streams still open, and the router closes at once. Those streams end
     # over the next turns of the loop; their notices must go out before its channel to the leader closes (before,
@@ -254,16 +271,7 @@ async def test_a_stream_cut_when_its_router_stops_is_still_told_to_the_leader() 
     async with _router(_one_token_then_silent, stall_floor_s=60.0) as (_, scheduler):
         service = scheduler.router
         assert service is not None
-        got_first = asyncio.Event()
-
-        async def handler() -> None:
-            request = router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=8, request_id="cut")
-            async with contextlib.aclosing(service.generate(request, lambda: None)) as stream:
-                async for _ in stream:
-                    got_first.set()
-
-        open_stream = asyncio.create_task(handler())
-        await asyncio.wait_for(got_first.wait(), 10)
+        open_stream = await _reading_its_first_reply(service, "cut")
         open_stream.cancel()  # as the server's stop cancels its handlers
         await service.close()  # at once, as serve() closes the service after its server's stop
         notice = scheduler.finished.get_nowait()
@@ -302,17 +310,7 @@ async def test_a_stream_cancelled_again_while_its_relay_closes_still_tells_the_l
                 held.append(Ending(generation, request, 5, scheduler_pb2.REQUEST_OUTCOME_CANCELLED))  # type: ignore
 
         service._relay.stream = relay_slow_to_close  # type: ignore[method-assign]
-        got_first = asyncio.Event()
-
-        async def consume() -> None:
-            request = router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=8, request_id="twice")
-            async with contextlib.aclosing(service.generate(request, lambda: None)) as stream:
-                async for _ in stream:
-                    got_first.set()
-                    await asyncio.Event().wait()
-
-        consumer = asyncio.create_task(consume())
-        await asyncio.wait_for(got_first.wait(), 10)
+        consumer = await _reading_its_first_reply(service, "twice")
         consumer.cancel()
         # Runs after the consumer's next step (the loop runs callbacks in order), which waits for the relay to end.
         asyncio.get_running_loop().call_soon(consumer.cancel)
