@@ -9,6 +9,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shlex
 import signal
 import sys
 import time
@@ -180,8 +181,19 @@ def cmd_up(args: argparse.Namespace) -> int:
     # SIGHUP too: a closed terminal stops the cluster as Ctrl-C does, instead of leaving its services running;
     # not where it is ignored (`nohup baton up`), which asks the cluster to outlive its terminal.
     hangup = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)
-    for sig in (signal.SIGINT, signal.SIGTERM, *hangup):
-        signal.signal(sig, lambda signum, _: stop.append(signum))
+    # Restored once the cluster has stopped (after its stop: a second Ctrl-C must not cut that short).
+    previous = {sig: signal.signal(sig, lambda signum, _: stop.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM, *hangup)}
+    try:
+        return _serve_up(cluster, timeout_s, args, name, path, state_dir, spec, stop)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _serve_up(cluster: LocalCluster, timeout_s: float, args: argparse.Namespace, name: str, path: Path | None,
+              state_dir: Path, spec: ClusterSpec, stop: list[int]) -> int:
+    """Start the cluster, record it, say how to use it, and stop it once a signal is in stop."""
     try:
         cluster.start(timeout_s=timeout_s)
     except StartError as exc:
@@ -214,9 +226,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                   f"  (recorded in {path} for baton generate/status; `baton tenants add NAME` issues more)")
         for service, url in cluster.metrics_urls().items():
             print(f"  {service} metrics: {url}")
-        baton = sys.argv[0]
-        which = f" --cluster {name}" if others else ""  # alone, generate and status find it unnamed
-        print(f"Try: {baton} generate{which} 'Hello'   |   {baton} status{which}")
+        print(try_hint(sys.argv[0], name, bool(others), state_dir, path if args.state else None))
         if args.demo:
             asyncio.run(_demo([p.address for p in cluster.routers], spec.model, cluster.admin_key or None,
                               cluster.client_credentials))
@@ -235,6 +245,17 @@ def cmd_up(args: argparse.Namespace) -> int:
         if path is not None:
             remove_record(path, os.getpid())
     return 0
+
+
+def try_hint(baton: str, name: str, others: bool, state_dir: Path, state: Path | None) -> str:
+    """The commands `baton up` suggests, with what they need to find this cluster: its name when others run
+    (alone, generate and status find it unnamed), and its record when it is not where they look by default."""
+    which = f" --cluster {name}" if others else ""
+    if state is not None:
+        which = f" --state {shlex.quote(str(state))}"
+    elif state_dir != default_state_dir():
+        which = f" --state-dir {shlex.quote(str(state_dir))}{which}"
+    return f"Try: {baton} generate{which} 'Hello'   |   {baton} status{which}"
 
 
 async def _demo(routers: list[str], model: str, api_key: str | None = None,
@@ -320,7 +341,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"baton generate: {exc}", file=sys.stderr)
             return 2
         routers, origin = list(record.routers), f" (cluster {record.name!r}, recorded in {record.path})"
-    return asyncio.run(_generate(routers, origin, args))
+    try:
+        return asyncio.run(_generate(routers, origin, args))
+    except KeyboardInterrupt:  # Ctrl-C mid-stream: the stream is cancelled (its node stops); no traceback
+        print(file=sys.stderr)
+        return 130
 
 
 def generate_fields(args: argparse.Namespace) -> dict[str, object]:

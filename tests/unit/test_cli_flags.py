@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -85,26 +88,45 @@ def test_vllm_nodes_are_refused_where_vllm_is_not_installed(
     assert "--engine vllm: vLLM is not installed here" in capsys.readouterr().err
 
 
-def test_a_mixed_fleet_cycles_its_engines_over_the_nodes(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    started: list[object] = []
+class NotStarted:
+    """LocalCluster's interface for a test that only reads the spec `baton up` builds: it never starts."""
 
-    class FakeCluster:
-        def __init__(self, spec: object, workdir: object) -> None:
-            started.append(spec)
+    specs: list[object] = []
 
-        def start(self, timeout_s: float) -> None:
-            raise StartError("not started: this test only reads the spec")
+    def __init__(self, spec: object, workdir: object) -> None:
+        NotStarted.specs.append(spec)
 
-    monkeypatch.setattr(cli, "LocalCluster", FakeCluster)
+    def start(self, timeout_s: float) -> None:
+        raise StartError("not started: this test only reads the spec")
+
+
+@pytest.fixture
+def not_started(monkeypatch: pytest.MonkeyPatch) -> type[NotStarted]:
+    NotStarted.specs = []
+    monkeypatch.setattr(cli, "LocalCluster", NotStarted)
+    return NotStarted
+
+
+def test_a_mixed_fleet_cycles_its_engines_over_the_nodes(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch, not_started: type[NotStarted]) -> None:
     monkeypatch.setattr(cli, "is_vllm_installed", lambda: True)
     assert cli.main(["up", "--engines", "sim,vllm", "--nodes", "3", "--model-dir", str(model_dir),
                      "--cold-models", "sim-llama-2-7b"]) == 1
-    [spec] = started
+    [spec] = not_started.specs
     nodes = [dict(flag.removeprefix("--").split("=", 1) for flag in flags) for flags in spec.per_node_args]
     assert [node["engine"] for node in nodes] == ["sim", "vllm", "sim"]
     assert nodes[1]["model"] == "tiny-llama" and nodes[1]["model-dir"] == str(model_dir.resolve())
     assert nodes[0]["model"] == "sim-llama-3-8b" and nodes[0]["cold-models"] == "sim-llama-2-7b"
     assert "model-dir" not in nodes[0] and "cold-models" not in nodes[1]
+
+
+def test_up_gives_back_the_signal_handlers_it_took_once_it_returns(not_started: type[NotStarted]) -> None:
+    # It takes Ctrl-C, SIGTERM and SIGHUP to stop its cluster; kept after it returned, a later Ctrl-C in the same
+    # process (a test, or a program calling it) went to its list and was lost.
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    before = [signal.getsignal(sig) for sig in signals]
+    assert cli.main(["up", "--nodes", "1"]) == 1
+    assert [signal.getsignal(sig) for sig in signals] == before
 
 
 @pytest.mark.parametrize(("command", "positional"), [("up", []), ("generate", ["hi"]), ("status", [])])
@@ -209,6 +231,41 @@ def test_generate_json_prints_one_object_per_chunk(
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["text"] for line in lines] == ["h", "i"]
     assert lines[-1]["finish_reason"] == "FINISH_REASON_LENGTH" and lines[-1]["usage"]["completion_tokens"] == 2
+
+
+def test_ctrl_c_mid_stream_ends_generate_quietly(
+        state_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before, a KeyboardInterrupt traceback; now a newline and the shell's exit status for SIGINT.
+    class InterruptedClient(FakeClient):
+        async def generate(self, model: str, prompt: str, **fields: object) -> AsyncIterator[router_pb2.GenerateChunk]:
+            yield router_pb2.GenerateChunk(request_id="r1", token_ids=[104], text="h", node_id="node-0")
+            signal.raise_signal(signal.SIGINT)  # the user's Ctrl-C, while the stream waits for more
+            await asyncio.Event().wait()
+
+    monkeypatch.setattr(cli, "BatonClient", InterruptedClient)
+    try:
+        assert cli.main(["generate", "hi", "--router", "127.0.0.1:1"]) == 130
+    except KeyboardInterrupt:  # escaped, it would stop the whole test run
+        pytest.fail("Ctrl-C escaped baton generate as KeyboardInterrupt")
+    captured = capsys.readouterr()
+    assert captured.out == "h" and "Traceback" not in captured.err
+
+
+@pytest.mark.parametrize(("elsewhere", "by_file"), [(False, False), (True, False), (True, True)])
+def test_the_commands_up_suggests_find_its_cluster(
+        elsewhere: bool, by_file: bool, state_dir: Path, tmp_path: Path, fake_client: type[FakeClient]) -> None:
+    # Recorded outside the default state directory (--state-dir, or --state), the suggested commands must say
+    # where: before, `baton status` as suggested found no cluster.
+    directory = tmp_path / "other" if elsewhere else state_dir
+    path = tmp_path / "lab.json" if by_file else record_path(directory, "lab")
+    write_record(path, ClusterRecord(name="lab", path=path, pid=os.getpid(), routers=("127.0.0.1:6000",),
+                                     schedulers=("127.0.0.1:6001",)))
+    hint = cli.try_hint("baton", "lab", False, directory, path if by_file else None)
+    generate = shlex.split(hint.split("|")[0])[2:]  # after "Try: baton"
+    assert generate[0] == "generate"
+    assert cli.main(generate) == 0
+    [(routers, _, prompt, _)] = fake_client.calls
+    assert routers == ["127.0.0.1:6000"] and prompt == "Hello"
 
 
 def test_generate_names_the_routers_that_did_not_answer(
