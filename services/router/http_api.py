@@ -82,7 +82,11 @@ async def _openai_errors(request: web.Request,
         param = "path" if exc.status in (404, 405) else None
         message = f"{request.method} {request.path}: {exc.reason}"
         code = exc.reason.lower().replace(" ", "_")
-        return _json_response(exc.status, schema.error_json(exc.status, message, param, code))
+        # A 405 says which methods the path takes (HTTP requires the header; aiohttp's own exception has it).
+        allow = {"Allow": exc.headers["Allow"]} if exc.status == 405 and "Allow" in exc.headers else None
+        if allow:
+            message += f" (allowed: {allow['Allow']})"
+        return _json_response(exc.status, schema.error_json(exc.status, message, param, code), allow)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:

@@ -486,6 +486,7 @@ _ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     408: "timeout_error",
     409: "conflict_error",
     413: "invalid_request_error",

@@ -544,6 +544,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     ) -> scheduler_pb2.RecentDecisions:
         try:
             tenant = await self._caller_tenant(context, needs_admin=False)
+            if request.limit < 0:
+                raise InvalidArgument("limit", request.limit, "must be 0 (all kept) or positive")
         except BatonError as error:
             await abort(context, error)
         newest = [d for d in reversed(self._decisions) if tenant is None or d.context.tenant == tenant]

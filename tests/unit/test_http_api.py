@@ -124,6 +124,9 @@ async def test_malformed_requests_get_openai_shaped_errors_naming_what_was_wrong
         assert response.status == status
         error = (await response.json())["error"]
         assert error["param"] == param and error["message"]
+        assert error["type"] != "server_error"  # every one of these is the client's to fix
+        if status == 405:  # HTTP requires it: which methods the path takes
+            assert response.headers["Allow"] == "POST" and "allowed: POST" in error["message"]
     finally:
         await client.close()
         await http.close()

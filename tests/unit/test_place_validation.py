@@ -62,3 +62,16 @@ async def test_a_senseless_place_is_refused_at_once_even_while_no_leader_is_elec
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         await service.close()
+
+
+@pytest.mark.parametrize("limit", [-1, -100])
+async def test_recent_decisions_with_a_negative_limit_are_refused_naming_it(limit: int) -> None:
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    try:
+        with pytest.raises(Refused) as refused:
+            await service.GetRecentDecisions(scheduler_pb2.GetRecentDecisionsRequest(limit=limit),
+                                             FakeContext())  # type: ignore[arg-type]
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"limit={limit}: must be 0" in str(refused.value)
+    finally:
+        await service.close()

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from services.node_agent.engines.base import EngineInputError
 from services.node_agent.engines.sim.core import SimEngineCore
 from services.node_agent.engines.sim.engine import SimEngine
 from services.node_agent.engines.sim.models import get_model
@@ -241,3 +242,15 @@ async def test_a_stream_closed_before_it_was_read_ends_its_request() -> None:
     assert core.has_unfinished_requests()
     await stream.aclose()
     assert not core.has_unfinished_requests() and engine.progress("r") is None
+
+
+@pytest.mark.asyncio
+async def test_an_id_already_running_is_refused_naming_request_id() -> None:
+    # As the vLLM engine names it, so a client's error names the field it sent (it said "request" before).
+    core = SimEngineCore(MODEL, TIMING, 2000)
+    engine = SimEngine(core, MODEL.name, 0)
+    first = engine.generate(EngineRequest("dup", PROMPT, _sampling(N, 0.0, None)), heartbeat_s=5.0)
+    with pytest.raises(EngineInputError) as refused:
+        engine.generate(EngineRequest("dup", PROMPT, _sampling(N, 0.0, None)), heartbeat_s=5.0)
+    assert (refused.value.field, refused.value.value) == ("request_id", "dup")
+    await first.aclose()

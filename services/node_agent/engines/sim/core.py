@@ -68,6 +68,10 @@ class SimEngineCore:
         self._recent_steps = RecentSteps()
         self._stepping_decode_ms: list[float] = []
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether request_id is queued or running here."""
+        return request_id in self._requests
+
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request; ValueError if it is a duplicate or could never be served."""
         self._num_received += 1

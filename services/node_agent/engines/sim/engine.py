@@ -114,6 +114,8 @@ class SimEngine:
 
     def generate(self, request: EngineRequest, heartbeat_s: float) -> OutputStream:
         """Admit request now (EngineInputError if it cannot be served) and return its outputs."""
+        if self._core.has_request(request.request_id):  # named as the vLLM engine names it
+            raise EngineInputError("request_id", request.request_id, "is already running on this node")
         try:
             self._core.add_request(request)
         except ValueError as exc:
