@@ -251,10 +251,10 @@ def try_hint(baton: str, name: str, others: bool, state_dir: Path, state: Path |
     """The commands `baton up` suggests, with what they need to find this cluster: its name when others run
     (alone, generate and status find it unnamed), and its record when it is not where they look by default."""
     which = f" --cluster {name}" if others else ""
-    if state is not None:
-        which = f" --state {shlex.quote(str(state))}"
+    if state is not None:  # absolute: the hint works from any directory
+        which = f" --state {shlex.quote(str(state.absolute()))}"
     elif state_dir != default_state_dir():
-        which = f" --state-dir {shlex.quote(str(state_dir))}{which}"
+        which = f" --state-dir {shlex.quote(str(state_dir.absolute()))}{which}"
     return f"Try: {baton} generate{which} 'Hello'   |   {baton} status{which}"
 
 

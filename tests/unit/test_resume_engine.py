@@ -253,4 +253,6 @@ async def test_an_id_already_running_is_refused_naming_request_id() -> None:
     with pytest.raises(EngineInputError) as refused:
         engine.generate(EngineRequest("dup", PROMPT, _sampling(N, 0.0, None)), heartbeat_s=5.0)
     assert (refused.value.field, refused.value.value) == ("request_id", "dup")
+    # Refused, it still arrived: the scheduler counts the node's received requests to know its placements landed.
+    assert core.load().num_received == 2
     await first.aclose()

@@ -23,6 +23,10 @@ from services.node_agent.engines.types import (
 )
 
 
+class DuplicateRequest(ValueError):
+    """A request_id already queued or running here."""
+
+
 class SimEngineCore:
     """Schedules, "executes" and times engine steps; no clock, no I/O.
 
@@ -68,10 +72,6 @@ class SimEngineCore:
         self._recent_steps = RecentSteps()
         self._stepping_decode_ms: list[float] = []
 
-    def has_request(self, request_id: str) -> bool:
-        """Whether request_id is queued or running here."""
-        return request_id in self._requests
-
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request; ValueError if it is a duplicate or could never be served."""
         self._num_received += 1
@@ -79,7 +79,7 @@ class SimEngineCore:
         prompt = request.prompt_token_ids
         max_tokens = request.sampling.max_tokens
         if rid in self._requests:
-            raise ValueError(f"request_id {rid!r} is already running")
+            raise DuplicateRequest(f"request_id {rid!r} is already running")
         if not prompt:
             raise ValueError(f"request {rid!r}: prompt_token_ids is empty")
         if max_tokens < 1:

@@ -11,7 +11,7 @@ from services.common.change_signal import ChangeSignal
 from services.common.load import Load
 from services.common.timeouts import within
 from services.node_agent.engines.base import EngineInputError, OutputStream
-from services.node_agent.engines.sim.core import SimEngineCore
+from services.node_agent.engines.sim.core import DuplicateRequest, SimEngineCore
 from services.node_agent.engines.types import (
     EngineRequest,
     KVEvent,
@@ -114,10 +114,10 @@ class SimEngine:
 
     def generate(self, request: EngineRequest, heartbeat_s: float) -> OutputStream:
         """Admit request now (EngineInputError if it cannot be served) and return its outputs."""
-        if self._core.has_request(request.request_id):  # named as the vLLM engine names it
-            raise EngineInputError("request_id", request.request_id, "is already running on this node")
         try:
             self._core.add_request(request)
+        except DuplicateRequest as exc:  # named as the vLLM engine names it
+            raise EngineInputError("request_id", request.request_id, "is already running on this node") from exc
         except ValueError as exc:
             raise EngineInputError("request", request.request_id, str(exc)) from exc
         request_id = request.request_id
