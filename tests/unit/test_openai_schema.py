@@ -85,7 +85,14 @@ def test_baton_fields_come_from_the_body_or_from_headers_and_the_body_wins() -> 
     (schema.COMPLETIONS, {"model": "m", "prompt": [1, -1]}, {}, "prompt[1]"),
     (schema.COMPLETIONS, {"model": "m", "prompt": "x", "stop": [1]}, {}, "stop[0]"),
     (schema.COMPLETIONS, {"model": "m", "prompt": "x", "temperature": "hot"}, {}, "temperature"),
-    (schema.COMPLETIONS, {"model": "m", "prompt": "x", "stream_options": {"foo": 1}}, {}, "stream_options.foo"),
+    (schema.COMPLETIONS, {"model": "m", "prompt": "x", "stream": True, "stream_options": {"foo": 1}}, {},
+     "stream_options.foo"),
+    # Ignored without a stream: OpenAI and vLLM refuse it.
+    (schema.COMPLETIONS, {"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, {},
+     "stream_options"),
+    (schema.CHAT, {"model": "m", "messages": [{"role": "user"}]}, {}, "messages[0].content"),
+    (schema.CHAT, {"model": "m", "messages": [{"role": "system", "content": None}, {"role": "user", "content": "x"}]},
+     {}, "messages[0].content"),
     (schema.COMPLETIONS, {"model": "m", "prompt": "x"}, {"X-Baton-Priority": "high"}, "X-Baton-Priority"),
     (schema.CHAT, {"model": "m", "messages": []}, {}, "messages"),
     (schema.CHAT, {"model": "m", "messages": [{"role": "user", "content": "a"}, {"role": "robot"}]}, {},
@@ -151,7 +158,8 @@ def _chunks(texts: list[str], finish: int) -> list[router_pb2.GenerateChunk]:
 
 @pytest.mark.parametrize("kind", [schema.COMPLETIONS, schema.CHAT])
 def test_streamed_text_equals_the_whole_response_and_the_stop_string_is_cut(kind: str) -> None:
-    body: dict[str, Any] = {"model": "m", "stop": ["END", "!"], "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {"model": "m", "stop": ["END", "!"], "stream": True,
+                            "stream_options": {"include_usage": True}}
     body.update({"prompt": "p"} if kind == schema.COMPLETIONS else {"messages": [{"role": "user", "content": "p"}]})
     parsed = _parse(kind, body)
     chunks = _chunks(["Hel", "lo E", "N", "D"], common_pb2.FINISH_REASON_STOP)
