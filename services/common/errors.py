@@ -14,7 +14,10 @@ MAX_MESSAGE_CHARS = 2000
 
 
 def shown(value: Any, limit: int = 80) -> str:
-    """repr(value), cut to about limit characters: for echoing client input in a message."""
+    """repr(value), cut to about limit characters: for echoing client input in a message. A null or a boolean in
+    JSON's spelling (null, true, false), as a client wrote it in JSON or protobuf's JSON form."""
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else str(value).lower()
     text = repr(value)
     if len(text) <= limit:
         return text

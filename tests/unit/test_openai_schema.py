@@ -217,3 +217,11 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400_naming_messages(tmp_
 def test_a_vllm_model_without_a_template_gets_the_plain_one(tmp_path: Path) -> None:
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
     assert template_for(f"hf:{tmp_path}") is PLAIN
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"model": "m", "prompt": "x", "max_tokens": True}, "max_tokens=true: "),
+    ({"model": None, "prompt": "x"}, "model=null: "),
+])
+def test_a_refused_null_or_boolean_is_shown_as_json_spells_it(body: dict[str, Any], message: str) -> None:
+    assert str(_refused(schema.COMPLETIONS, body, {})).startswith(message)
