@@ -7,6 +7,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import overload
 
 import grpc
 from opentelemetry.metrics import Meter
@@ -212,14 +213,13 @@ class Relay:
         return info.gpu if info is not None else ""
 
     def tell_finished(self, ending: Ending) -> None:
-        """Tell the leader the request ended: its admission slot is released and its task charged.
-        Best effort, in the background."""
-        address = self._leader.address()
-        if address is None:
-            return
+        """Tell the leader the request ended: its admission slot is released and its task charged. In the
+        background, through a failover as a placement is (the leader that etcd shows next, within
+        _NOTICE_WITHIN_S): sent once to a leader that had just been frozen or killed, the notices of requests
+        that ended then were lost, and those tasks were never counted."""
         if self._closed:  # its channels are gone: the leader's lease sweep frees the slot
-            log.debug("request %s: ended after the router closed; its Finished notice is not sent",
-                      ending.generation.request_id)
+            log.warning("request %s: ended after the router closed; its Finished notice is not sent",
+                        ending.generation.request_id)
             return
         generation, request, ttft_ms, outcome = ending.generation, ending.request, ending.ttft_ms, ending.outcome
         notice = scheduler_pb2.FinishedRequest(
@@ -228,34 +228,29 @@ class Relay:
             num_output_tokens=len(generation.generated),
             price_per_hour_by_node={node: info.price_per_hour for node in generation.gpu_ms_by_node
                                     if (info := self._registration_of(node)) is not None})
-
-        async def send() -> scheduler_pb2.FinishedAck:
-            try:
-                return await scheduler_pb2_grpc.SchedulerStub(self._leader.channel(address)).Finished(
-                    notice, timeout=2.0)
-            except grpc.aio.AioRpcError as exc:
-                # A standby (this router's view of the leader lags) refuses it, naming the leader: sent there once.
-                hint = dict(exc.trailing_metadata() or ()).get(LEADER_KEY)
-                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or not hint or hint == address:
-                    raise
-                return await scheduler_pb2_grpc.SchedulerStub(self._leader.channel(hint)).Finished(notice, timeout=2.0)
-
-        task = asyncio.get_running_loop().create_task(send())
+        task = asyncio.get_running_loop().create_task(self._call_scheduler(notice, _NOTICE_WITHIN_S))
         self._notices.add(task)
         task.add_done_callback(self._finished_notice_done)
 
     async def close(self) -> None:
-        """Wait for the Finished notices under way (each bounded by its calls' timeouts): a router that stops
-        with its last streams tells the leader how they ended before its channels close (closed first, the
-        notices were cancelled, and those tasks were never counted). Notices after this are not sent."""
-        while self._notices:
-            await asyncio.wait(set(self._notices))
+        """Wait for the Finished notices under way, at most _CLOSE_NOTICES_S: a router that stops with its last
+        streams tells the leader how they ended before its channels close (closed first, the notices were
+        cancelled, and those tasks were never counted). Those still unsent then, and any after, are not sent."""
+        try:
+            async with asyncio.timeout(_CLOSE_NOTICES_S):
+                while self._notices:
+                    await asyncio.wait(set(self._notices))
+        except TimeoutError:
+            log.warning("closing with %d Finished notices unsent after %.0f s (no leader answered)",
+                        len(self._notices), _CLOSE_NOTICES_S)
+            for task in list(self._notices):
+                task.cancel()
         self._closed = True
 
     def _finished_notice_done(self, task: asyncio.Task[scheduler_pb2.FinishedAck]) -> None:
         self._notices.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.debug("Finished notice failed: %s", task.exception())
+            log.warning("a Finished notice was not delivered: %s", task.exception())
 
     async def _place(
         self, generation: Generation, request: router_pb2.GenerateRequest, retry_cause: str,
@@ -299,10 +294,17 @@ class Relay:
         generation.settle_model(placement.model)
         return placement
 
-    async def _call_scheduler(
-        self, place: scheduler_pb2.PlaceRequest, remaining_s: float | None
-    ) -> scheduler_pb2.Placement:
-        """Place on the elected scheduler; through a failover, move to the next leader and retry there.
+    @overload
+    async def _call_scheduler(self, request: scheduler_pb2.PlaceRequest,
+                              remaining_s: float | None) -> scheduler_pb2.Placement: ...
+
+    @overload
+    async def _call_scheduler(self, request: scheduler_pb2.FinishedRequest,
+                              remaining_s: float | None) -> scheduler_pb2.FinishedAck: ...
+
+    async def _call_scheduler(self, request: _LeaderRequest, remaining_s: float | None) -> _LeaderAnswer:
+        """Place on the elected scheduler, or tell it a request finished; through a failover, move to the next
+        leader and retry there.
 
         A leader is its election key and revision, not its address. A call in flight is abandoned
         the moment etcd shows another leader (a frozen or cut-off leader is not waited out), and
@@ -339,9 +341,9 @@ class Relay:
             timeout_s = self._config.placement_timeout_s if remaining_s is None else max(0.0, end - loop.time())
             tried, at = leader, address
             try:
-                return await self._place_at(at, _still_called(tried, at), place, timeout_s)
+                return await self._call_at(at, _still_called(tried, at), request, timeout_s)
             except _LeaderReplaced:
-                log.warning("scheduler %s is no longer the elected leader; moving the placement", at)
+                log.warning("scheduler %s is no longer the elected leader; moving the %s", at, _what(request))
             except grpc.aio.AioRpcError as exc:
                 hint = dict(exc.trailing_metadata() or ()).get(LEADER_KEY)
                 if (exc.code() == grpc.StatusCode.FAILED_PRECONDITION and hint and hint != at
@@ -360,7 +362,8 @@ class Relay:
                         continue
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     timed_out = f"scheduler {at} did not place the request within {timeout_s:.1f} s"
-                log.warning("scheduler %s did not place (%s); waiting for a leader", at, exc.code().name)
+                log.warning("scheduler %s did not take the %s (%s); waiting for a leader", at, _what(request),
+                            exc.code().name)
                 if is_transport_failure(exc) and at == tried.address:
                     # It may be restarting: call it again once it answers, unless etcd shows another first.
                     leader = await self._leader.wait_other_or_reachable(tried, wait_s())
@@ -378,18 +381,20 @@ class Relay:
             address = leader.address if leader is not None else ""
         if timed_out is not None:  # a leader that holds a placement that long is queueing it or loading a model
             raise Unavailable(f"{timed_out} (admission queueing or a model load), and no other leader took over")
-        raise Unavailable(f"no scheduler leader placed the request within {self._config.leader_wait_s:.1f} s "
-                          "of the first one failing")
+        raise Unavailable(f"no scheduler leader took the {_what(request)} within {self._config.leader_wait_s:.1f} "
+                          "s of the first one failing")
 
-    async def _place_at(self, address: str, is_current: Callable[[LeaderRecord | None], bool],
-                        place: scheduler_pb2.PlaceRequest, timeout_s: float) -> scheduler_pb2.Placement:
-        """Place at address; _LeaderReplaced (the call cancelled) as soon as etcd shows a leader that
+    async def _call_at(self, address: str, is_current: Callable[[LeaderRecord | None], bool],
+                       request: _LeaderRequest, timeout_s: float) -> _LeaderAnswer:
+        """Place or tell at address; _LeaderReplaced (the call cancelled) as soon as etcd shows a leader that
         is not is_current."""
         if not is_current(self._leader.leader()):
             raise _LeaderReplaced
-        call = scheduler_pb2_grpc.SchedulerStub(self._leader.channel(address)).Place(place, timeout=timeout_s)
+        stub = scheduler_pb2_grpc.SchedulerStub(self._leader.channel(address))
+        call = (stub.Place(request, timeout=timeout_s) if isinstance(request, scheduler_pb2.PlaceRequest)
+                else stub.Finished(request, timeout=timeout_s))
 
-        async def answer() -> scheduler_pb2.Placement:
+        async def answer() -> _LeaderAnswer:
             return await call
 
         placed = asyncio.ensure_future(answer())
@@ -420,6 +425,18 @@ class _LeaderReplaced(Exception):
 _CLOCK_SLACK_S = 0.001
 # Standby redirects followed per placement (views that disagree must not bounce it forever).
 _MAX_REDIRECTS = 3
+# How long a Finished notice is tried, through a failover, before it is given up (logged); and how long a
+# router that stops waits for those under way.
+_NOTICE_WITHIN_S = 30.0
+_CLOSE_NOTICES_S = 5.0
+
+_LeaderRequest = scheduler_pb2.PlaceRequest | scheduler_pb2.FinishedRequest
+_LeaderAnswer = scheduler_pb2.Placement | scheduler_pb2.FinishedAck
+
+
+def _what(request: _LeaderRequest) -> str:
+    return "placement" if isinstance(request, scheduler_pb2.PlaceRequest) else "Finished notice"
+
 
 
 def _length_finish(generation: Generation) -> node_agent_pb2.NodeGenerateChunk:

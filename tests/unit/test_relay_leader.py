@@ -8,12 +8,13 @@ import grpc
 import pytest
 
 from baton.protocol import LEADER_KEY
-from baton.v1 import scheduler_pb2
+from baton.v1 import common_pb2, router_pb2, scheduler_pb2
 from services.common.directory import LeaderRecord
 from services.common.errors import Unavailable
 from services.common.telemetry import Telemetry
 from services.router.config import RouterConfig
-from services.router.relay import Relay
+from services.router.generation import Generation
+from services.router.relay import Ending, Relay
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -65,7 +66,7 @@ async def test_a_stale_hint_from_the_new_leader_does_not_make_the_router_wait_it
             raise _error(grpc.StatusCode.UNAVAILABLE, "Socket closed")
         return scheduler_pb2.Placement(node_id="n0")
 
-    relay._place_at = place_at  # type: ignore[method-assign]
+    relay._call_at = place_at  # type: ignore[method-assign]
     placement = await relay._call_scheduler(scheduler_pb2.PlaceRequest(request_id="r"), remaining_s=30.0)
     assert placement.node_id == "n0"
     assert calls == [NEW.address, OLD.address, NEW.address]
@@ -78,6 +79,41 @@ async def test_with_no_leader_answering_the_router_gives_up_after_the_leader_wai
     async def place_at(address: str, is_current: object, place: object, timeout_s: float) -> scheduler_pb2.Placement:
         raise _error(grpc.StatusCode.UNAVAILABLE, "Socket closed")
 
-    relay._place_at = place_at  # type: ignore[method-assign]
-    with pytest.raises(Unavailable, match="no scheduler leader placed the request within 0.2 s"):
+    relay._call_at = place_at  # type: ignore[method-assign]
+    with pytest.raises(Unavailable, match="no scheduler leader took the placement within 0.2 s"):
         await relay._call_scheduler(scheduler_pb2.PlaceRequest(request_id="r"), remaining_s=30.0)
+
+
+class LeaderKilled(ElectionAsEtcdShowsIt):
+    """etcd shows OLD until a call to it fails, then NEW (OLD's lease lapsed, the standby won the election)."""
+
+    def __init__(self) -> None:
+        super().__init__(OLD)
+
+    def address(self) -> str:
+        return self.shown.address
+
+    async def wait_other_or_reachable(self, leader: LeaderRecord, timeout_s: float) -> LeaderRecord | None:
+        self.shown = NEW
+        return NEW
+
+
+async def test_a_finished_notice_sent_to_a_leader_that_just_died_reaches_the_next_one() -> None:
+    # Before, it was sent once: the successes of the requests that ended as their leader failed were never
+    # counted (3 of 3 lost per failover in a live probe), nor their GPU time charged.
+    relay = Relay(RouterConfig(leader_wait_s=5.0), LeaderKilled(),  # type: ignore[arg-type]
+                  None, None, Telemetry("router/test", "none").meter, lambda _: None)  # type: ignore[arg-type]
+    told: list[tuple[str, str]] = []
+
+    async def call_at(address: str, is_current: object, request: object, timeout_s: float) -> object:
+        assert isinstance(request, scheduler_pb2.FinishedRequest)
+        if address == OLD.address:
+            raise _error(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+        told.append((address, request.request_id))
+        return scheduler_pb2.FinishedAck()
+
+    relay._call_at = call_at  # type: ignore[method-assign]
+    generation = Generation(request_id="r1", model="m", prompt_token_ids=[1], sampling=common_pb2.SamplingParams())
+    relay.tell_finished(Ending(generation, router_pb2.GenerateRequest(), 5, scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED))
+    await relay.close()  # waits for the notices under way
+    assert told == [(NEW.address, "r1")]
