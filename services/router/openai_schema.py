@@ -191,10 +191,10 @@ def parse_request(kind: str, body: object, headers: Mapping[str, str],
     include_usage = False
     options = body.get("stream_options")
     if options is not None:
-        if not stream:  # as OpenAI and vLLM refuse it: it would be silently ignored
-            raise InvalidArgument("stream_options", options, "only allowed when stream is true")
         if not isinstance(options, dict):
             raise InvalidArgument("stream_options", options, f"must be an object, not {_json_type(options)}")
+        if options and not stream:  # as vLLM refuses it: it would be silently ignored
+            raise InvalidArgument("stream_options", options, "only allowed when stream is true")
         for key in options:
             if key != "include_usage":
                 raise InvalidArgument(_key("stream_options.", key), options[key], "unknown field")
@@ -291,7 +291,7 @@ def _messages(value: object) -> list[ChatMessage]:
         if role not in _ROLES:
             raise InvalidArgument(f"{where}.role", role, f"must be one of {', '.join(_ROLES)}")
         name = "" if message.get("name") is None else text_value(f"{where}.name", message["name"])
-        if message.get("content") is None and role != "assistant":  # only an assistant's may be null (OpenAI's)
+        if message.get("content") is None and role != "assistant":  # only an assistant's may be null (OpenAI's API)
             raise InvalidArgument(f"{where}.content", None, f"required for a {role} message")
         messages.append(ChatMessage(role=role, content=_content(where, message.get("content")), name=name))
     return messages

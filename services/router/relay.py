@@ -214,8 +214,8 @@ class Relay:
 
     def tell_finished(self, ending: Ending) -> None:
         """Tell the leader the request ended: its admission slot is released and its task charged. In the
-        background, through a failover as a placement is (the leader that etcd shows next, within
-        _NOTICE_WITHIN_S): sent once to a leader that had just been frozen or killed, the notices of requests
+        background, through a failover as a placement is (the leader that etcd shows next, waited for up to
+        --leader-wait-s): sent once to a leader that had just been frozen or killed, the notices of requests
         that ended then were lost, and those tasks were never counted."""
         if self._closed:  # its channels are gone: the leader's lease sweep frees the slot
             log.warning("request %s: ended after the router closed; its Finished notice is not sent",
@@ -228,7 +228,8 @@ class Relay:
             num_output_tokens=len(generation.generated),
             price_per_hour_by_node={node: info.price_per_hour for node in generation.gpu_ms_by_node
                                     if (info := self._registration_of(node)) is not None})
-        task = asyncio.get_running_loop().create_task(self._call_scheduler(notice, _NOTICE_WITHIN_S))
+        task = asyncio.get_running_loop().create_task(self._call_scheduler(notice, _NOTICE_WITHIN_S),
+                                                      name=f"Finished notice of {generation.request_id}")
         self._notices.add(task)
         task.add_done_callback(self._finished_notice_done)
 
@@ -250,7 +251,7 @@ class Relay:
     def _finished_notice_done(self, task: asyncio.Task[scheduler_pb2.FinishedAck]) -> None:
         self._notices.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.warning("a Finished notice was not delivered: %s", task.exception())
+            log.warning("%s was not delivered: %s", task.get_name(), task.exception())
 
     async def _place(
         self, generation: Generation, request: router_pb2.GenerateRequest, retry_cause: str,
@@ -343,7 +344,8 @@ class Relay:
             try:
                 return await self._call_at(at, _still_called(tried, at), request, timeout_s)
             except _LeaderReplaced:
-                log.warning("scheduler %s is no longer the elected leader; moving the %s", at, _what(request))
+                log.log(_log_level(request), "scheduler %s is no longer the elected leader; moving the %s", at,
+                        _what(request))
             except grpc.aio.AioRpcError as exc:
                 hint = dict(exc.trailing_metadata() or ()).get(LEADER_KEY)
                 if (exc.code() == grpc.StatusCode.FAILED_PRECONDITION and hint and hint != at
@@ -361,9 +363,9 @@ class Relay:
                         leader, address = again, again.address
                         continue
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    timed_out = f"scheduler {at} did not place the request within {timeout_s:.1f} s"
-                log.warning("scheduler %s did not take the %s (%s); waiting for a leader", at, _what(request),
-                            exc.code().name)
+                    timed_out = f"scheduler {at} did not take the {_what(request)} within {timeout_s:.1f} s"
+                log.log(_log_level(request), "scheduler %s did not take the %s (%s); waiting for a leader", at,
+                        _what(request), exc.code().name)
                 if is_transport_failure(exc) and at == tried.address:
                     # It may be restarting: call it again once it answers, unless etcd shows another first.
                     leader = await self._leader.wait_other_or_reachable(tried, wait_s())
@@ -425,8 +427,9 @@ class _LeaderReplaced(Exception):
 _CLOCK_SLACK_S = 0.001
 # Standby redirects followed per placement (views that disagree must not bounce it forever).
 _MAX_REDIRECTS = 3
-# How long a Finished notice is tried, through a failover, before it is given up (logged); and how long a
-# router that stops waits for those under way.
+# The longest a Finished notice is tried (a leader holding its call included; after a leader fails, the wait for
+# the next is --leader-wait-s) before it is given up (logged); and how long a router that stops waits for those
+# under way.
 _NOTICE_WITHIN_S = 30.0
 _CLOSE_NOTICES_S = 5.0
 
@@ -436,6 +439,12 @@ _LeaderAnswer = scheduler_pb2.Placement | scheduler_pb2.FinishedAck
 
 def _what(request: _LeaderRequest) -> str:
     return "placement" if isinstance(request, scheduler_pb2.PlaceRequest) else "Finished notice"
+
+
+def _log_level(request: _LeaderRequest) -> int:
+    """A placement's trouble with its leader is a warning; a notice's, retried in the background, is logged
+    at debug level (one per request ended in an outage) and as a warning only when given up."""
+    return logging.WARNING if isinstance(request, scheduler_pb2.PlaceRequest) else logging.DEBUG
 
 
 
