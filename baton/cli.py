@@ -9,6 +9,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import queue
 import shlex
 import signal
 import sys
@@ -386,6 +387,35 @@ async def _generate(routers: list[str], origin: str, args: argparse.Namespace) -
     return 0
 
 
+def _first_cluster_state(addresses: list[str], args: argparse.Namespace
+                         ) -> tuple[scheduler_pb2.ClusterState | None, str, list[str]]:
+    """The first answer of any replica (each keeps the whole view), all asked at once: asked in turn, a frozen
+    first replica held every `baton status` for its 3 s timeout. With its address; and why the others failed."""
+    answers: queue.Queue[tuple[grpc.Future, str]] = queue.Queue()
+    errors: list[str] = []
+    with contextlib.ExitStack() as stack:
+        calls = []
+        for address in addresses:
+            channel = stack.enter_context(sync_channel(address, _credentials(args)))
+            call = scheduler_pb2_grpc.SchedulerStub(channel).GetClusterState.future(
+                scheduler_pb2.GetClusterStateRequest(), timeout=3.0, metadata=_metadata(args))
+            call.add_done_callback(lambda done, address=address: answers.put((done, address)))
+            calls.append(call)
+        try:
+            for _ in calls:
+                done, address = answers.get()
+                try:
+                    return done.result(), address, errors
+                except grpc.RpcError as exc:
+                    errors.append(f"{address}: {exc.code().name}" + (
+                        f" ({exc.details()})" if exc.code() in (grpc.StatusCode.UNAUTHENTICATED,
+                                                                grpc.StatusCode.PERMISSION_DENIED) else ""))
+        finally:
+            for call in calls:
+                call.cancel()
+    return None, "", errors
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     if args.scheduler:
         addresses = [args.scheduler]
@@ -395,18 +425,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         except StateError as exc:
             print(f"baton status: {exc}", file=sys.stderr)
             return 2
-    state, errors = None, []
-    for address in addresses:  # any replica answers: each keeps the whole view
-        try:
-            with sync_channel(address, _credentials(args)) as channel:
-                state = scheduler_pb2_grpc.SchedulerStub(channel).GetClusterState(
-                    scheduler_pb2.GetClusterStateRequest(), timeout=3.0, metadata=_metadata(args)
-                )
-            break
-        except grpc.RpcError as exc:
-            errors.append(f"{address}: {exc.code().name}" + (
-                f" ({exc.details()})" if exc.code() in (grpc.StatusCode.UNAUTHENTICATED,
-                                                        grpc.StatusCode.PERMISSION_DENIED) else ""))
+    state, address, errors = _first_cluster_state(addresses, args)
     if state is None:
         print(f"baton status: no scheduler answered ({'; '.join(errors)})", file=sys.stderr)
         return 1

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 from collections.abc import Iterator
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
 
 from baton.cli import main
+from baton.state_files import ClusterRecord, record_path, write_record
 from baton.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -45,3 +49,43 @@ def test_status_says_why_it_shows_no_tasks(capsys: pytest.CaptureFixture[str], l
     with _serve(_Standby(leader_id, leader_address)) as address:
         assert main(["status", "--scheduler", address]) == 0
     assert why in capsys.readouterr().out.splitlines()
+
+
+class _Frozen(_Standby):
+    """A replica that takes the call and answers nothing until the other replica has been asked (or its caller
+    gives up): a frozen host, as long as the test needs."""
+
+    def __init__(self, other_asked: threading.Event) -> None:
+        super().__init__("scheduler-1", "")
+        self.other_asked = other_asked
+        self.saw_the_other_asked: bool | None = None
+
+    def GetClusterState(self, request, context):  # noqa: N802 - the generated servicer's name
+        # While its caller still waits for it (is_active): a caller asking in turn gave up on it first, at 3 s.
+        self.saw_the_other_asked = self.other_asked.wait(10) and context.is_active()
+        return super().GetClusterState(request, context)
+
+
+class _Answering(_Standby):
+    def __init__(self, asked: threading.Event) -> None:
+        super().__init__("", "")
+        self.asked = asked
+
+    def GetClusterState(self, request, context):  # noqa: N802 - the generated servicer's name
+        self.asked.set()
+        return super().GetClusterState(request, context)
+
+
+def test_status_asks_every_replica_at_once_so_a_frozen_first_one_does_not_hold_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Asked in turn, the frozen first replica held every call for its 3 s timeout before the next was asked: the
+    # frozen one would never see the other asked while it held the call.
+    asked = threading.Event()
+    frozen = _Frozen(asked)
+    with _serve(frozen) as first, _serve(_Answering(asked)) as second:
+        path = record_path(tmp_path, "lab")
+        write_record(path, ClusterRecord(name="lab", path=path, pid=os.getpid(), routers=("127.0.0.1:1",),
+                                         schedulers=(first, second)))
+        assert main(["status", "--state-dir", str(tmp_path)]) == 0
+    assert frozen.saw_the_other_asked is True
+    assert "scheduler leader:" in capsys.readouterr().out  # whichever answered first
