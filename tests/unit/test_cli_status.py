@@ -52,40 +52,46 @@ def test_status_says_why_it_shows_no_tasks(capsys: pytest.CaptureFixture[str], l
 
 
 class _Frozen(_Standby):
-    """A replica that takes the call and answers nothing until the other replica has been asked (or its caller
-    gives up): a frozen host, as long as the test needs."""
+    """A replica that takes the call and answers nothing until released (a frozen host, as long as the test needs;
+    bounded for a broken run)."""
 
-    def __init__(self, other_asked: threading.Event) -> None:
+    def __init__(self) -> None:
         super().__init__("scheduler-1", "")
-        self.other_asked = other_asked
-        self.saw_the_other_asked: bool | None = None
+        self.started, self.released = threading.Event(), threading.Event()
+        self.context: grpc.ServicerContext | None = None
 
     def GetClusterState(self, request, context):  # noqa: N802 - the generated servicer's name
-        # While its caller still waits for it (is_active): a caller asking in turn gave up on it first, at 3 s.
-        self.saw_the_other_asked = self.other_asked.wait(10) and context.is_active()
+        self.context = context
+        self.started.set()
+        self.released.wait(10)
         return super().GetClusterState(request, context)
 
 
 class _Answering(_Standby):
-    def __init__(self, asked: threading.Event) -> None:
+    """A replica that answers at once, noting whether the frozen one's caller still waited for it then."""
+
+    def __init__(self, frozen: _Frozen) -> None:
         super().__init__("", "")
-        self.asked = asked
+        self.frozen = frozen
+        self.frozen_still_asked: bool | None = None
 
     def GetClusterState(self, request, context):  # noqa: N802 - the generated servicer's name
-        self.asked.set()
+        assert self.frozen.started.wait(10) and self.frozen.context is not None
+        self.frozen_still_asked = self.frozen.context.is_active()
+        self.frozen.released.set()
         return super().GetClusterState(request, context)
 
 
 def test_status_asks_every_replica_at_once_so_a_frozen_first_one_does_not_hold_it(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # Asked in turn, the frozen first replica held every call for its 3 s timeout before the next was asked: the
-    # frozen one would never see the other asked while it held the call.
-    asked = threading.Event()
-    frozen = _Frozen(asked)
-    with _serve(frozen) as first, _serve(_Answering(asked)) as second:
+    # Asked in turn, the frozen first replica held every call for its 3 s timeout: its caller had given up on it
+    # before the next replica was asked.
+    frozen = _Frozen()
+    answering = _Answering(frozen)
+    with _serve(frozen) as first, _serve(answering) as second:
         path = record_path(tmp_path, "lab")
         write_record(path, ClusterRecord(name="lab", path=path, pid=os.getpid(), routers=("127.0.0.1:1",),
                                          schedulers=(first, second)))
         assert main(["status", "--state-dir", str(tmp_path)]) == 0
-    assert frozen.saw_the_other_asked is True
+    assert answering.frozen_still_asked is True
     assert "scheduler leader:" in capsys.readouterr().out  # whichever answered first
