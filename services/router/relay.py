@@ -447,7 +447,6 @@ def _log_level(request: _LeaderRequest) -> int:
     return logging.WARNING if isinstance(request, scheduler_pb2.PlaceRequest) else logging.DEBUG
 
 
-
 def _length_finish(generation: Generation) -> node_agent_pb2.NodeGenerateChunk:
     """The last chunk of a generation that has every token max_tokens allows."""
     return node_agent_pb2.NodeGenerateChunk(index=len(generation.generated),
