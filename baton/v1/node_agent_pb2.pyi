@@ -96,18 +96,20 @@ class RequestProgress(_message.Message):
     def __init__(self, phase: _Optional[_Union[RequestPhase, str]] = ..., num_ahead: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
-    __slots__ = ("num_context_tokens", "num_completion_tokens", "seed", "exact", "gpu_ms")
+    __slots__ = ("num_context_tokens", "num_completion_tokens", "seed", "exact", "gpu_ms", "num_cached_tokens")
     NUM_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     EXACT_FIELD_NUMBER: _ClassVar[int]
     GPU_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_context_tokens: int
     num_completion_tokens: int
     seed: int
     exact: bool
     gpu_ms: float
-    def __init__(self, num_context_tokens: _Optional[int] = ..., num_completion_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., exact: _Optional[bool] = ..., gpu_ms: _Optional[float] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, num_context_tokens: _Optional[int] = ..., num_completion_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., exact: _Optional[bool] = ..., gpu_ms: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class StreamStarted(_message.Message):
     __slots__ = ("heartbeat_interval_ms", "expected_step_ms")

@@ -18,7 +18,7 @@ from services.common.telemetry import Telemetry
 from services.node_agent.config import NodeAgentConfig
 from services.node_agent.engines.base import Engine, EngineInputError
 from services.node_agent.engines.factory import model_info, node_info
-from services.node_agent.engines.types import EngineRequest, FinishReason, RequestPhase, SamplingParams
+from services.node_agent.engines.types import EngineRequest, FinishReason, RequestOutput, RequestPhase, SamplingParams
 from services.node_agent.kv_publisher import KvEventLog, publish
 from services.node_agent.load_metrics import LoadGauges
 from services.node_agent.load_reporter import load_message, report_load
@@ -141,7 +141,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
                 chunk = self._chunk(request, index, token_ids=output.new_token_ids,
                                     finish_reason=FINISH_REASONS[output.finish_reason])
                 index += len(output.new_token_ids)
-                chunk.checkpoint.CopyFrom(self._checkpoint(request, index, exact, output.gpu_ms))
+                chunk.checkpoint.CopyFrom(self._checkpoint(request, index, exact, output))
                 self._tokens.add(len(output.new_token_ids), {"model": request.model})
                 if output.finish_reason is not None:
                     chunk.usage.CopyFrom(
@@ -177,12 +177,13 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
 
     @staticmethod
     def _checkpoint(request: node_agent_pb2.NodeGenerateRequest, num_generated: int, exact: bool,
-                    gpu_ms: float) -> node_agent_pb2.Checkpoint:
+                    output: RequestOutput) -> node_agent_pb2.Checkpoint:
         checkpoint = node_agent_pb2.Checkpoint(
             num_context_tokens=len(request.prompt_token_ids) + num_generated,
             num_completion_tokens=num_generated,
             exact=exact,
-            gpu_ms=gpu_ms,
+            gpu_ms=output.gpu_ms,
+            num_cached_tokens=output.num_cached_tokens,
         )
         if request.sampling.HasField("seed"):
             checkpoint.seed = request.sampling.seed

@@ -102,7 +102,8 @@ class Generation:
         time, the finishing one's included, already added with add_gpu_ms).
 
         cached_tokens is what that node found cached of the original prompt; recomputed_tokens
-        what it prefilled again of the context it resumed from; gpu_ms is the GPU time on every
+        what the nodes of every move prefilled again of the context they resumed from (added by the
+        relay as each move's node reports it); gpu_ms is the GPU time on every
         node, failed attempts included (to their last checkpoint).
         """
         num_prompt = len(self.prompt_token_ids)

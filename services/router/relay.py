@@ -150,6 +150,7 @@ class Relay:
                     self._liveness, self._config.stall_floor_s, time_remaining(), self._activity,
                 )
                 attempt_gpu_ms = 0.0
+                attempt_recomputed = 0  # a move's node: the context it prefilled again (as of its last chunk)
                 try:
                     async for chunk in node_chunks:
                         if chunk.index != len(generation.generated) - base:
@@ -171,16 +172,16 @@ class Relay:
                             if failed_at is not None:
                                 self._resume_stall.record((last_token_at - failed_at) * 1000)
                                 failed_at = None
-                        if chunk.finish_reason and retry_cause:
-                            recomputed = chunk.usage.prompt_tokens - chunk.usage.cached_tokens
-                            generation.recomputed_tokens += recomputed
-                            self._recomputed.add(recomputed, {"model": generation.model})
+                        if retry_cause and (prefilled := _prefilled(chunk)) is not None:
+                            attempt_recomputed = prefilled
                         chunk.index += base
                         if chunk.finish_reason:
                             outcome = judged(chunk.finish_reason)
                             # Charged before the last chunk goes out: its reader totals the usage from it.
                             generation.add_gpu_ms(placement.node_id, attempt_gpu_ms)
                             attempt_gpu_ms = 0.0
+                            self._charge_recomputed(generation, attempt_recomputed)
+                            attempt_recomputed = 0
                         yield chunk
                         if chunk.finish_reason:
                             return
@@ -196,8 +197,9 @@ class Relay:
                     retry_cause = failure.cause.value
                     if failed_at is None:
                         failed_at = last_token_at if last_token_at is not None else loop.time()
-                finally:
+                finally:  # an attempt that failed: what it used and prefilled counts too
                     generation.add_gpu_ms(placement.node_id, attempt_gpu_ms)
+                    self._charge_recomputed(generation, attempt_recomputed)
         except (asyncio.CancelledError, GeneratorExit):
             if outcome == scheduler_pb2.REQUEST_OUTCOME_FAILED and not (
                     deadline_at is not None and loop.time() >= deadline_at - _CLOCK_SLACK_S):
@@ -207,6 +209,11 @@ class Relay:
             # Placed or not (a refused request is a failed task too), the leader learns how it ended.
             ttft_ms = int((first_token_at - started_at) * 1000) if first_token_at is not None else 0
             held.append(Ending(generation, request, ttft_ms, outcome))
+
+    def _charge_recomputed(self, generation: Generation, num_tokens: int) -> None:
+        if num_tokens:
+            generation.recomputed_tokens += num_tokens
+            self._recomputed.add(num_tokens, {"model": generation.model})
 
     def _gpu_of(self, node_id: str) -> str:
         info = self._registration_of(node_id)
@@ -445,6 +452,18 @@ def _log_level(request: _LeaderRequest) -> int:
     """A placement's trouble with its leader is a warning; a notice's, retried in the background, is logged
     at debug level (one per request ended in an outage) and as a warning only when given up."""
     return logging.WARNING if isinstance(request, scheduler_pb2.PlaceRequest) else logging.DEBUG
+
+
+def _prefilled(chunk: node_agent_pb2.NodeGenerateChunk) -> int | None:
+    """The prompt tokens (the context, on a move) the chunk's node prefilled, not finding them cached; None from a
+    chunk that does not say. A node that does not set its checkpoint's count (an older one) says it in its finish's
+    usage only."""
+    if chunk.checkpoint.HasField("num_cached_tokens"):
+        checkpoint = chunk.checkpoint
+        return max(0, checkpoint.num_context_tokens - checkpoint.num_completion_tokens - checkpoint.num_cached_tokens)
+    if chunk.finish_reason:
+        return max(0, chunk.usage.prompt_tokens - chunk.usage.cached_tokens)
+    return None
 
 
 def _length_finish(generation: Generation) -> node_agent_pb2.NodeGenerateChunk:

@@ -140,6 +140,24 @@ async def test_the_cached_prefix_alone_decides_where_a_prompt_goes(cluster: Loca
     assert placed.usage.cached_tokens == (length - 1) // 16 * 16
 
 
+async def test_a_nodes_checkpoints_say_how_much_of_the_prompt_it_found_cached(cluster: LocalCluster) -> None:
+    """The router counts what each move's node prefilled again from its checkpoints (a node that dies before its
+    finish sends no usage): a prompt computed once is found cached the second time, all but its last block."""
+    prompt = [(13 * i + 5) % 200 + 32 for i in range(100)]
+    node = cluster.nodes[0]
+
+    async def cached_per_chunk(request_id: str) -> set[int]:
+        request = node_agent_pb2.NodeGenerateRequest(request_id=request_id, model=MODEL, prompt_token_ids=prompt,
+                                                     sampling=common_pb2.SamplingParams(max_tokens=3, ignore_eos=True))
+        async with grpc.aio.insecure_channel(node.address) as channel:
+            chunks = [c async for c in node_agent_pb2_grpc.NodeAgentStub(channel).Generate(request, timeout=30)]
+        assert sum(len(c.token_ids) for c in chunks) == 3
+        return {c.checkpoint.num_cached_tokens for c in chunks if c.token_ids}
+
+    assert await cached_per_chunk("checkpoint-cold") == {0}
+    assert await cached_per_chunk("checkpoint-warm") == {(len(prompt) - 1) // 16 * 16}
+
+
 async def test_list_models_names_the_served_model(cluster: LocalCluster) -> None:
     assert cluster.router is not None
     async with BatonClient(cluster.router.address) as client:

@@ -370,6 +370,48 @@ async def test_the_finished_notice_carries_the_price_of_each_node_the_request_ra
     assert dict(notice.price_per_hour_by_node) == {NODE: 4.25}
 
 
+@dataclass
+class _MovingScheduler(_FakeScheduler):
+    """Places each attempt on a node of its own (node-1, node-2, ...), all served by the one fake node."""
+
+    async def Place(  # noqa: N802
+        self, request: scheduler_pb2.PlaceRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.Placement:
+        self.places.append(request)
+        return scheduler_pb2.Placement(node_id=f"node-{len(self.places)}", address=self.node_address)
+
+
+async def test_a_stream_that_moves_twice_reports_what_both_moves_prefilled_again() -> None:
+    """recomputed_tokens counted only the last move's prefill: the node that took the first move and then died too had
+    prefilled the context again as well, and that was lost from usage and from baton.router.recomputed_tokens."""
+
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        resumed, context = request.num_resumed_tokens, len(request.prompt_token_ids)
+        cached = {0: 0, 3: 1, 5: 4}[resumed]  # what each attempt's node found cached of the context sent to it
+        last = {0: 3, 3: 5, 5: 8}[resumed]  # the first node dies after token 3, the second after token 5
+        yield _started()
+        for i in range(last - resumed):
+            chunk = Chunk(node_id=NODE, index=i, token_ids=[97 + resumed + i],
+                          checkpoint=node_agent_pb2.Checkpoint(num_context_tokens=context + i + 1,
+                                                               num_completion_tokens=i + 1, num_cached_tokens=cached))
+            if last == 8 and i == last - resumed - 1:
+                chunk.finish_reason = common_pb2.FINISH_REASON_LENGTH
+                chunk.usage.CopyFrom(common_pb2.Usage(prompt_tokens=context, cached_tokens=cached,
+                                                      completion_tokens=i + 1))
+            yield chunk
+        if last < 8:
+            raise RuntimeError("the node died")
+
+    async with _router(generate, _MovingScheduler()) as (router, scheduler):
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=8))
+        messages = [message async for message in call]
+    assert [t for m in messages for t in m.token_ids] == [97 + i for i in range(8)]
+    usage = messages[-1].usage
+    assert usage.num_migrations == 2
+    prompt = scheduler.places[0].num_prompt_tokens
+    assert usage.recomputed_tokens == (prompt + 3 - 1) + (prompt + 5 - 4)
+
+
 async def test_a_node_that_fails_after_the_last_token_ends_the_stream_complete_without_a_move() -> None:
     """A node that sent every token max_tokens allows and then died before its finish chunk: the
     generation is complete, so it ends with FINISH_REASON_LENGTH instead of asking the scheduler to
