@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.common.block_hash import DEFAULT_BLOCK_SIZE
-from services.common.errors import NotFound, ResourceExhausted, Unavailable
+from services.common.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from services.scheduler.admission import Ticket
 from services.scheduler.fleet import ClusterView, NodeStatus, saturation
 from services.scheduler.model_planner import ModelPlanner
@@ -161,9 +161,9 @@ class Placer:
         return [Option(dataclasses.replace(plan.ask.request, model=m), nodes, overlap(m))
                 for m, nodes in plan.candidates.items() if nodes]
 
-    def ticket(self, plan: Plan, options: list[Option], now: float) -> tuple[Ticket, float] | None:
-        """The admission ticket of a fresh request and its best predicted time to first token; None
-        for a retry (a migrating stream is already admitted: never shed it)."""
+    def ticket(self, plan: Plan, options: list[Option], now: float) -> tuple[Ticket, float, float | None] | None:
+        """The admission ticket of a fresh request, its best predicted time to first token and its best on an idle
+        node (None: not predicted); None for a retry (a migrating stream is already admitted: never shed it)."""
         if plan.is_retry:
             return None
         request = plan.ask.request
@@ -179,14 +179,21 @@ class Placer:
                         progress=(request.step - 1) / request.total_steps if request.total_steps else 0.0)
         best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now)
                           for o in options)
-        return ticket, best_ttft_s
+        fastest = self._fastest_s(options)
+        return ticket, best_ttft_s, fastest[0] if fastest else None
+
+    def _fastest_s(self, options: list[Option]) -> tuple[float, float] | None:
+        """The soonest first token and end any option could give on an idle node (BatonPolicy.fastest_s)."""
+        fastest = [f for o in options if (f := self._predictor.fastest_s(o.request, o.candidates, o.matched_blocks))]
+        return (min(f[0] for f in fastest), min(f[1] for f in fastest)) if fastest else None
 
     def _check_deadline(self, request: PlacementRequest, options: list[Option], now: float,
                         waited_s: float = 0.0) -> None:
         """Refuse a request that could not end by its deadline on any candidate: the time it has waited
         plus TTFT plus max_tokens decode steps, predicted from the candidates' registered profiles on
         the fleet as it is (candidates without a profile: not predicted; none has one: no refusal, see
-        ticket)."""
+        ticket). ResourceExhausted with a retry hint when the fleet's load is why; InvalidArgument, on
+        arrival, when not even an idle node could end it in time: asking again cannot help."""
         if not request.deadline_ms:
             return
         ends = [end for o in options
@@ -194,6 +201,13 @@ class Placer:
         if not ends or (waited_s + min(ends)) * 1000 <= request.deadline_ms:
             return
         best_ms = (waited_s + min(ends)) * 1000
+        fastest = self._fastest_s(options)
+        if not waited_s and fastest and fastest[1] * 1000 > request.deadline_ms:
+            raise InvalidArgument(
+                "deadline_ms", request.deadline_ms,
+                f"cannot be met even on an idle node: the first token and max_tokens={request.max_tokens} are "
+                f"predicted to take {fastest[1] * 1000:.0f} ms on the fastest node serving its model, idle (ask for "
+                "fewer tokens or a later deadline)")
         raise ResourceExhausted(
             f"deadline_ms={request.deadline_ms}: cannot be met; the first token and max_tokens={request.max_tokens} "
             f"are predicted to take {best_ms:.0f} ms on the best node now"

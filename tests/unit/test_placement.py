@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from services.common.errors import NotFound, ResourceExhausted, Unavailable
+from services.common.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from services.common.load import Load
 from services.scheduler.fleet import ClusterView, NodeSpec
 from services.scheduler.model_planner import ModelPlanner
@@ -104,10 +104,10 @@ def test_a_fresh_request_gets_an_admission_ticket_a_retry_does_not() -> None:
     placer = _placer(_spec("a"))
     ask = _ask(ttft_budget_ms=2000, tenant="t", priority=2, workflow_id="w", step=3, total_steps=5)
     plan = placer.start(ask, 1.0)
-    ticket, predicted_ttft_s = placer.ticket(plan, placer.options(plan, lambda _: {}), 1.0)
+    ticket, predicted_ttft_s, fastest_ttft_s = placer.ticket(plan, placer.options(plan, lambda _: {}), 1.0)
     assert (ticket.tenant, ticket.priority, ticket.num_tokens, ticket.deadline_at) == ("t", 2, 176, 3.0)
     assert ticket.progress == pytest.approx(2 / 5)  # two of five steps done
-    assert predicted_ttft_s == 0.0  # the model "m" has no timing model
+    assert predicted_ttft_s == 0.0 and fastest_ttft_s is None  # the model "m" has no timing model
     retry = placer.start(_ask(retry_cause="stream_broken"), 1.0)
     assert placer.ticket(retry, placer.options(retry, lambda _: {}), 1.0) is None
     no_budget = placer.start(_ask(), 1.0)
@@ -136,17 +136,31 @@ def test_a_retry_with_nowhere_to_go_gives_its_unit_of_the_budget_back() -> None:
     assert _place(placer, _ask(retry_cause="stalled"), now=2.0) == "a"
 
 
-def test_a_deadline_no_node_could_meet_is_refused_at_once_with_a_hint() -> None:
+def test_a_deadline_not_even_an_idle_node_could_meet_is_invalid_without_a_retry_hint() -> None:
+    """Refused with a retry hint, as the fleet's load refuses it, a client (the openai SDK retries a 429 twice) asked
+    again for what no wait could give."""
     model = "sim-llama-3.1-8b"
     placer = _placer(_spec("a", warm=(model,)))
     tight = _ask(model=model, max_tokens=2000, deadline_ms=5)
     plan = placer.start(tight, 1.0)
-    with pytest.raises(ResourceExhausted, match=r"deadline_ms=5: cannot be met; .*max_tokens=2000") as refused:
+    with pytest.raises(InvalidArgument, match=r"deadline_ms=5: cannot be met even on an idle node: .*max_tokens=2000"):
         placer.ticket(plan, placer.options(plan, lambda _: {}), 1.0)
-    assert refused.value.retry_after_ms >= 1000
     # Room to finish: admitted.
     roomy = placer.start(_ask(model=model, max_tokens=2000, deadline_ms=600_000), 1.0)
     assert placer.ticket(roomy, placer.options(roomy, lambda _: {}), 1.0) is not None
+
+
+def test_a_deadline_the_fleets_load_puts_out_of_reach_is_refused_at_once_with_a_hint() -> None:
+    model = "sim-llama-3.1-8b"
+    placer = _placer(_spec("a", warm=(model,)))
+    ask = _ask(model=model, max_tokens=200, deadline_ms=3_000)
+    idle = placer.start(ask, 1.0)
+    assert placer.ticket(idle, placer.options(idle, lambda _: {}), 1.0) is not None  # idle: in time
+    placer.cluster.report_load("a", Load(kv_blocks_total=1000, num_waiting=8, pending_prefill_tokens=200_000), 1.5)
+    busy = placer.start(ask, 2.0)
+    with pytest.raises(ResourceExhausted, match=r"deadline_ms=3000: cannot be met; .*max_tokens=200") as refused:
+        placer.ticket(busy, placer.options(busy, lambda _: {}), 2.0)
+    assert refused.value.retry_after_ms >= 1000
 
 
 def test_a_request_that_queued_past_what_its_deadline_allows_is_refused_before_it_is_placed() -> None:

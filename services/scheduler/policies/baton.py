@@ -361,6 +361,25 @@ class BatonPolicy(Policy):
                 if (t := self.terms(request, s, matched_blocks.get(s.spec.node_id, 0), now))]
         return min(ends) / 1000 if ends else None
 
+    def fastest_s(self, request: PlacementRequest, candidates: list[NodeStatus],
+                  matched_blocks: dict[str, int]) -> tuple[float, float] | None:
+        """The soonest first token and end (max_tokens generated) of request on its best candidate were that
+        candidate idle and warm: nothing queued, no batch, no prompts arriving, no load. No wait for the fleet
+        makes either sooner, so a budget below it cannot be met by asking again. None without a timing model."""
+        ttfts, ends = [], []
+        for status in candidates:
+            profile = status.profile(request.model)
+            if profile is None:
+                continue
+            timing, block = profile.timing, status.spec.kv_block_size
+            matched = matched_blocks.get(status.spec.node_id, 0) if request.model in status.spec.warm_models else 0
+            cached = min(matched * DEFAULT_BLOCK_SIZE // block * block, max(0, request.num_prompt_tokens - 1))
+            ttft_ms = _prefill_steps_ms(timing, request.num_prompt_tokens - cached, status.spec.max_num_batched_tokens,
+                                        0.0)
+            ttfts.append(ttft_ms)
+            ends.append(ttft_ms + request.max_tokens * timing.decode_step_ms(1, request.num_prompt_tokens))
+        return (min(ttfts) / 1000, min(ends) / 1000) if ttfts else None
+
     def best_ttft_s(self, request: PlacementRequest, candidates: list[NodeStatus],
                     matched_blocks: dict[str, int], now: float = 0.0) -> float:
         """The shortest predicted time to first token any candidate offers (0 without a timing model)."""
