@@ -423,16 +423,14 @@ class Simulation:
         if admission is None:
             self._commit(pending, options)
             return
-        ticket, predicted_ttft_s, fastest_ttft_s = admission
+        ticket, predicted_ttft_s = admission
         assert self._admission is not None
-        outcome = self._admission.offer(ticket, self._now, self._placer.is_saturated(self._now), predicted_ttft_s,
-                                        fastest_ttft_s)
+        outcome = self._admission.offer(ticket, self._now, self._placer.is_saturated(self._now), predicted_ttft_s)
         if outcome.shed is not None:
             shed, _ = self._held.pop(outcome.shed.request_id)
             self._fail(shed.record, f"shed: {outcome.reason}")
         if outcome.verdict == Verdict.REJECT:
-            field = f"{outcome.invalid_field}: " if outcome.invalid_field else ""
-            self._fail(record, f"refused: {field}{outcome.reason}")
+            self._fail(record, f"refused: {outcome.reason}")
         elif outcome.verdict == Verdict.QUEUE:
             self._held[ticket.request_id] = (pending, options)
         else:

@@ -69,9 +69,6 @@ class Outcome:
     retry_after_s: float = 0.0
     # A queued ticket pushed out to make room (it is refused with `reason`).
     shed: Ticket | None = None
-    # Refused whatever the fleet does: the request's field of this name asks what no idle node could do, so asking
-    # again cannot help (no retry hint).
-    invalid_field: str = ""
 
 
 @dataclass
@@ -153,10 +150,8 @@ class Admission:
     def limits(self, tenant: str) -> TenantLimits:
         return self._limits.get(tenant, self._default)
 
-    def offer(self, ticket: Ticket, now: float, is_saturated: bool, predicted_ttft_s: float,
-              fastest_ttft_s: float | None = None) -> Outcome:
-        """Admit, queue or refuse a new request. predicted_ttft_s: its best time to first token on the fleet as it
-        is; fastest_ttft_s: on its best node were that node idle (None: not predicted).
+    def offer(self, ticket: Ticket, now: float, is_saturated: bool, predicted_ttft_s: float) -> Outcome:
+        """Admit, queue or refuse a new request.
 
         One that already holds a slot (the same request sent again, e.g. resumed through another
         router after its first one died) is admitted on that slot: it has started and is never shed.
@@ -175,10 +170,6 @@ class Admission:
                                            f"{limits.tokens_per_minute} tokens per minute", retry_after_s=wait)
         ahead = self._wait_ahead_s(ticket, predicted_ttft_s)
         if self._check_deadlines and now + predicted_ttft_s + ahead > ticket.deadline_at:
-            if fastest_ttft_s is not None and now + fastest_ttft_s > ticket.deadline_at:
-                return Outcome(Verdict.REJECT, f"cannot be met even on an idle node: its first token needs about "
-                                               f"{fastest_ttft_s:.2f} s on the fastest node serving its model",
-                               invalid_field="ttft_budget_ms")
             return Outcome(Verdict.REJECT, f"deadline cannot be met: needs about {predicted_ttft_s + ahead:.2f} s "
                                            f"to the first token, has {max(0.0, ticket.deadline_at - now):.2f} s",
                            retry_after_s=max(1.0, ahead))

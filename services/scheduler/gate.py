@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from opentelemetry.metrics import Meter
 
 from services.common.change_signal import ChangeSignal, wait_or_timeout
-from services.common.errors import InvalidArgument, ResourceExhausted
+from services.common.errors import ResourceExhausted
 from services.scheduler.admission import Admission, Ticket, Verdict
 
 log = logging.getLogger(__name__)
@@ -46,22 +46,18 @@ class AdmissionGate:
     def capacity_changed(self) -> None:
         self._capacity.notify()
 
-    async def enter(self, ticket: Ticket, predicted_ttft_s: float, fastest_ttft_s: float | None = None) -> bool:
-        """Return once ticket is admitted (True if it had to wait); ResourceExhausted if refused, InvalidArgument if
-        no idle node could meet its budget (Admission.offer).
+    async def enter(self, ticket: Ticket, predicted_ttft_s: float) -> bool:
+        """Return once ticket is admitted (True if it had to wait); ResourceExhausted if refused.
 
         A caller that waited must place the request before its next await: the dispatcher looks
         at saturation again as soon as it runs, and the placement must count by then.
         """
-        outcome = self._admission.offer(ticket, self._clock(), self._is_saturated(), predicted_ttft_s, fastest_ttft_s)
+        outcome = self._admission.offer(ticket, self._clock(), self._is_saturated(), predicted_ttft_s)
         band = {"band": ticket.priority}
         if outcome.shed is not None:
             self._refuse_queued(outcome.shed, outcome.reason)
         if outcome.verdict == Verdict.REJECT:
             self._decisions.add(1, {"verdict": "reject", "reason": outcome.reason.split(":")[0], **band})
-            if outcome.invalid_field:  # the TTFT budget, below what an idle node could do
-                raise InvalidArgument(outcome.invalid_field, round((ticket.deadline_at - ticket.arrived_at) * 1000),
-                                      outcome.reason)
             raise ResourceExhausted(outcome.reason, retry_after_ms=int(outcome.retry_after_s * 1000))
         if outcome.verdict == Verdict.QUEUE:
             self._decisions.add(1, {"verdict": "queue", **band})

@@ -24,6 +24,11 @@ from services.scheduler.retry_budget import RetryBudget
 
 Changing = Callable[[str], frozenset[str]]
 
+# A budget is refused as one no node could meet only below this share of its floor (BatonPolicy.floor_s): a node may
+# run up to 30 % faster than the profile it registered (the simulator's timing error; a calibrated vLLM profile's
+# prefill fit is off by 3-5 %, at worst 27 %: ../shared/perf/fitted_coefficients.csv).
+FLOOR_MARGIN = 0.7
+
 
 def _none_changing(model: str) -> frozenset[str]:
     return frozenset()
@@ -40,6 +45,9 @@ class PlaceAsk:
     exclude: frozenset[str] = frozenset()
     # Why this is a retry; empty for a first placement. Retries draw on the retry budget.
     retry_cause: str = ""
+    # Its context holds tokens its client already has: a stream resumed through another router (or moved). Its
+    # budgets were met or missed by its first attempt: never refused as invalid, nor on its TTFT budget.
+    resumed: bool = False
 
 
 @dataclass
@@ -161,12 +169,14 @@ class Placer:
         return [Option(dataclasses.replace(plan.ask.request, model=m), nodes, overlap(m))
                 for m, nodes in plan.candidates.items() if nodes]
 
-    def ticket(self, plan: Plan, options: list[Option], now: float) -> tuple[Ticket, float, float | None] | None:
-        """The admission ticket of a fresh request, its best predicted time to first token and its best on an idle
-        node (None: not predicted); None for a retry (a migrating stream is already admitted: never shed it)."""
+    def ticket(self, plan: Plan, options: list[Option], now: float) -> tuple[Ticket, float] | None:
+        """The admission ticket of a fresh request and its best predicted time to first token; None
+        for a retry (a migrating stream is already admitted: never shed it)."""
         if plan.is_retry:
             return None
         request = plan.ask.request
+        if not plan.ask.resumed:
+            self._refuse_the_impossible(plan.ask)
         if not any(s.profile(o.request.model) for o in options for s in o.candidates):
             plan.unpredicted = ("admission: no candidate registered an engine profile, so its time to first token"
                                 + (" and deadline were" if request.deadline_ms else " was")
@@ -175,25 +185,48 @@ class Placer:
         ticket = Ticket(request_id=request.request_id, tenant=request.tenant or "default",
                         priority=request.priority, num_tokens=request.num_prompt_tokens + request.max_tokens,
                         arrived_at=now,
-                        deadline_at=now + request.ttft_budget_ms / 1000 if request.ttft_budget_ms else math.inf,
+                        deadline_at=now + request.ttft_budget_ms / 1000
+                        if request.ttft_budget_ms and not plan.ask.resumed else math.inf,
                         progress=(request.step - 1) / request.total_steps if request.total_steps else 0.0)
         best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now)
                           for o in options)
-        fastest = self._fastest_s(options)
-        return ticket, best_ttft_s, fastest[0] if fastest else None
+        return ticket, best_ttft_s
 
-    def _fastest_s(self, options: list[Option]) -> tuple[float, float] | None:
-        """The soonest first token and end any option could give on an idle node (BatonPolicy.fastest_s)."""
-        fastest = [f for o in options if (f := self._predictor.fastest_s(o.request, o.candidates, o.matched_blocks))]
-        return (min(f[0] for f in fastest), min(f[1] for f in fastest)) if fastest else None
+    def _refuse_the_impossible(self, ask: PlaceAsk) -> None:
+        """InvalidArgument naming the budget (ttft_budget_ms, deadline_ms) that no node listing a model the request
+        accepts could meet, even idle with the whole prompt cached (BatonPolicy.floor_s, with FLOOR_MARGIN):
+        asking again cannot help, so it gets no retry hint (a 429 had the openai client ask twice more). Every
+        node listing the model counts, live or not, busy or loading: the fleet as it is now is what a retry may
+        find changed. Nothing is refused so when one of them has no profile."""
+        request = ask.request
+        if not (request.ttft_budget_ms or request.deadline_ms):
+            return
+        floors = []
+        for model in (request.model, *ask.alternative_models):
+            listing = [s for s in self.cluster.nodes() if model in s.spec.warm_models | s.spec.cold_models
+                       | s.spec.loading_models]
+            floor = self._predictor.floor_s(dataclasses.replace(request, model=model), listing)
+            if floor is None:
+                return
+            floors.append(floor)
+        first_ms = min(f[0] for f in floors) * 1000 * FLOOR_MARGIN
+        end_ms = min(f[1] for f in floors) * 1000 * FLOOR_MARGIN
+        if request.ttft_budget_ms and request.ttft_budget_ms < first_ms:
+            raise InvalidArgument("ttft_budget_ms", request.ttft_budget_ms,
+                                  f"cannot be met by any node serving the model, even idle: its first token takes at "
+                                  f"least {first_ms:.1f} ms with the whole prompt cached (ask for a larger budget)")
+        if request.deadline_ms and request.deadline_ms < end_ms:
+            raise InvalidArgument("deadline_ms", request.deadline_ms,
+                                  f"cannot be met by any node serving the model, even idle: the first token and "
+                                  f"max_tokens={request.max_tokens} take at least {end_ms:.0f} ms (ask for fewer "
+                                  "tokens or a later deadline)")
 
     def _check_deadline(self, request: PlacementRequest, options: list[Option], now: float,
                         waited_s: float = 0.0) -> None:
         """Refuse a request that could not end by its deadline on any candidate: the time it has waited
         plus TTFT plus max_tokens decode steps, predicted from the candidates' registered profiles on
         the fleet as it is (candidates without a profile: not predicted; none has one: no refusal, see
-        ticket). ResourceExhausted with a retry hint when the fleet's load is why; InvalidArgument, on
-        arrival, when not even an idle node could end it in time: asking again cannot help."""
+        ticket)."""
         if not request.deadline_ms:
             return
         ends = [end for o in options
@@ -201,13 +234,6 @@ class Placer:
         if not ends or (waited_s + min(ends)) * 1000 <= request.deadline_ms:
             return
         best_ms = (waited_s + min(ends)) * 1000
-        fastest = self._fastest_s(options)
-        if not waited_s and fastest and fastest[1] * 1000 > request.deadline_ms:
-            raise InvalidArgument(
-                "deadline_ms", request.deadline_ms,
-                f"cannot be met even on an idle node: the first token and max_tokens={request.max_tokens} are "
-                f"predicted to take {fastest[1] * 1000:.0f} ms on the fastest node serving its model, idle (ask for "
-                "fewer tokens or a later deadline)")
         raise ResourceExhausted(
             f"deadline_ms={request.deadline_ms}: cannot be met; the first token and max_tokens={request.max_tokens} "
             f"are predicted to take {best_ms:.0f} ms on the best node now"

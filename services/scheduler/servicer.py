@@ -84,6 +84,7 @@ def place_ask(request: scheduler_pb2.PlaceRequest) -> PlaceAsk:
         alternative_models=tuple(request.alternative_models),
         exclude=frozenset(request.exclude_node_ids),
         retry_cause=request.retry_cause,
+        resumed=request.resumed,
     )
 
 

@@ -47,7 +47,7 @@ async def test_a_ttft_budget_no_idle_node_could_meet_is_refused_at_once_as_inval
             await client.complete(MODEL, "a long prompt that cannot be read in time. " * 150, max_tokens=8,
                                   ttft_budget_ms=2)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert (raised.value.details() or "").startswith("ttft_budget_ms=2: cannot be met even on an idle node")
+    assert (raised.value.details() or "").startswith("ttft_budget_ms=2: cannot be met by any node serving the model")
     assert RETRY_AFTER_KEY not in dict(raised.value.trailing_metadata())
 
 

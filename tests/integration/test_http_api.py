@@ -148,5 +148,5 @@ def test_a_ttft_budget_no_idle_node_could_meet_is_a_400_naming_it_not_a_429(clie
         client.completions.create(model=MODEL, prompt="a long prompt that cannot be read in time. " * 150,
                                   max_tokens=8, stream=True, extra_headers={"X-Baton-Ttft-Budget-Ms": "1"})
     assert caught.value.body["param"] == "X-Baton-Ttft-Budget-Ms"  # type: ignore[index]
-    assert "X-Baton-Ttft-Budget-Ms=1: cannot be met even on an idle node" in caught.value.message
+    assert "X-Baton-Ttft-Budget-Ms=1: cannot be met by any node serving the model" in caught.value.message
     assert "Retry-After" not in caught.value.response.headers

@@ -23,23 +23,6 @@ def test_an_impossible_deadline_is_refused_at_once_with_a_hint() -> None:
     assert "deadline cannot be met" in outcome.reason and outcome.retry_after_s > 0
 
 
-def test_a_ttft_budget_no_idle_node_could_meet_is_refused_as_invalid_whatever_the_fleet() -> None:
-    """The fleet idle and its best node able to give the first token at once today, the budget still asks for less
-    than that node's fastest: no wait could help, so it is invalid input, not a retry hint."""
-    outcome = Admission().offer(ticket("a", deadline=0.5), 0.0, is_saturated=False, predicted_ttft_s=1.0,
-                                fastest_ttft_s=0.8)
-    assert outcome.verdict == Verdict.REJECT and outcome.invalid_field == "ttft_budget_ms"
-    assert "cannot be met even on an idle node" in outcome.reason and "0.80 s" in outcome.reason
-    slow_now = Admission().offer(ticket("a", deadline=0.5), 0.0, is_saturated=False, predicted_ttft_s=1.0,
-                                 fastest_ttft_s=0.2)
-    assert slow_now.verdict == Verdict.REJECT and not slow_now.invalid_field and slow_now.retry_after_s > 0
-    # The bound is a model too: a request the fleet as it is would serve in time is not refused on it.
-    assert Admission().offer(ticket("a", deadline=0.5), 0.0, False, 0.3, fastest_ttft_s=0.8).verdict == Verdict.ADMIT
-    # An admission that does not check deadlines (GIE's flow control) refuses neither.
-    unchecked = Admission(check_deadlines=False)
-    assert unchecked.offer(ticket("a", deadline=0.5), 0.0, False, 1.0, fastest_ttft_s=0.8).verdict == Verdict.ADMIT
-
-
 def test_a_saturated_fleet_queues_and_sheds_the_sheddable() -> None:
     admission = Admission()
     assert admission.offer(ticket("a"), 0.0, True, 0.1).verdict == Verdict.QUEUE

@@ -15,6 +15,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.fleet import NodeSpec
 from services.scheduler.servicer import SchedulerService
 from tests.unit.leading import fake_leadership
+from tests.unit.sim_profiles import sim_profiles
 from tests.unit.test_place_during_election import FakeContext, Refused
 
 MODEL = "m"
@@ -73,5 +74,27 @@ async def test_recent_decisions_with_a_negative_limit_are_refused_naming_it(limi
                                              FakeContext())  # type: ignore[arg-type]
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert f"limit={limit}: must be 0" in str(refused.value)
+    finally:
+        await service.close()
+
+
+async def test_a_place_whose_deadline_no_node_could_meet_is_invalid_unless_it_resumes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What no node serving the model could do is bad input (no retry hint); a stream its client resumes asks for
+    what is left of its deadline, which only the fleet's load can refuse (with a hint)."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    service._role.elected.set()
+    model = "sim-llama-3.1-8b"
+    service._cluster.set_nodes([NodeSpec(node_id="n0", address="n0:1", gpu="h100", price_per_hour=1.0,
+                                         warm_models=frozenset({model}), profiles=sim_profiles("h100", model))])
+    service._cluster.report_load("n0", Load(kv_blocks_total=100_000), time.monotonic())
+    hopeless = {**GOOD, "model": model, "max_tokens": 2000, "context": common_pb2.RequestContext(deadline_ms=5)}
+    try:
+        for resumed, code in ((False, grpc.StatusCode.INVALID_ARGUMENT), (True, grpc.StatusCode.RESOURCE_EXHAUSTED)):
+            with pytest.raises(Refused) as refused:
+                await service.Place(scheduler_pb2.PlaceRequest(**hopeless, resumed=resumed),
+                                    FakeContext())  # type: ignore[arg-type]
+            assert refused.value.code == code and "deadline_ms=5: cannot be met" in str(refused.value)
     finally:
         await service.close()

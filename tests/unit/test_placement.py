@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
 from services.common.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from services.common.load import Load
-from services.scheduler.fleet import ClusterView, NodeSpec
+from services.scheduler.fleet import ClusterView, NodeSpec, NodeStatus
 from services.scheduler.model_planner import ModelPlanner
 from services.scheduler.placement import PlaceAsk, Placer
 from services.scheduler.policies import PlacementRequest, make_policy
+from services.scheduler.policies.baton import BatonPolicy
 from services.scheduler.retry_budget import RetryBudget
 from tests.unit.sim_profiles import sim_profiles
 
@@ -21,11 +23,12 @@ M = "m"
 HASHES = tuple(range(100, 110))
 
 
-def _spec(node_id: str, warm: tuple[str, ...] = (M,), cold: tuple[str, ...] = (), kv_blocks: int = 0) -> NodeSpec:
-    return NodeSpec(node_id=node_id, address=f"{node_id}:1", gpu="h100", price_per_hour=1.0,
+def _spec(node_id: str, warm: tuple[str, ...] = (M,), cold: tuple[str, ...] = (), kv_blocks: int = 0,
+          gpu: str = "h100") -> NodeSpec:
+    return NodeSpec(node_id=node_id, address=f"{node_id}:1", gpu=gpu, price_per_hour=1.0,
                     warm_models=frozenset(warm), cold_models=frozenset(cold),
                     kv_blocks={m: kv_blocks for m in (*warm, *cold)} if kv_blocks else {},
-                    profiles=sim_profiles("h100", *warm, *cold))
+                    profiles=sim_profiles(gpu, *warm, *cold))
 
 
 def _placer(*specs: NodeSpec, policy: str = "dynamo", retries_per_s: float = 5.0) -> Placer:
@@ -104,10 +107,10 @@ def test_a_fresh_request_gets_an_admission_ticket_a_retry_does_not() -> None:
     placer = _placer(_spec("a"))
     ask = _ask(ttft_budget_ms=2000, tenant="t", priority=2, workflow_id="w", step=3, total_steps=5)
     plan = placer.start(ask, 1.0)
-    ticket, predicted_ttft_s, fastest_ttft_s = placer.ticket(plan, placer.options(plan, lambda _: {}), 1.0)
+    ticket, predicted_ttft_s = placer.ticket(plan, placer.options(plan, lambda _: {}), 1.0)
     assert (ticket.tenant, ticket.priority, ticket.num_tokens, ticket.deadline_at) == ("t", 2, 176, 3.0)
     assert ticket.progress == pytest.approx(2 / 5)  # two of five steps done
-    assert predicted_ttft_s == 0.0 and fastest_ttft_s is None  # the model "m" has no timing model
+    assert predicted_ttft_s == 0.0  # the model "m" has no timing model
     retry = placer.start(_ask(retry_cause="stream_broken"), 1.0)
     assert placer.ticket(retry, placer.options(retry, lambda _: {}), 1.0) is None
     no_budget = placer.start(_ask(), 1.0)
@@ -136,18 +139,73 @@ def test_a_retry_with_nowhere_to_go_gives_its_unit_of_the_budget_back() -> None:
     assert _place(placer, _ask(retry_cause="stalled"), now=2.0) == "a"
 
 
-def test_a_deadline_not_even_an_idle_node_could_meet_is_invalid_without_a_retry_hint() -> None:
+def test_a_budget_no_node_serving_the_model_could_meet_is_invalid_without_a_retry_hint() -> None:
     """Refused with a retry hint, as the fleet's load refuses it, a client (the openai SDK retries a 429 twice) asked
     again for what no wait could give."""
     model = "sim-llama-3.1-8b"
     placer = _placer(_spec("a", warm=(model,)))
-    tight = _ask(model=model, max_tokens=2000, deadline_ms=5)
-    plan = placer.start(tight, 1.0)
-    with pytest.raises(InvalidArgument, match=r"deadline_ms=5: cannot be met even on an idle node: .*max_tokens=2000"):
-        placer.ticket(plan, placer.options(plan, lambda _: {}), 1.0)
+    for budget, match in (({"deadline_ms": 5}, r"deadline_ms=5: cannot be met by any node serving the model, even "
+                                               r"idle: the first token and max_tokens=2000 take at least"),
+                          ({"ttft_budget_ms": 1}, r"ttft_budget_ms=1: cannot be met by any node serving the model")):
+        plan = placer.start(_ask(model=model, max_tokens=2000, **budget), 1.0)
+        with pytest.raises(InvalidArgument, match=match):
+            placer.ticket(plan, placer.options(plan, lambda _: {}), 1.0)
     # Room to finish: admitted.
-    roomy = placer.start(_ask(model=model, max_tokens=2000, deadline_ms=600_000), 1.0)
+    roomy = placer.start(_ask(model=model, max_tokens=2000, deadline_ms=600_000, ttft_budget_ms=1000), 1.0)
     assert placer.ticket(roomy, placer.options(roomy, lambda _: {}), 1.0) is not None
+
+
+def test_a_resumed_stream_is_never_refused_as_invalid_nor_judged_on_its_ttft_budget_again() -> None:
+    """Its first token came through the router that died; what is left of its deadline is the client SDK's
+    arithmetic, so a refusal saying "your argument is invalid" would be wrong mid-stream."""
+    model = "sim-llama-3.1-8b"
+    placer = _placer(_spec("a", warm=(model,)))
+    late = placer.start(PlaceAsk(_ask(model=model, max_tokens=2000, deadline_ms=5).request, resumed=True), 1.0)
+    with pytest.raises(ResourceExhausted, match="deadline_ms=5: cannot be met; "):
+        placer.ticket(late, placer.options(late, lambda _: {}), 1.0)
+    tight = placer.start(PlaceAsk(_ask(model=model, ttft_budget_ms=1).request, resumed=True), 1.0)
+    ticket, _ = placer.ticket(tight, placer.options(tight, lambda _: {}), 1.0)
+    assert ticket.deadline_at == math.inf
+
+
+def test_what_no_node_could_meet_counts_every_node_listing_the_model_not_only_todays_candidates() -> None:
+    """An H100 that missed its load reports is no candidate now, but a retry may find it back: a deadline only the
+    L4 left could not meet is the fleet's load (a retry hint), not a request no node could serve."""
+    model = "sim-llama-3.1-8b"
+    placer = _placer(_spec("l4", warm=(model,), gpu="l4"), _spec("h100", warm=(model,)))
+    placer.cluster.report_load("l4", Load(kv_blocks_total=1000), 99.0)  # the H100 last reported at 0
+    ask = _ask(model=model, max_tokens=200, deadline_ms=3000)
+    plan = placer.start(ask, 100.0)
+    assert [s.spec.node_id for s in plan.candidates[model]] == ["l4"]
+    with pytest.raises(ResourceExhausted, match="deadline_ms=3000: cannot be met; "):
+        placer.ticket(plan, placer.options(plan, lambda _: {}), 100.0)
+    alone = _placer(_spec("l4", warm=(model,), gpu="l4"))
+    plan = alone.start(ask, 1.0)
+    with pytest.raises(InvalidArgument, match="deadline_ms=3000: cannot be met by any node serving the model"):
+        alone.ticket(plan, alone.options(plan, lambda _: {}), 1.0)
+
+
+@pytest.mark.parametrize("launch_ms", [4.61, 77.5])
+def test_the_floor_is_below_every_prediction_whatever_the_load_and_cache(launch_ms: float) -> None:
+    """Claimed as what no node could do, the floor must be under what the policy predicts on any load: a prefill
+    riding in a decode step skips the launch overhead of a prefill-only step (a vLLM CPU calibration had a = 77.5 ms
+    against d = 15.2 ms), so a busy node can be predicted faster than an idle one."""
+    policy = BatonPolicy()
+    model = "sim-llama-3.1-8b"
+    spec = _spec("a", warm=(model,))
+    profile = spec.profiles[model]
+    timing = dataclasses.replace(profile.timing, a_ms=launch_ms, prefill_floor_ms=min(profile.timing.prefill_floor_ms,
+                                                                                     launch_ms))
+    spec = dataclasses.replace(spec, profiles={model: dataclasses.replace(profile, timing=timing)})
+    for prompt, max_tokens, matched in ((1, 1, 0), (96, 1, 0), (96, 16, 5), (3000, 200, 180), (20_000, 8, 0)):
+        request = PlacementRequest(request_id="r", model=model, num_prompt_tokens=prompt,
+                                   num_prompt_blocks=prompt // 16, max_tokens=max_tokens)
+        first_s, end_s = policy.floor_s(request, [NodeStatus(spec)])
+        for running, waiting, pending in ((0, 0, 0), (1, 0, 0), (8, 0, 0), (3, 2, 5000), (300, 40, 90_000)):
+            status = NodeStatus(spec, load=Load(num_running=running, num_waiting=waiting, kv_blocks_total=25_000,
+                                                pending_prefill_tokens=pending, active_decode_blocks=running * 10))
+            assert first_s <= policy.best_ttft_s(request, [status], {"a": matched})
+            assert end_s <= policy.best_finish_s(request, [status], {"a": matched})
 
 
 def test_a_deadline_the_fleets_load_puts_out_of_reach_is_refused_at_once_with_a_hint() -> None:

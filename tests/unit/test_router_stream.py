@@ -408,6 +408,7 @@ async def test_a_stream_that_moves_twice_reports_what_both_moves_prefilled_again
     assert [t for m in messages for t in m.token_ids] == [97 + i for i in range(8)]
     usage = messages[-1].usage
     assert usage.num_migrations == 2
+    assert [p.resumed for p in scheduler.places] == [False, True, True]
     prompt = scheduler.places[0].num_prompt_tokens
     assert usage.recomputed_tokens == (prompt + 3 - 1) + (prompt + 5 - 4)
 
@@ -447,6 +448,8 @@ async def test_a_resumed_stream_is_judged_on_its_clients_timeline(
         assert sum(len(m.token_ids) for m in [m async for m in call]) == 2
         notice = await asyncio.wait_for(scheduler.finished.get(), 10)
     assert notice.outcome == outcome
+    # The leader is told it resumes: its first token came before, and its budgets are not refused as impossible.
+    assert [p.resumed for p in scheduler.places] == [True]
 
 
 async def test_a_resumed_streams_first_token_reported_past_its_elapsed_time_counts_as_at_the_resume() -> None:

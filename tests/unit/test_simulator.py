@@ -257,7 +257,7 @@ def test_admission_in_the_simulator_refuses_what_cannot_make_its_budget_and_queu
 
 
 def test_a_deadline_no_node_could_meet_is_refused_in_the_simulator_and_the_others_served() -> None:
-    """As Place refuses it at once (RESOURCE_EXHAUSTED), the simulated request fails as refused, naming its
+    """As Place refuses it at once (INVALID_ARGUMENT), the simulated request fails as refused, naming its
     deadline, and the run goes on."""
     hopeless = dataclasses.replace(_request((1,), 2000, "hopeless", output_len=2000), deadline_ms=5)
     workload = Workload("deadline", [hopeless, *(_request((10 + i,), 256, f"r{i}", arrival_s=0.1 * i)

@@ -361,24 +361,24 @@ class BatonPolicy(Policy):
                 if (t := self.terms(request, s, matched_blocks.get(s.spec.node_id, 0), now))]
         return min(ends) / 1000 if ends else None
 
-    def fastest_s(self, request: PlacementRequest, candidates: list[NodeStatus],
-                  matched_blocks: dict[str, int]) -> tuple[float, float] | None:
-        """The soonest first token and end (max_tokens generated) of request on its best candidate were that
-        candidate idle and warm: nothing queued, no batch, no prompts arriving, no load. No wait for the fleet
-        makes either sooner, so a budget below it cannot be met by asking again. None without a timing model."""
-        ttfts, ends = [], []
-        for status in candidates:
+    def floor_s(self, request: PlacementRequest, statuses: list[NodeStatus]) -> tuple[float, float] | None:
+        """A floor under request's first token and end (max_tokens generated) on any of statuses, whatever their
+        load, caches or models' state: its last prompt token alone to prefill (the rest cached), in the cheaper of
+        a prefill-only step and a decode step of one, then max_tokens - 1 decode steps alone. Below every terms()
+        prediction on them, so a budget under it cannot be met by asking again. None when one has no profile for
+        the model (nothing is known of it) or there are none."""
+        floors = []
+        for status in statuses:
             profile = status.profile(request.model)
             if profile is None:
-                continue
-            timing, block = profile.timing, status.spec.kv_block_size
-            matched = matched_blocks.get(status.spec.node_id, 0) if request.model in status.spec.warm_models else 0
-            cached = min(matched * DEFAULT_BLOCK_SIZE // block * block, max(0, request.num_prompt_tokens - 1))
-            ttft_ms = _prefill_steps_ms(timing, request.num_prompt_tokens - cached, status.spec.max_num_batched_tokens,
-                                        0.0)
-            ttfts.append(ttft_ms)
-            ends.append(ttft_ms + request.max_tokens * timing.decode_step_ms(1, request.num_prompt_tokens))
-        return (min(ttfts) / 1000, min(ends) / 1000) if ttfts else None
+                return None
+            timing = profile.timing
+            first_ms = min(timing.prefill_ms([1]), timing.decode_step_ms(1, 0) + timing.riding_chunk_ms(1))
+            floors.append((first_ms, first_ms + (request.max_tokens - 1)
+                           * timing.decode_step_ms(1, request.num_prompt_tokens)))
+        if not floors:
+            return None
+        return min(f[0] for f in floors) / 1000, min(f[1] for f in floors) / 1000
 
     def best_ttft_s(self, request: PlacementRequest, candidates: list[NodeStatus],
                     matched_blocks: dict[str, int], now: float = 0.0) -> float:
