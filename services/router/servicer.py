@@ -257,7 +257,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
     ) -> AsyncIterator[router_pb2.GenerateChunk]:
         """The request's stream, for every front end (gRPC, HTTP): validated, placed, relayed and
         resumed on node failures; BatonError, naming what was wrong, when it cannot be served."""
-        outcome = "OK"
+        outcome = ""  # the status it ended with; none: OK once its last reply went out, else its client went away
         live_id: str | None = None
         # How the generation ended, told the leader once this stream knows whether its last reply went out.
         held = HeldEndings(self._relay.tell_finished)
@@ -331,6 +331,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
             outcome = error.code.name
             name_as_client(error, cluster_id, client_id)
             raise
+        except Exception:
+            outcome = grpc.StatusCode.UNKNOWN.name  # a bug: what gRPC tells the client of an unexpected exception
+            raise
         finally:
             # The relay has ended, unless this stream was cancelled again while it closed: then its ending is told
             # when it comes.
@@ -340,7 +343,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 if self._live[live_id] <= 0:
                     del self._live[live_id]
                     self._live_workflows.pop(live_id, None)
-            self._requests.add(1, {"status": outcome})
+            # A client that went away (a cancelled call, a closed HTTP connection) was counted OK.
+            self._requests.add(1, {"status": outcome or ("OK" if delivered else grpc.StatusCode.CANCELLED.name)})
             self._open_streams -= 1
             if not self._open_streams:
                 self._streams_ended.set()

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 from google.protobuf import json_format
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from baton.protocol import LEADER_KEY
 from baton.v1 import (
@@ -97,10 +99,10 @@ async def _server(add: Callable[[grpc.aio.Server], None]) -> AsyncIterator[str]:
 
 
 @contextlib.asynccontextmanager
-async def _router(handler: NodeHandler, scheduler: _FakeScheduler | None = None,
+async def _router(handler: NodeHandler, scheduler: _FakeScheduler | None = None, telemetry: Telemetry | None = None,
                   **config: object) -> AsyncIterator[tuple[router_pb2_grpc.RouterStub, _FakeScheduler]]:
     """A router serving on 127.0.0.1 that sees one scheduler leader (scheduler, or a _FakeScheduler) and one
-    node (no etcd)."""
+    node (no etcd); its metrics go to telemetry's meter when given."""
     scheduler = scheduler or _FakeScheduler()
     async with contextlib.AsyncExitStack() as stack:
         node_address = await stack.enter_async_context(
@@ -109,7 +111,7 @@ async def _router(handler: NodeHandler, scheduler: _FakeScheduler | None = None,
         scheduler_address = await stack.enter_async_context(
             _server(lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, s)))
         service = scheduler.router = RouterService(RouterConfig(etcd="127.0.0.1:1", **config),
-                                                   Telemetry("router/test", "none"))
+                                                   telemetry or Telemetry("router/test", "none"))
         leader = LeaderRecord("/baton/election/scheduler/0", 1, scheduler_address)
         service._leader.leader = lambda: leader  # type: ignore[method-assign]
         service._leader.address = lambda: scheduler_address  # type: ignore[method-assign]
@@ -121,6 +123,13 @@ async def _router(handler: NodeHandler, scheduler: _FakeScheduler | None = None,
         router_address = await stack.enter_async_context(_server(service.register))
         channel = await stack.enter_async_context(grpc.aio.insecure_channel(router_address))
         yield router_pb2_grpc.RouterStub(channel), scheduler
+
+
+def _counted(reader: InMemoryMetricReader, name: str) -> list[tuple[dict, float]]:
+    """The data points of the counter name: (attributes, value) each."""
+    metrics = reader.get_metrics_data()
+    return [(dict(p.attributes), p.value) for rm in (metrics.resource_metrics if metrics else ())
+            for sm in rm.scope_metrics for m in sm.metrics if m.name == name for p in m.data.data_points]
 
 
 def _started() -> Chunk:
@@ -279,13 +288,18 @@ async def test_a_stream_cut_when_its_router_stops_is_still_told_to_the_leader() 
 
 
 async def test_a_stream_its_client_cancels_is_reported_cancelled() -> None:
-    async with _router(_one_token_then_silent, stall_floor_s=60.0) as (router, scheduler):
+    reader = InMemoryMetricReader()
+    telemetry = Telemetry("router/test", "none")
+    telemetry.meter = MeterProvider(metric_readers=[reader]).get_meter("test")
+    async with _router(_one_token_then_silent, telemetry=telemetry, stall_floor_s=60.0) as (router, scheduler):
         call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=8,
                                                           deadline_ms=60_000))
         assert list((await anext(aiter(call))).token_ids) == [97]
         call.cancel()
         notice = await asyncio.wait_for(scheduler.finished.get(), 10)
     assert notice.outcome == scheduler_pb2.REQUEST_OUTCOME_CANCELLED
+    # So does the router's own count of requests by status (it said OK for every client that went away).
+    assert _counted(reader, "baton.router.requests") == [({"status": "CANCELLED"}, 1)]
 
 
 
@@ -402,9 +416,15 @@ async def test_a_stream_that_moves_twice_reports_what_both_moves_prefilled_again
         if last < 8:
             raise RuntimeError("the node died")
 
-    async with _router(generate, _MovingScheduler()) as (router, scheduler):
+    reader = InMemoryMetricReader()
+    telemetry = Telemetry("router/test", "none")
+    telemetry.meter = MeterProvider(metric_readers=[reader]).get_meter("test")
+    async with _router(generate, _MovingScheduler(), telemetry=telemetry) as (router, scheduler):
         call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=8))
         messages = [message async for message in call]
+        await asyncio.wait_for(scheduler.finished.get(), 10)  # the stream has settled
+    assert _counted(reader, "baton.router.requests") == [({"status": "OK"}, 1)]
+    assert _counted(reader, "baton.router.recomputed_tokens") == [({"model": MODEL}, 7)]
     assert [t for m in messages for t in m.token_ids] == [97 + i for i in range(8)]
     usage = messages[-1].usage
     assert usage.num_migrations == 2
