@@ -17,6 +17,7 @@ from contextlib import aclosing
 from typing import Any, Protocol
 
 from aiohttp import web
+from opentelemetry import propagate, trace
 
 from baton.v1 import router_pb2
 from services.common.errors import BatonError, InvalidArgument
@@ -122,8 +123,12 @@ class HttpApi:
 
     def __init__(self, service: GenerateService, listen: str, max_prompt_bytes: int,
                  check_connection_rate: Callable[[str], None] | None = None,
-                 shutdown_timeout_s: float = 10.0, ssl_context: ssl.SSLContext | None = None) -> None:
+                 shutdown_timeout_s: float = 10.0, ssl_context: ssl.SSLContext | None = None,
+                 tracer: trace.Tracer | None = None) -> None:
         self._service = service
+        # A request's server span, parent of its calls to the leader and the nodes (one trace per request, as the
+        # gRPC API's interceptor makes it); a client's `traceparent` header makes it part of the client's trace.
+        self._tracer = tracer or trace.get_tracer(__name__)
         self._listen = listen
         self._ssl_context = ssl_context  # None: plaintext HTTP
         middlewares = [_openai_errors]
@@ -200,6 +205,14 @@ class HttpApi:
         return PLAIN if entry is None else template_for(entry.tokenizer)
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        with self._tracer.start_as_current_span(f"{request.method} {request.path}", context=propagate.extract(
+                request.headers), kind=trace.SpanKind.SERVER, attributes={
+                    "http.request.method": request.method, "url.path": request.path}) as span:
+            response = await self._generate_in_span(request, kind)
+            span.set_attribute("http.response.status_code", response.status)
+            return response
+
+    async def _generate_in_span(self, request: web.Request, kind: str) -> web.StreamResponse:
         body = await _read_json(request)
         parsed = schema.parse_request(kind, body, request.headers, self._template_for_model)
         parsed.request.tenant = tenant_for(request, body)

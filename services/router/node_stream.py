@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -84,8 +85,9 @@ async def watched_stream(
     activity.open(node_id)
     timer = loop.call_later(watch.deadline_s, check_stall)
     stop_watching = liveness.on_gone(node_id, lambda: fail(FailureCause.LEASE_EXPIRED))
+    responses = aiter(call)
     try:
-        async for chunk in call:
+        async for chunk in responses:
             watch.heard(chunk, loop.time())
             received_any = True
             if chunk.token_ids or chunk.finish_reason:
@@ -112,3 +114,9 @@ async def watched_stream(
         stop_watching()
         activity.close(node_id)
         call.cancel()
+        # The tracing interceptor ends the call's client span only when the call's responses end: read them out
+        # (at once: the call is done or cancelled). Left suspended, the span waited for the garbage collector, and
+        # at exit was never exported.
+        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            async for _ in responses:
+                pass

@@ -198,6 +198,7 @@ class Relay:
                     if failed_at is None:
                         failed_at = last_token_at if last_token_at is not None else loop.time()
                 finally:  # an attempt that failed: what it used and prefilled counts too
+                    await node_chunks.aclose()  # at once, not when collected: it ends the node call and its span
                     generation.add_gpu_ms(placement.node_id, attempt_gpu_ms)
                     self._charge_recomputed(generation, attempt_recomputed)
         except (asyncio.CancelledError, GeneratorExit):

@@ -103,7 +103,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._connection_rates = config.connection_rates()
         # HTTPS with the certificate the gRPC port serves (--tls-cert), else plaintext HTTP.
         self._http = (HttpApi(self, config.http_listen, config.max_prompt_bytes, self.check_connection_rate,
-                              ssl_context=server_ssl_context(config.tls)) if config.http_listen else None)
+                              ssl_context=server_ssl_context(config.tls),
+                              tracer=telemetry.tracer_provider.get_tracer("baton.router.http"))
+                      if config.http_listen else None)
 
     def register(self, server: grpc.aio.Server) -> None:
         router_pb2_grpc.add_RouterServicer_to_server(self, server)

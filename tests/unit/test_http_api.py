@@ -14,6 +14,10 @@ import openai
 import pytest
 from aiohttp import StreamReader
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from baton.v1 import common_pb2, router_pb2
 from services.common.errors import BatonError, ResourceExhausted, Unavailable
@@ -212,3 +216,33 @@ def _body(body: dict) -> StreamReader:
     payload.feed_data(json.dumps(body).encode())
     payload.feed_eof()
     return payload
+
+
+async def test_a_request_is_one_trace_its_calls_inside_its_server_span_under_the_clients_traceparent() -> None:
+    """Without a span of its own, an HTTP request's calls to the leader and the nodes each began a trace."""
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    inside: list[trace.SpanContext] = []
+
+    class _Traced(_FakeRouter):
+        async def generate(self, *args, **kwargs) -> AsyncIterator[router_pb2.GenerateChunk]:  # type: ignore[override]
+            inside.append(trace.get_current_span().get_span_context())  # where its calls' spans would hang
+            async for chunk in super().generate(*args, **kwargs):
+                yield chunk
+
+    http = TestClient(TestServer(HttpApi(_Traced(["a"]), "127.0.0.1:0", max_prompt_bytes=1024,
+                                         tracer=provider.get_tracer("test")).app))
+    await http.start_server()
+    client_trace = 0x0AF7651916CD43DD8448EB211C80319C
+    try:
+        reply = await http.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2}, headers={
+            "traceparent": f"00-{client_trace:032x}-b7ad6b7169203331-01"})
+        assert reply.status == 200
+    finally:
+        await http.close()
+    [span] = spans.get_finished_spans()
+    assert span.name == "POST /v1/completions" and span.kind == trace.SpanKind.SERVER
+    assert span.attributes["http.response.status_code"] == 200
+    assert span.context.trace_id == client_trace and span.parent is not None
+    assert inside == [span.context]
