@@ -46,6 +46,11 @@ class AdmissionGate:
     def capacity_changed(self) -> None:
         self._capacity.notify()
 
+    def refused(self, reason: str, priority: int) -> None:
+        """Count a request the placement core refused before it reached the gate (a deadline no node could meet,
+        or none on the fleet as it is), as the gate counts its own refusals."""
+        self._decisions.add(1, {"verdict": "reject", "reason": reason, "band": priority})
+
     async def enter(self, ticket: Ticket, predicted_ttft_s: float) -> bool:
         """Return once ticket is admitted (True if it had to wait); ResourceExhausted if refused.
 

@@ -59,6 +59,9 @@ _REPLY_RESERVE_S = 0.2
 # Of what is left of it, what a wait for an unconfirmed lease leaves for etcd to show a successor (a quarter
 # at most).
 _SUCCESSOR_WINDOW_S = 0.5
+# Bounds of the observed TTFT / budget histogram: around 1, where a budget is met or missed (the SDK's default
+# bounds, 0, 5, 10, 25, ..., put every ratio below 5 in one bucket).
+TTFT_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 
 
 def place_ask(request: scheduler_pb2.PlaceRequest) -> PlaceAsk:
@@ -136,7 +139,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._retry_budget = RetryBudget(config.retry_ratio, config.retry_min_per_s)
         self._decisions: deque[scheduler_pb2.PlacementDecision] = deque(maxlen=_DECISIONS_KEPT)
         self._ttft_ratio = telemetry.meter.create_histogram(
-            "baton.scheduler.observed_ttft_ratio", description="clients' time to first token over their budget")
+            "baton.scheduler.observed_ttft_ratio", description="clients' time to first token over their budget",
+            explicit_bucket_boundaries_advisory=TTFT_RATIO_BUCKETS)
         self._admission = Admission(max_queued=config.max_queued, limits=parse_tenant_limits(config.tenant_limits),
                                     lease_s=config.admission_lease_s)
         self._gate = AdmissionGate(self._admission, self._is_saturated, telemetry.meter, clock)
@@ -305,7 +309,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             overlaps = {m: await self._overlap(m, request.block_hashes)
                         for m, nodes in plan.candidates.items() if nodes}
             options = self._placer.options(plan, overlaps.__getitem__)
-            admission = self._placer.ticket(plan, options, self._clock())
+            try:
+                admission = self._placer.ticket(plan, options, self._clock())
+            except BatonError as error:  # a budget it could not meet, refused before the gate: counted as the gate's
+                self._gate.refused(f"{error.field} no node could meet" if isinstance(error, InvalidArgument)
+                                   else "deadline cannot be met", ask.request.priority)
+                raise
             admitted = waited = False
             if admission is not None:
                 waited = await self._gate.enter(*admission)

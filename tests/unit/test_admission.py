@@ -20,7 +20,8 @@ def test_an_idle_fleet_admits_at_once() -> None:
 def test_an_impossible_deadline_is_refused_at_once_with_a_hint() -> None:
     outcome = Admission().offer(ticket("a", deadline=0.5), 0.0, is_saturated=False, predicted_ttft_s=2.0)
     assert outcome.verdict == Verdict.REJECT
-    assert "deadline cannot be met" in outcome.reason and outcome.retry_after_s > 0
+    assert outcome.reason == ("TTFT budget cannot be met: needs about 2000 ms to the first token (of which 0 ms "
+                              "behind those queued ahead), has 500 ms") and outcome.retry_after_s > 0
 
 
 def test_a_saturated_fleet_queues_and_sheds_the_sheddable() -> None:

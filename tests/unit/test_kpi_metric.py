@@ -285,3 +285,22 @@ async def test_a_lone_request_retried_past_the_task_timeout_is_not_abandoned(mon
     await service.ReportLiveRequests(scheduler_pb2.LiveRequests(request_ids=["r1"]), None)
     assert service._tasks.expire(timeout_s + 10.0) == 0
     await service.close()
+
+
+async def test_the_observed_ttft_ratio_tells_a_budget_met_from_one_missed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the SDK's default bounds (0, 5, 10, ...) a ratio of 0.9 and one of 1.5 fell in the same bucket."""
+    fake_leadership(monkeypatch, lambda: True)
+    reader = InMemoryMetricReader()
+    telemetry = Telemetry("scheduler/test", "none")
+    telemetry.meter = MeterProvider(metric_readers=[reader]).get_meter("test")
+    service = SchedulerService(SchedulerConfig(), telemetry)
+    for i, ttft_ms in enumerate((900, 1500)):
+        await service.Finished(scheduler_pb2.FinishedRequest(  # type: ignore[arg-type]
+            request_id=f"r{i}", ttft_ms=ttft_ms, context=common_pb2.RequestContext(ttft_budget_ms=1000),
+            outcome=scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED), FakeContext())
+    metrics = reader.get_metrics_data()
+    [point] = [p for rm in metrics.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+               if m.name == "baton.scheduler.observed_ttft_ratio" for p in m.data.data_points]
+    met, missed = point.explicit_bounds.index(1.0), point.explicit_bounds.index(1.5)
+    assert sum(point.bucket_counts[:met + 1]) == 1 and point.bucket_counts[missed] == 1
+    await service.close()

@@ -7,6 +7,8 @@ import time
 
 import grpc
 import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from baton.v1 import common_pb2, scheduler_pb2
 from services.common.load import Load
@@ -83,7 +85,10 @@ async def test_a_place_whose_deadline_no_node_could_meet_is_invalid_unless_it_re
     """What no node serving the model could do is bad input (no retry hint); a stream its client resumes asks for
     what is left of its deadline, which only the fleet's load can refuse (with a hint)."""
     fake_leadership(monkeypatch, lambda: True)
-    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    reader = InMemoryMetricReader()
+    telemetry = Telemetry("scheduler/test", "none")
+    telemetry.meter = MeterProvider(metric_readers=[reader]).get_meter("test")
+    service = SchedulerService(SchedulerConfig(), telemetry)
     service._role.elected.set()
     model = "sim-llama-3.1-8b"
     service._cluster.set_nodes([NodeSpec(node_id="n0", address="n0:1", gpu="h100", price_per_hour=1.0,
@@ -98,3 +103,8 @@ async def test_a_place_whose_deadline_no_node_could_meet_is_invalid_unless_it_re
             assert refused.value.code == code and "deadline_ms=5: cannot be met" in str(refused.value)
     finally:
         await service.close()
+    # Both counted as admission refusals, as the gate's own are (they bypassed the gate's count).
+    metrics = reader.get_metrics_data()
+    assert sorted((p.attributes["reason"], p.value) for rm in metrics.resource_metrics for sm in rm.scope_metrics
+                  for m in sm.metrics if m.name == "baton.scheduler.admissions" for p in m.data.data_points) == [
+        ("deadline cannot be met", 1), ("deadline_ms no node could meet", 1)]
