@@ -9,6 +9,8 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, Protocol
 
 import grpc
+from google.protobuf import descriptor_pool
+from google.protobuf.descriptor import FileDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -16,6 +18,31 @@ from services.common.request_decoding import RequestDecodingInterceptor
 from services.common.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
+
+
+class MethodAwarePool:
+    """The descriptor pool server reflection reads, that also finds the file of a method's full name
+    (`baton.v1.Router.Generate`): protobuf's pool finds services and messages only, so `grpcurl describe` of a
+    method failed with "Symbol not found". Everything else is the pool's own."""
+
+    def __init__(self, pool: descriptor_pool.DescriptorPool) -> None:
+        self._pool = pool
+
+    def FindFileContainingSymbol(self, symbol: str) -> FileDescriptor:  # noqa: N802 (the pool's own name)
+        try:
+            return self._pool.FindFileContainingSymbol(symbol)
+        except KeyError:
+            service_name, _, method = symbol.rpartition(".")
+            try:
+                service = self._pool.FindServiceByName(service_name)
+            except KeyError:
+                service = None
+            if service is None or method not in service.methods_by_name:
+                raise
+            return service.file
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
 
 
 class Service(Protocol):
@@ -64,7 +91,8 @@ async def serve(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (*service.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        (*service.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server,
+        pool=MethodAwarePool(descriptor_pool.Default()),
     )
     try:
         port = server.add_secure_port(listen, credentials) if credentials is not None \

@@ -219,6 +219,11 @@ def test_grpcurl_lists_services_and_calls_generate(cluster: LocalCluster) -> Non
     assert "baton.v1.Scheduler" in grpcurl(cluster.scheduler.address, "list").stdout
     for node in cluster.nodes:
         assert "baton.v1.NodeAgent" in grpcurl(node.address, "list").stdout
+    # A method by its full name (reflection found services and messages only: "Symbol not found").
+    described = grpcurl(cluster.router.address, "describe", "baton.v1.Router.Generate")
+    assert described.returncode == 0, described.stderr
+    assert "rpc Generate ( .baton.v1.GenerateRequest ) returns ( stream .baton.v1.GenerateChunk )" in described.stdout
+    assert grpcurl(cluster.router.address, "describe", "baton.v1.Router.NoSuchMethod").returncode != 0
 
     request = json.dumps({"model": MODEL, "prompt": "Hello, grpcurl", "max_tokens": 8})
     called = grpcurl("-d", request, cluster.router.address, "baton.v1.Router/Generate")
