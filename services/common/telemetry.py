@@ -47,6 +47,11 @@ class JsonLinesSpanExporter(SpanExporter):
                         "trace_id": f"{ctx.trace_id:032x}",
                         "span_id": f"{ctx.span_id:016x}",
                         "parent_span_id": f"{parent.span_id:016x}" if parent else None,
+                        # What a latency needs (it had none): epoch nanoseconds, the span's kind and status.
+                        "kind": span.kind.name,
+                        "start_time_unix_nano": span.start_time,
+                        "end_time_unix_nano": span.end_time,
+                        "status": span.status.status_code.name,
                         "attributes": {k: _plain(v) for k, v in (span.attributes or {}).items()},
                     }
                 )
