@@ -29,7 +29,7 @@ from services.router.generation import FailureCause, Generation, NodeFailure
 from services.scheduler.admission import Admission, Verdict
 from services.scheduler.fleet import ClusterView, NodeSpec
 from services.scheduler.model_planner import ModelAction, ModelPlanner
-from services.scheduler.placement import PlaceAsk, Placer, Plan
+from services.scheduler.placement import PlaceAsk, Placer, Plan, Unmeetable
 from services.scheduler.policies import Option, PlacementRequest, Policy
 from services.scheduler.retry_budget import RetryBudget
 from simulator.workload import SimRequest, TokenBook, Workload
@@ -397,6 +397,9 @@ class Simulation:
         self._refresh_loads()
         try:
             plan = self._placer.start(ask, self._now)
+        except Unmeetable as error:  # a budget no node could meet: refused at once, as Place does
+            self._fail(record, f"refused: {error}")
+            return
         except BatonError as error:
             self._fail(record, str(error))
             return
@@ -416,7 +419,7 @@ class Simulation:
         options = self._placer.options(plan, lambda m: self._index.overlap(m, pending.block_hashes))
         try:
             admission = self._placer.ticket(plan, options, self._now) if self._admission is not None else None
-        except BatonError as error:  # a deadline no node could meet: refused at once, as Place does
+        except BatonError as error:  # a deadline the fleet as it is could not meet: refused at once, as Place does
             self._placer.abandon(plan)
             self._fail(record, f"refused: {error}")
             return

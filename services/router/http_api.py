@@ -205,11 +205,19 @@ class HttpApi:
         return PLAIN if entry is None else template_for(entry.tokenizer)
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
-        with self._tracer.start_as_current_span(f"{request.method} {request.path}", context=propagate.extract(
-                request.headers), kind=trace.SpanKind.SERVER, attributes={
-                    "http.request.method": request.method, "url.path": request.path}) as span:
-            response = await self._generate_in_span(request, kind)
-            span.set_attribute("http.response.status_code", response.status)
+        with self._tracer.start_as_current_span(
+                f"{request.method} {request.path}", context=propagate.extract(request.headers),
+                kind=trace.SpanKind.SERVER,
+                attributes={"http.request.method": request.method, "url.path": request.path},
+                record_exception=False, set_status_on_exception=False) as span:
+            try:
+                response = await self._generate_in_span(request, kind)
+            except Exception as exc:  # answered by the middleware: a refusal its status, anything else 500
+                status = (schema.http_status(exc.code) if isinstance(exc, BatonError)
+                          else exc.status if isinstance(exc, web.HTTPException) else 500)
+                _end_span(span, status, exc)
+                raise
+            _end_span(span, response.status)
             return response
 
     async def _generate_in_span(self, request: web.Request, kind: str) -> web.StreamResponse:
@@ -261,6 +269,15 @@ class HttpApi:
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
+
+
+def _end_span(span: trace.Span, status: int, error: BaseException | None = None) -> None:
+    """An HTTP server span's status code; an error only for a 5xx (a client's mistake is not the server's)."""
+    span.set_attribute("http.response.status_code", status)
+    if status >= 500:
+        if error is not None:
+            span.record_exception(error)
+        span.set_status(trace.StatusCode.ERROR)
 
 
 async def _send_events(response: web.StreamResponse, events: list[dict[str, Any]]) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -117,6 +116,19 @@ async def watched_stream(
         # The tracing interceptor ends the call's client span only when the call's responses end: read them out
         # (at once: the call is done or cancelled). Left suspended, the span waited for the garbage collector, and
         # at exit was never exported.
-        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-            async for _ in responses:
-                pass
+        await _read_out(responses)
+
+
+async def _read_out(responses: AsyncIterator[node_agent_pb2.NodeGenerateChunk]) -> None:
+    """What is left of a done or cancelled call's responses, its end or its cancellation included; a cancellation
+    of the task that reads (not the call's own) still ends it."""
+    task = asyncio.current_task()
+    cancelling = task.cancelling() if task is not None else 0
+    try:
+        async for _ in responses:
+            pass
+    except asyncio.CancelledError:
+        if task is not None and task.cancelling() > cancelling:
+            raise
+    except grpc.aio.AioRpcError:
+        pass

@@ -283,7 +283,7 @@ class Relay:
             exclude_node_ids=sorted(excluded | set(self._suspects)),
             retry_cause=retry_cause,
             alternative_models=generation.alternative_models,
-            resumed=bool(generation.generated),
+            resumed=bool(generation.generated) or request.HasField("resume"),
         )
         try:
             try:

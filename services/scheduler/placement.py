@@ -30,6 +30,14 @@ Changing = Callable[[str], frozenset[str]]
 FLOOR_MARGIN = 0.7
 
 
+class Unmeetable(InvalidArgument):
+    """A budget no node serving the model could meet, idle or not: bad input, not a load to wait out."""
+
+
+class DeadlineOutOfReach(ResourceExhausted):
+    """A deadline the fleet as it is could not meet: asking again later may help (its retry hint)."""
+
+
 def _none_changing(model: str) -> frozenset[str]:
     return frozenset()
 
@@ -100,6 +108,13 @@ class Placer:
         """Charge the retry budget (or count the request), find the models some node has and their
         candidates; changing(model) names the nodes busy changing models, which are never candidates."""
         request = ask.request
+        models = [m for m in dict.fromkeys([request.model, *ask.alternative_models])
+                  if self.cluster.has_model(m, now)]
+        if not models:
+            raise NotFound(f"model={request.model!r}: no registered node has it"
+                           + (f" (nor {', '.join(ask.alternative_models)})" if ask.alternative_models else ""))
+        if not ask.retry_cause and not ask.resumed:  # before it counts, waits or makes room for anything
+            self._refuse_the_impossible(request, models)
         charged_at = None
         if ask.retry_cause:
             if not self.retry_budget.try_retry(now):
@@ -112,13 +127,6 @@ class Placer:
             charged_at = now
         else:
             self.retry_budget.record_request(now)
-        models = [m for m in dict.fromkeys([request.model, *ask.alternative_models])
-                  if self.cluster.has_model(m, now)]
-        if not models:
-            if charged_at is not None:
-                self.retry_budget.refund(charged_at)
-            raise NotFound(f"model={request.model!r}: no registered node has it"
-                           + (f" (nor {', '.join(ask.alternative_models)})" if ask.alternative_models else ""))
         needed = math.ceil((request.num_prompt_tokens + request.max_tokens) / DEFAULT_BLOCK_SIZE)
         plan = Plan(ask, models, needed, charged_at=charged_at, started_at=now)
         self.refresh(plan, now, changing)
@@ -175,8 +183,6 @@ class Placer:
         if plan.is_retry:
             return None
         request = plan.ask.request
-        if not plan.ask.resumed:
-            self._refuse_the_impossible(plan.ask)
         if not any(s.profile(o.request.model) for o in options for s in o.candidates):
             plan.unpredicted = ("admission: no candidate registered an engine profile, so its time to first token"
                                 + (" and deadline were" if request.deadline_ms else " was")
@@ -192,17 +198,16 @@ class Placer:
                           for o in options)
         return ticket, best_ttft_s
 
-    def _refuse_the_impossible(self, ask: PlaceAsk) -> None:
-        """InvalidArgument naming the budget (ttft_budget_ms, deadline_ms) that no node listing a model the request
-        accepts could meet, even idle with the whole prompt cached (BatonPolicy.floor_s, with FLOOR_MARGIN):
-        asking again cannot help, so it gets no retry hint (a 429 had the openai client ask twice more). Every
-        node listing the model counts, live or not, busy or loading: the fleet as it is now is what a retry may
-        find changed. Nothing is refused so when one of them has no profile."""
-        request = ask.request
+    def _refuse_the_impossible(self, request: PlacementRequest, models: list[str]) -> None:
+        """Unmeetable, naming the budget (ttft_budget_ms, deadline_ms) that no node listing one of models (those of
+        the request some node lists) could meet, even idle with the whole prompt cached (BatonPolicy.floor_s, with
+        FLOOR_MARGIN): asking again cannot help, so it gets no retry hint (a 429 had the openai client ask twice
+        more). Every node listing the model counts, live or not, busy or loading: the fleet as it is now is what a
+        retry may find changed. Nothing is refused so when one of them has no profile."""
         if not (request.ttft_budget_ms or request.deadline_ms):
             return
         floors = []
-        for model in (request.model, *ask.alternative_models):
+        for model in models:
             listing = [s for s in self.cluster.nodes() if model in s.spec.warm_models | s.spec.cold_models
                        | s.spec.loading_models]
             floor = self._predictor.floor_s(dataclasses.replace(request, model=model), listing)
@@ -212,11 +217,11 @@ class Placer:
         first_ms = min(f[0] for f in floors) * 1000 * FLOOR_MARGIN
         end_ms = min(f[1] for f in floors) * 1000 * FLOOR_MARGIN
         if request.ttft_budget_ms and request.ttft_budget_ms < first_ms:
-            raise InvalidArgument("ttft_budget_ms", request.ttft_budget_ms,
+            raise Unmeetable("ttft_budget_ms", request.ttft_budget_ms,
                                   f"cannot be met by any node serving the model, even idle: its first token takes at "
                                   f"least {first_ms:.1f} ms with the whole prompt cached (ask for a larger budget)")
         if request.deadline_ms and request.deadline_ms < end_ms:
-            raise InvalidArgument("deadline_ms", request.deadline_ms,
+            raise Unmeetable("deadline_ms", request.deadline_ms,
                                   f"cannot be met by any node serving the model, even idle: the first token and "
                                   f"max_tokens={request.max_tokens} take at least {end_ms:.0f} ms (ask for fewer "
                                   "tokens or a later deadline)")
@@ -234,7 +239,7 @@ class Placer:
         if not ends or (waited_s + min(ends)) * 1000 <= request.deadline_ms:
             return
         best_ms = (waited_s + min(ends)) * 1000
-        raise ResourceExhausted(
+        raise DeadlineOutOfReach(
             f"deadline_ms={request.deadline_ms}: cannot be met; the first token and max_tokens={request.max_tokens} "
             f"are predicted to take {best_ms:.0f} ms on the best node now"
             + (f", after {waited_s:.1f} s queued" if waited_s else "") + " (ask for fewer tokens or a later deadline)",

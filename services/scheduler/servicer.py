@@ -36,7 +36,7 @@ from services.scheduler.gate import AdmissionGate
 from services.scheduler.leadership import LeaderRole
 from services.scheduler.model_loader import ModelLoader
 from services.scheduler.model_planner import ModelAction, ModelPlanner
-from services.scheduler.placement import PlaceAsk, Placer, Plan
+from services.scheduler.placement import DeadlineOutOfReach, PlaceAsk, Placer, Plan, Unmeetable
 from services.scheduler.policies import Decision, PlacementRequest, make_policy
 from services.scheduler.retry_budget import RetryBudget
 from services.scheduler.tasks import TaskLedger
@@ -309,12 +309,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             overlaps = {m: await self._overlap(m, request.block_hashes)
                         for m, nodes in plan.candidates.items() if nodes}
             options = self._placer.options(plan, overlaps.__getitem__)
-            try:
-                admission = self._placer.ticket(plan, options, self._clock())
-            except BatonError as error:  # a budget it could not meet, refused before the gate: counted as the gate's
-                self._gate.refused(f"{error.field} no node could meet" if isinstance(error, InvalidArgument)
-                                   else "deadline cannot be met", ask.request.priority)
-                raise
+            admission = self._placer.ticket(plan, options, self._clock())
             admitted = waited = False
             if admission is not None:
                 waited = await self._gate.enter(*admission)
@@ -339,6 +334,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             is_placed = True
         except BatonError as error:
             self._placements.add(1, {"outcome": error.code.name, "retry": request.retry_cause})
+            # Budgets refused by the placement core, before the gate or after its queue: counted as the gate's are.
+            if isinstance(error, Unmeetable):
+                self._gate.refused(f"{error.field} no node could meet", request.context.priority)
+            elif isinstance(error, DeadlineOutOfReach):
+                self._gate.refused("deadline cannot be met", request.context.priority)
             await abort(context, error)
         finally:
             if plan is not None and not is_placed:  # refused, failed or cancelled once the budget was charged

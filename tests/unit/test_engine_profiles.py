@@ -92,9 +92,8 @@ def _placer(*nodes: NodeStatus) -> Placer:
 def test_admission_predicts_deadlines_from_registered_profiles_and_says_when_it_cannot() -> None:
     impossible = PlaceAsk(request(4000, deadline_ms=5))
     placer = _placer(status("a", calibrated()))
-    plan = placer.start(impossible, 1.0)
     with pytest.raises(Exception, match="deadline_ms=5: cannot be met"):
-        placer.ticket(plan, placer.options(plan, lambda _: {}), 1.0)
+        placer.start(impossible, 1.0)
     unprofiled = _placer(status("a", None))
     plan = unprofiled.start(impossible, 1.0)
     assert unprofiled.ticket(plan, unprofiled.options(plan, lambda _: {}), 1.0) is not None  # not refused

@@ -239,9 +239,12 @@ async def test_a_request_is_one_trace_its_calls_inside_its_server_span_under_the
         reply = await http.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2}, headers={
             "traceparent": f"00-{client_trace:032x}-b7ad6b7169203331-01"})
         assert reply.status == 200
+        assert (await http.post("/v1/completions", data=b"not json")).status == 400
     finally:
         await http.close()
-    [span] = spans.get_finished_spans()
+    span, refused = spans.get_finished_spans()
+    # A client's mistake is its status code on the span, not a server error.
+    assert refused.attributes["http.response.status_code"] == 400 and refused.status.is_unset
     assert span.name == "POST /v1/completions" and span.kind == trace.SpanKind.SERVER
     assert span.attributes["http.response.status_code"] == 200
     assert span.context.trace_id == client_trace and span.parent is not None

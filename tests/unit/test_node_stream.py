@@ -13,7 +13,7 @@ import pytest
 from baton.v1 import common_pb2, node_agent_pb2, node_agent_pb2_grpc
 from services.common.errors import BatonError
 from services.router.generation import FailureCause, NodeFailure
-from services.router.node_stream import NodeLiveness, watched_stream
+from services.router.node_stream import NodeLiveness, _read_out, watched_stream
 from services.router.stall import NodeActivity, stall_deadline_s
 
 NODE = "node-a"
@@ -447,3 +447,26 @@ async def test_cancelling_the_consumer_is_cancellation_not_a_node_failure() -> N
         finally:
             consumer.cancel()
     assert consumer.cancelled()
+
+
+async def test_reading_out_a_call_ends_on_its_cancellation_but_not_on_its_readers() -> None:
+    """After cancelling its call the stream reads it out (so the tracing interceptor ends its span): the call's own
+    cancellation ends that read, while a cancellation of the reading task must still cancel the task."""
+
+    async def cancelled_call() -> AsyncIterator[node_agent_pb2.NodeGenerateChunk]:
+        raise asyncio.CancelledError  # what reading a cancelled gRPC call raises
+        yield node_agent_pb2.NodeGenerateChunk()
+
+    await _read_out(cancelled_call())  # taken as the call's end
+    started = asyncio.Event()
+
+    async def silent_call() -> AsyncIterator[node_agent_pb2.NodeGenerateChunk]:
+        started.set()
+        await asyncio.Event().wait()
+        yield node_agent_pb2.NodeGenerateChunk()
+
+    reader = asyncio.create_task(_read_out(silent_call()))
+    await started.wait()
+    reader.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reader

@@ -141,15 +141,21 @@ def test_a_retry_with_nowhere_to_go_gives_its_unit_of_the_budget_back() -> None:
 
 def test_a_budget_no_node_serving_the_model_could_meet_is_invalid_without_a_retry_hint() -> None:
     """Refused with a retry hint, as the fleet's load refuses it, a client (the openai SDK retries a 429 twice) asked
-    again for what no wait could give."""
+    again for what no wait could give. It is refused at the start, before it counts against the retry budget's
+    ratio, waits for a node or asks the planner to make room."""
     model = "sim-llama-3.1-8b"
     placer = _placer(_spec("a", warm=(model,)))
     for budget, match in (({"deadline_ms": 5}, r"deadline_ms=5: cannot be met by any node serving the model, even "
                                                r"idle: the first token and max_tokens=2000 take at least"),
                           ({"ttft_budget_ms": 1}, r"ttft_budget_ms=1: cannot be met by any node serving the model")):
-        plan = placer.start(_ask(model=model, max_tokens=2000, **budget), 1.0)
         with pytest.raises(InvalidArgument, match=match):
-            placer.ticket(plan, placer.options(plan, lambda _: {}), 1.0)
+            placer.start(_ask(model=model, max_tokens=2000, **budget), 1.0)
+    assert placer.retry_budget.num_requests(1.0) == 0
+    # A node listing the model under a name the request accepts instead: its floor counts, the typo's does not.
+    alternatives = PlaceAsk(_ask(model=model, max_tokens=2000, deadline_ms=5).request,
+                            alternative_models=("no-such-model",))
+    with pytest.raises(InvalidArgument, match="deadline_ms=5: cannot be met by any node"):
+        placer.start(alternatives, 1.0)
     # Room to finish: admitted.
     roomy = placer.start(_ask(model=model, max_tokens=2000, deadline_ms=600_000, ttft_budget_ms=1000), 1.0)
     assert placer.ticket(roomy, placer.options(roomy, lambda _: {}), 1.0) is not None
@@ -180,9 +186,8 @@ def test_what_no_node_could_meet_counts_every_node_listing_the_model_not_only_to
     with pytest.raises(ResourceExhausted, match="deadline_ms=3000: cannot be met; "):
         placer.ticket(plan, placer.options(plan, lambda _: {}), 100.0)
     alone = _placer(_spec("l4", warm=(model,), gpu="l4"))
-    plan = alone.start(ask, 1.0)
     with pytest.raises(InvalidArgument, match="deadline_ms=3000: cannot be met by any node serving the model"):
-        alone.ticket(plan, alone.options(plan, lambda _: {}), 1.0)
+        alone.start(ask, 1.0)
 
 
 @pytest.mark.parametrize("launch_ms", [4.61, 77.5])

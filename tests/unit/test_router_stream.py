@@ -507,6 +507,16 @@ async def test_a_resumed_stream_is_judged_on_its_clients_timeline(
     assert [p.resumed for p in scheduler.places] == [True]
 
 
+async def test_a_request_sent_again_before_its_first_token_is_told_to_the_leader_as_resumed() -> None:
+    """Its router died before the first token: the client SDK sends it again with what is left of its deadline and
+    no tokens. That remainder is the SDK's arithmetic: the leader must not refuse it as a budget no node could meet."""
+    async with _router(_token_stream(2, pace_s=0.001)) as (router, scheduler):
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2, deadline_ms=50,
+                                                          resume=router_pb2.Resume(elapsed_ms=900)))
+        assert sum(len(m.token_ids) for m in [m async for m in call]) == 2
+    assert [p.resumed for p in scheduler.places] == [True]
+
+
 async def test_a_resumed_streams_first_token_reported_past_its_elapsed_time_counts_as_at_the_resume() -> None:
     # A client's rounding can put first_token_ms past elapsed_ms (up to a second is taken as such): its first token
     # came no later than the resume, so the leader hears a TTFT of elapsed_ms and an on-time request (1500 ms would
