@@ -172,7 +172,8 @@ class Relay:
                             if failed_at is not None:
                                 self._resume_stall.record((last_token_at - failed_at) * 1000)
                                 failed_at = None
-                        if retry_cause and (prefilled := _prefilled(chunk)) is not None:
+                        # A move's node, or a node resuming what the client already has, prefills that again.
+                        if (retry_cause or base) and (prefilled := _prefilled(chunk)) is not None:
                             attempt_recomputed = prefilled
                         chunk.index += base
                         if chunk.finish_reason:

@@ -507,6 +507,26 @@ async def test_a_resumed_stream_is_judged_on_its_clients_timeline(
     assert [p.resumed for p in scheduler.places] == [True]
 
 
+async def test_a_stream_resumed_through_another_router_reports_what_its_node_prefilled_again() -> None:
+    """Its new node prefills the prompt and the tokens the client already has, less what it caches: recomputed as a
+    move's node's are (it was counted only after a move)."""
+
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        context = len(request.prompt_token_ids)
+        yield _started()
+        yield Chunk(node_id=NODE, index=0, token_ids=[99], finish_reason=common_pb2.FINISH_REASON_LENGTH,
+                    checkpoint=node_agent_pb2.Checkpoint(num_context_tokens=context + 1, num_completion_tokens=1,
+                                                         num_cached_tokens=1),
+                    usage=common_pb2.Usage(prompt_tokens=context, cached_tokens=1, completion_tokens=1))
+
+    async with _router(generate) as (router, scheduler):
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=3,
+                                                          resume=router_pb2.Resume(token_ids=[97, 98])))
+        messages = [m async for m in call]
+    prompt = scheduler.places[0].num_prompt_tokens  # the context: the prompt and the two tokens resumed
+    assert messages[-1].usage.recomputed_tokens == prompt - 1 and messages[-1].usage.num_migrations == 0
+
+
 async def test_a_request_sent_again_before_its_first_token_is_told_to_the_leader_as_resumed() -> None:
     """Its router died before the first token: the client SDK sends it again with what is left of its deadline and
     no tokens. That remainder is the SDK's arithmetic: the leader must not refuse it as a budget no node could meet."""
