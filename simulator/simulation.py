@@ -27,6 +27,7 @@ from services.node_agent.engines.sim.profile import configured_profile
 from services.node_agent.engines.types import EngineRequest, SamplingParams, StepResult
 from services.router.generation import FailureCause, Generation, NodeFailure
 from services.scheduler.admission import Admission, Verdict
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.fleet import ClusterView, NodeSpec
 from services.scheduler.model_planner import ModelAction, ModelPlanner
 from services.scheduler.placement import PlaceAsk, Placer, Plan, Unmeetable
@@ -220,6 +221,11 @@ class Simulation:
         self._order = itertools.count()
         self._records: dict[str, RequestRecord] = {}
         self._num_steps = 0
+        # When the last request ended, finished or given up: the fleet is paid until then, not until a node's death
+        # or a planner's round scheduled after it (a --kill after the trace's end billed the fleet until the kill).
+        self._settled_s = 0.0
+        # How long a request waits for a model's load before it fails, as Place waits (--model-load-timeout-s).
+        self._model_wait_s = SchedulerConfig().model_load_timeout_s
 
     # -- models on nodes -----------------------------------------------------------------------
 
@@ -302,10 +308,15 @@ class Simulation:
                 self._start_load(node, action.model)
         unplaced, self._unplaced = self._unplaced, []
         for pending in unplaced:
+            if self._now - pending.plan.started_at > self._model_wait_s:
+                self._fail(pending.record, f"no node could load its model within {self._model_wait_s:g} s")
+                continue
             self._placer.refresh(pending.plan, self._now)
             self._placed_or_waiting(pending)
         self._dispatch()
-        if self._events or self._step_events:  # plan again while anything is left to happen
+        # Plan again while anything is left to happen, a request waiting for a model's load included (planning
+        # stopped with one waiting, and it failed: "no node could load its model").
+        if self._events or self._step_events or self._unplaced:
             self._at(self._now + self._plan_interval_s, self._plan)
 
     # -- the event loop ------------------------------------------------------------------------
@@ -344,8 +355,8 @@ class Simulation:
             records=list(self._records.values()),
             busy_s={n: node.busy_s for n, node in self._nodes.items()},
             price_per_hour={n: node.config.price_per_hour for n, node in self._nodes.items()},
-            makespan_s=self._now,
-            provisioned_s=self._now,
+            makespan_s=self._settled_s,
+            provisioned_s=self._settled_s,
             num_steps=self._num_steps,
         )
 
@@ -501,6 +512,7 @@ class Simulation:
         record.failed = why
         record.finish_s = None
         record.end_attempt()
+        self._settled_s = self._now
 
     # -- nodes ---------------------------------------------------------------------------------
 
@@ -539,7 +551,7 @@ class Simulation:
             record.num_generated = len(generation.generated)
             if output.finish_reason is not None:
                 del node.flights[output.request_id]
-                record.finish_s = self._now
+                record.finish_s = self._settled_s = self._now
                 record.end_attempt()
                 self._policy.observe_finished(generation.model, record.num_generated)
                 if self._admission is not None:

@@ -320,3 +320,38 @@ def test_an_slo_mix_gives_every_step_of_a_task_its_class_budgets(tmp_path: Path)
         assert (steps[0].ttft_budget_ms, steps[0].tpot_budget_ms) == classes[steps[0].tenant]
     with pytest.raises(SystemExit):
         parse_args(["--slo-mix", "0.5:1:0.03"])  # shares that do not add up to 1 are refused
+
+
+def test_a_node_killed_after_the_last_request_ended_adds_nothing_to_the_fleets_bill() -> None:
+    """The fleet is paid until the last request ends: a --kill scheduled after that billed it until the kill."""
+    workload = Workload("short", [_request((i,), 256, f"r{i}", arrival_s=0.1 * i) for i in range(4)])
+    quiet = Simulation(fleet("2xh100"), make_policy("dynamo")).run(workload)
+    late_kill = Simulation(fleet("2xh100"), make_policy("dynamo"), failures=((9999.0, "h100-0"),)).run(workload)
+    assert late_kill.provisioned_s == quiet.provisioned_s < 60
+    assert late_kill.fleet_cost == quiet.fleet_cost
+
+
+def test_the_planner_keeps_planning_while_a_request_waits_for_its_models_load() -> None:
+    """Planning stopped once nothing else was left to happen, and a request waiting for a load failed with "no node
+    could load its model" (every request for B on a fleet with A warm, B on every disk)."""
+    nodes = [dataclasses.replace(n, warm="sim-llama-3.1-8b", cold=("sim-llama-3.1-8b", "sim-llama-2-7b"))
+             for n in fleet("1xa100")]
+    wants_b = [dataclasses.replace(_request((i,), 256, f"b{i}", arrival_s=0.1 * i), model="sim-llama-2-7b")
+               for i in range(3)]
+    simulation = Simulation(nodes, make_policy("baton"), planner=ModelPlanner(idle_swap_s=10.0))
+    result = simulation.run(Workload("shift", wants_b))
+    assert [r.failed for r in result.records] == ["", "", ""]
+    assert all(r.num_generated == 32 for r in result.records)
+    assert [action.model for _, action in simulation.model_actions if action.kind == "load"] == ["sim-llama-2-7b"]
+
+
+def test_a_request_whose_model_is_never_loaded_fails_after_the_schedulers_wait_not_never() -> None:
+    """Planning goes on while a request waits for a load, so one the planner never serves must end: as Place waits
+    at most --model-load-timeout-s."""
+    nodes = [dataclasses.replace(n, warm="sim-llama-3.1-8b", cold=("sim-llama-3.1-8b", "sim-llama-2-7b"))
+             for n in fleet("1xa100")]
+    wants_b = dataclasses.replace(_request((1,), 256, "b"), model="sim-llama-2-7b")
+    result = Simulation(nodes, make_policy("baton"), planner=ModelPlanner(idle_swap_s=1e9)).run(
+        Workload("never", [wants_b]))
+    assert [r.failed for r in result.records] == ["no node could load its model within 300 s"]
+    assert 300 < result.provisioned_s < 302
