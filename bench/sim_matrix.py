@@ -30,9 +30,10 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from simulator.report import build_workload, mean_ci, merge_seeds, parse_args, run_one
+from simulator.report import TRACES, mean_ci, merge_seeds, parse_args, run_one
 from simulator.simulation import ADMISSIONS
 from simulator.study import run_all
+from simulator.workload import trace_length
 
 # SGLang's cache-aware policy and plain least-loaded trail these on every setting tried
 # (`baton sim` runs them all); the matrix keeps the strongest baselines to stay within a CI-sized budget.
@@ -128,20 +129,25 @@ def window_of(setting: Setting, skip: int, size: int) -> Setting:
     return replace(setting, name=f"{setting.name}, requests {skip:,}-{skip + size:,}", skip=skip)
 
 
+def _num_requests(setting: Setting, options: argparse.Namespace) -> int:
+    """The number of requests in setting's trace."""
+    return trace_length(Path(_args(setting, options).traces) / TRACES[setting.workload])
+
+
 def held_out_windows(setting: Setting, options: argparse.Namespace, count: int) -> list[Setting]:
     """The first `count` windows of options.limit requests of setting's trace that share no request with
     the matrix's (the first) or with a tuning window of that trace; fewer where the trace ends."""
     size = options.limit
     seen = max(size, REQUESTS)
     used = [(0, seen)] + [(t.skip, t.skip + seen) for t in TUNING if t.workload == setting.workload]
+    num_requests = _num_requests(setting, options)
     windows: list[Setting] = []
     skip = seen
     while len(windows) < count:
         if not any(skip < end and start < skip + size for start, end in used):
-            window = window_of(setting, skip, size)
-            if len(build_workload(_args(window, options), window.load).requests) < size:
+            if skip + size > num_requests:
                 break  # the trace ends inside it
-            windows.append(window)
+            windows.append(window_of(setting, skip, size))
         skip += size
     return windows
 

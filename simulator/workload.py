@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import datetime
 import json
+import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -126,19 +127,49 @@ def _sessions(rows: Sequence[tuple[int, ...]], prompt_lens: Sequence[int]) -> li
     return task_of
 
 
+def trace_length(path: Path) -> int:
+    """The number of requests in a Mooncake (JSON lines) or Azure (CSV) trace."""
+    with open(path) as trace:
+        if path.suffix == ".csv":
+            return sum(1 for _ in csv.DictReader(trace))
+        return sum(1 for line in trace if line.strip())
+
+
+def _check_window(speedup: float, prompt_scale: float, limit: int | None, skip: int) -> None:
+    """ValueError for a window of a trace that would replay nothing, or replay it wrong (negative or
+    infinite arrival times)."""
+    if not (math.isfinite(speedup) and speedup > 0):
+        raise ValueError(f"speedup must be a finite number above 0, not {speedup}")
+    if not (math.isfinite(prompt_scale) and prompt_scale > 0):
+        raise ValueError(f"prompt_scale must be a finite number above 0, not {prompt_scale}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be at least 1 request, not {limit}")
+    if skip < 0:
+        raise ValueError(f"skip must be at least 0, not {skip}")
+
+
+def _past_the_end(path: Path, skip: int, num_requests: int) -> ValueError:
+    return ValueError(f"skip {skip:,} is at or past the end of {path.name}, which has {num_requests:,} requests")
+
+
 def load_mooncake(path: Path, speedup: float = 1.0, prompt_scale: float = 1.0,
                   limit: int | None = None, skip: int = 0) -> Workload:
     """A Mooncake trace (timestamp ms, input_length, output_length, hash_ids); sessions become tasks.
 
     skip: start after the trace's first skip requests (a window disjoint from the first, to tune on)."""
+    _check_window(speedup, prompt_scale, limit, skip)
     rows = []
+    num_read = 0
     with open(path) as trace:
         for j, line in enumerate(trace):
+            num_read = j + 1
             if j < skip:
                 continue
             rows.append(json.loads(line))
             if limit is not None and len(rows) >= limit:
                 break
+    if skip and not rows:
+        raise _past_the_end(path, skip, num_read)
     hash_rows = [tuple(r["hash_ids"]) for r in rows]
     prompt_lens = [max(1, min(int(r["input_length"] * prompt_scale), TRACE_BLOCK * len(r["hash_ids"])))
                    for r in rows]
@@ -161,11 +192,14 @@ def load_mooncake(path: Path, speedup: float = 1.0, prompt_scale: float = 1.0,
 def load_azure(path: Path, speedup: float = 1.0, prompt_scale: float = 1.0, limit: int | None = None,
                skip: int = 0) -> Workload:
     """An Azure LLM inference trace (TIMESTAMP, ContextTokens, GeneratedTokens): no shared prefixes."""
+    _check_window(speedup, prompt_scale, limit, skip)
     requests: list[SimRequest] = []
     next_hash = 10**9  # far from any id a real trace uses: every prompt is unique
+    num_read = 0
     with open(path) as trace:
         start = None
         for j, row in enumerate(csv.DictReader(trace)):
+            num_read = j + 1
             if j < skip:
                 continue
             if limit is not None and j >= skip + limit:
@@ -180,6 +214,8 @@ def load_azure(path: Path, speedup: float = 1.0, prompt_scale: float = 1.0, limi
                 request_id=f"r{j}", arrival_s=(stamp - start).total_seconds() / speedup, hash_ids=hash_ids,
                 prompt_len=prompt_len, output_len=max(1, int(row["GeneratedTokens"])), task_id=f"t{j}",
             ))
+    if skip and not requests:
+        raise _past_the_end(path, skip, num_read)
     return Workload(name=path.stem, requests=requests)
 
 

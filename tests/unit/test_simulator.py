@@ -17,7 +17,17 @@ from services.scheduler.policies import make_policy
 from simulator.metrics import Slo, summarize
 from simulator.model_study import shifted
 from simulator.simulation import RunResult, Simulation, fleet
-from simulator.workload import SimRequest, TokenBook, Workload, agentic_workflows, load_mooncake
+from simulator.report import TRACES
+from simulator.workload import (
+    SimRequest,
+    TokenBook,
+    Workload,
+    agentic_workflows,
+    load_azure,
+    load_mooncake,
+    trace_length,
+)
+from tests.unit.sim_cli import write_traces
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -93,6 +103,22 @@ def test_mooncake_prompt_scale_scales_input_lengths(tmp_path: Path) -> None:
     # Never longer than the hash ids describe.
     assert [r.prompt_len for r in load_mooncake(trace, prompt_scale=2.0).requests] == [1024, 1536, 1536, 1024]
     assert [r.arrival_s for r in load_mooncake(trace, limit=2).requests] == [0.0, 0.5]
+
+
+@pytest.mark.parametrize("loader", [load_mooncake, load_azure])
+def test_a_window_that_would_replay_nothing_or_run_time_backwards_is_refused(tmp_path: Path, loader) -> None:
+    """Mooncake's limit 0 replayed one request and Azure's none; a skip past the end replayed none (a table of
+    nan); a negative speed-up made arrivals negative."""
+    trace = write_traces(tmp_path, num_requests=10) / TRACES["mooncake-conversation" if loader is load_mooncake
+                                                                else "azure-conv"]
+    with pytest.raises(ValueError, match="limit must be at least 1"):
+        loader(trace, limit=0)
+    with pytest.raises(ValueError, match=f"skip 10 is at or past the end of {trace.name}, which has 10 requests"):
+        loader(trace, skip=10)
+    with pytest.raises(ValueError, match="speedup must be a finite number above 0"):
+        loader(trace, speedup=-1.0)
+    assert len(loader(trace, skip=9).requests) == 1
+    assert trace_length(trace) == 10
 
 
 # -- Simulation -------------------------------------------------------------------------------------
