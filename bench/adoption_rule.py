@@ -166,13 +166,19 @@ class Verdict:
         return self.behind_best is None or self.behind_best[0] <= self.behind_best[1]
 
 
+def _seeds(options: dict) -> list[int]:
+    """The seeds a results file ran: a list, or text as --seeds took it before the flag was parsed."""
+    seeds = options["seeds"]
+    return [int(s) for s in (seeds if isinstance(seeds, list) else str(seeds).split(","))]
+
+
 def load(directories: list[Path]) -> tuple[list[int], dict[str, list[dict]]]:
     """The seeds, and per window-setting the policy's runs in the seeds' order, of result directories."""
     seeds: list[int] = []
     runs: dict[str, list[dict]] = {}
     for directory in directories:
         result = json.loads((directory / "results.json").read_text())
-        seeds += [int(s) for s in str(result["options"]["seeds"]).split(",")]
+        seeds += _seeds(result["options"])
         for setting, policies in result["per_seed"].items():
             runs.setdefault(setting, []).extend(policies[POLICY])
     return seeds, runs

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from bench.sim_matrix import BASELINES
 from services.node_agent.engines.sim.models import GPU_SPECS
-from simulator.report import parse_args, run_one
+from simulator import flags
+from simulator.report import TRACES, check_trace, parse_args, run_one
 from simulator.study import worker_pool
 
 
@@ -52,27 +53,37 @@ def price_per_hour(fleet: str) -> float:
 
 def _run(job: tuple[argparse.Namespace, str, int]) -> dict:
     args, policy, seed = job
-    return run_one((args, policy, float(args.loads), seed))[3]
+    (load,) = args.loads
+    return run_one((args, policy, load, seed))[3]
 
 
 def _mean(summaries: list[dict], key: str) -> float:
     return sum(s[key] for s in summaries) / len(summaries)
 
 
+def _target(text: str) -> float:
+    value = flags.share(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be above 0 (every fleet holds 0 %)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.cheapest_fleet", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", default="mooncake-conversation")
-    parser.add_argument("--load", type=float, default=1.0)
-    parser.add_argument("--limit", type=int, default=600)
-    parser.add_argument("--skip", type=int, default=0,
-                        help="requests of the trace skipped before the ones replayed (a later window of it)")
-    parser.add_argument("--target", type=float, default=0.99, help="SLO attainment to hold")
-    parser.add_argument("--ttft-slo", type=float, default=5.0)
-    parser.add_argument("--tpot-slo", type=float, default=0.1)
-    parser.add_argument("--timing-error", type=float, default=0.3)
-    parser.add_argument("--seeds", default="0", help="seeds of the timing error, comma-separated")
-    parser.add_argument("--policies", default=",".join(("baton", *BASELINES, "sglang")))
+    parser.add_argument("--workload", choices=[*TRACES, "agentic"], default="mooncake-conversation")
+    parser.add_argument("--load", type=flags.positive_number, default=1.0)
+    parser.add_argument("--limit", type=flags.positive_int, default=600)
+    parser.add_argument("--skip", type=flags.non_negative_int, default=0,
+                        help="requests of the trace skipped before the ones replayed (a later window of it; traces "
+                        "only, not the agentic workload)")
+    parser.add_argument("--target", type=_target, default=0.99, help="SLO attainment to hold, above 0 and at most 1")
+    parser.add_argument("--ttft-slo", type=flags.slo_seconds, default=5.0)
+    parser.add_argument("--tpot-slo", type=flags.slo_seconds, default=0.1)
+    parser.add_argument("--timing-error", type=flags.timing_error, default=0.3, help="in [0, 1)")
+    parser.add_argument("--seeds", type=flags.seeds, default=(0,),
+                        help="seeds of the timing error, comma-separated or ranges (400-402)")
+    parser.add_argument("--policies", type=flags.policies, default=("baton", *BASELINES, "sglang"))
     parser.add_argument("--traces", default="")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default="results/cheapest")
@@ -88,9 +99,13 @@ def args_for(options: argparse.Namespace, fleet: str) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    options = build_parser().parse_args(argv)
-    policies = options.policies.split(",")
-    seeds = [int(s) for s in options.seeds.split(",")]
+    parser = build_parser()
+    options = parser.parse_args(argv)
+    if options.workload == "agentic" and options.skip:
+        parser.error(f"argument --skip: {options.skip}: the agentic workload is generated, not read from a trace; "
+                     "it has no requests to skip")
+    check_trace(parser.error, args_for(options, FAMILIES[0].fleet(1)))
+    policies, seeds = options.policies, options.seeds
 
     started = time.perf_counter()
     runs: dict[tuple[str, str], list[dict]] = {}  # (policy, fleet): one summary per seed
@@ -117,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                 else f"first {options.limit} requests")
     lines = [f"Cheapest fleet holding {options.target:.0%} SLO attainment (TTFT {options.ttft_slo:g} s, TPOT "
              f"{options.tpot_slo * 1000:.0f} ms): {options.workload}, {replayed} at "
-             f"{options.load:g}x, ±{options.timing_error:.0%} timing error (seeds {options.seeds}; attainment and "
-             f"costs their means); {len(runs) * len(seeds)} runs in {wall_s / 60:.0f} min.", "",
+             f"{options.load:g}x, ±{options.timing_error:.0%} timing error (seeds {flags.seeds_text(seeds)}; "
+             f"attainment and costs their means); {len(runs) * len(seeds)} runs in {wall_s / 60:.0f} min.", "",
              "| policy | " + " | ".join(f.name for f in FAMILIES)
              + " | cheapest | $/h | SLO attainment | whole-fleet $ per success | busy-time $ per success |",
              "|---|" + "---|" * len(FAMILIES) + "---|---:|---:|---:|---:|"]

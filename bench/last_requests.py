@@ -29,7 +29,7 @@ import re
 import sys
 from collections import Counter
 
-from bench.sim_matrix import BASELINES, SETTINGS, TUNING, Setting, _args, build_parser, window_of
+from bench.sim_matrix import BASELINES, SETTINGS, TUNING, Setting, _args, build_parser, tuning_windows, window_of
 from services.common.slo import Outcome
 from simulator.metrics import Slo
 from simulator.report import build_workload, simulate
@@ -41,7 +41,7 @@ WINDOW = re.compile(r"(?P<base>.+), requests (?P<start>[\d,]+)-(?P<end>[\d,]+)")
 def find_setting(name: str, options: argparse.Namespace) -> Setting | None:
     """A setting of the matrix or a tuning window by its full name, or a matrix setting's window of
     options.limit requests named as bench.sim_matrix --windows names them ("<setting>, requests 1,200-1,800")."""
-    for setting in SETTINGS + TUNING:
+    for setting in SETTINGS + TUNING + tuning_windows(options.limit):  # the tuning windows as --limit names them too
         if setting.name == name:
             return setting
     match = WINDOW.fullmatch(name)

@@ -27,10 +27,11 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from simulator.report import TRACES, mean_ci, merge_seeds, parse_args, run_one
+from simulator import flags
+from simulator.report import TRACES, check_trace, mean_ci, merge_seeds, parse_args, run_one
 from simulator.simulation import ADMISSIONS
 from simulator.study import run_all
 from simulator.workload import trace_length
@@ -77,29 +78,43 @@ SETTINGS = (
 )
 
 
+# The matrix replays each trace's first REQUESTS requests and a tuning window as many from its skip (the
+# default --limit); windows of another size still keep clear of those.
+REQUESTS = 600
+
+
+def window_of(setting: Setting, skip: int, size: int) -> Setting:
+    """The setting replayed over `size` requests of its trace from request `skip`, named for them."""
+    return replace(setting, name=f"{setting.name}, requests {skip:,}-{skip + size:,}", skip=skip)
+
+
 # Where Baton's parameters are chosen: windows of the same traces with no request in common with the
 # matrix's (its first 600), on the matrix's fleets and loads (docs/evaluation.md, "What was tuned on what").
 _SLO_MIX = "0.3:1:0.03,0.7:30:0.2"
-TUNING = tuple(
-    Setting(f"{name}, requests {skip:,}-{skip + 600:,}", workload, fleet, load, tpot_s=tpot, slo_mix=mix, skip=skip)
-    for skip in (3000, 6000)
-    for name, workload, fleet, load, tpot, mix in (
-        ("Mooncake conversation, 8xH100, 1x", "mooncake-conversation", "8xh100", 1.0, 0.1, ""),
-        ("Mooncake conversation, 8xH100, 2x", "mooncake-conversation", "8xh100", 2.0, 0.1, ""),
-        ("Mooncake conversation, 8xH100, 1x, TPOT 30 ms", "mooncake-conversation", "8xh100", 1.0, 0.03, ""),
-        ("Mooncake conversation, mixed, 1x", "mooncake-conversation", MIXED, 1.0, 0.1, ""),
-        ("Mooncake conversation, mixed, 3x", "mooncake-conversation", MIXED, 3.0, 0.1, ""),
-        ("Mooncake conversation, 2xH100+8xL4, 1x", "mooncake-conversation", "2xh100,8xl4", 1.0, 0.1, ""),
-        ("SLO mix: Mooncake conversation, mixed, 1x", "mooncake-conversation", MIXED, 1.0, 0.1, _SLO_MIX),
-        ("Azure conversation, mixed, 1x", "azure-conv", MIXED, 1.0, 0.1, ""),
-        ("Azure conversation, mixed, 3x", "azure-conv", MIXED, 3.0, 0.1, ""),
-        ("Azure code, mixed, 2x", "azure-code", MIXED, 2.0, 0.1, ""),
-    )
-) + tuple(  # the synthetic trace has 3,993 requests
-    Setting(f"Mooncake synthetic, mixed, 1x, requests {skip:,}-{skip + 600:,}", "mooncake-synthetic", MIXED, 1.0,
-            skip=skip)
-    for skip in (1500, 3000)
+_TUNED = (
+    Setting("Mooncake conversation, 8xH100, 1x", "mooncake-conversation", "8xh100", 1.0),
+    Setting("Mooncake conversation, 8xH100, 2x", "mooncake-conversation", "8xh100", 2.0),
+    Setting("Mooncake conversation, 8xH100, 1x, TPOT 30 ms", "mooncake-conversation", "8xh100", 1.0, tpot_s=0.03),
+    Setting("Mooncake conversation, mixed, 1x", "mooncake-conversation", MIXED, 1.0),
+    Setting("Mooncake conversation, mixed, 3x", "mooncake-conversation", MIXED, 3.0),
+    Setting("Mooncake conversation, 2xH100+8xL4, 1x", "mooncake-conversation", "2xh100,8xl4", 1.0),
+    Setting("SLO mix: Mooncake conversation, mixed, 1x", "mooncake-conversation", MIXED, 1.0, slo_mix=_SLO_MIX),
+    Setting("Azure conversation, mixed, 1x", "azure-conv", MIXED, 1.0),
+    Setting("Azure conversation, mixed, 3x", "azure-conv", MIXED, 3.0),
+    Setting("Azure code, mixed, 2x", "azure-code", MIXED, 2.0),
 )
+
+
+def tuning_windows(size: int = REQUESTS) -> tuple[Setting, ...]:
+    """The tuning windows of `size` requests each (--limit), named for the requests they replay."""
+    return tuple(window_of(setting, skip, size) for skip in (3000, 6000) for setting in _TUNED) + tuple(
+        # the synthetic trace has 3,993 requests
+        window_of(Setting("Mooncake synthetic, mixed, 1x", "mooncake-synthetic", MIXED, 1.0), skip, size)
+        for skip in (1500, 3000)
+    )
+
+
+TUNING = tuning_windows()
 
 
 def _args(setting: Setting, options: argparse.Namespace) -> argparse.Namespace:
@@ -119,14 +134,13 @@ def _args(setting: Setting, options: argparse.Namespace) -> argparse.Namespace:
     return parse_args(argv)
 
 
-# The matrix replays each trace's first REQUESTS requests and a tuning window as many from its skip (the
-# default --limit); windows of another size still keep clear of those.
-REQUESTS = 600
-
-
-def window_of(setting: Setting, skip: int, size: int) -> Setting:
-    """The setting replayed over `size` requests of its trace from request `skip`, named for them."""
-    return replace(setting, name=f"{setting.name}, requests {skip:,}-{skip + size:,}", skip=skip)
+def setup_of(setting: Setting, options: argparse.Namespace) -> dict:
+    """What a setting's runs replay and how, all but the policy and the seeds: the options that change a run, and
+    the setting's own fields (bench.adoption_rule compares two sides' setups)."""
+    setup = {key: getattr(options, key) for key in ("limit", "timing_error", "max_tokens", "admission", "tuning")}
+    setup.update({key: value for key, value in asdict(setting).items() if key not in ("name", "limit")})
+    setup["agent_tasks"] = setting.limit
+    return setup
 
 
 def _num_requests(setting: Setting, options: argparse.Namespace) -> int:
@@ -270,16 +284,18 @@ def _cell(s: dict, key: str, fmt: str, scale: float = 1.0) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.sim_matrix", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--limit", type=int, default=600, help="first N requests of each trace (or N agent tasks)")
-    parser.add_argument("--seeds", default="0,1", help="seeds of the timing-model error draw")
-    parser.add_argument("--sweep-seeds", default="0", help="seeds for the SLO-sweep settings")
-    parser.add_argument("--timing-error", type=float, default=0.3)
-    parser.add_argument("--max-tokens", type=int, default=2048)
-    parser.add_argument("--policies", default=",".join(("baton", *BASELINES)))
+    parser.add_argument("--limit", type=flags.positive_int, default=REQUESTS,
+                        help="first N requests of each trace (or of each tuning window)")
+    parser.add_argument("--seeds", type=flags.seeds, default=(0, 1),
+                        help="seeds of the timing-model error draw, comma-separated or ranges (10-19)")
+    parser.add_argument("--sweep-seeds", type=flags.seeds, default=(0,), help="seeds for the SLO-sweep settings")
+    parser.add_argument("--timing-error", type=flags.timing_error, default=0.3, help="in [0, 1)")
+    parser.add_argument("--max-tokens", type=flags.positive_int, default=2048)
+    parser.add_argument("--policies", type=flags.policies, default=("baton", *BASELINES))
     parser.add_argument("--only", default="", help="run only the settings whose name contains this")
     parser.add_argument("--tuning", action="store_true",
-                        help="the tuning windows instead of the matrix (choose parameters there: --seeds 10,...,19)")
-    parser.add_argument("--windows", type=int, default=0,
+                        help="the tuning windows instead of the matrix (choose parameters there: --seeds 10-19)")
+    parser.add_argument("--windows", type=flags.non_negative_int, default=0,
                         help="replay each chosen setting over this many other windows of its trace, and pool them")
     parser.add_argument("--traces", default="")
     parser.add_argument("--admission", choices=ADMISSIONS, default="none",
@@ -291,15 +307,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    options = build_parser().parse_args(argv)
-    policies = options.policies.split(",")
-    settings = [s for s in (TUNING if options.tuning else SETTINGS) if options.only in s.name]
+    parser = build_parser()
+    options = parser.parse_args(argv)
+    policies = options.policies
+    candidates = tuning_windows(options.limit) if options.tuning else SETTINGS
+    settings = [s for s in candidates if options.only in s.name]
+    if not settings:
+        parser.error(f"argument --only: no {'tuning window' if options.tuning else 'setting'} has {options.only!r} "
+                     f"in its name; they are: {'; '.join(s.name for s in candidates)}")
+    for setting in settings:
+        check_trace(parser.error, _args(setting, options))
     pools: dict[str, list[str]] = {}
     unwindowed: list[str] = []
     if options.windows:  # each trace setting's windows in its place (agent tasks are generated: no windows)
-        if options.tuning or options.limit <= 0:
-            build_parser().error("--windows replays windows of --limit requests (> 0) of the matrix's settings, "
-                                 "not of the tuning windows")
+        if options.tuning:
+            parser.error("--windows replays windows of --limit requests of the matrix's settings, "
+                         "not of the tuning windows")
         chosen, settings = settings, []
         for setting in chosen:
             windows = held_out_windows(setting, options, options.windows) if setting.limit is None else []
@@ -310,16 +333,15 @@ def main(argv: list[str] | None = None) -> int:
                 unwindowed.append(setting.name)
 
     def seeds_of(setting: Setting) -> list[int]:
-        chosen = options.sweep_seeds if setting.name.startswith("SLO sweep") else options.seeds
-        return [int(seed) for seed in chosen.split(",")]
+        return list(options.sweep_seeds if setting.name.startswith("SLO sweep") else options.seeds)
 
     jobs = [(_args(s, options), p, s.load, seed) for s in settings for p in policies for seed in seeds_of(s)]
     started = time.perf_counter()
     outcomes = run_all(run_one, jobs, options.jobs)
     wall_s = time.perf_counter() - started
-    lines = [f"{'Tuning windows' if options.tuning else 'Matrix'}: policies over seeds {options.seeds} "
-             f"(SLO sweep: {options.sweep_seeds}) of ±{options.timing_error:.0%} "
-             f"timing-model error per GPU "
+    lines = [f"{'Tuning windows' if options.tuning else 'Matrix'}: policies over seeds "
+             f"{flags.seeds_text(options.seeds)} (SLO sweep: {flags.seeds_text(options.sweep_seeds)}) of "
+             f"±{options.timing_error:.0%} timing-model error per GPU "
              f"generation; the scheduler sees max_tokens={options.max_tokens}, never true output lengths; "
              f"{options.limit} requests (agentic: tasks) of each trace, "
              f"{'from the window named' if options.tuning or options.windows else 'the first'}. "
@@ -362,8 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.md").write_text("\n".join(lines) + "\n")
-    (out / "results.json").write_text(json.dumps({"options": vars(options), "settings": merged,
-                                                         "per_seed": seeds_run}, indent=1))
+    setups = {setting.name: setup_of(setting, options) for setting in settings}
+    (out / "results.json").write_text(json.dumps({"options": vars(options), "settings": merged, "setups": setups,
+                                                  "per_seed": seeds_run}, indent=1))
     print("\n".join(lines))
     return 0
 

@@ -8,18 +8,19 @@ import sys
 from pathlib import Path
 
 from services.scheduler.policies import make_policy
+from simulator import flags
 from simulator.metrics import Slo, met_by, summarize
 from simulator.simulation import ADMISSIONS, Simulation, fleet
 from simulator.study import run_all, study_parser, write_results
 from simulator.workload import assign_classes, load_mooncake
 
+TRACE = "conversation_trace.jsonl"
 NAMES = {"none": "FIFO (no admission)", "gie": "GIE flow control", "baton": "Baton admission"}
 
 
 def run_one(job: tuple[argparse.Namespace, str, float]) -> tuple[str, float, dict]:
     args, admission, load = job
-    workload = assign_classes(load_mooncake(Path(args.traces) / "conversation_trace.jsonl", speedup=load,
-                                            limit=args.limit))
+    workload = assign_classes(load_mooncake(Path(args.traces) / TRACE, speedup=load, limit=args.limit))
     slo = Slo(args.ttft_slo, args.tpot_slo)
     result = Simulation(fleet(args.fleet), make_policy(args.policy), model=args.model, admission=admission,
                         ttft_budget_ms=int(args.ttft_slo * 1000), tpot_budget_ms=int(args.tpot_slo * 1000),
@@ -42,9 +43,10 @@ def _share(bands: dict[str, tuple[int, int]], band: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = study_parser("baton sim-admission", __doc__, fleet="4xh100", policy="dynamo", loads="0.5,1,2,3",
                           limit=3000, out="results/admission")
-    parser.add_argument("--model", default="sim-llama-3.1-8b")
+    parser.add_argument("--model", type=flags.sim_model, default="sim-llama-3.1-8b")
     args = parser.parse_args(argv)
-    loads = [float(x) for x in args.loads.split(",")]
+    flags.check_trace(parser.error, args.traces, TRACE)
+    loads = args.loads
     rows = run_all(run_one, [(args, admission, load) for load in loads for admission in ADMISSIONS], args.jobs)
     lines = ["| load | admission | goodput (req/s) | SLO met, band 1 | band 0 | band -1 | refused or shed "
              "| cost per successful task, whole fleet / busy ($) |",

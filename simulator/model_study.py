@@ -2,10 +2,13 @@
 
 The Azure conversation trace, each task asking for model A or B: B's share of new tasks grows
 linearly from --start-share to --end-share over the run (requests longer than B's context always
-ask for A). Every node starts with A or B warm, split as --split says, and both on its disk.
-`static` keeps that split; `planner` runs the scheduler leader's model planner, which loads a
-model where demand outgrows its warm nodes and swaps idle nodes over (loads take the modelled
-cold-start time, during which the GPU is billed and serves nothing).
+ask for A). Every node has both models on its disk; --split A,B starts the fleet's first A nodes
+with model A warm, the next B with model B, and any left over with none (a placement may load one
+there, as on a cold node live). Without --split three quarters of the fleet start with A and the
+rest, at least one node, with B (6,2 on the default 8 nodes). `static` keeps the warm models where
+they started; `planner` runs the scheduler leader's model planner, which loads a model where demand
+outgrows its warm nodes and swaps idle nodes over (loads take the modelled cold-start time, during
+which the GPU is billed and serves nothing).
 """
 
 from __future__ import annotations
@@ -20,12 +23,26 @@ from pathlib import Path
 from services.node_agent.engines.sim.models import get_model
 from services.scheduler.model_planner import ModelPlanner
 from services.scheduler.policies import make_policy
+from simulator import flags
 from simulator.metrics import Slo, met_by, summarize
 from simulator.simulation import Simulation, fleet
 from simulator.study import run_all, study_parser, write_results
 from simulator.workload import Workload, load_azure
 
 MODES = ("static", "planner")
+TRACE = "AzureLLMInferenceTrace_conv.csv"
+
+
+def default_split(num_nodes: int) -> tuple[int, int]:
+    """Nodes starting with A warm and with B: a quarter with B, at least one where the fleet has two."""
+    num_b = max(1, num_nodes // 4) if num_nodes > 1 else 0
+    return num_nodes - num_b, num_b
+
+
+def warm_models(num_nodes: int, split: tuple[int, int], model_a: str, model_b: str) -> list[str]:
+    """The model each node starts with warm: the first split[0] A, the next split[1] B, the rest none ("")."""
+    num_a, num_b = split
+    return [model_a if i < num_a else model_b if i < num_a + num_b else "" for i in range(num_nodes)]
 
 
 def shifted(workload: Workload, model_a: str, model_b: str, start_share: float, end_share: float,
@@ -46,12 +63,12 @@ def shifted(workload: Workload, model_a: str, model_b: str, start_share: float, 
 
 def run_one(job: tuple[argparse.Namespace, str, float]) -> tuple[str, float, dict]:
     args, mode, load = job
-    model_a, model_b = args.models.split(",")
-    workload = shifted(load_azure(Path(args.traces) / "AzureLLMInferenceTrace_conv.csv", speedup=load,
-                                  limit=args.limit), model_a, model_b, args.start_share, args.end_share)
-    num_a = int(args.split.split(",")[0])
-    nodes = [dataclasses.replace(n, warm=model_a if i < num_a else model_b, cold=(model_a, model_b))
-             for i, n in enumerate(fleet(args.fleet))]
+    model_a, model_b = args.models
+    workload = shifted(load_azure(Path(args.traces) / TRACE, speedup=load, limit=args.limit), model_a, model_b,
+                       args.start_share, args.end_share)
+    nodes = fleet(args.fleet)
+    nodes = [dataclasses.replace(n, warm=warm, cold=(model_a, model_b))
+             for n, warm in zip(nodes, warm_models(len(nodes), args.split, model_a, model_b), strict=True)]
     planner = ModelPlanner(idle_swap_s=args.swap_idle_s) if mode == "planner" else None
     slo = Slo(args.ttft_slo, args.tpot_slo)
     simulation = Simulation(nodes, make_policy(args.policy), model=model_a, planner=planner,
@@ -80,14 +97,23 @@ def table(rows: list[tuple[str, float, dict]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = study_parser("baton sim-models", __doc__, fleet="8xa100", policy="baton", loads="2,4,6", limit=8000,
                           out="results/models")
-    parser.add_argument("--models", default="sim-llama-3.1-8b,sim-llama-2-7b", help="A,B")
-    parser.add_argument("--split", default="6,2", help="nodes starting with A warm, with B warm")
-    parser.add_argument("--start-share", type=float, default=0.1, help="B's share of new tasks at the start")
-    parser.add_argument("--end-share", type=float, default=0.9, help="B's share of new tasks at the end")
+    parser.add_argument("--models", type=flags.model_pair, default=("sim-llama-3.1-8b", "sim-llama-2-7b"),
+                        help="A,B: two simulated models")
+    parser.add_argument("--split", type=flags.split, default=None,
+                        help="A,B: nodes starting with A warm, then with B warm, at most the fleet's size (the rest "
+                        "start with none); default: three quarters A, the rest (at least one) B")
+    parser.add_argument("--start-share", type=flags.share, default=0.1, help="B's share of new tasks at the start")
+    parser.add_argument("--end-share", type=flags.share, default=0.9, help="B's share of new tasks at the end")
     parser.add_argument("--swap-idle-s", type=float, default=10.0)
     args = parser.parse_args(argv)
-    rows = run_all(run_one, [(args, mode, float(load)) for load in args.loads.split(",") for mode in MODES],
-                   args.jobs)
+    num_nodes = len(fleet(args.fleet))
+    if args.split is None:
+        args.split = default_split(num_nodes)
+    elif sum(args.split) > num_nodes:
+        parser.error(f"argument --split: {args.split[0]},{args.split[1]} makes {sum(args.split)} nodes; "
+                     f"the fleet {args.fleet} has {num_nodes}")
+    flags.check_trace(parser.error, args.traces, TRACE)
+    rows = run_all(run_one, [(args, mode, load) for load in args.loads for mode in MODES], args.jobs)
     write_results(args.out, table(rows), {"args": vars(args), "runs": [
         {"mode": m, "load": x, **s} for m, x, s in rows]})
     return 0

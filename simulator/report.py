@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from services.scheduler.policies import POLICIES, make_policy
+from simulator import flags
 from simulator.metrics import Slo, summarize, ttft_values
 from simulator.simulation import ADMISSIONS, RunResult, Simulation, fleet
 from simulator.study import run_all
@@ -31,12 +32,15 @@ TRACES = {
     "azure-conv": "AzureLLMInferenceTrace_conv.csv",
     "azure-code": "AzureLLMInferenceTrace_code.csv",
 }
+# The agentic workload's tasks when --limit sets none.
+AGENT_TASKS = 200
 
 
 def build_workload(args: argparse.Namespace, load: float) -> Workload:
     """The workload at a load level: trace arrivals sped up by `load` (a closed-loop agent rate scaled)."""
     if args.workload == "agentic":
-        workload = agentic_workflows(num_tasks=args.limit or 200, steps=5, system_len=2048, step_len=512,
+        num_tasks = AGENT_TASKS if args.limit is None else args.limit
+        workload = agentic_workflows(num_tasks=num_tasks, steps=5, system_len=2048, step_len=512,
                                      output_len=256, think_s=2.0, rate_per_s=load)
     else:
         path = Path(args.traces) / TRACES[args.workload]
@@ -49,8 +53,7 @@ def simulate(args: argparse.Namespace, policy: str, workload: Workload, seed: in
              simulation: Callable[..., Simulation] = Simulation) -> RunResult:
     """One run of workload under policy, as these options set it up (by `simulation`: a subclass that
     explores a mechanism the services lack, `bench.tail_moves`)."""
-    failures = tuple((float(at), node) for at, node in (k.split(":") for k in args.kill)) if args.kill else ()
-    return simulation(fleet(args.fleet), make_policy(policy), model=args.model, failures=failures,
+    return simulation(fleet(args.fleet), make_policy(policy), model=args.model, failures=tuple(args.kill),
                       ttft_budget_ms=int(args.ttft_slo * 1000), tpot_budget_ms=int(args.tpot_slo * 1000),
                       max_tokens=args.max_tokens, timing_error=args.timing_error, seed=seed,
                       admission=args.admission).run(workload)
@@ -162,50 +165,68 @@ def _slo_mix(text: str) -> tuple[SloClass, ...]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton sim", description=__doc__)
     parser.add_argument("--workload", choices=[*TRACES, "agentic"], default="mooncake-conversation")
     parser.add_argument("--traces", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces"),
                         help="folder of the traces (../shared/traces)")
-    parser.add_argument("--fleet", default="4xh100,4xa100,4xl4", help="e.g. 16xh100 or 4xh100,4xa100,4xl4")
-    parser.add_argument("--model", default="sim-llama-3.1-8b")
-    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated; default: all")
-    parser.add_argument("--loads", default="1", help="comma-separated trace speed-ups, e.g. 0.5,1,2")
-    parser.add_argument("--prompt-scale", type=float, default=1.0, help="multiply every prompt length")
-    parser.add_argument("--limit", type=int, default=None, help="first N requests (or N agent tasks)")
-    parser.add_argument("--skip", type=int, default=0,
-                        help="start after the trace's first N requests (a window to tune on, disjoint from the first)")
-    parser.add_argument("--ttft-slo", type=float, default=5.0, help="seconds")
-    parser.add_argument("--tpot-slo", type=float, default=0.1, help="seconds per output token")
+    parser.add_argument("--fleet", type=flags.fleet, default="4xh100,4xa100,4xl4",
+                        help="e.g. 16xh100 or 4xh100,4xa100,4xl4")
+    parser.add_argument("--model", type=flags.sim_model, default="sim-llama-3.1-8b")
+    parser.add_argument("--policies", type=flags.policies, default=tuple(POLICIES),
+                        help="comma-separated; default: all")
+    parser.add_argument("--loads", type=flags.loads, default=(1.0,),
+                        help="comma-separated trace speed-ups, e.g. 0.5,1,2")
+    parser.add_argument("--prompt-scale", type=flags.positive_number, default=1.0, help="multiply every prompt length")
+    parser.add_argument("--limit", type=flags.positive_int, default=None,
+                        help=f"first N requests (or N agent tasks; default: the whole trace, or {AGENT_TASKS} tasks)")
+    parser.add_argument("--skip", type=flags.non_negative_int, default=0,
+                        help="start after the trace's first N requests (a window to tune on, disjoint from the "
+                        "first); traces only: the agentic workload is generated, and refuses it")
+    parser.add_argument("--ttft-slo", type=flags.slo_seconds, default=5.0, help="seconds")
+    parser.add_argument("--tpot-slo", type=flags.slo_seconds, default=0.1, help="seconds per output token")
     parser.add_argument("--slo-mix", type=_slo_mix, default=(),
                         help="SHARE:TTFT_S:TPOT_S,...: each task drawn into a class that sets its own budgets "
                         "(its tenant class0, class1, ...), e.g. 0.3:1:0.03,0.7:30:0.2; the shares add up to 1")
-    parser.add_argument("--max-tokens", type=int, default=2048,
+    parser.add_argument("--max-tokens", type=flags.positive_int, default=2048,
                         help="what every client asks for; the scheduler never sees a request's true output length")
-    parser.add_argument("--timing-error", type=float, default=0.3,
-                        help="each GPU generation runs its timing model scaled by a factor drawn from [1-e, 1+e]")
-    parser.add_argument("--seeds", default="0", help="comma-separated seeds of the timing-error draw; "
-                        "several give each figure a 95%% confidence interval")
+    parser.add_argument("--timing-error", type=flags.timing_error, default=0.3,
+                        help="each GPU generation runs its timing model scaled by a factor drawn from [1-e, 1+e]; "
+                        "e in [0, 1)")
+    parser.add_argument("--seeds", type=flags.seeds, default=(0,), help="comma-separated seeds of the timing-error "
+                        "draw, or ranges (10-19); several give each figure a 95%% confidence interval")
     parser.add_argument("--admission", choices=ADMISSIONS, default="none",
                         help="the leader's admission: none (every request placed at once, nodes queue FIFO), "
                         "baton (the scheduler's own gate, as a live cluster runs every policy) or gie")
-    parser.add_argument("--kill", action="append", default=[], help="AT_S:NODE_ID, e.g. 600:h100-0 (repeatable)")
+    parser.add_argument("--kill", type=flags.kill, action="append", default=[],
+                        help="AT_S:NODE_ID, e.g. 600:h100-0 (repeatable); a fleet's nodes are its GPU and their "
+                        "place in it: 2xh100,2xl4 has h100-0, h100-1, l4-2, l4-3")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs in parallel")
     parser.add_argument("--out", default="results/sim", help="folder for table.md, results.json and plots")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The options, the flags each checked and those that go together checked together (not the trace)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.workload == "agentic" and args.skip:
+        parser.error(f"argument --skip: {args.skip}: the agentic workload is generated, not read from a trace; "
+                     "it has no requests to skip")
+    flags.check_kills(parser.error, args.kill, args.fleet)
+    return args
+
+
+def check_trace(refuse: flags.Refuse, args: argparse.Namespace) -> None:
+    """The workload's trace is there and holds more requests than --skip (agent tasks need none)."""
+    if args.workload != "agentic":
+        flags.check_trace(refuse, args.traces, TRACES[args.workload], args.skip)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    for policy in policies:
-        make_policy(policy)  # a bad name fails here, not in a worker
-    if args.workload != "agentic" and not (Path(args.traces) / TRACES[args.workload]).is_file():
-        print(f"baton sim: no {TRACES[args.workload]} in {args.traces}: the traces are expected in the folder "
-              f"`shared/traces` beside the checkout; point --traces at the folder that holds them", file=sys.stderr)
-        return 2
-    loads = [float(x) for x in args.loads.split(",")]
-    seeds = [int(x) for x in args.seeds.split(",")]
+    check_trace(build_parser().error, args)
+    policies, loads, seeds = args.policies, args.loads, args.seeds
     jobs = [(args, policy, load, seed) for load in loads for policy in policies for seed in seeds]
     outcomes = run_all(run_one, jobs, args.jobs)
     rows = [(policy, load, merge_seeds([s for p, lo, _, s, _, _ in outcomes if (p, lo) == (policy, load)]))

@@ -12,6 +12,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+from simulator import flags
+
 Job = TypeVar("Job")
 Row = TypeVar("Row")
 
@@ -22,14 +24,16 @@ def study_parser(prog: str, description: str | None, *, fleet: str, policy: str,
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--traces", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces"),
                         help="folder of the traces (../shared/traces)")
-    parser.add_argument("--fleet", default=fleet, help="e.g. 16xh100 or 4xh100,4xa100,4xl4")
-    parser.add_argument("--policy", default=policy, help="placement policy")
-    parser.add_argument("--loads", default=loads, help="comma-separated trace speed-ups")
-    parser.add_argument("--limit", type=int, default=limit, help="first N requests of the trace")
-    parser.add_argument("--ttft-slo", type=float, default=5.0, help="seconds")
-    parser.add_argument("--tpot-slo", type=float, default=0.1, help="seconds per output token")
-    parser.add_argument("--timing-error", type=float, default=0.3,
-                        help="each GPU generation runs its timing model scaled by a factor drawn from [1-e, 1+e]")
+    parser.add_argument("--fleet", type=flags.fleet, default=fleet, help="e.g. 16xh100 or 4xh100,4xa100,4xl4")
+    parser.add_argument("--policy", type=flags.policy, default=policy, help="placement policy")
+    parser.add_argument("--loads", type=flags.loads, default=flags.loads(loads),
+                        help="comma-separated trace speed-ups")
+    parser.add_argument("--limit", type=flags.positive_int, default=limit, help="first N requests of the trace")
+    parser.add_argument("--ttft-slo", type=flags.slo_seconds, default=5.0, help="seconds")
+    parser.add_argument("--tpot-slo", type=flags.slo_seconds, default=0.1, help="seconds per output token")
+    parser.add_argument("--timing-error", type=flags.timing_error, default=0.3,
+                        help="each GPU generation runs its timing model scaled by a factor drawn from [1-e, 1+e]; "
+                        "e in [0, 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the timing-error draw (one run per load)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs in parallel")
     parser.add_argument("--out", default=out, help="folder for table.md and results.json")

@@ -21,6 +21,7 @@ from bench.sim_matrix import (
     verdict,
 )
 from simulator.report import TRACES, build_workload, merge_seeds, run_one
+from tests.unit.sim_cli import refused, write_traces
 
 KEY = "cost_per_successful_task"
 
@@ -188,3 +189,68 @@ def test_admission_reaches_the_simulation(tmp_path: Path) -> None:
         completed[admission] = summary["num_completed"]
     assert completed["none"] == 40  # each served, however late
     assert completed["baton"] < 40  # the gate refused those it could not start in time
+
+
+BAD_FLAGS = [
+    (["--limit", "0"], "--limit", "'0'"),
+    (["--seeds", "10,...,19"], "--seeds", "10-19"),
+    (["--seeds", "0,1,0"], "--seeds", "0 given twice"),
+    (["--sweep-seeds", "x"], "--sweep-seeds", "'x'"),
+    (["--policies", "baton,fastest"], "--policies", "'fastest' is not a policy"),
+    (["--timing-error", "2"], "--timing-error", "'2'"),
+    (["--max-tokens", "0"], "--max-tokens", "'0'"),
+    (["--windows", "-1"], "--windows", "'-1'"),
+    (["--only", "16xH100"], "--only", "no setting has '16xH100' in its name"),
+    (["--traces", "/nonexistent"], "--traces", "no conversation_trace.jsonl in /nonexistent"),
+]
+
+
+@pytest.mark.parametrize(("argv", "flag", "named"), BAD_FLAGS, ids=[" ".join(a) for a, _, _ in BAD_FLAGS])
+def test_a_bad_flag_is_refused_naming_it_and_its_value(
+    argv: list[str], flag: str, named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    traces = write_traces(tmp_path / "traces")
+    err = refused(capsys, main, ["--traces", str(traces), *argv, "--out", str(tmp_path / "out")])
+    assert f"python -m bench.sim_matrix: error: argument {flag}: " in err and named in err
+
+
+def test_a_tuning_run_of_fewer_requests_is_named_for_the_requests_it_replays(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--tuning --limit 3 labelled its windows 'requests 3,000-3,600' while it replayed three requests."""
+    traces = write_traces(tmp_path / "traces", 6_010)
+    out = tmp_path / "out"
+    assert main(["--tuning", "--limit", "3", "--only", "8xH100, 2x", "--policies", "baton", "--seeds", "0",
+                 "--jobs", "1", "--traces", str(traces), "--out", str(out)]) == 0
+    result = json.loads((out / "results.json").read_text())
+    assert list(result["per_seed"]) == ["Mooncake conversation, 8xH100, 2x, requests 3,000-3,003",
+                                        "Mooncake conversation, 8xH100, 2x, requests 6,000-6,003"]
+    assert all(run["num_requests"] == 3 for runs in result["per_seed"].values() for run in runs["baton"])
+    assert "### Mooncake conversation, 8xH100, 2x, requests 3,000-3,003" in capsys.readouterr().out
+    # What each window-setting replayed, for bench.adoption_rule to compare two sides by.
+    assert result["setups"]["Mooncake conversation, 8xH100, 2x, requests 6,000-6,003"] == {
+        "limit": 3, "timing_error": 0.3, "max_tokens": 2048, "admission": "none", "tuning": True,
+        "workload": "mooncake-conversation", "fleet": "8xh100", "load": 2.0, "ttft_s": 5.0, "tpot_s": 0.1,
+        "slo_mix": "", "skip": 6000, "agent_tasks": None}
+
+
+def test_a_window_that_ends_with_the_trace_is_replayed_and_the_next_is_not(tmp_path: Path) -> None:
+    traces = write_traces(tmp_path / "traces", 1_800)
+    options = build_parser().parse_args(["--limit", "600", "--traces", str(traces)])
+    setting = next(s for s in SETTINGS if s.workload == "mooncake-conversation")
+    assert [w.skip for w in held_out_windows(setting, options, count=5)] == [600, 1200]
+
+
+@pytest.mark.parametrize("command", [
+    "--seeds 0,1,2 --sweep-seeds 0,1,2,3,4 --out results/matrix",
+    "--seeds 0,1,2 --sweep-seeds 0,1 --admission baton --out results/matrix-admission",
+    "--windows 8 --seeds 0,1,2 --only 8xH100 --out results/windows",
+    "--tuning --seeds 10,11,12,13,14,15,16,17,18,19 --policies baton --out results/tuning",
+])
+def test_the_documented_command_lines_still_parse(command: str) -> None:
+    build_parser().parse_args(command.split())
+
+
+def test_a_range_of_seeds_is_every_seed_in_it() -> None:
+    options = build_parser().parse_args(["--seeds", "10-12,20", "--sweep-seeds", "0-1"])
+    assert options.seeds == (10, 11, 12, 20) and options.sweep_seeds == (0, 1)

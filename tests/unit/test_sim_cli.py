@@ -1,0 +1,217 @@
+"""`baton sim`, `baton sim-admission` and `baton sim-models`: bad input is refused before any run, with exit 2
+and a message naming the flag and the value; input that once gave a silently wrong result is refused or now
+means what it says."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from baton import cli
+from simulator import admission_study, model_study
+from simulator.flags import seeds_text
+from simulator.report import TRACES, build_workload, parse_args
+from tests.unit.sim_cli import refused, write_traces
+
+pytestmark = pytest.mark.timeout(30)
+
+NUM_REQUESTS = 10
+
+
+@pytest.fixture
+def traces(tmp_path: Path) -> Path:
+    return write_traces(tmp_path / "traces", NUM_REQUESTS)
+
+
+def _sim(argv: list[str]) -> int:
+    return cli.main(["sim", *argv])
+
+
+def _admission(argv: list[str]) -> int:
+    return cli.main(["sim-admission", *argv])
+
+
+def _models(argv: list[str]) -> int:
+    return cli.main(["sim-models", *argv])
+
+
+BAD_SIM_FLAGS = [
+    # A budget of 0 or less: no request met it (0 of 10 successes, an infinite cost) or nan rows.
+    (["--ttft-slo", "0"], "--ttft-slo", "'0'"),
+    (["--tpot-slo", "-0.1"], "--tpot-slo", "'-0.1'"),
+    (["--ttft-slo", "inf"], "--ttft-slo", "'inf'"),
+    # A negative load gave negative arrival times; 0 divided by zero.
+    (["--loads", "-1"], "--loads", "'-1'"),
+    (["--loads", "0"], "--loads", "'0'"),
+    (["--loads", "1,inf"], "--loads", "'inf'"),
+    (["--loads", "abc"], "--loads", "'abc'"),
+    (["--loads", "1,1"], "--loads", "1 given twice"),
+    (["--prompt-scale", "-2"], "--prompt-scale", "'-2'"),
+    # Mooncake's --limit 0 replayed one request, Azure's none, the agentic workload 200 tasks.
+    (["--limit", "0"], "--limit", "'0'"),
+    (["--workload", "agentic", "--limit", "0"], "--limit", "'0'"),
+    (["--skip", "-1"], "--skip", "'-1'"),
+    # Above 1 a GPU could draw a negative speed; nan crashed; a negative error acted as its absolute value.
+    (["--timing-error", "1.5"], "--timing-error", "'1.5'"),
+    (["--timing-error", "1"], "--timing-error", "'1'"),
+    (["--timing-error", "nan"], "--timing-error", "'nan'"),
+    (["--timing-error", "-0.2"], "--timing-error", "'-0.2'"),
+    (["--fleet", "h100"], "--fleet", "'h100' is not COUNTxGPU"),
+    (["--fleet", "2XH100"], "--fleet", "'2XH100'"),
+    (["--fleet", "2xH100"], "--fleet", "lower case"),
+    (["--fleet", "2xh100,,1xl4"], "--fleet", "empty fleet part"),
+    (["--fleet", "1.5xh100"], "--fleet", "'1.5'"),
+    (["--fleet", "0xh100"], "--fleet", "'0xh100'"),
+    (["--fleet=-2xh100"], "--fleet", "'-2'"),
+    (["--fleet", "2xrtx4090"], "--fleet", "unknown GPU 'rtx4090'; known: h100, a100"),
+    (["--fleet="], "--fleet", "''"),
+    (["--policies", "fastest"], "--policies", "'fastest' is not a policy; known: round_robin"),
+    (["--policies="], "--policies", "no policy given"),
+    (["--policies", "baton,,dynamo"], "--policies", "empty policy"),
+    # The same seed twice was averaged as if two seeds.
+    (["--policies", "baton,baton"], "--policies", "baton given twice"),
+    (["--seeds", "abc"], "--seeds", "'abc'"),
+    (["--seeds", "1.5"], "--seeds", "'1.5'"),
+    (["--seeds", "0,,1"], "--seeds", "empty seed"),
+    (["--seeds", "0,1,1"], "--seeds", "1 given twice"),
+    (["--seeds", "3,1-4"], "--seeds", "3 given twice"),
+    (["--seeds", "5-3"], "--seeds", "'5-3'"),
+    (["--max-tokens", "0"], "--max-tokens", "'0'"),
+    (["--model", "gpt-9"], "--model", "'gpt-9' is not a simulated model; known: "),
+    (["--kill", "600"], "--kill", "'600'"),
+    (["--kill", "inf:h100-0"], "--kill", "'inf'"),
+    (["--kill=-5:h100-0"], "--kill", "'-5:h100-0'"),
+    (["--fleet", "2xh100,1xl4", "--kill", "5:h100-2"], "--kill", "no node 'h100-2' in the fleet '2xh100,1xl4'; "
+     "its nodes: h100-0, h100-1, l4-2"),
+    (["--workload", "agentic", "--skip", "5"], "--skip", "agentic"),
+]
+
+
+@pytest.mark.parametrize(("argv", "flag", "named"), BAD_SIM_FLAGS, ids=[" ".join(a) for a, _, _ in BAD_SIM_FLAGS])
+def test_baton_sim_refuses_a_bad_flag_naming_it_and_its_value(
+    argv: list[str], flag: str, named: str, traces: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    err = refused(capsys, _sim, [*argv, "--traces", str(traces), "--out", str(tmp_path / "out"), "--jobs", "1"])
+    assert f"baton sim: error: argument {flag}: " in err and named in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_skip_at_or_past_the_end_of_the_trace_is_refused_naming_its_length(
+    traces: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """It gave a table of nan."""
+    for workload in ("mooncake-conversation", "azure-code"):
+        err = refused(capsys, _sim, ["--workload", workload, "--skip", str(NUM_REQUESTS), "--traces", str(traces),
+                                     "--out", str(tmp_path / "out")])
+        assert f"argument --skip: {NUM_REQUESTS} is at or past the end of {TRACES[workload]}" in err
+        assert f"which has {NUM_REQUESTS} requests" in err
+
+
+def test_missing_traces_are_refused_by_every_study(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = str(tmp_path / "nonexistent")
+    for main, prog in ((_sim, "baton sim"), (_admission, "baton sim-admission"), (_models, "baton sim-models")):
+        err = refused(capsys, main, ["--traces", missing, "--out", str(tmp_path / "out")])
+        assert f"{prog}: error: argument --traces: no " in err and missing in err
+
+
+BAD_STUDY_FLAGS = [
+    (_admission, ["--limit", "0"], "--limit", "'0'"),
+    (_admission, ["--policy", "fastest"], "--policy", "'fastest' is not a policy; known: "),
+    (_admission, ["--loads", "0.5,-1"], "--loads", "'-1'"),
+    (_admission, ["--ttft-slo", "0"], "--ttft-slo", "'0'"),
+    (_admission, ["--timing-error", "1.2"], "--timing-error", "'1.2'"),
+    (_admission, ["--fleet", "4xh100,"], "--fleet", "empty fleet part"),
+    (_admission, ["--model", "gpt-9"], "--model", "'gpt-9'"),
+    # It crashed on an empty workload.
+    (_models, ["--limit", "0"], "--limit", "'0'"),
+    (_models, ["--split", "6"], "--split", "'6'"),
+    (_models, ["--split", "a,2"], "--split", "'a'"),
+    (_models, ["--split=-1,2"], "--split", "'-1'"),
+    (_models, ["--fleet", "2xa100", "--split", "6,2"], "--split", "6,2 makes 8 nodes; the fleet 2xa100 has 2"),
+    (_models, ["--start-share", "1.5"], "--start-share", "'1.5'"),
+    (_models, ["--end-share", "-0.1"], "--end-share", "'-0.1'"),
+    (_models, ["--models", "sim-llama-2-7b"], "--models", "two models"),
+    (_models, ["--models", "sim-llama-2-7b,sim-llama-2-7b"], "--models", "given twice"),
+    (_models, ["--models", "sim-llama-2-7b,gpt-9"], "--models", "'gpt-9' is not a simulated model"),
+]
+
+
+@pytest.mark.parametrize(("main", "argv", "flag", "named"), BAD_STUDY_FLAGS,
+                         ids=[f"{m.__name__}: {' '.join(a)}" for m, a, _, _ in BAD_STUDY_FLAGS])
+def test_the_studies_refuse_a_bad_flag_naming_it_and_its_value(
+    main: Callable[[list[str]], int], argv: list[str], flag: str, named: str, traces: Path, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    err = refused(capsys, main, [*argv, "--traces", str(traces), "--out", str(tmp_path / "out"), "--jobs", "1"])
+    assert f"argument {flag}: " in err and named in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_agentic_workload_replays_as_many_tasks_as_limit_says() -> None:
+    """--limit 0 gave the default 200 tasks (`args.limit or 200`); it is refused now (above)."""
+    tasks = {r.task_id for r in build_workload(parse_args(["--workload", "agentic", "--limit", "3"]), 1.0).requests}
+    assert len(tasks) == 3
+    default = build_workload(parse_args(["--workload", "agentic"]), 1.0)
+    assert len({r.task_id for r in default.requests}) == 200
+
+
+class _Stop(Exception):
+    """Raised by a fake simulation once it has seen the fleet it was given."""
+
+
+def _warm_models(monkeypatch: pytest.MonkeyPatch, traces: Path, tmp_path: Path, argv: list[str]) -> list[str]:
+    """The model each node of `baton sim-models argv` starts with warm ("": none)."""
+    seen: list[str] = []
+
+    def simulation(nodes: list, *args: object, **kwargs: object) -> None:
+        seen.extend(node.warm for node in nodes)
+        raise _Stop
+
+    monkeypatch.setattr(model_study, "Simulation", simulation)
+    with pytest.raises(_Stop):
+        _models([*argv, "--loads", "1", "--limit", "5", "--jobs", "1", "--traces", str(traces),
+                 "--out", str(tmp_path / "out")])
+    return seen
+
+
+def test_sim_models_splits_a_fleet_of_any_size_between_the_two_models(
+    monkeypatch: pytest.MonkeyPatch, traces: Path, tmp_path: Path,
+) -> None:
+    """The default split, 6,2, made every node of a 2-node fleet model A; a split short of the fleet gave the
+    rest model B whatever B's count said."""
+    a, b = "sim-llama-3.1-8b", "sim-llama-2-7b"
+    assert _warm_models(monkeypatch, traces, tmp_path, []) == [a] * 6 + [b] * 2
+    assert _warm_models(monkeypatch, traces, tmp_path, ["--fleet", "2xa100"]) == [a, b]
+    assert _warm_models(monkeypatch, traces, tmp_path, ["--fleet", "4xa100", "--split", "1,2"]) == [a, b, b, ""]
+
+
+DOCUMENTED = [  # docs/simulator.md, docs/evaluation.md and the Makefile
+    "--workload mooncake-conversation --fleet 4xh100,4xa100,4xl4 --loads 0.5,1,2 --out results/sim",
+    "--workload mooncake-conversation --fleet 16xh100 --policies dynamo --limit 2000 --kill 300:h100-0",
+    "--skip 3000 --limit 600 --seeds 0,1,2 --admission baton --slo-mix 0.3:1:0.03,0.7:30:0.2",
+]
+
+
+@pytest.mark.parametrize("command", DOCUMENTED)
+def test_the_documented_command_lines_still_parse(command: str) -> None:
+    parse_args(command.split())
+
+
+def test_a_range_of_seeds_is_every_seed_in_it() -> None:
+    assert parse_args(["--seeds", "360-379"]).seeds == tuple(range(360, 380))
+    assert parse_args(["--seeds", "10-12,20"]).seeds == (10, 11, 12, 20)
+    assert seeds_text((*range(10, 20), 25, 26)) == "10-19,25,26"  # as the summaries print them
+
+
+@pytest.mark.parametrize("command", [
+    "sim-admission --fleet 4xh100 --loads 0.5,1,2,3 --limit 3000",
+    "sim-models --fleet 8xa100 --split 6,2 --loads 2,4,6 --limit 8000",
+])
+def test_the_makefiles_studies_still_parse(command: str, traces: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for study in (admission_study, model_study):
+        monkeypatch.setattr(study, "run_all", lambda run_one, jobs, num_workers: [])
+        monkeypatch.setattr(study, "write_results", lambda out, table, results: None)
+    assert cli.main([*command.split(), "--traces", str(traces)]) == 0
+
