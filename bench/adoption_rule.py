@@ -1,15 +1,17 @@
 """Whether a change to Baton's policy passes the adoption rules of the tuning windows (docs/evaluation.md).
 
-    python -m bench.sim_matrix --tuning --seeds 10,...,19 --policies baton --out results/tuning-current
+    python -m bench.sim_matrix --tuning --seeds 10-19 --policies baton --out results/tuning-current
     (change the policy)
-    python -m bench.sim_matrix --tuning --seeds 10,...,19 --policies baton --out results/tuning-variant
+    python -m bench.sim_matrix --tuning --seeds 10-19 --policies baton --out results/tuning-variant
     python -m bench.adoption_rule --variant results/tuning-variant --current results/tuning-current \\
         [--baselines results/tuning-baselines [more directories ...]]
 
 Each side may name several result directories (e.g. seeds 10-19 and 20-29); their seeds are joined, and
 the variant's and the current policy's runs are paired seed by seed (the same seeds on both sides, or it
 refuses). --baselines: runs of the other policies on the same window-settings, any seeds (their means are
-used); several directories each add their window-settings (one named in two: the later directory's).
+used); several directories each add their window-settings (one named in two: the later directory's). Runs
+that replayed a window-setting otherwise than the other side's (another --limit, --timing-error, --max-tokens,
+--admission, fleet, load, SLO or window) are refused, naming what differs: only the policy may.
 
 Rule 1 (the fifth round's): the whole-fleet cost per successful task at least 0.1 % lower on average over
 the window-settings; no more SLO misses in all; no window-setting more than 2 % dearer; dearer than the best
@@ -73,6 +75,7 @@ and the mean over the window-settings not overloaded not above `MARGIN` rather t
 few changed runs does not decide; and (b) a gain where the failure lives, on a hold-out the variant was not built on
 (`bench.burst_holdout`, now used up): fewer SLO misses with an interval clear of zero, at a whole-fleet cost no
 more than `MARGIN` dearer. Which rule judges a variant is written down with the variant, before its runs.
+--rule 5 judges only runs of the tuning windows (`bench.sim_matrix --tuning`), and refuses others.
 """
 
 from __future__ import annotations
@@ -166,6 +169,26 @@ class Verdict:
         return self.behind_best is None or self.behind_best[0] <= self.behind_best[1]
 
 
+# What bench.sim_matrix recorded of a run's setup before it wrote each window-setting's (its "setups").
+_OPTIONS_SETUP = ("limit", "timing_error", "max_tokens", "admission", "tuning")
+
+
+def read_results(directory: Path) -> dict:
+    """A directory's results.json as bench.sim_matrix writes it; ValueError saying why otherwise."""
+    path = directory / "results.json"
+    if not path.is_file():
+        raise ValueError(f"{directory}: no results.json; expected a directory bench.sim_matrix --out wrote")
+    try:
+        result = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not JSON ({error})") from None
+    if not (isinstance(result, dict) and isinstance(result.get("options"), dict) and "seeds" in result["options"]
+            and isinstance(result.get("per_seed"), dict)):
+        raise ValueError(f"{path}: not bench.sim_matrix's results (it has no options and per_seed); "
+                         "another bench's output?")
+    return result
+
+
 def _seeds(options: dict) -> list[int]:
     """The seeds a results file ran: a list, or text as --seeds took it before the flag was parsed."""
     seeds = options["seeds"]
@@ -177,11 +200,43 @@ def load(directories: list[Path]) -> tuple[list[int], dict[str, list[dict]]]:
     seeds: list[int] = []
     runs: dict[str, list[dict]] = {}
     for directory in directories:
-        result = json.loads((directory / "results.json").read_text())
+        result = read_results(directory)
         seeds += _seeds(result["options"])
         for setting, policies in result["per_seed"].items():
+            if POLICY not in policies:
+                raise ValueError(f"{directory}: no runs of {POLICY} on {setting!r} (only {', '.join(policies)})")
             runs.setdefault(setting, []).extend(policies[POLICY])
     return seeds, runs
+
+
+def differences(first: dict, second: dict) -> list[str]:
+    """What two setups both record and differ in: 'limit 100 against 200'."""
+    return [f"{key} {first[key]!r} against {second[key]!r}" for key in first if key in second
+            and first[key] != second[key]]
+
+
+def check_same_setups(sides: list[tuple[str, list[Path]]]) -> None:
+    """ValueError where two directories (flag and paths) ran with other options, or ran a window-setting otherwise
+    (bench.sim_matrix's "setups"; a file written before them gives its options): only the policy and the seeds may
+    differ."""
+    first: tuple[str, Path, dict] | None = None
+    settings: dict[str, tuple[str, Path, dict]] = {}
+    for flag, directories in sides:
+        for directory in directories:
+            result = read_results(directory)
+            options = {key: result["options"][key] for key in _OPTIONS_SETUP if key in result["options"]}
+            if first is None:
+                first = (flag, directory, options)
+            elif changed := differences(first[2], options):
+                raise ValueError(f"{first[0]} {first[1]} and {flag} {directory} ran with other options: "
+                                 f"{'; '.join(changed)}; only the policy may differ")
+            for setting in result["per_seed"]:
+                setup = result.get("setups", {}).get(setting, options)
+                if setting in settings and (changed := differences(settings[setting][2], setup)):
+                    other_flag, other, _ = settings[setting]
+                    raise ValueError(f"{other_flag} {other} and {flag} {directory} ran {setting!r} otherwise: "
+                                     f"{'; '.join(changed)}; only the policy may differ")
+                settings.setdefault(setting, (flag, directory, setup))
 
 
 def slo_misses(run: dict) -> int:
@@ -193,8 +248,14 @@ def judge(variant: dict[str, list[dict]], current: dict[str, list[dict]],
     """The rules' figures: variant's runs against current's, paired by position (by seed)."""
     if set(variant) != set(current):
         raise ValueError(f"the two sides ran other window-settings: {sorted(set(variant) ^ set(current))}")
-    per_setting: dict[str, tuple[float, float]] = {}
+    if not current:
+        raise ValueError("no window-settings to judge")
     num_seeds = len(next(iter(current.values())))
+    for setting in current:
+        if not len(variant[setting]) == len(current[setting]) == num_seeds:
+            raise ValueError(f"{setting!r} has {len(variant[setting])} runs of the variant and "
+                             f"{len(current[setting])} of the current policy, the first window-setting {num_seeds}")
+    per_setting: dict[str, tuple[float, float]] = {}
     per_seed = [0] * num_seeds
     for setting, runs in current.items():
         for i, (v, c) in enumerate(zip(variant[setting], runs, strict=True)):
@@ -203,13 +264,17 @@ def judge(variant: dict[str, list[dict]], current: dict[str, list[dict]],
         if paired is None:  # a run with no success has no cost per success
             continue
         per_setting[setting] = mean_ci(paired)
+    if not per_setting:
+        raise ValueError("no window-setting had a success in every seed on both sides: no cost per success to compare")
     misses = (sum(slo_misses(r) for runs in variant.values() for r in runs),
               sum(slo_misses(r) for runs in current.values() for r in runs))
     behind_best = None
     if baselines is not None:
         behind_best = (0, 0)
         for setting in current:
-            others = {p: runs for p, runs in baselines[setting].items() if p != POLICY}
+            others = {p: runs for p, runs in baselines.get(setting, {}).items() if p != POLICY and runs}
+            if not others:
+                raise ValueError(f"the baselines have no runs of another policy on {setting!r}")
             best = min(_mean(runs) for runs in others.values())
             behind_best = (behind_best[0] + (_mean(variant[setting]) > best),
                            behind_best[1] + (_mean(current[setting]) > best))
@@ -257,16 +322,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rule", type=int, choices=(4, 5), default=4,
                         help="the rule written down for the variant: 5 adds rule 5's part (a) to the report")
     options = parser.parse_args(argv)
-    variant_seeds, variant = load(options.variant)
-    current_seeds, current = load(options.current)
-    if variant_seeds != current_seeds:
-        parser.error(f"--variant ran seeds {variant_seeds}, --current {current_seeds}: they must be the same")
-    baselines = None
-    if options.baselines:
-        baselines = {}
-        for directory in options.baselines:
-            baselines.update(json.loads((directory / "results.json").read_text())["per_seed"])
-    print("\n".join(report(judge(variant, current, baselines), rule_5=options.rule == 5)))
+    try:
+        sides = [("--current", options.current), ("--variant", options.variant)]
+        check_same_setups(sides + ([("--baselines", options.baselines)] if options.baselines else []))
+        if options.rule == 5:
+            for directory in options.variant + options.current:
+                if read_results(directory)["options"].get("tuning") is not True:
+                    parser.error(f"--rule 5: {directory} was not run with bench.sim_matrix --tuning; rule 5 (a) "
+                                 "judges no harm on the tuning windows")
+        variant_seeds, variant = load(options.variant)
+        current_seeds, current = load(options.current)
+        if variant_seeds != current_seeds:
+            parser.error(f"--variant ran seeds {variant_seeds}, --current {current_seeds}: they must be the same")
+        baselines = None
+        if options.baselines:
+            baselines = {}
+            for directory in options.baselines:
+                baselines.update(read_results(directory)["per_seed"])
+        verdict = judge(variant, current, baselines)
+    except ValueError as error:
+        parser.error(str(error))
+    print("\n".join(report(verdict, rule_5=options.rule == 5)))
     return 0
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.adoption_rule import Verdict, judge, load, main
+from tests.unit.sim_cli import refused
 
 
 def _run(cost: float, misses: int = 0) -> dict:
@@ -18,7 +19,7 @@ def _write(directory: Path, seeds: list[int], costs: dict[str, list[float]], mis
     """A tuning run of baton: per window-setting, one cost per seed."""
     directory.mkdir()
     per_seed = {name: {"baton": [_run(c, misses) for c in values]} for name, values in costs.items()}
-    (directory / "results.json").write_text(json.dumps({"options": {"seeds": ",".join(map(str, seeds))},
+    (directory / "results.json").write_text(json.dumps({"options": {"seeds": ",".join(map(str, seeds)), "tuning": True},
                                                         "settings": {}, "per_seed": per_seed}))
     return directory
 
@@ -187,3 +188,71 @@ def test_baselines_from_several_directories_are_joined_by_window_setting(tmp_pat
                  "--baselines", str(tmp_path / "one"), str(tmp_path / "two")]) == 0
     # Dynamo beats the current policy on the overloaded window-setting only; the variant beats it there too.
     assert "dearer than the best baseline on 0 window-settings, the current policy on 1" in capsys.readouterr().out
+
+
+def _tuning_results(directory: Path, options: dict, settings: list[str], setups: dict | None = None) -> Path:
+    """A results.json as bench.sim_matrix --tuning writes it, Baton's runs on seeds 10 and 11 (10 % misses)."""
+    directory.mkdir()
+    run = {"cost_per_successful_task": 1.0, "slo_attainment": 0.9, "num_requests": 100}
+    result = {"options": {"seeds": "10,11", "limit": 600, "timing_error": 0.3, "max_tokens": 2048,
+                          "admission": "none", "tuning": True, **options},
+              "settings": {}, "per_seed": {name: {"baton": [run, run]} for name in settings}}
+    if setups is not None:
+        result["setups"] = setups
+    (directory / "results.json").write_text(json.dumps(result))
+    return directory
+
+
+WINDOW = "Mooncake conversation, 8xH100, 1x, requests 3,000-3,600"
+
+
+def test_runs_that_differ_in_more_than_the_policy_are_refused_naming_the_difference(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """It paired a --limit 100 run with a --limit 200 one and printed a change of +81.8 %."""
+    current = _tuning_results(tmp_path / "current", {"limit": 100}, [WINDOW])
+    variant = _tuning_results(tmp_path / "variant", {"limit": 200}, [WINDOW])
+    err = refused(capsys, main, ["--variant", str(variant), "--current", str(current)])
+    assert "limit 100 against 200" in err and "only the policy may differ" in err
+    same = _tuning_results(tmp_path / "same", {"limit": 100}, [WINDOW])
+    assert main(["--variant", str(same), "--current", str(current)]) == 0
+    # What a window-setting replayed, as bench.sim_matrix records it: here another fleet.
+    setups = {WINDOW: {"fleet": "8xh100", "skip": 3000}}
+    first = _tuning_results(tmp_path / "first", {}, [WINDOW], setups)
+    second = _tuning_results(tmp_path / "second", {}, [WINDOW], {WINDOW: {"fleet": "4xh100", "skip": 3000}})
+    err = refused(capsys, main, ["--variant", str(second), "--current", str(first)])
+    assert f"ran {WINDOW!r} otherwise: fleet '8xh100' against '4xh100'" in err
+    err = refused(capsys, main, ["--variant", str(first), "--current", str(first),
+                                               "--baselines", str(second)])
+    assert "--baselines" in err and "fleet" in err
+
+
+def test_rule_5_judges_only_runs_of_the_tuning_windows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    matrix = _tuning_results(tmp_path / "matrix", {"tuning": False}, [WINDOW])
+    err = refused(capsys, main, ["--variant", str(matrix), "--current", str(matrix), "--rule", "5"])
+    assert "--rule 5" in err and "--tuning" in err
+    tuning = _tuning_results(tmp_path / "tuning", {"seeds": [10, 11]}, [WINDOW])  # as bench.sim_matrix writes them now
+    assert main(["--variant", str(tuning), "--current", str(tuning), "--rule", "5"]) == 0
+    assert "rule 5 (a), no harm: passes" in capsys.readouterr().out
+
+
+def test_what_is_not_a_matrix_run_is_refused_naming_the_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    current = _tuning_results(tmp_path / "current", {}, [WINDOW])
+    missing = tmp_path / "missing"
+    err = refused(capsys, main, ["--variant", str(missing), "--current", str(current)])
+    assert f"{missing}: no results.json" in err
+    other = tmp_path / "sim"  # `baton sim`'s results
+    other.mkdir()
+    (other / "results.json").write_text(json.dumps({"args": {}, "runs": []}))
+    err = refused(capsys, main, ["--variant", str(other), "--current", str(current)])
+    assert "not bench.sim_matrix's results" in err and str(other) in err
+    baselines = tmp_path / "baselines"  # runs of the other policies only, given as a side
+    baselines.mkdir()
+    (baselines / "results.json").write_text(json.dumps({"options": {"seeds": "10,11"}, "settings": {},
+                                                        "per_seed": {WINDOW: {"dynamo": []}}}))
+    err = refused(capsys, main, ["--variant", str(baselines), "--current", str(current)])
+    assert "no runs of baton" in err
