@@ -237,9 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     walls = ", ".join(f"{p}@{load:g}x/{seed} {wall:.0f}s" for p, load, seed, _, _, wall in outcomes)
     (out / "table.md").write_text(text + "\n")
     (out / "results.json").write_text(json.dumps(
-        {"args": {k: v for k, v in vars(args).items()}, "runs": [
+        {"args": vars(args), "runs": [
             {"policy": p, "load": load, "seed": seed, "summary": s, "wall_s": w}
-            for p, load, seed, s, _, w in outcomes]}, indent=1))
+            for p, load, seed, s, _, w in outcomes]}, indent=1, default=asdict))  # --slo-mix's classes as dicts
     plots = plot(out, rows, {(p, load): t for p, load, seed, _, t, _ in outcomes if seed == seeds[0]})
     print(text)
     print(f"wall time per run: {walls}")

@@ -4,6 +4,7 @@ means what it says."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -215,3 +216,11 @@ def test_the_makefiles_studies_still_parse(command: str, traces: Path, monkeypat
         monkeypatch.setattr(study, "write_results", lambda out, table, results: None)
     assert cli.main([*command.split(), "--traces", str(traces)]) == 0
 
+
+def test_a_run_with_an_slo_mix_writes_its_results(traces: Path, tmp_path: Path) -> None:
+    """results.json could not hold --slo-mix's classes: the run ended in a TypeError after every simulation."""
+    out = tmp_path / "out"
+    assert _sim(["--limit", "3", "--policies", "baton", "--slo-mix", "0.3:1:0.03,0.7:30:0.2", "--jobs", "1",
+                 "--traces", str(traces), "--out", str(out)]) == 0
+    classes = json.loads((out / "results.json").read_text())["args"]["slo_mix"]
+    assert classes[0] == {"name": "class0", "share": 0.3, "ttft_budget_ms": 1000, "tpot_budget_ms": 30}
