@@ -221,9 +221,11 @@ class Simulation:
         self._order = itertools.count()
         self._records: dict[str, RequestRecord] = {}
         self._num_steps = 0
-        # When the last request ended, finished or given up: the fleet is paid until then, not until a node's death
-        # or a planner's round scheduled after it (a --kill after the trace's end billed the fleet until the kill).
+        # When the last request ended, finished or given up, and when the last model load ends: the fleet is paid
+        # until both have, not until a node's death or a planner's round scheduled after them (a --kill after the
+        # trace's end billed the fleet until the kill). A load is paid whole: its GPU time is busy time at once.
         self._settled_s = 0.0
+        self._loads_end_s = 0.0
         # How long a request waits for a model's load before it fails, as Place waits (--model-load-timeout-s).
         self._model_wait_s = SchedulerConfig().model_load_timeout_s
 
@@ -270,6 +272,7 @@ class Simulation:
         seconds = load_time_s(get_model(model))
         node.loading = model
         node.busy_s += seconds
+        self._loads_end_s = max(self._loads_end_s, self._now + seconds)
         self.model_actions.append((self._now, ModelAction("load", node.config.node_id, model, "")))
         self._update_view()
         self._at(self._now + seconds, lambda: self._loaded(node, model))
@@ -355,8 +358,8 @@ class Simulation:
             records=list(self._records.values()),
             busy_s={n: node.busy_s for n, node in self._nodes.items()},
             price_per_hour={n: node.config.price_per_hour for n, node in self._nodes.items()},
-            makespan_s=self._settled_s,
-            provisioned_s=self._settled_s,
+            makespan_s=max(self._settled_s, self._loads_end_s),
+            provisioned_s=max(self._settled_s, self._loads_end_s),
             num_steps=self._num_steps,
         )
 

@@ -381,3 +381,16 @@ def test_a_request_whose_model_is_never_loaded_fails_after_the_schedulers_wait_n
         Workload("never", [wants_b]))
     assert [r.failed for r in result.records] == ["no node could load its model within 300 s"]
     assert 300 < result.provisioned_s < 302
+
+
+def test_a_model_load_that_ends_after_the_last_request_is_paid_to_its_end() -> None:
+    """Billed until the last request ended, a swap the planner began near the end had its whole load in busy time
+    but not in the fleet's bill: the busy-time floor came out above the whole-fleet headline."""
+    nodes = [dataclasses.replace(n, warm=("sim-llama-3.1-8b" if i == 0 else "sim-llama-2-7b"),
+                                 cold=("sim-llama-3.1-8b", "sim-llama-2-7b")) for i, n in enumerate(fleet("2xa100"))]
+    wants_a = [_request((i,), 2000, f"a{i}", arrival_s=0.05 * i, output_len=512) for i in range(400)]
+    simulation = Simulation(nodes, make_policy("baton"), planner=ModelPlanner(idle_swap_s=10.0))
+    result = simulation.run(Workload("late swap", wants_a))
+    assert any(action.kind == "load" for _, action in simulation.model_actions)
+    assert all(busy <= result.provisioned_s for busy in result.busy_s.values())
+    assert result.gpu_cost <= result.fleet_cost
