@@ -254,7 +254,9 @@ def judge(variant: dict[str, list[dict]], current: dict[str, list[dict]],
     for setting in current:
         if not len(variant[setting]) == len(current[setting]) == num_seeds:
             raise ValueError(f"{setting!r} has {len(variant[setting])} runs of the variant and "
-                             f"{len(current[setting])} of the current policy, the first window-setting {num_seeds}")
+                             f"{len(current[setting])} of the current policy, the first window-setting {num_seeds}: "
+                             "the rules pair every window-setting's runs seed by seed (a matrix run with --sweep-seeds "
+                             "other than --seeds: judge its SLO sweep apart, run with --only \"SLO sweep\")")
     per_setting: dict[str, tuple[float, float]] = {}
     per_seed = [0] * num_seeds
     for setting, runs in current.items():
