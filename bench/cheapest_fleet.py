@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seeds of the timing error, comma-separated or ranges (400-402)")
     parser.add_argument("--policies", type=flags.policies, default=("baton", *BASELINES, "sglang"))
     parser.add_argument("--traces", default="")
-    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--jobs", type=flags.positive_int, default=2)
     parser.add_argument("--out", default="results/cheapest")
     return parser
 

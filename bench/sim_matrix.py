@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--admission", choices=ADMISSIONS, default="none",
                         help="the leader's admission for every policy: none (placed at once; the tables' setting) or "
                         "baton (the scheduler's gate, as a live cluster runs each policy)")
-    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--jobs", type=flags.positive_int, default=2)
     parser.add_argument("--out", default="results/matrix")
     return parser
 

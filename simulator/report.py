@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kill", type=flags.kill, action="append", default=[],
                         help="AT_S:NODE_ID, e.g. 600:h100-0 (repeatable); a fleet's nodes are its GPU and their "
                         "place in it: 2xh100,2xl4 has h100-0, h100-1, l4-2, l4-3")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs in parallel")
+    parser.add_argument("--jobs", type=flags.positive_int, default=os.cpu_count() or 1, help="runs in parallel")
     parser.add_argument("--out", default="results/sim", help="folder for table.md, results.json and plots")
     return parser
 

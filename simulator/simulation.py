@@ -311,6 +311,11 @@ class Simulation:
                 self._start_load(node, action.model)
         unplaced, self._unplaced = self._unplaced, []
         for pending in unplaced:
+            # Place waits for a load within the request's deadline and at most --model-load-timeout-s.
+            deadline_ms = pending.record.request.deadline_ms
+            if deadline_ms and self._now > pending.record.arrival_s + deadline_ms / 1000:
+                self._fail(pending.record, f"deadline_ms={deadline_ms}: passed while it waited for its model's load")
+                continue
             if self._now - pending.plan.started_at > self._model_wait_s:
                 self._fail(pending.record, f"no node could load its model within {self._model_wait_s:g} s")
                 continue

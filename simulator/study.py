@@ -35,7 +35,7 @@ def study_parser(prog: str, description: str | None, *, fleet: str, policy: str,
                         help="each GPU generation runs its timing model scaled by a factor drawn from [1-e, 1+e]; "
                         "e in [0, 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the timing-error draw (one run per load)")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs in parallel")
+    parser.add_argument("--jobs", type=flags.positive_int, default=os.cpu_count() or 1, help="runs in parallel")
     parser.add_argument("--out", default=out, help="folder for table.md and results.json")
     return parser
 

@@ -74,6 +74,8 @@ BAD_SIM_FLAGS = [
     # The same seed twice was averaged as if two seeds.
     (["--policies", "baton,baton"], "--policies", "baton given twice"),
     (["--seeds", "abc"], "--seeds", "'abc'"),
+    # 0 or fewer processes quietly meant one.
+    (["--jobs", "0"], "--jobs", "'0'"),
     (["--seeds", "1.5"], "--seeds", "'1.5'"),
     (["--seeds", "0,,1"], "--seeds", "empty seed"),
     (["--seeds", "0,1,1"], "--seeds", "1 given twice"),

@@ -394,3 +394,13 @@ def test_a_model_load_that_ends_after_the_last_request_is_paid_to_its_end() -> N
     assert any(action.kind == "load" for _, action in simulation.model_actions)
     assert all(busy <= result.provisioned_s for busy in result.busy_s.values())
     assert result.gpu_cost <= result.fleet_cost
+
+
+def test_a_request_waiting_for_its_models_load_fails_at_its_deadline_as_place_gives_up() -> None:
+    nodes = [dataclasses.replace(n, warm="sim-llama-3.1-8b", cold=("sim-llama-3.1-8b", "sim-llama-2-7b"))
+             for n in fleet("1xa100")]
+    wants_b = dataclasses.replace(_request((1,), 256, "b"), model="sim-llama-2-7b", deadline_ms=20_000)
+    result = Simulation(nodes, make_policy("baton"), planner=ModelPlanner(idle_swap_s=1e9)).run(
+        Workload("late", [wants_b]))
+    assert [r.failed for r in result.records] == ["deadline_ms=20000: passed while it waited for its model's load"]
+    assert 20 < result.provisioned_s < 22
