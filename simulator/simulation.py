@@ -359,12 +359,13 @@ class Simulation:
             action()
         for pending in self._unplaced:  # still waiting when nothing else could happen
             self._fail(pending.record, "no node could load its model")
+        paid_until = max(self._settled_s, self._loads_end_s)
         return RunResult(
             records=list(self._records.values()),
             busy_s={n: node.busy_s for n, node in self._nodes.items()},
             price_per_hour={n: node.config.price_per_hour for n, node in self._nodes.items()},
-            makespan_s=max(self._settled_s, self._loads_end_s),
-            provisioned_s=max(self._settled_s, self._loads_end_s),
+            makespan_s=paid_until,
+            provisioned_s=paid_until,
             num_steps=self._num_steps,
         )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from collections.abc import Coroutine, Sequence
@@ -33,13 +34,11 @@ class MethodAwarePool:
             return self._pool.FindFileContainingSymbol(symbol)
         except KeyError:
             service_name, _, method = symbol.rpartition(".")
-            try:
+            with contextlib.suppress(KeyError):
                 service = self._pool.FindServiceByName(service_name)
-            except KeyError:
-                service = None
-            if service is None or method not in service.methods_by_name:
-                raise
-            return service.file
+                if method in service.methods_by_name:
+                    return service.file
+            raise
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pool, name)

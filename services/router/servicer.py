@@ -345,7 +345,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 if self._live[live_id] <= 0:
                     del self._live[live_id]
                     self._live_workflows.pop(live_id, None)
-            # A client that went away (a cancelled call, a closed HTTP connection) was counted OK.
+            # Without a status of its own, a stream whose last reply never went out was left by its client (a
+            # cancelled call, a closed HTTP connection).
             self._requests.add(1, {"status": outcome or ("OK" if delivered else grpc.StatusCode.CANCELLED.name)})
             self._open_streams -= 1
             if not self._open_streams:

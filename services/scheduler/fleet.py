@@ -41,6 +41,10 @@ class NodeSpec:
     engine: str = ""
     profiles: dict[str, EngineProfile] = field(default_factory=dict, compare=False)
 
+    def has(self, model: str) -> bool:
+        """model is warm here or on the node's disk (loading, or cold)."""
+        return model in self.warm_models or model in self.cold_models
+
     @property
     def is_empty(self) -> bool:
         """Nothing warm and nothing loading: the GPU is free for any of its models."""
@@ -210,7 +214,7 @@ class ClusterView:
 
     def has_model(self, model: str, now: float | None = None) -> bool:
         """Some node has model, warm or on its disk (given now: a listed one, see is_listed)."""
-        return any(model in s.spec.warm_models or model in s.spec.cold_models for s in self._nodes.values()
+        return any(s.spec.has(model) for s in self._nodes.values()
                    if now is None or self.is_listed(s, now))
 
     def models(self) -> list[str]:

@@ -208,8 +208,7 @@ class Placer:
             return
         floors = []
         for model in models:
-            listing = [s for s in self.cluster.nodes() if model in s.spec.warm_models | s.spec.cold_models
-                       | s.spec.loading_models]
+            listing = [s for s in self.cluster.nodes() if s.spec.has(model)]
             floor = self._predictor.floor_s(dataclasses.replace(request, model=model), listing)
             if floor is None:
                 return
@@ -218,13 +217,13 @@ class Placer:
         end_ms = min(f[1] for f in floors) * 1000 * FLOOR_MARGIN
         if request.ttft_budget_ms and request.ttft_budget_ms < first_ms:
             raise Unmeetable("ttft_budget_ms", request.ttft_budget_ms,
-                                  f"cannot be met by any node serving the model, even idle: its first token takes at "
-                                  f"least {first_ms:.1f} ms with the whole prompt cached (ask for a larger budget)")
+                             f"cannot be met by any node serving the model, even idle: its first token takes at "
+                             f"least {first_ms:.1f} ms with the whole prompt cached (ask for a larger budget)")
         if request.deadline_ms and request.deadline_ms < end_ms:
             raise Unmeetable("deadline_ms", request.deadline_ms,
-                                  f"cannot be met by any node serving the model, even idle: the first token and "
-                                  f"max_tokens={request.max_tokens} take at least {end_ms:.0f} ms (ask for fewer "
-                                  "tokens or a later deadline)")
+                             f"cannot be met by any node serving the model, even idle: the first token and "
+                             f"max_tokens={request.max_tokens} take at least {end_ms:.0f} ms (ask for fewer "
+                             "tokens or a later deadline)")
 
     def _check_deadline(self, request: PlacementRequest, options: list[Option], now: float,
                         waited_s: float = 0.0) -> None:
