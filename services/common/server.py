@@ -10,10 +10,10 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, Protocol
 
 import grpc
-from google.protobuf import descriptor_pool
+from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.descriptor import FileDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from services.common.request_decoding import RequestDecodingInterceptor
 from services.common.telemetry import Telemetry
@@ -42,6 +42,47 @@ class MethodAwarePool:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pool, name)
+
+
+# grpcio-reflection serves only grpc.reflection.v1alpha; clients such as `buf curl` and newer grpcurl ask for v1
+# first. The two protocols are the same messages under another package, so v1 is served by the same servicer.
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _add_reflection_v1_descriptor(pool: descriptor_pool.DescriptorPool) -> None:
+    """Put grpc/reflection/v1/reflection.proto in pool (v1alpha's file under v1's package), so that reflection
+    can describe its own v1 service; a no-op when it is there."""
+    alpha = reflection_pb2.DESCRIPTOR
+    with contextlib.suppress(KeyError):
+        pool.FindFileByName("grpc/reflection/v1/reflection.proto")
+        return
+    proto = descriptor_pb2.FileDescriptorProto()
+    alpha.CopyToProto(proto)
+    old, new = f".{alpha.package}.", ".grpc.reflection.v1."
+    proto.name, proto.package = "grpc/reflection/v1/reflection.proto", "grpc.reflection.v1"
+    for message in proto.message_type:
+        for field in message.field:
+            if field.type_name:  # set only on message fields (an empty one would count as set)
+                field.type_name = field.type_name.replace(old, new, 1)
+    for method in proto.service[0].method:
+        method.input_type = method.input_type.replace(old, new, 1)
+        method.output_type = method.output_type.replace(old, new, 1)
+    pool.Add(proto)
+
+
+def enable_reflection(server: grpc.aio.Server, service_names: Sequence[str]) -> None:
+    """Server reflection, v1 and v1alpha, over the default pool (the same wire messages answer both)."""
+    pool = descriptor_pool.Default()
+    _add_reflection_v1_descriptor(pool)
+    servicer = reflection.aio.ReflectionServicer(
+        (*service_names, reflection.SERVICE_NAME, REFLECTION_V1), pool=MethodAwarePool(pool))
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {
+        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+            servicer.ServerReflectionInfo,
+            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString),
+    }),))
 
 
 class Service(Protocol):
@@ -89,10 +130,7 @@ async def serve(
     service.register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (*service.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server,
-        pool=MethodAwarePool(descriptor_pool.Default()),
-    )
+    enable_reflection(server, (*service.service_names, health.SERVICE_NAME))
     try:
         port = server.add_secure_port(listen, credentials) if credentials is not None \
             else server.add_insecure_port(listen)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pb2
+from grpc_reflection.v1alpha import reflection_pb2
 
 from baton.client import BatonClient, Completion
 from baton.cluster import LocalCluster
@@ -235,6 +237,24 @@ def test_grpcurl_lists_services_and_calls_generate(cluster: LocalCluster) -> Non
 
     health = grpcurl(cluster.router.address, "grpc.health.v1.Health/Check")
     assert json.loads(health.stdout)["status"] == "SERVING"
+
+
+async def test_reflection_v1_describes_a_method_as_v1alpha_does(cluster: LocalCluster) -> None:
+    """`buf curl` and grpcurl from 1.8.8 ask grpc.reflection.v1 first; grpcio-reflection serves v1alpha only."""
+    assert cluster.router is not None
+    request = reflection_pb2.ServerReflectionRequest
+    async with grpc.aio.insecure_channel(cluster.router.address) as channel:
+        for version in ("v1", "v1alpha"):
+            call = channel.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                                         request_serializer=request.SerializeToString,
+                                         response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+            listed, described = [r async for r in call(iter([
+                request(list_services=""), request(file_containing_symbol="baton.v1.Router.Generate")]))]
+            names = {s.name for s in listed.list_services_response.service}
+            assert {"baton.v1.Router", "grpc.reflection.v1.ServerReflection"} <= names, version
+            files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
+                     for raw in described.file_descriptor_response.file_descriptor_proto]
+            assert any(m.name == "Generate" for f in files for s in f.service if s.name == "Router" for m in s.method)
 
 
 async def test_a_trace_spans_router_scheduler_and_node(cluster: LocalCluster, trace_file: Path) -> None:
