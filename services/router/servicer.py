@@ -12,6 +12,7 @@ from contextlib import aclosing
 from typing import Any
 
 import grpc
+from opentelemetry.metrics import Observation
 
 from baton.v1 import (
     common_pb2,
@@ -99,6 +100,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._relayed_tokens = telemetry.meter.create_counter(
             "baton.router.relayed_tokens", description="completion tokens relayed to clients"
         )
+        # Observed at every collection, so a router's /metrics has its target_info and this from the start, not only
+        # after its first request.
+        telemetry.meter.create_observable_gauge(
+            "baton.router.open_streams", [lambda _: [Observation(self._open_streams)]],
+            description="Generate streams (gRPC and HTTP) begun and not yet ended")
         # One bucket per client connection, gRPC and HTTP alike (None: --max-requests-per-connection-per-s 0).
         self._connection_rates = config.connection_rates()
         # HTTPS with the certificate the gRPC port serves (--tls-cert), else plaintext HTTP.

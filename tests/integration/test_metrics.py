@@ -130,6 +130,16 @@ def test_router_metrics_show_ttft_and_inter_token_latency_by_gpu_and_tenant(obse
     assert value(samples, "baton_router_relayed_tokens_total") >= 16
 
 
+def test_a_router_exports_its_open_streams_whether_or_not_any_is_open(observed: LocalCluster) -> None:
+    """Before this gauge a router's /metrics was empty until its first request: no target_info, nothing to scrape."""
+    assert observed.router is not None
+    samples = scrape(observed.router)
+    assert "target_info" in samples and "baton_router_open_streams" in samples
+    generate(observed, "tenant-open-streams")
+    wait_until(lambda: [v for _, v in scrape(observed.router)["baton_router_open_streams"]] == [0.0], 15,
+               "the router's open streams back to 0 once its streams ended")
+
+
 def test_every_service_exports_its_counters_and_gauges(observed: LocalCluster) -> None:
     generate(observed, "tenant-counters")
     assert observed.scheduler is not None and observed.kvindex is not None
