@@ -67,6 +67,9 @@ class Outcome:
     verdict: Verdict
     reason: str = ""
     retry_after_s: float = 0.0
+    # The refusal's kind, a metric label: the reason without the names and numbers that would make a label per
+    # tenant or limit.
+    kind: str = ""
     # A queued ticket pushed out to make room (it is refused with `reason`).
     shed: Ticket | None = None
 
@@ -163,11 +166,13 @@ class Admission:
         tenant.expire(now)
         if limits.max_concurrency is not None and tenant.in_flight >= limits.max_concurrency:
             return Outcome(Verdict.REJECT, f"tenant {ticket.tenant!r} is at its concurrency limit of "
-                                           f"{limits.max_concurrency}", retry_after_s=1.0)
+                                           f"{limits.max_concurrency}", retry_after_s=1.0,
+                           kind="tenant concurrency limit")
         if limits.tokens_per_minute is not None and tenant.served_tokens + ticket.num_tokens > limits.tokens_per_minute:
             wait = tenant.served[0][0] + WINDOW_S - now if tenant.served else WINDOW_S
             return Outcome(Verdict.REJECT, f"tenant {ticket.tenant!r} is over its limit of "
-                                           f"{limits.tokens_per_minute} tokens per minute", retry_after_s=wait)
+                                           f"{limits.tokens_per_minute} tokens per minute", retry_after_s=wait,
+                           kind="tenant tokens per minute limit")
         ahead = self._wait_ahead_s(ticket, predicted_ttft_s)
         if self._check_deadlines and now + predicted_ttft_s + ahead > ticket.deadline_at:
             # In ms, as the budget is given: in seconds to two decimals a 7 ms budget read "needs about 0.01 s, has
@@ -176,10 +181,10 @@ class Admission:
                                            f"{(predicted_ttft_s + ahead) * 1000:.0f} ms to the first token (of which "
                                            f"{ahead * 1000:.0f} ms behind those queued ahead), has "
                                            f"{max(0.0, ticket.deadline_at - now) * 1000:.0f} ms",
-                           retry_after_s=max(1.0, ahead))
+                           retry_after_s=max(1.0, ahead), kind="TTFT budget cannot be met")
         if is_saturated and ticket.priority < 0:
             return Outcome(Verdict.REJECT, f"fleet saturated: sheddable request (priority {ticket.priority}) "
-                                           "refused", retry_after_s=1.0)
+                                           "refused", retry_after_s=1.0, kind="fleet saturated")
         if not is_saturated and not any(t.priority >= ticket.priority for t in self._queued.values()):
             return Outcome(Verdict.ADMIT)
         shed = None
@@ -195,7 +200,7 @@ class Admission:
                 victim.priority == ticket.priority and waiting[victim.tenant] > waiting[ticket.tenant] + 1)
             if not outranks:
                 return Outcome(Verdict.REJECT, f"admission queue full ({self.max_queued} waiting)",
-                               retry_after_s=1.0)
+                               retry_after_s=1.0, kind="admission queue full")
             del self._queued[victim.request_id]
             shed = victim
         self._queued[ticket.request_id] = ticket

@@ -60,9 +60,11 @@ class AdmissionGate:
         outcome = self._admission.offer(ticket, self._clock(), self._is_saturated(), predicted_ttft_s)
         band = {"band": ticket.priority}
         if outcome.shed is not None:
-            self._refuse_queued(outcome.shed, outcome.reason)
+            self._refuse_queued(outcome.shed, outcome.reason, "shed for a more important request")
         if outcome.verdict == Verdict.REJECT:
-            self._decisions.add(1, {"verdict": "reject", "reason": outcome.reason.split(":")[0], **band})
+            # A tenant's limit is counted per tenant, by a label of its own (its limit is in no label).
+            tenant = {"tenant": ticket.tenant} if outcome.kind.startswith("tenant") else {}
+            self._decisions.add(1, {"verdict": "reject", "reason": outcome.kind, **band, **tenant})
             raise ResourceExhausted(outcome.reason, retry_after_ms=int(outcome.retry_after_s * 1000))
         if outcome.verdict == Verdict.QUEUE:
             self._decisions.add(1, {"verdict": "queue", **band})
@@ -112,8 +114,10 @@ class AdmissionGate:
             self._lapsed.add(len(lapsed))
             self.capacity_changed()
 
-    def _refuse_queued(self, ticket: Ticket, reason: str) -> None:
+    def _refuse_queued(self, ticket: Ticket, reason: str, kind: str) -> None:
+        """Refuse a queued request (counted as queued when it came, and now as refused)."""
         self._depth.add(-1, {"band": ticket.priority})
+        self._decisions.add(1, {"verdict": "reject", "reason": kind, "band": ticket.priority})
         future = self._waiting.pop(ticket.request_id, None)
         if future is not None and not future.done():
             future.set_exception(ResourceExhausted(f"request {ticket.request_id}: {reason}", retry_after_ms=1000))
@@ -125,7 +129,8 @@ class AdmissionGate:
             if self._clock() - self._swept_at >= _SWEEP_S:
                 self.sweep()
             for ticket in self._admission.expired(self._clock()):
-                self._refuse_queued(ticket, "its deadline passed while it waited for admission")
+                self._refuse_queued(ticket, "its deadline passed while it waited for admission",
+                                    "deadline passed in queue")
             while self._admission.num_queued and not self._is_saturated():
                 ticket = self._admission.pop_next(self._clock())
                 if ticket is None:

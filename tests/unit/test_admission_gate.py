@@ -10,9 +10,11 @@ import math
 
 import pytest
 from opentelemetry.metrics import get_meter
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from services.common.errors import ResourceExhausted
-from services.scheduler.admission import Admission, Ticket
+from services.scheduler.admission import Admission, TenantLimits, Ticket
 from services.scheduler.gate import AdmissionGate
 
 pytestmark = pytest.mark.timeout(20)
@@ -141,3 +143,38 @@ async def test_a_request_cancelled_as_its_place_comes_does_not_hold_up_the_next(
             break
         await asyncio.sleep(0)
     assert staying.done() and staying.result() is True
+
+
+async def test_refusals_are_counted_by_kind_with_no_tenants_limit_in_a_label() -> None:
+    """The metric's reason was the message up to its first colon: for a tenant's limit the whole message, a label
+    value per tenant and limit; and a queued request shed or left to its deadline was counted only as queued."""
+    reader = InMemoryMetricReader()
+    meter = MeterProvider(metric_readers=[reader]).get_meter("test")
+    fleet = Fleet()
+    admission = Admission(max_queued=1, limits={"acme": TenantLimits(max_concurrency=0)})
+    gate = AdmissionGate(admission, fleet.is_saturated, meter, clock=fleet.clock)
+    dispatcher = asyncio.create_task(gate.run())
+    try:
+        with pytest.raises(ResourceExhausted, match="'acme' is at its concurrency limit of 0"):
+            await gate.enter(Ticket(request_id="a", tenant="acme", priority=0, num_tokens=10, arrived_at=fleet.now,
+                                    deadline_at=math.inf), 0.1)
+        low = await queued(gate, admission, ticket("low", fleet.now, priority=0))
+        late = asyncio.create_task(gate.enter(ticket("late", fleet.now, priority=1, deadline_at=fleet.now + 1), 0.1))
+        with pytest.raises(ResourceExhausted, match="shed"):
+            await asyncio.wait_for(low, 5)
+        fleet.now += 2.0
+        gate.capacity_changed()
+        with pytest.raises(ResourceExhausted, match="deadline passed"):
+            await asyncio.wait_for(late, 5)
+    finally:
+        dispatcher.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await dispatcher
+    metrics = reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics
+    points = next(m for m in metrics if m.name == "baton.scheduler.admissions").data.data_points
+    refused = {tuple(sorted(p.attributes.items())): p.value for p in points if p.attributes["verdict"] == "reject"}
+    assert refused == {
+        (("band", 0), ("reason", "tenant concurrency limit"), ("tenant", "acme"), ("verdict", "reject")): 1,
+        (("band", 0), ("reason", "shed for a more important request"), ("verdict", "reject")): 1,
+        (("band", 1), ("reason", "deadline passed in queue"), ("verdict", "reject")): 1,
+    }
