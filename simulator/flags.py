@@ -191,19 +191,11 @@ def model_pair(text: str) -> tuple[str, str]:
 
 
 def fleet(text: str) -> str:
-    """A fleet, COUNTxGPU,... (e.g. 4xh100,4xa100,4xl4), checked part by part; the text itself is kept."""
-    for part in _items(text, "fleet part"):
-        count, x, gpu = part.partition("x")
-        if not x or not count or not gpu:
-            hint = " (in lower case)" if part != part.lower() else ""
-            _refuse_item(text, part, f"is not COUNTxGPU{hint}, e.g. 4xh100")
-        if gpu not in GPU_SPECS:
-            hint = "; GPU names are lower case" if gpu.lower() in GPU_SPECS else ""
-            _refuse(text, f"unknown GPU {gpu!r}; known: {', '.join(GPU_SPECS)}{hint}")
-        if not count.isdigit():
-            _refuse(text, f"the count {count!r} of {part!r} is not a whole number")
-        if int(count) < 1:
-            _refuse(text, f"the count of {part!r} must be at least 1")
+    """A fleet, COUNTxGPU,... (e.g. 4xh100,4xa100,4xl4), checked as the simulator reads it; the text itself is kept."""
+    try:
+        simulation.fleet(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
     return text
 
 

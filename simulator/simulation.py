@@ -15,6 +15,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from baton.v1 import common_pb2
 from services.common.engine_profile import EngineProfile
@@ -50,12 +51,30 @@ class NodeConfig:
 
 
 def fleet(spec: str) -> list[NodeConfig]:
-    """'4xh100,4xa100,4xl4' -> node configs with catalogue prices."""
+    """'4xh100,4xa100,4xl4' -> node configs with catalogue prices, numbered in order (h100-0, ..., l4-11); a GPU
+    named twice adds up. ValueError naming the part that is not COUNTxGPU with a known GPU and a count of 1 or more."""
+
+    def refuse(why: str, part: str | None = None) -> NoReturn:
+        raise ValueError(f"{spec!r}: {part!r} {why}" if part is not None and part != spec.strip()
+                         else f"{spec!r} {why}" if part is not None else f"{spec!r}: {why}")
+
+    parts = [part.strip() for part in spec.split(",")]
+    if parts == [""]:
+        refuse("no fleet part given")
     nodes = []
-    for part in spec.split(","):
-        count, _, gpu = part.strip().partition("x")
+    for part in parts:
+        if not part:
+            refuse("an empty fleet part between commas")
+        count, x, gpu = part.partition("x")
+        if not x or not count or not gpu:
+            refuse("is not COUNTxGPU" + (" (in lower case)" if part != part.lower() else "") + ", e.g. 4xh100", part)
         if gpu not in GPU_SPECS:
-            raise ValueError(f"fleet {spec!r}: unknown GPU {gpu!r}; known: {', '.join(GPU_SPECS)}")
+            hint = "; GPU names are lower case" if gpu.lower() in GPU_SPECS else ""
+            refuse(f"unknown GPU {gpu!r}; known: {', '.join(GPU_SPECS)}{hint}")
+        if not count.isdigit():
+            refuse(f"the count {count!r} of {part!r} is not a whole number")
+        if int(count) < 1:
+            refuse(f"the count of {part!r} must be at least 1")
         for _ in range(int(count)):
             nodes.append(NodeConfig(f"{gpu}-{len(nodes)}", gpu, GPU_SPECS[gpu].price_per_hour))
     return nodes

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from baton import cli
-from simulator import admission_study, model_study
+from simulator import admission_study, model_study, simulation
 from simulator.flags import seeds_text
 from simulator.report import TRACES, build_workload, parse_args
 from tests.unit.sim_cli import refused, write_traces
@@ -177,6 +177,14 @@ def _warm_models(monkeypatch: pytest.MonkeyPatch, traces: Path, tmp_path: Path, 
         _models([*argv, "--loads", "1", "--limit", "5", "--jobs", "1", "--traces", str(traces),
                  "--out", str(tmp_path / "out")])
     return seen
+
+
+def test_a_fleet_that_names_a_gpu_twice_adds_up_as_the_simulator_reads_it() -> None:
+    """The flag's own check refused `4xh100,2xh100` as "given twice" while the simulator took it: one parser now."""
+    assert parse_args(["--fleet", "4xh100,2xh100,1xl4"]).fleet == "4xh100,2xh100,1xl4"
+    assert [node.node_id for node in simulation.fleet("2xh100,1xl4,1xh100")] == ["h100-0", "h100-1", "l4-2", "h100-3"]
+    with pytest.raises(ValueError, match="'2xh100,h100': 'h100' is not COUNTxGPU"):
+        simulation.fleet("2xh100,h100")
 
 
 def test_sim_models_splits_a_fleet_of_any_size_between_the_two_models(
