@@ -60,6 +60,14 @@ def positive_number(text: str, whole: str | None = None) -> float:
     return value
 
 
+def non_negative_seconds(text: str) -> float:
+    """A finite time of 0 s or more (an idle time before a model swap)."""
+    value = _number(text)
+    if value < 0:
+        _refuse_item(text, text, "must be 0 s or more")
+    return value
+
+
 def slo_seconds(text: str) -> float:
     """An SLO budget in seconds: finite, and at least the millisecond the budgets are kept in."""
     value = _number(text)

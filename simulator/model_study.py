@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                         "start with none); default: three quarters A, the rest (at least one) B")
     parser.add_argument("--start-share", type=flags.share, default=0.1, help="B's share of new tasks at the start")
     parser.add_argument("--end-share", type=flags.share, default=0.9, help="B's share of new tasks at the end")
-    parser.add_argument("--swap-idle-s", type=float, default=10.0)
+    parser.add_argument("--swap-idle-s", type=flags.non_negative_seconds, default=10.0,
+                        help="a node idle this long may have its model swapped, as the scheduler's --model-swap-idle-s")
     args = parser.parse_args(argv)
     num_nodes = len(fleet(args.fleet))
     if args.split is None:

@@ -135,6 +135,8 @@ BAD_STUDY_FLAGS = [
     (_models, ["--fleet", "2xa100", "--split", "6,2"], "--split", "6,2 makes 8 nodes; the fleet 2xa100 has 2"),
     (_models, ["--start-share", "1.5"], "--start-share", "'1.5'"),
     (_models, ["--end-share", "-0.1"], "--end-share", "'-0.1'"),
+    (_models, ["--swap-idle-s=-5"], "--swap-idle-s", "'-5' must be 0 s or more"),
+    (_models, ["--swap-idle-s", "nan"], "--swap-idle-s", "'nan'"),
     (_models, ["--models", "sim-llama-2-7b"], "--models", "two models"),
     (_models, ["--models", "sim-llama-2-7b,sim-llama-2-7b"], "--models", "given twice"),
     (_models, ["--models", "sim-llama-2-7b,gpt-9"], "--models", "'gpt-9' is not a simulated model"),
