@@ -140,6 +140,8 @@ def setup_of(setting: Setting, options: argparse.Namespace) -> dict:
     setup = {key: getattr(options, key) for key in ("limit", "timing_error", "max_tokens", "admission", "tuning")}
     setup.update({key: value for key, value in asdict(setting).items() if key not in ("name", "limit")})
     setup["agent_tasks"] = setting.limit
+    if setting.limit is not None:  # the agentic setting replays its own tasks, whatever --limit says
+        del setup["limit"]
     return setup
 
 

@@ -18,6 +18,7 @@ from bench.sim_matrix import (
     main,
     paired_change,
     pooled_verdict,
+    setup_of,
     verdict,
 )
 from simulator.report import TRACES, build_workload, merge_seeds, run_one
@@ -232,6 +233,13 @@ def test_a_tuning_run_of_fewer_requests_is_named_for_the_requests_it_replays(
         "limit": 3, "timing_error": 0.3, "max_tokens": 2048, "admission": "none", "tuning": True,
         "workload": "mooncake-conversation", "fleet": "8xh100", "load": 2.0, "ttft_s": 5.0, "tpot_s": 0.1,
         "slo_mix": "", "skip": 6000, "agent_tasks": None}
+
+
+def test_the_agentic_settings_setup_does_not_record_a_limit_it_ignores() -> None:
+    """bench.adoption_rule compares two sides' setups: agentic runs made with another --limit replay the same tasks."""
+    agentic = next(s for s in SETTINGS if s.workload == "agentic")
+    setups = [setup_of(agentic, build_parser().parse_args(["--limit", limit])) for limit in ("300", "600")]
+    assert setups[0] == setups[1] and setups[0]["agent_tasks"] == agentic.limit and "limit" not in setups[0]
 
 
 def test_a_window_that_ends_with_the_trace_is_replayed_and_the_next_is_not(tmp_path: Path) -> None:
