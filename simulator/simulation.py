@@ -328,6 +328,16 @@ class Simulation:
                 self._unload(node)
             elif node.core is None and not node.loading:
                 self._start_load(node, action.model)
+        self._retry_unplaced()
+        self._dispatch()
+        # Plan again while anything is left to happen, a request waiting for a model's load included (planning
+        # stopped with one waiting, and it failed: "no node could load its model").
+        if self._events or self._step_events or self._unplaced:
+            self._at(self._now + self._plan_interval_s, self._plan)
+
+    def _retry_unplaced(self) -> None:
+        """Place again the requests waiting for a model's load: placed where it is warm now, failed where their
+        time ran out or no node has the model on disk any more, else waiting on."""
         unplaced, self._unplaced = self._unplaced, []
         for pending in unplaced:
             # Place waits for a load within the request's deadline and at most --model-load-timeout-s.
@@ -340,11 +350,6 @@ class Simulation:
                 continue
             self._placer.refresh(pending.plan, self._now)
             self._placed_or_waiting(pending)
-        self._dispatch()
-        # Plan again while anything is left to happen, a request waiting for a model's load included (planning
-        # stopped with one waiting, and it failed: "no node could load its model").
-        if self._events or self._step_events or self._unplaced:
-            self._at(self._now + self._plan_interval_s, self._plan)
 
     # -- the event loop ------------------------------------------------------------------------
 
@@ -613,6 +618,8 @@ class Simulation:
         self._registered.discard(node_id)
         self._update_view()
         self._index.remove_node(node_id)
+        if self._unplaced:  # as Place wakes when the fleet changes: a request whose model no node has any more fails
+            self._retry_unplaced()
         self._dispatch()  # its last load no longer counts: the survivors' room may release the queue
 
     def _migrate(self, generation: Generation, record: RequestRecord, failure: NodeFailure) -> None:

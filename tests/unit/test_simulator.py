@@ -404,3 +404,17 @@ def test_a_request_waiting_for_its_models_load_fails_at_its_deadline_as_place_gi
         Workload("late", [wants_b]))
     assert [r.failed for r in result.records] == ["deadline_ms=20000: passed while it waited for its model's load"]
     assert 20 < result.provisioned_s < 22
+
+
+def test_a_request_waiting_for_a_load_fails_once_no_node_has_its_model_on_disk_as_place_does() -> None:
+    """Place wakes when the fleet changes and gives up at once when no live node has the model even cold; the
+    simulator waited for its next planning round (here 10 s) to find that out."""
+    nodes = [dataclasses.replace(n, warm="sim-llama-3.1-8b",
+                                 cold=("sim-llama-3.1-8b", "sim-llama-2-7b") if i == 0 else ("sim-llama-3.1-8b",))
+             for i, n in enumerate(fleet("2xa100"))]
+    wants_b = dataclasses.replace(_request((1,), 256, "b"), model="sim-llama-2-7b")
+    result = Simulation(nodes, make_policy("baton"), planner=ModelPlanner(idle_swap_s=1e9), plan_interval_s=10.0,
+                        failures=((2.5, "a100-0"),), lease_ttl_s=3.0).run(Workload("gone", [wants_b]))
+    [record] = result.records
+    assert "sim-llama-2-7b" in record.failed  # no node serves it
+    assert result.provisioned_s == pytest.approx(5.5)  # the dead node's lease ended at 2.5 + 3 s
