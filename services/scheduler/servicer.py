@@ -6,6 +6,7 @@ import asyncio
 import logging
 import math
 import time
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
@@ -154,6 +155,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         # what this scheduler tells about tenants.
         self._tenants = TenantDirectory(self._member.client, self._on_tenants_changed)
         self._kvindexes = ServiceDirectory(self._member.client, "kvindex", telemetry, grace_s=config.lease_ttl_s)
+        # This process's mark on the hand-over states it writes (its instance id may outlive it, in a restart).
+        self._incarnation = uuid.uuid4().hex
         self._role = LeaderRole(self._member.client, config.instance_id, config.address, config.lease_ttl_s,
                                 self._hand_over_state, self._take_over_state)
         self._placements = telemetry.meter.create_counter(
@@ -216,6 +219,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         spent = self._policy.workflow_state()
         return {
             "leader": self._config.instance_id,
+            "incarnation": self._incarnation,
             "retry_budget": {"requests": self._retry_budget.num_requests(now),
                              "retries": self._retry_budget.num_retries(now)},
             # The most recent workflows' GPU spend (dicts keep insertion order).
@@ -225,6 +229,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         }
 
     def _take_over_state(self, state: dict[str, Any]) -> None:
+        if state.get("incarnation") == self._incarnation:
+            # Elected again (an etcd freeze ended every lease, its own too) with no other leader's state written
+            # since its own: what it holds is newer than what it wrote (the endings it was told of after its last
+            # write), so it keeps that. Restored, those endings were lost. The fleet was paid while it did not lead.
+            self._count_leaderless_gap({"counted_until_unix": self._fleet_counted_unix,
+                                        "price_per_hour": self.fleet_price_per_hour()})
+            log.info("leading again on its own state (no other leader wrote one since)")
+            return
         budget = state["retry_budget"]
         self._retry_budget.restore(int(budget["requests"]), int(budget["retries"]), self._clock())
         self._policy.restore_workflow_state({k: float(v) for k, v in state.get("workflow_spent", {}).items()})
