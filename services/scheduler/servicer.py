@@ -387,7 +387,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         model = plan.models[0]
         while not plan.has_candidates:
             now = self._clock()
-            if not any(model in s.spec.cold_models for s in self._cluster.nodes() if self._cluster.is_live(s, now)):
+            live = [s for s in self._cluster.nodes() if self._cluster.is_live(s, now)]
+            if not any(model in s.spec.cold_models for s in live):
+                return
+            # Warm where the request will not go (its router avoids those nodes): the planner loads for demand the
+            # warm nodes cannot take, not for this, so waiting held it to its deadline, and its router had no time
+            # left to ask again without its exclusions.
+            if any(model in s.spec.warm_models and s.spec.node_id in plan.ask.exclude for s in live):
                 return
             changed = self._nodes_changed.since_now()
             if not await wait_or_timeout(changed, max(0.0, deadline - loop.time())):

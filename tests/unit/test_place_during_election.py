@@ -55,3 +55,27 @@ async def test_a_place_while_the_leader_is_being_re_elected_is_placed_not_refuse
         assert placement.node_id == "n0"
     finally:
         await service.close()
+
+
+async def test_a_place_whose_exclusions_leave_only_a_busy_gpu_with_the_model_on_disk_is_refused_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model is warm on n0, which the router avoids, and on n1's disk, whose GPU serves another model: no load
+    is coming for it (warm capacity is not short), yet Place waited for the planner until the caller's deadline, and
+    the router had no time left to ask again without its exclusions (a live probe saw a request hang 45 s)."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    service._cluster.set_nodes([
+        NodeSpec(node_id="n0", address="n0:1", gpu="h100", price_per_hour=1.0, warm_models=frozenset({MODEL})),
+        NodeSpec(node_id="n1", address="n1:1", gpu="h100", price_per_hour=1.0, warm_models=frozenset({"other"}),
+                 cold_models=frozenset({MODEL}))])
+    for node in ("n0", "n1"):
+        service._cluster.report_load(node, Load(kv_blocks_total=1000), time.monotonic())
+    service._role.elected.set()
+    request = scheduler_pb2.PlaceRequest(request_id="r1", model=MODEL, num_prompt_tokens=16, max_tokens=8,
+                                         exclude_node_ids=["n0"])
+    try:
+        with pytest.raises(Refused) as refused:
+            await asyncio.wait_for(service.Place(request, FakeContext()), 5)  # type: ignore[arg-type]
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE and "excluded: n0" in str(refused.value)
+    finally:
+        await service.close()
