@@ -40,7 +40,7 @@ class LiveRequestsAck(_message.Message):
     def __init__(self, num_held: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class FinishedRequest(_message.Message):
-    __slots__ = ("request_id", "context", "ttft_ms", "outcome", "gpu_ms_by_node", "model", "num_output_tokens", "price_per_hour_by_node")
+    __slots__ = ("request_id", "context", "ttft_ms", "outcome", "gpu_ms_by_node", "model", "num_output_tokens", "price_per_hour_by_node", "another_stream_live")
     class GpuMsByNodeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class FinishedRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRICE_PER_HOUR_BY_NODE_FIELD_NUMBER: _ClassVar[int]
+    ANOTHER_STREAM_LIVE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context: _common_pb2.RequestContext
     ttft_ms: int
@@ -71,7 +72,8 @@ class FinishedRequest(_message.Message):
     model: str
     num_output_tokens: int
     price_per_hour_by_node: _containers.ScalarMap[str, float]
-    def __init__(self, request_id: _Optional[str] = ..., context: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., ttft_ms: _Optional[int] = ..., outcome: _Optional[_Union[RequestOutcome, str]] = ..., gpu_ms_by_node: _Optional[_Mapping[str, float]] = ..., model: _Optional[str] = ..., num_output_tokens: _Optional[int] = ..., price_per_hour_by_node: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    another_stream_live: bool
+    def __init__(self, request_id: _Optional[str] = ..., context: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., ttft_ms: _Optional[int] = ..., outcome: _Optional[_Union[RequestOutcome, str]] = ..., gpu_ms_by_node: _Optional[_Mapping[str, float]] = ..., model: _Optional[str] = ..., num_output_tokens: _Optional[int] = ..., price_per_hour_by_node: _Optional[_Mapping[str, float]] = ..., another_stream_live: _Optional[bool] = ...) -> None: ...
 
 class TaskStats(_message.Message):
     __slots__ = ("tasks_succeeded", "tasks_failed", "tasks_open", "ended_cost_usd", "cost_per_successful_task_usd", "model_load_cost_usd", "fleet_cost_usd", "fleet_cost_per_successful_task_usd")

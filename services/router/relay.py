@@ -35,6 +35,8 @@ class Ending:
     request: router_pb2.GenerateRequest
     ttft_ms: int
     outcome: scheduler_pb2.RequestOutcome.ValueType
+    # Another stream of the same request id still runs through this router when it is told: their slot stays held.
+    another_stream_live: bool = False
 
     def undelivered(self) -> None:
         """Its last reply never reached the client, who went away first: it did not succeed (nor end late)."""
@@ -236,7 +238,8 @@ class Relay:
             gpu_ms_by_node=generation.gpu_ms_by_node, model=generation.model,
             num_output_tokens=len(generation.generated),
             price_per_hour_by_node={node: info.price_per_hour for node in generation.gpu_ms_by_node
-                                    if (info := self._registration_of(node)) is not None})
+                                    if (info := self._registration_of(node)) is not None},
+            another_stream_live=ending.another_stream_live)
         task = asyncio.get_running_loop().create_task(self._call_scheduler(notice, _NOTICE_WITHIN_S),
                                                       name=f"Finished notice of {generation.request_id}")
         self._notices.add(task)

@@ -36,7 +36,7 @@ from services.router.config import RouterConfig
 from services.router.generation import Generation
 from services.router.http_api import HttpApi
 from services.router.node_stream import NodeLiveness
-from services.router.relay import HeldEndings, Relay
+from services.router.relay import Ending, HeldEndings, Relay
 from services.router.request_scope import cluster_request_id, name_as_client
 from services.router.tokenizer import TOKENIZERS
 from services.router.validation import ModelEntry, validate
@@ -268,7 +268,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         outcome = ""  # the status it ended with; none: OK once its last reply went out, else its client went away
         live_id: str | None = None
         # How the generation ended, told the leader once this stream knows whether its last reply went out.
-        held = HeldEndings(self._relay.tell_finished)
+        held = HeldEndings(self._tell_finished)
         delivered = False
         # The request as the cluster knows it (with --auth, in its tenant's namespace) and as the client does.
         cluster_id = client_id = request.request_id
@@ -343,20 +343,26 @@ class RouterService(router_pb2_grpc.RouterServicer):
             outcome = grpc.StatusCode.UNKNOWN.name  # a bug: what gRPC tells the client of an unexpected exception
             raise
         finally:
-            # The relay has ended, unless this stream was cancelled again while it closed: then its ending is told
-            # when it comes.
-            held.settle(delivered)
             if live_id is not None:
                 self._live[live_id] -= 1
                 if self._live[live_id] <= 0:
                     del self._live[live_id]
                     self._live_workflows.pop(live_id, None)
+            # The relay has ended, unless this stream was cancelled again while it closed: then its ending is told
+            # when it comes.
+            held.settle(delivered)
             # Without a status of its own, a stream whose last reply never went out was left by its client (a
             # cancelled call, a closed HTTP connection).
             self._requests.add(1, {"status": outcome or ("OK" if delivered else grpc.StatusCode.CANCELLED.name)})
             self._open_streams -= 1
             if not self._open_streams:
                 self._streams_ended.set()
+
+    def _tell_finished(self, ending: Ending) -> None:
+        """Tell the leader how a stream ended, and whether another of its request id still runs here (their
+        admission slot is one: released now, a refused duplicate freed the slot of the stream still running)."""
+        ending.another_stream_live = self._live.get(ending.generation.request_id, 0) > 0
+        self._relay.tell_finished(ending)
 
 
 def _authorization(context: grpc.aio.ServicerContext) -> str | None:

@@ -5,9 +5,15 @@ from __future__ import annotations
 import pytest
 from opentelemetry.metrics import get_meter
 
+from baton.v1 import scheduler_pb2
 from services.common.errors import ResourceExhausted
+from services.common.telemetry import Telemetry
 from services.scheduler.admission import Admission, TenantLimits, Ticket, Verdict
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.gate import AdmissionGate
+from services.scheduler.servicer import SchedulerService
+from tests.unit.leading import fake_leadership
+from tests.unit.test_place_during_election import FakeContext
 
 CAPPED = {"t": TenantLimits(max_concurrency=1)}
 
@@ -124,3 +130,23 @@ async def test_the_gate_sweep_drops_tenants_gone_quiet() -> None:
     clock.now += 61.0
     gate.sweep()
     assert admission.num_tenants == 0
+
+
+async def test_a_finished_notice_with_another_stream_of_its_id_live_keeps_the_slot(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router tells the leader when a request id's other stream still runs there: the slot they share stays held
+    until the last one's notice (released by the first, a refused duplicate let the tenant past its limit)."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    try:
+        admission = service._admission
+        admit(admission, "r", service._clock())
+        notice = scheduler_pb2.FinishedRequest(request_id="r", outcome=scheduler_pb2.REQUEST_OUTCOME_FAILED)
+        await service.Finished(scheduler_pb2.FinishedRequest(request_id="r", another_stream_live=True,
+                                                             outcome=scheduler_pb2.REQUEST_OUTCOME_FAILED),
+                               FakeContext())  # type: ignore[arg-type]
+        assert admission.num_held == 1
+        await service.Finished(notice, FakeContext())  # type: ignore[arg-type]
+        assert admission.num_held == 0
+    finally:
+        await service.close()

@@ -617,3 +617,31 @@ async def test_a_finished_notice_refused_by_a_standby_goes_to_the_leader_it_name
             assert sum(len(m.token_ids) for m in [m async for m in call]) == 2
             notice = await asyncio.wait_for(leader.finished.get(), 10)
     assert notice.request_id == "r9" and notice.outcome == scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
+
+
+async def test_a_request_sent_twice_keeps_its_admission_slot_until_its_last_stream_ends() -> None:
+    """Both streams of one request id hold one slot at the leader; the first to end released it, so a refused
+    duplicate let a tenant at its concurrency limit start another request (a live probe ran four under a limit of
+    one)."""
+    release = asyncio.Event()
+
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        yield _started()
+        yield Chunk(node_id=NODE, index=0, token_ids=[97])
+        await release.wait()
+        yield Chunk(node_id=NODE, index=1, token_ids=[98], finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+    async with _router(generate) as (router, scheduler):
+        request = router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2, request_id="twice")
+        first = router.Generate(request)
+        assert list((await first.read()).token_ids) == [97]
+        second = router.Generate(request)
+        assert list((await second.read()).token_ids) == [97]
+        second.cancel()  # as a duplicate the node refuses: it ends while the first runs
+        told = await asyncio.wait_for(scheduler.finished.get(), 10)
+        assert (told.request_id, told.another_stream_live) == ("twice", True)
+        release.set()
+        last = await first.read()
+        assert list(last.token_ids) == [98] and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        told = await asyncio.wait_for(scheduler.finished.get(), 10)
+        assert (told.request_id, told.another_stream_live) == ("twice", False)
