@@ -54,6 +54,8 @@ class Ticket:
     # How much of its workflow is done ((step - 1) / total steps; 0 for a lone request): among equal
     # deadlines, a late step of a task goes before a fresh one, whose failure would waste less.
     progress: float = 0.0
+    # The completion tokens of num_tokens, named when the whole ask is more than its tenant may ever have.
+    max_tokens: int = 0
 
 
 class Verdict(enum.Enum):
@@ -70,6 +72,8 @@ class Outcome:
     # The refusal's kind, a metric label: the reason without the names and numbers that would make a label per
     # tenant or limit.
     kind: str = ""
+    # Refused for what it asks, not for the load: no retry would be admitted (bad input, not a wait).
+    never: bool = False
     # A queued ticket pushed out to make room (it is refused with `reason`).
     shed: Ticket | None = None
 
@@ -168,6 +172,11 @@ class Admission:
             return Outcome(Verdict.REJECT, f"tenant {ticket.tenant!r} is at its concurrency limit of "
                                            f"{limits.max_concurrency}", retry_after_s=1.0,
                            kind="tenant concurrency limit")
+        if limits.tokens_per_minute is not None and ticket.num_tokens > limits.tokens_per_minute:
+            return Outcome(Verdict.REJECT, f"with its prompt, {ticket.num_tokens} tokens, more than tenant "
+                                           f"{ticket.tenant!r}'s whole limit of {limits.tokens_per_minute} tokens per "
+                                           "minute: no wait would let it in", kind="tenant tokens per minute limit",
+                           never=True)
         if limits.tokens_per_minute is not None and tenant.served_tokens + ticket.num_tokens > limits.tokens_per_minute:
             wait = tenant.served[0][0] + WINDOW_S - now if tenant.served else WINDOW_S
             return Outcome(Verdict.REJECT, f"tenant {ticket.tenant!r} is over its limit of "

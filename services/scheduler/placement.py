@@ -193,7 +193,8 @@ class Placer:
                         arrived_at=now,
                         deadline_at=now + request.ttft_budget_ms / 1000
                         if request.ttft_budget_ms and not plan.ask.resumed else math.inf,
-                        progress=(request.step - 1) / request.total_steps if request.total_steps else 0.0)
+                        progress=(request.step - 1) / request.total_steps if request.total_steps else 0.0,
+                        max_tokens=request.max_tokens)
         best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now)
                           for o in options)
         return ticket, best_ttft_s

@@ -6,6 +6,7 @@ steps the event loop only as far as the gate's own awaits."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 
 import pytest
@@ -13,7 +14,7 @@ from opentelemetry.metrics import get_meter
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from services.common.errors import ResourceExhausted
+from services.common.errors import InvalidArgument, ResourceExhausted
 from services.scheduler.admission import Admission, TenantLimits, Ticket
 from services.scheduler.gate import AdmissionGate
 
@@ -178,3 +179,19 @@ async def test_refusals_are_counted_by_kind_with_no_tenants_limit_in_a_label() -
         (("band", 0), ("reason", "shed for a more important request"), ("verdict", "reject")): 1,
         (("band", 1), ("reason", "deadline passed in queue"), ("verdict", "reject")): 1,
     }
+
+
+async def test_a_request_larger_than_its_tenants_whole_minute_is_bad_input_not_a_wait() -> None:
+    """Refused with a retry hint, the openai client waited about 115 s over two retries that could never fit."""
+    fleet = Fleet()
+    admission = Admission(limits={"small": TenantLimits(tokens_per_minute=100)})
+    gate = AdmissionGate(admission, fleet.is_saturated, get_meter("test"), clock=fleet.clock)
+    fleet.saturated = False
+    big = Ticket(request_id="big", tenant="small", priority=0, num_tokens=205, arrived_at=fleet.now, max_tokens=200)
+    with pytest.raises(InvalidArgument, match=r"max_tokens=200: with its prompt, 205 tokens, more than tenant "
+                                              r"'small''s whole limit of 100 tokens per minute"):
+        await gate.enter(big, 0.1)
+    fits = Ticket(request_id="fits", tenant="small", priority=0, num_tokens=100, arrived_at=fleet.now, max_tokens=95)
+    assert await gate.enter(fits, 0.1) is False  # admitted at once
+    with pytest.raises(ResourceExhausted, match="over its limit of 100 tokens per minute"):  # this one must wait
+        await gate.enter(dataclasses.replace(fits, request_id="next"), 0.1)
