@@ -56,6 +56,12 @@ class Unavailable(BatonError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Aborted(BatonError):
+    """Ended by a newer request of the same id (e.g. a stream superseded by its own resume)."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 class DeadlineExceeded(BatonError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 

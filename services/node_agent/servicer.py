@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
@@ -12,7 +13,7 @@ from google.protobuf import json_format
 from baton.v1 import common_pb2, node_agent_pb2, node_agent_pb2_grpc
 from services.common import etcd_keys
 from services.common.directory import ServiceDirectory
-from services.common.errors import BatonError, InvalidArgument, abort
+from services.common.errors import Aborted, BatonError, InvalidArgument, abort
 from services.common.etcd_session import Membership
 from services.common.telemetry import Telemetry
 from services.node_agent.config import NodeAgentConfig
@@ -62,6 +63,8 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         self._schedulers = ServiceDirectory(self._member.client, "scheduler", telemetry, grace_s=config.lease_ttl_s)
         self._kvindexes = ServiceDirectory(self._member.client, "kvindex", telemetry, grace_s=config.lease_ttl_s)
         self._kv_log = KvEventLog(config.node_id, host)
+        # Per request id, the stream serving it now, set once a resume of that id has taken its place.
+        self._superseded: dict[str, asyncio.Event] = {}
         self._tokens = telemetry.meter.create_counter(
             "baton.node.generated_tokens", description="tokens generated on this node"
         )
@@ -115,6 +118,14 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             engine = self._host.engine_for(request.model)
         except BatonError as error:
             await abort(context, error)
+        request_id = request.request_id
+        if request.num_resumed_tokens and engine.progress(request_id) is not None:
+            # A resume of a stream this node still serves: its router froze, or lost its client, who resumed through
+            # another router. The newer stream has the client; the old one ends (refused, the resume failed).
+            log.info("request %s: resumed here while its earlier stream still ran; ending that one", request_id)
+            if (earlier := self._superseded.get(request_id)) is not None:
+                earlier.set()
+            engine.abort(request_id)
         engine_request = EngineRequest(
             request_id=request.request_id,
             prompt_token_ids=tuple(request.prompt_token_ids),
@@ -126,6 +137,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             outputs = engine.generate(engine_request, self._config.heartbeat_interval_s)
         except EngineInputError as exc:
             await abort(context, InvalidArgument(exc.field, exc.value, exc.reason))
+        superseded = self._superseded[request_id] = asyncio.Event()
         try:
             exact = engine.resumes_exactly(engine_request.sampling)
             yield self._chunk(request, 0,
@@ -135,6 +147,8 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
                               progress=self._progress(engine, request.request_id))
             index = 0
             async for output in outputs:
+                if superseded.is_set():
+                    break
                 if output is None:  # heartbeat: the router learns the request is queued or prefilling, not lost
                     yield self._chunk(request, index, progress=self._progress(engine, request.request_id))
                     continue
@@ -153,9 +167,14 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
                         )
                     )
                 yield chunk
+            if superseded.is_set():  # not a node failure: its router must not move it
+                await abort(context, Aborted(f"request {request_id}: a resume of it took this stream's place on node "
+                                             f"{self._config.node_id}"))
         except EngineInputError as exc:  # an engine that checks part of its input as it runs (vLLM)
             await abort(context, InvalidArgument(exc.field, exc.value, exc.reason))
         finally:
+            if self._superseded.get(request_id) is superseded:
+                del self._superseded[request_id]
             # The client went away or the stream broke: the engine must not go on for nobody. Closing the stream
             # ends this request only (not one of the same id admitted since, closed late as it may be).
             await outputs.aclose()

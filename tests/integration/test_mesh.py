@@ -160,6 +160,36 @@ async def test_a_nodes_checkpoints_say_how_much_of_the_prompt_it_found_cached(cl
     assert await cached_per_chunk("checkpoint-warm") == {(len(prompt) - 1) // 16 * 16}
 
 
+async def test_a_resume_of_a_stream_its_node_still_serves_takes_its_place(cluster: LocalCluster) -> None:
+    """A client whose router froze (or lost it) resumes through another router, which may place the resume on the
+    node still serving the old stream: that node refused it as a duplicate, and the client got INVALID_ARGUMENT.
+    The resume now ends the old stream (ABORTED, which its router does not take for a node failure); a fresh
+    request of a running id is still refused."""
+    prompt = list(b"a stream resumed on its own node")
+    sampling = common_pb2.SamplingParams(max_tokens=4000, ignore_eos=True)
+    async with grpc.aio.insecure_channel(cluster.nodes[0].address) as channel:
+        stub = node_agent_pb2_grpc.NodeAgentStub(channel)
+        old = stub.Generate(node_agent_pb2.NodeGenerateRequest(request_id="resumed-here", model=MODEL,
+                                                               prompt_token_ids=prompt, sampling=sampling), timeout=60)
+        tokens: list[int] = []
+        while not tokens:
+            tokens += (await old.read()).token_ids
+        with pytest.raises(grpc.aio.AioRpcError) as duplicate:
+            async for _ in stub.Generate(node_agent_pb2.NodeGenerateRequest(
+                    request_id="resumed-here", model=MODEL, prompt_token_ids=prompt, sampling=sampling), timeout=10):
+                pass
+        assert duplicate.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "already running" in str(duplicate.value)
+        resume = node_agent_pb2.NodeGenerateRequest(
+            request_id="resumed-here", model=MODEL, prompt_token_ids=prompt + tokens, num_resumed_tokens=len(tokens),
+            sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True))
+        chunks = [c async for c in stub.Generate(resume, timeout=30)]
+        assert sum(len(c.token_ids) for c in chunks) == 4 and chunks[-1].finish_reason
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            while await old.read() is not grpc.aio.EOF:
+                pass
+        assert ended.value.code() == grpc.StatusCode.ABORTED and "a resume of it took" in str(ended.value)
+
+
 async def test_list_models_names_the_served_model(cluster: LocalCluster) -> None:
     assert cluster.router is not None
     async with BatonClient(cluster.router.address) as client:
