@@ -19,7 +19,7 @@ import grpc
 
 from baton.protocol import AUTHORIZATION_KEY, ORIGIN_KEY, is_transport_failure
 from baton.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.common.reconnect import RECONNECT_OPTIONS
+from services.common.reconnect import CLIENT_KEEPALIVE_OPTIONS, RECONNECT_OPTIONS
 
 # The router a stream fails over to may be one this client could not reach a moment ago (restarting, or
 # tried first): its channel is then waiting out a reconnect backoff (about a second at most: the services'
@@ -63,8 +63,9 @@ class BatonClient:
             raise ValueError("BatonClient: at least one router address is needed")
         self.max_failovers = max_failovers
         self._metadata = ((AUTHORIZATION_KEY, f"Bearer {api_key}"),) if api_key else ()
-        self._channels = {address: grpc.aio.secure_channel(address, credentials, RECONNECT_OPTIONS)
-                          if credentials is not None else grpc.aio.insecure_channel(address, RECONNECT_OPTIONS)
+        options = RECONNECT_OPTIONS + CLIENT_KEEPALIVE_OPTIONS
+        self._channels = {address: grpc.aio.secure_channel(address, credentials, options)
+                          if credentials is not None else grpc.aio.insecure_channel(address, options)
                           for address in self.addresses}
         self._current = 0
 

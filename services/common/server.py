@@ -15,6 +15,7 @@ from google.protobuf.descriptor import FileDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
+from services.common.reconnect import SERVER_KEEPALIVE_OPTIONS
 from services.common.request_decoding import RequestDecodingInterceptor
 from services.common.telemetry import Telemetry
 
@@ -139,7 +140,7 @@ async def serve(
     # No SO_REUSEPORT (gRPC's default): a second process on a port in use must fail, not silently
     # take half of the first one's connections.
     server = grpc.aio.server(interceptors=[*telemetry.server_interceptors(), RequestDecodingInterceptor()],
-                             options=[("grpc.so_reuseport", 0)])
+                             options=[("grpc.so_reuseport", 0), *SERVER_KEEPALIVE_OPTIONS])
     service.register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

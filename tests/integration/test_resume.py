@@ -126,6 +126,28 @@ async def test_the_sdk_resumes_through_another_router_when_its_router_dies(clust
         assert result.finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
+async def test_the_sdk_resumes_through_another_router_when_its_router_freezes(cluster: LocalCluster) -> None:
+    """A frozen router (SIGSTOP, a paused VM) keeps its connections: the client waited as long as the freeze (a live
+    probe: 20 s), and the resume could land on the node still serving the frozen router's stream, which refused it as
+    a duplicate. Pings fail the call within seconds; the resume takes the old stream's place on its node."""
+    prompt = "a stream that outlives its router's freeze"
+    result = Completion()
+    frozen = cluster.routers[0]
+    frozen_at: list[int] = []
+    try:
+        async with BatonClient([router.address for router in cluster.routers]) as client:
+            async for chunk in client.generate(MODEL, prompt, max_tokens=NUM_TOKENS, ignore_eos=True, timeout_s=60):
+                result.add(chunk)
+                if len(result.token_ids) >= 20 and frozen.is_running() and not frozen_at:
+                    frozen.signal(signal.SIGSTOP)
+                    frozen_at.append(len(result.token_ids))
+            assert client.current_address == cluster.routers[1].address
+    finally:
+        frozen.signal(signal.SIGCONT)
+    assert frozen_at and result.token_ids == expected_tokens(prompt, {})
+    assert result.finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
 async def test_a_cancelled_stream_frees_its_kv_blocks_on_the_node(cluster: LocalCluster) -> None:
     async def kv_used(node: ManagedProcess) -> tuple[int, int]:
         async with grpc.aio.insecure_channel(node.address) as channel:
