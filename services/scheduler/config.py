@@ -53,6 +53,8 @@ class SchedulerConfig(ServiceConfig):
                            "only on budgets the request sets", DEFAULT_TTFT_BUDGET_MS)
     slo_tpot_ms: int = doc("mean time per output token the placement policy aims at for a request that sets no "
                            "tpot_budget_ms (the routers' --slo-tpot-ms)", DEFAULT_TPOT_BUDGET_MS)
+    max_id_len: int = doc("longest tenant a Place may name, in characters (the routers' --max-id-len); a request "
+                          "or workflow id may be twice as long and one more (scoped by its tenant)", 128)
     auth: bool = doc("GetRecentDecisions and GetClusterState need an API key (metadata 'authorization: Bearer "
                      "<key>'): an administrator's sees everything, a tenant's only its own decisions", False)
 
@@ -67,7 +69,8 @@ class SchedulerConfig(ServiceConfig):
         parse_tenant_limits(self.tenant_limits)
         if self.retry_ratio < 0 or self.retry_min_per_s < 0:
             raise ValueError("--retry-ratio and --retry-min-per-s must be 0 or more")
-        for name in ("model_plan_interval_s", "model_load_timeout_s", "task_timeout_s", "admission_lease_s"):
+        for name in ("model_plan_interval_s", "model_load_timeout_s", "task_timeout_s", "admission_lease_s",
+                     "max_id_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}: must be positive, got {getattr(self, name)}")
         if self.model_swap_idle_s < 0 or self.model_idle_unload_s < 0:

@@ -26,7 +26,7 @@ from services.common.etcd_session import Membership, PrefixView
 from services.common.load import load_from_proto, load_to_proto
 from services.common.node_registration import parse_node_info
 from services.common.profile_proto import profile_from_proto
-from services.common.request_context import check_context, context_fields, context_of
+from services.common.request_context import context_fields, context_of
 from services.common.telemetry import Telemetry
 from services.common.tenant_directory import TenantDirectory
 from services.common.timeouts import within
@@ -41,6 +41,7 @@ from services.scheduler.placement import DeadlineOutOfReach, PlaceAsk, Placer, P
 from services.scheduler.policies import Decision, PlacementRequest, make_policy
 from services.scheduler.retry_budget import RetryBudget
 from services.scheduler.tasks import TaskLedger
+from services.scheduler.validation import check_place
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +67,7 @@ TTFT_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 
 
 
 def place_ask(request: scheduler_pb2.PlaceRequest) -> PlaceAsk:
-    """The Place request as the pure core's ask; a field that makes no sense is refused by name (the
-    router checks what clients send, but any gRPC caller may call Place)."""
-    if not request.model:
-        raise InvalidArgument("model", request.model, "must name a model")
-    if request.num_prompt_tokens <= 0:
-        raise InvalidArgument("num_prompt_tokens", request.num_prompt_tokens, "must be positive")
-    if request.max_tokens <= 0:
-        raise InvalidArgument("max_tokens", request.max_tokens, "must be positive")
-    check_context(request.context)
+    """The Place request, checked (validation.check_place), as the pure core's ask."""
     return PlaceAsk(
         request=PlacementRequest(
             request_id=request.request_id,
@@ -269,6 +262,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._gate.capacity_changed()  # a model may have turned warm
         self._nodes_changed.notify()
 
+    def _max_context_tokens(self, model: str) -> int | None:
+        """model's context as the nodes listing it register it (the longest, should they differ: what some router
+        may have checked a request against); None when no node lists it."""
+        return max((m.max_context_tokens for info in self._node_infos.values() for m in info.models
+                    if m.name == model), default=None)
+
     def fleet_price_per_hour(self) -> float:
         """What the operator pays an hour for the GPUs the fleet lists (`GetClusterState`, `baton status`), busy or
         idle, and for those draining out of it. A node whose registration lapsed and that has gone silent is gone,
@@ -307,6 +306,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         plan: Plan | None = None
         is_placed = False
         try:
+            check_place(request, self._max_context_tokens(request.model), self._config.max_id_len)
             ask = place_ask(request)
             await self._role.wait_if_taking_over(self._config.lease_ttl_s)
             await self._wait_for_election(context.time_remaining())

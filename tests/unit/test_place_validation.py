@@ -33,7 +33,18 @@ GOOD = {"request_id": "r", "model": MODEL, "num_prompt_tokens": 16, "max_tokens"
     ({"context": common_pb2.RequestContext(ttft_budget_ms=-1)}, "ttft_budget_ms=-1"),
     ({"context": common_pb2.RequestContext(deadline_ms=-2)}, "deadline_ms=-2"),
     ({"context": common_pb2.RequestContext(step=4, total_steps=3)}, "step=4"),
+    # One key per full 16-token block of the prompt: 100,000 claimed for 2 tokens counted as load on the node.
+    ({"num_prompt_tokens": 2, "block_hashes": range(100_000)}, "block_hashes='100000 hashes': more than the 0"),
+    ({"num_prompt_tokens": 47, "block_hashes": range(3)}, "block_hashes='3 hashes': more than the 2 full blocks"),
+    # A model no node lists: no context to check against, but no model holds 2^31 - 1 tokens.
+    ({"num_prompt_tokens": 2**31 - 1}, "num_prompt_tokens=2147483647: does not fit"),
+    ({"max_tokens": 2**31 - 1}, "max_tokens=2147483647: num_prompt_tokens (16) + max_tokens exceeds"),
+    ({"context": common_pb2.RequestContext(tenant="t" * 100_000)}, "tenant='tttt"),
+    ({"context": common_pb2.RequestContext(workflow_id="w" * 258)}, "258 characters, longer than 257"),
+    ({"request_id": "r" * 258}, "258 characters, longer than 257"),
+    ({"retry_cause": "c" * 129}, "retry_cause='cccc"),
 ])
+@pytest.mark.timeout(10)
 async def test_a_place_with_a_senseless_field_is_refused_by_name_and_the_next_is_placed(
         monkeypatch: pytest.MonkeyPatch, fields: dict, named: str) -> None:
     fake_leadership(monkeypatch, lambda: True)
@@ -48,6 +59,37 @@ async def test_a_place_with_a_senseless_field_is_refused_by_name_and_the_next_is
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert named in str(refused.value)
         placement = await service.Place(scheduler_pb2.PlaceRequest(**GOOD), FakeContext())  # type: ignore[arg-type]
+        assert placement.node_id == "n0"
+    finally:
+        await service.close()
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"num_prompt_tokens": 8192}, "num_prompt_tokens=8192: does not fit the context window of m (8192)"),
+    ({"num_prompt_tokens": 8000, "max_tokens": 193}, "max_tokens=193: num_prompt_tokens (8000) + max_tokens exceeds "
+                                                     "the context window of m (8192)"),
+])
+@pytest.mark.timeout(10)
+async def test_a_place_longer_than_its_models_context_is_refused_at_once(
+        monkeypatch: pytest.MonkeyPatch, fields: dict, named: str) -> None:
+    """The model's context as its nodes register it bounds a Place (it waited out the caller's deadline for a
+    node that could hold it, then UNAVAILABLE); what fits it is placed."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    service._role.elected.set()
+    service._node_infos = {"n0": common_pb2.NodeInfo(node_id="n0", models=[
+        common_pb2.ModelInfo(name=MODEL, max_context_tokens=8192, is_warm=True)])}
+    service._cluster.set_nodes([NodeSpec(node_id="n0", address="n0:1", gpu="h100", price_per_hour=1.0,
+                                         warm_models=frozenset({MODEL}))])
+    service._cluster.report_load("n0", Load(kv_blocks_total=1000), time.monotonic())
+    try:
+        with pytest.raises(Refused) as refused:
+            await service.Place(scheduler_pb2.PlaceRequest(**{**GOOD, **fields}),
+                                FakeContext())  # type: ignore[arg-type]
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert named in str(refused.value)
+        fitting = {**GOOD, "num_prompt_tokens": 8000, "max_tokens": 192, "block_hashes": range(500)}
+        placement = await service.Place(scheduler_pb2.PlaceRequest(**fitting), FakeContext())  # type: ignore[arg-type]
         assert placement.node_id == "n0"
     finally:
         await service.close()

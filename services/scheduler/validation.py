@@ -1,0 +1,55 @@
+"""What the scheduler checks of a Place request before any work, naming the field and its value. Pure.
+
+The router checks what clients send, but any gRPC caller may call the scheduler, and a request's fields
+do more than describe it: its prompt blocks count as load on the node it is placed on (a placement that
+claims 100,000 blocks made a node look 42 s slow to every request for seconds after), and a size no
+node can hold waits for one until the caller's deadline. So what the router would never send is refused
+at once with INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+from baton.v1 import scheduler_pb2
+from services.common.block_hash import DEFAULT_BLOCK_SIZE
+from services.common.errors import InvalidArgument
+from services.common.request_context import check_context
+
+# Tokens (prompt + max_tokens) a request for a model no registered node lists may ask for: no model has a
+# context this long, and such a request is refused anyway, but by the fleet (no node has it) after a wait.
+MAX_TOKENS_OF_AN_UNKNOWN_MODEL = 1 << 24
+
+
+def check_place(request: scheduler_pb2.PlaceRequest, max_context_tokens: int | None, max_id_len: int) -> None:
+    """Refuse a Place whose fields no router sends, naming the first such field and its value.
+
+    max_context_tokens: the model's context as its nodes register it (None: no node lists the model).
+    max_id_len: the routers' --max-id-len; a request or workflow id may be scoped by its tenant
+    ("<tenant>/<id>", with --auth), so those may be twice as long and one more.
+    """
+    if not request.model:
+        raise InvalidArgument("model", request.model, "must name a model")
+    scoped = 2 * max_id_len + 1
+    for field, value, limit in (("request_id", request.request_id, scoped), ("tenant", request.context.tenant,
+                                max_id_len), ("workflow_id", request.context.workflow_id, scoped),
+                                ("retry_cause", request.retry_cause, max_id_len)):
+        if len(value) > limit:
+            raise InvalidArgument(field, value, f"{len(value)} characters, longer than {limit}")
+    if request.num_prompt_tokens <= 0:
+        raise InvalidArgument("num_prompt_tokens", request.num_prompt_tokens, "must be positive")
+    if request.max_tokens <= 0:
+        raise InvalidArgument("max_tokens", request.max_tokens, "must be positive")
+    context, whose = (max_context_tokens, "the context window of " + request.model) if max_context_tokens \
+        else (MAX_TOKENS_OF_AN_UNKNOWN_MODEL, "what any model's context holds")
+    if request.num_prompt_tokens >= context:
+        raise InvalidArgument("num_prompt_tokens", request.num_prompt_tokens, f"does not fit {whose} ({context})")
+    if request.num_prompt_tokens + request.max_tokens > context:
+        raise InvalidArgument("max_tokens", request.max_tokens,
+                              f"num_prompt_tokens ({request.num_prompt_tokens}) + max_tokens exceeds {whose} "
+                              f"({context})")
+    # One key per full block of the prompt, as the router computes them (services/common/block_hash.py).
+    num_blocks = request.num_prompt_tokens // DEFAULT_BLOCK_SIZE
+    if len(request.block_hashes) > num_blocks:
+        raise InvalidArgument("block_hashes", f"{len(request.block_hashes)} hashes",
+                              f"more than the {num_blocks} full blocks of {DEFAULT_BLOCK_SIZE} tokens in "
+                              f"num_prompt_tokens={request.num_prompt_tokens}")
+    check_context(request.context)
