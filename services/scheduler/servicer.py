@@ -41,7 +41,7 @@ from services.scheduler.placement import DeadlineOutOfReach, PlaceAsk, Placer, P
 from services.scheduler.policies import Decision, PlacementRequest, make_policy
 from services.scheduler.retry_budget import RetryBudget
 from services.scheduler.tasks import TaskLedger
-from services.scheduler.validation import check_place
+from services.scheduler.validation import check_finished, check_place
 
 log = logging.getLogger(__name__)
 
@@ -452,6 +452,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def Finished(
         self, request: scheduler_pb2.FinishedRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.FinishedAck:
+        try:
+            check_finished(request, self._max_context_tokens(request.model))
+        except BatonError as error:
+            await abort(context, error)
         await self._role.wait_if_taking_over(self._config.lease_ttl_s)  # not to be overwritten by the hand-over
         # A standby's ledger is replaced when it takes over, so the notice would be lost there: as for Place, wait
         # out an election under way or a late keep-alive (within the call's time), then refuse, naming the leader.

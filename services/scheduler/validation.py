@@ -1,4 +1,4 @@
-"""What the scheduler checks of a Place request before any work, naming the field and its value. Pure.
+"""What the scheduler checks of a Place or Finished request before any work, naming the field and its value. Pure.
 
 The router checks what clients send, but any gRPC caller may call the scheduler, and a request's fields
 do more than describe it: its prompt blocks count as load on the node it is placed on (a placement that
@@ -8,6 +8,8 @@ at once with INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
+
+import math
 
 from baton.v1 import scheduler_pb2
 from services.common.block_hash import DEFAULT_BLOCK_SIZE
@@ -53,3 +55,24 @@ def check_place(request: scheduler_pb2.PlaceRequest, max_context_tokens: int | N
                               f"more than the {num_blocks} full blocks of {DEFAULT_BLOCK_SIZE} tokens in "
                               f"num_prompt_tokens={request.num_prompt_tokens}")
     check_context(request.context)
+
+
+def check_finished(request: scheduler_pb2.FinishedRequest, max_context_tokens: int | None) -> None:
+    """Refuse a Finished notice that would skew the ledger or the policy, naming the first such field and its value.
+
+    A node it names may be one this leader never saw (it left before this leader began): its GPU time is charged
+    at the notice's price, so an unknown node is taken as it is.
+    """
+    if request.outcome not in scheduler_pb2.RequestOutcome.values():
+        raise InvalidArgument("outcome", request.outcome, "not a RequestOutcome (0 to "
+                              f"{max(scheduler_pb2.RequestOutcome.values())})")
+    for node, ms in request.gpu_ms_by_node.items():
+        if not (math.isfinite(ms) and ms >= 0):
+            raise InvalidArgument(f"gpu_ms_by_node[{node!r}]", ms, "must be finite and not negative")
+    if request.ttft_ms < 0:
+        raise InvalidArgument("ttft_ms", request.ttft_ms, "must not be negative (0: no first token)")
+    # The policy learns how long outputs run from this count: one past the context would skew every estimate after.
+    if request.num_output_tokens < 0 or max_context_tokens and request.num_output_tokens > max_context_tokens:
+        raise InvalidArgument("num_output_tokens", request.num_output_tokens,
+                              f"must be 0 to {request.model}'s context ({max_context_tokens})" if max_context_tokens
+                              else "must not be negative")

@@ -18,7 +18,7 @@ from services.common.telemetry import Telemetry
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.servicer import SchedulerService
 from tests.unit.leading import fake_leadership
-from tests.unit.test_place_during_election import FakeContext
+from tests.unit.test_place_during_election import FakeContext, Refused
 
 
 def exported(reader: InMemoryMetricReader) -> dict[str, list[tuple[dict, float]]]:
@@ -112,11 +112,45 @@ async def test_a_price_that_is_not_a_price_counts_as_nothing_instead_of_poisonin
     assert service.fleet_price_per_hour() == pytest.approx(1.0)
     finished = scheduler_pb2.FinishedRequest(
         request_id="r", outcome=scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED,
-        gpu_ms_by_node={"a": 3_600_000, "b": 3_600_000, "gone": 3_600_000, "odd": bad},
-        price_per_hour_by_node={"gone": bad, "odd": 1.0})
+        gpu_ms_by_node={"a": 3_600_000, "b": 3_600_000, "gone": 3_600_000}, price_per_hour_by_node={"gone": bad})
     await service.Finished(finished, FakeContext())  # type: ignore[arg-type]
     assert service._tasks.stats().cost_per_successful_task == pytest.approx(1.0)
     await service.close()
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"gpu_ms_by_node": {"a": float("nan")}}, "gpu_ms_by_node['a']=nan: must be finite"),
+    ({"gpu_ms_by_node": {"a": 1.0, "b": float("inf")}}, "gpu_ms_by_node['b']=inf: must be finite"),
+    ({"gpu_ms_by_node": {"a": -1e300}}, "gpu_ms_by_node['a']=-1e+300: must be finite and not negative"),
+    ({"outcome": 99}, "outcome=99: not a RequestOutcome (0 to 4)"),
+    ({"ttft_ms": -1}, "ttft_ms=-1: must not be negative"),
+    ({"num_output_tokens": -5}, "num_output_tokens=-5: must not be negative"),
+    ({"model": "m", "num_output_tokens": 2**31 - 1}, "num_output_tokens=2147483647: must be 0 to m's context (8192)"),
+])
+async def test_a_finished_notice_that_makes_no_sense_is_refused_by_name_and_the_ledger_keeps_the_next(
+        monkeypatch: pytest.MonkeyPatch, fields: dict, named: str) -> None:
+    """GPU time that is not a time, an outcome outside the enum or an output length no request could have had is
+    INVALID_ARGUMENT, charged to nothing (NaN or inf stayed in the ledger for good); a node this leader never saw
+    is charged as before, at the notice's price."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    info = common_pb2.NodeInfo(node_id="a", address="127.0.0.1:1", gpu="h100", price_per_hour=1.0,
+                               models=[common_pb2.ModelInfo(name="m", max_context_tokens=8192)])
+    service._on_nodes_changed({etcd_keys.node_key("a"): json_format.MessageToJson(info).encode()})
+    good = {"request_id": "r", "outcome": scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED}
+    try:
+        with pytest.raises(Refused) as refused:
+            await service.Finished(scheduler_pb2.FinishedRequest(**{**good, **fields}),
+                                   FakeContext())  # type: ignore[arg-type]
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert named in str(refused.value)
+        assert service._tasks.stats().succeeded == 0
+        await service.Finished(scheduler_pb2.FinishedRequest(
+            **good, model="m", num_output_tokens=8192, gpu_ms_by_node={"a": 3_600_000, "gone": 3_600_000},
+            price_per_hour_by_node={"gone": 2.0}), FakeContext())  # type: ignore[arg-type]
+        assert service._tasks.stats().cost_per_successful_task == pytest.approx(3.0)
+    finally:
+        await service.close()
 
 
 def _registered(node_id: str, price: float, draining: bool = False) -> tuple[str, bytes]:
