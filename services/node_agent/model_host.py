@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from services.common.change_signal import ChangeSignal
 from services.common.engine_profile import EngineProfile
-from services.common.errors import FailedPrecondition, NotFound, Unavailable
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from services.common.load import Load
 from services.node_agent.engines.base import Engine
 from services.node_agent.engines.types import AllBlocksCleared, KVEvent
@@ -199,6 +199,10 @@ class ModelHost:
         return measured or self._models[model].profile
 
     def local(self, model: str) -> LocalModel:
+        """model's entry: INVALID_ARGUMENT if none is named (no node has a model of no name), NOT_FOUND if this
+        node does not have it."""
+        if not model:
+            raise InvalidArgument("model", model, "required")
         try:
             return self._models[model]
         except KeyError:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from services.common.errors import FailedPrecondition, NotFound, Unavailable
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from services.node_agent.engines.sim.core import SimEngineCore
 from services.node_agent.engines.sim.engine import SimEngine
 from services.node_agent.engines.sim.models import get_model, load_time_s
@@ -51,6 +51,18 @@ async def test_a_cold_model_serves_nothing_until_loaded() -> None:
             host.engine_for("sim-llama-3.1-8b")
         with pytest.raises(FailedPrecondition, match="unload it first"):
             await host.load_model(B)
+
+
+async def test_a_call_that_names_no_model_is_invalid_not_a_model_the_node_lacks() -> None:
+    """LoadModel, UnloadModel and Generate without a model: INVALID_ARGUMENT, as the router says it, not NOT_FOUND."""
+    async with hosting(warm=A) as host:
+        with pytest.raises(InvalidArgument, match=r"^model='': required$"):
+            await host.load_model("")
+        with pytest.raises(InvalidArgument, match=r"^model='': required$"):
+            host.unload_model("")
+        with pytest.raises(InvalidArgument, match=r"^model='': required$"):
+            host.engine_for("")
+        assert host.state == {A: ModelState.WARM, B: ModelState.COLD}
 
 
 async def test_a_load_takes_the_modelled_time_and_a_second_caller_joins_it() -> None:
