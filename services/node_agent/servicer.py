@@ -15,6 +15,7 @@ from services.common import etcd_keys
 from services.common.directory import ServiceDirectory
 from services.common.errors import Aborted, BatonError, InvalidArgument, abort
 from services.common.etcd_session import Membership
+from services.common.sampling_checks import check_node_sampling
 from services.common.telemetry import Telemetry
 from services.node_agent.config import NodeAgentConfig
 from services.node_agent.engines.base import Engine, EngineInputError
@@ -116,6 +117,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     ) -> AsyncIterator[node_agent_pb2.NodeGenerateChunk]:
         try:
             engine = self._host.engine_for(request.model)
+            check_node_sampling(request.sampling, self._host.local(request.model).vocab_size)
         except BatonError as error:
             await abort(context, error)
         request_id = request.request_id

@@ -6,7 +6,6 @@ token lists): a request is refused on its lengths alone when they cannot be serv
 
 from __future__ import annotations
 
-import math
 import random
 import uuid
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 from baton.v1 import common_pb2, router_pb2
 from services.common.errors import InvalidArgument, NotFound, shown
 from services.common.request_context import check_context
+from services.common.sampling_checks import check_temperature_top_p, check_vocabulary
 from services.router.tokenizer import TOKENIZERS
 
 
@@ -110,12 +110,12 @@ def validate(
             raise InvalidArgument("prompt_token_ids", f"{len(request.prompt_token_ids.ids)} tokens",
                                   f"does not fit the context window of {context}")
         prompt = list(request.prompt_token_ids.ids)
-        _check_vocabulary("prompt_token_ids", prompt, model.vocab_size)
+        check_vocabulary("prompt_token_ids", prompt, model.vocab_size)
     if len(request.resume.token_ids) >= context:
         raise InvalidArgument("resume.token_ids", f"{len(request.resume.token_ids)} tokens",
                               f"does not fit the context window of {context}")
     resumed = list(request.resume.token_ids)
-    _check_vocabulary("resume.token_ids", resumed, model.vocab_size)
+    check_vocabulary("resume.token_ids", resumed, model.vocab_size)
     if request.resume.elapsed_ms < 0:
         raise InvalidArgument("resume.elapsed_ms", request.resume.elapsed_ms, "must not be negative")
     # (A first token up to RESUME_ROUNDING_MS later than elapsed_ms, a client's rounding, is taken as elapsed_ms.)
@@ -150,10 +150,7 @@ def validate(
     else:
         max_tokens = min(default_max_tokens, room)
 
-    if not math.isfinite(request.temperature) or request.temperature < 0:
-        raise InvalidArgument("temperature", request.temperature, "must be 0 (greedy) or positive")
-    if not math.isfinite(request.top_p) or not 0 <= request.top_p <= 1:
-        raise InvalidArgument("top_p", request.top_p, "must be in (0, 1]; 0 means 1")
+    check_temperature_top_p(request.temperature, request.top_p)
     check_context(request)
     if len(resumed) > max_tokens:
         raise InvalidArgument("resume.token_ids", f"{len(resumed)} tokens", f"more than max_tokens={max_tokens}")
@@ -211,9 +208,3 @@ def _check_stop_sizes(request: router_pb2.GenerateRequest, limits: InputLimits) 
         if total > limits.max_stop_bytes:
             raise InvalidArgument("stop", f"{total}+ bytes in {len(request.stop)} sequences",
                                   f"at most {limits.max_stop_bytes} bytes together")
-
-
-def _check_vocabulary(field: str, token_ids: list[int], vocab_size: int) -> None:
-    for i, token in enumerate(token_ids):
-        if not 0 <= token < vocab_size:
-            raise InvalidArgument(f"{field}[{i}]", token, f"outside the vocabulary [0, {vocab_size})")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from services.common.errors import shown
 from services.common.load import Load
 from services.common.recent_steps import RecentSteps
 from services.node_agent.engines.sim.kv_cache import KVBlock, KVCache
@@ -25,6 +26,16 @@ from services.node_agent.engines.types import (
 
 class DuplicateRequest(ValueError):
     """A request_id already queued or running here."""
+
+
+class RequestRefused(ValueError):
+    """A request that could never be served here, by the field at fault (the caller names the request)."""
+
+    def __init__(self, field: str, value: object, reason: str) -> None:
+        super().__init__(f"{field}={shown(value)}: {reason}")
+        self.field = field
+        self.value = value
+        self.reason = reason
 
 
 class SimEngineCore:
@@ -73,7 +84,7 @@ class SimEngineCore:
         self._stepping_decode_ms: list[float] = []
 
     def add_request(self, request: EngineRequest) -> None:
-        """Queue a request; ValueError if it is a duplicate or could never be served."""
+        """Queue a request; DuplicateRequest or RequestRefused (ValueErrors) if it could never be served."""
         self._num_received += 1
         rid = request.request_id
         prompt = request.prompt_token_ids
@@ -81,33 +92,25 @@ class SimEngineCore:
         if rid in self._requests:
             raise DuplicateRequest(f"request_id {rid!r} is already running")
         if not prompt:
-            raise ValueError(f"request {rid!r}: prompt_token_ids is empty")
+            raise RequestRefused("prompt_token_ids", [], "must not be empty")
         if max_tokens < 1:
-            raise ValueError(f"request {rid!r}: max_tokens={max_tokens} must be >= 1")
-        bad = None
+            raise RequestRefused("max_tokens", max_tokens, "must be >= 1")
         if min(prompt) < 0 or max(prompt) >= self.model.vocab_size:  # C-speed check first: prompts are long
-            bad = next(t for t in prompt if not 0 <= t < self.model.vocab_size)
-        if bad is not None:
-            raise ValueError(
-                f"request {rid!r}: token id {bad} is outside the vocabulary 0..{self.model.vocab_size - 1}"
-            )
+            i, bad = next((i, t) for i, t in enumerate(prompt) if not 0 <= t < self.model.vocab_size)
+            raise RequestRefused(f"prompt_token_ids[{i}]", bad, f"outside the vocabulary [0, {self.model.vocab_size})")
         if not 0 <= request.num_resumed_tokens < len(prompt):
-            raise ValueError(
-                f"request {rid!r}: num_resumed_tokens={request.num_resumed_tokens} must be below the "
-                f"prompt length {len(prompt)}"
-            )
+            raise RequestRefused("num_resumed_tokens", request.num_resumed_tokens,
+                                 f"must be below the prompt length {len(prompt)}")
         if len(prompt) + max_tokens > self.model.max_context_tokens:
-            raise ValueError(
-                f"request {rid!r}: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds "
-                f"{self.model.name}'s context of {self.model.max_context_tokens}"
-            )
+            raise RequestRefused("prompt_token_ids", f"{len(prompt)} tokens",
+                                 f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds "
+                                 f"{self.model.name}'s context of {self.model.max_context_tokens}")
         # The final token's KV is never computed, hence the - 1.
         num_blocks_needed = -(-(len(prompt) + max_tokens - 1) // self.block_size)
         if num_blocks_needed > self._cache.num_total_blocks:
-            raise ValueError(
-                f"request {rid!r}: needs {num_blocks_needed} KV blocks, "
-                f"the cache has {self._cache.num_total_blocks}"
-            )
+            raise RequestRefused("prompt_token_ids", f"{len(prompt)} tokens",
+                                 f"with max_tokens ({max_tokens}) needs {num_blocks_needed} KV blocks, the cache "
+                                 f"has {self._cache.num_total_blocks}")
         seq = SimSequence(request, self.block_size)
         self._requests[rid] = seq
         self._waiting.append(seq)

@@ -11,7 +11,7 @@ from services.common.change_signal import ChangeSignal
 from services.common.load import Load
 from services.common.timeouts import within
 from services.node_agent.engines.base import EngineInputError, OutputStream
-from services.node_agent.engines.sim.core import DuplicateRequest, SimEngineCore
+from services.node_agent.engines.sim.core import DuplicateRequest, RequestRefused, SimEngineCore
 from services.node_agent.engines.types import (
     EngineRequest,
     KVEvent,
@@ -118,8 +118,8 @@ class SimEngine:
             self._core.add_request(request)
         except DuplicateRequest as exc:  # named as the vLLM engine names it
             raise EngineInputError("request_id", request.request_id, "is already running on this node") from exc
-        except ValueError as exc:
-            raise EngineInputError("request", request.request_id, str(exc)) from exc
+        except RequestRefused as exc:
+            raise EngineInputError(exc.field, exc.value, exc.reason) from exc
         request_id = request.request_id
         buffer = self._buffers[request_id] = _OutputBuffer()
         self._wake.set()

@@ -277,7 +277,7 @@ class VllmEngine:
     def _check(self, request: EngineRequest) -> None:
         rid, prompt, max_tokens = request.request_id, request.prompt_token_ids, request.sampling.max_tokens
         if rid in self._requests:
-            raise EngineInputError("request_id", rid, f"request_id {rid!r} is already running")
+            raise EngineInputError("request_id", rid, "is already running on this node")
         if not prompt:
             raise EngineInputError("prompt_token_ids", [], "must not be empty")
         if max_tokens < 1:
