@@ -55,7 +55,8 @@ async def test_sampling_the_router_would_refuse_is_refused_by_the_node_naming_th
 @pytest.mark.parametrize(("fields", "message"), [
     ({"prompt_token_ids": []}, "prompt_token_ids=[]: must not be empty"),
     ({"prompt_token_ids": [72, 999_999]}, "prompt_token_ids[1]=999999: outside the vocabulary [0, "),
-    ({"num_resumed_tokens": 50}, "num_resumed_tokens=50: must be below the prompt length 2"),
+    ({"num_resumed_tokens": 50}, "num_resumed_tokens=50: must be 0 or more and below the prompt length 2"),
+    ({"num_resumed_tokens": -1}, "num_resumed_tokens=-1: must be 0 or more and below the prompt length 2"),
     ({"prompt_token_ids": [65] * 10_000}, "prompt_token_ids='10000 tokens': prompt (10000 tokens) + max_tokens"),
 ])
 async def test_a_request_the_engine_cannot_serve_is_named_by_its_field_once(fields: dict, message: str) -> None:

@@ -100,7 +100,7 @@ class SimEngineCore:
             raise RequestRefused(f"prompt_token_ids[{i}]", bad, f"outside the vocabulary [0, {self.model.vocab_size})")
         if not 0 <= request.num_resumed_tokens < len(prompt):
             raise RequestRefused("num_resumed_tokens", request.num_resumed_tokens,
-                                 f"must be below the prompt length {len(prompt)}")
+                                 f"must be 0 or more and below the prompt length {len(prompt)}")
         if len(prompt) + max_tokens > self.model.max_context_tokens:
             raise RequestRefused("prompt_token_ids", f"{len(prompt)} tokens",
                                  f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds "
