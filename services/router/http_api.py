@@ -23,7 +23,7 @@ from baton.v1 import router_pb2
 from services.common.errors import BatonError, InvalidArgument
 from services.router import openai_schema as schema
 from services.router.chat_template import PLAIN, ChatTemplate, template_for
-from services.router.validation import ModelEntry
+from services.router.validation import InputLimits, ModelEntry, find_model
 
 log = logging.getLogger(__name__)
 
@@ -121,11 +121,12 @@ def _rate_per_connection(check: Callable[[str], None]) -> Callable[..., Awaitabl
 class HttpApi:
     """The aiohttp application, bound to --http-listen, in the router's event loop."""
 
-    def __init__(self, service: GenerateService, listen: str, max_prompt_bytes: int,
+    def __init__(self, service: GenerateService, listen: str, limits: InputLimits,
                  check_connection_rate: Callable[[str], None] | None = None,
                  shutdown_timeout_s: float = 10.0, ssl_context: ssl.SSLContext | None = None,
                  tracer: trace.Tracer | None = None) -> None:
         self._service = service
+        self._limits = limits
         # A request's server span, parent of its calls to the leader and the nodes (one trace per request, as the
         # gRPC API's interceptor makes it); a client's `traceparent` header makes it part of the client's trace.
         self._tracer = tracer or trace.get_tracer(__name__)
@@ -135,7 +136,7 @@ class HttpApi:
         if check_connection_rate is not None:
             middlewares.append(_rate_per_connection(check_connection_rate))
         self.app = app = web.Application(middlewares=middlewares,
-                                         client_max_size=max_prompt_bytes * _BODY_BYTES_PER_PROMPT_BYTE
+                                         client_max_size=limits.max_prompt_bytes * _BODY_BYTES_PER_PROMPT_BYTE
                                          + (64 << 10))
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._list_models)
@@ -204,6 +205,9 @@ class HttpApi:
         entry = self._service.models.get(model)
         return PLAIN if entry is None else template_for(entry.tokenizer)
 
+    def _context_for_model(self, model: str) -> int:
+        return find_model(model, self._service.models).max_context_tokens
+
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         with self._tracer.start_as_current_span(
                 f"{request.method} {request.path}", context=propagate.extract(request.headers),
@@ -222,7 +226,8 @@ class HttpApi:
 
     async def _generate_in_span(self, request: web.Request, kind: str) -> web.StreamResponse:
         body = await _read_json(request)
-        parsed = schema.parse_request(kind, body, request.headers, self._template_for_model)
+        parsed = schema.parse_request(kind, body, request.headers, self._template_for_model,
+                                      self._context_for_model, self._limits)
         parsed.request.tenant = tenant_for(request, body)
         builder = schema.ResponseBuilder(parsed, created=int(time.time()))
         async with aclosing(self._service.generate(parsed.request, lambda: None,

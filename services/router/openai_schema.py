@@ -6,7 +6,8 @@ BatonError becomes OpenAI's error JSON with the HTTP status of its gRPC code.
 
 Only what a GenerateRequest cannot even hold is refused here: a JSON value of the wrong type, a
 number outside its field's wire range, text that is not Unicode, a field OpenAI has and Baton does
-not serve. Every refusal names the field as the client spelled it.
+not serve, and a list longer than the router would take (counted before its items are converted, so
+that a body's size in items costs nothing). Every refusal names the field as the client spelled it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import grpc
 from baton.v1 import common_pb2, router_pb2
 from services.common.errors import BatonError, InvalidArgument, ResourceExhausted, shown
 from services.router.chat_template import ChatMessage, ChatTemplate
+from services.router.validation import DEFAULT_LIMITS, InputLimits
 
 COMPLETIONS = "text_completion"
 CHAT = "chat.completion"
@@ -145,9 +147,11 @@ def _json_type(value: object) -> str:
     return "an object"
 
 
-def _strings(name: str, value: object) -> list[str]:
+def _strings(name: str, value: object, max_items: int, unit: str) -> list[str]:
     if not isinstance(value, list):
         raise InvalidArgument(name, value, f"must be an array of strings, not {_json_type(value)}")
+    if len(value) > max_items:
+        raise InvalidArgument(name, f"{len(value)} {unit}", f"at most {max_items}")
     return [text_value(f"{name}[{i}]", item) for i, item in enumerate(value)]
 
 
@@ -169,9 +173,12 @@ def _from_header(name: str, kind: str, header: str, raw: str) -> object:
 
 
 def parse_request(kind: str, body: object, headers: Mapping[str, str],
-                  template_for_model: Callable[[str], ChatTemplate]) -> ParsedRequest:
+                  template_for_model: Callable[[str], ChatTemplate], context_for_model: Callable[[str], int],
+                  limits: InputLimits = DEFAULT_LIMITS) -> ParsedRequest:
     """The GenerateRequest for an OpenAI completions (kind COMPLETIONS) or chat (CHAT) body;
-    InvalidArgument naming the client's field otherwise. The tenant is left to the caller."""
+    InvalidArgument naming the client's field otherwise. The tenant is left to the caller.
+    context_for_model: a model's context window in tokens (NotFound for a model not served), which
+    bounds a prompt of token ids."""
     if not isinstance(body, dict):
         raise InvalidArgument("body", body, f"must be a JSON object, not {_json_type(body)}")
     for key in body:
@@ -220,7 +227,7 @@ def parse_request(kind: str, body: object, headers: Mapping[str, str],
         request.stop.append(text_value("stop", stop))
         names["stop[0]"] = "stop"
     elif stop is not None:
-        request.stop.extend(_strings("stop", stop))
+        request.stop.extend(_strings("stop", stop, limits.max_stop_sequences, "sequences"))
     if body.get("user") is not None:
         text_value("user", body["user"])
 
@@ -239,22 +246,25 @@ def parse_request(kind: str, body: object, headers: Mapping[str, str],
         elif type_name == "bool":
             setattr(request, name, _bool(spelled, value))
         else:
-            request.alternative_models.extend(_strings(spelled, value))
+            request.alternative_models.extend(_strings(spelled, value, limits.max_alternative_models, "models"))
 
     if kind == COMPLETIONS:
-        _set_prompt(request, body.get("prompt"), names)
+        _set_prompt(request, body.get("prompt"), names, context_for_model)
     else:
-        messages = _messages(body.get("messages"))
+        messages = _messages(body.get("messages"), limits.max_messages)
         request.prompt = template_for_model(request.model).render(messages)
         names["prompt"] = "messages"
     return ParsedRequest(kind=kind, request=request, stream=stream, include_usage=include_usage, names=names)
 
 
-def _set_prompt(request: router_pb2.GenerateRequest, prompt: object, names: dict[str, str]) -> None:
+def _set_prompt(request: router_pb2.GenerateRequest, prompt: object, names: dict[str, str],
+                context_for_model: Callable[[str], int]) -> None:
     """A completions prompt: text, token ids, or a batch of one of either."""
     if prompt is None:
         raise InvalidArgument("prompt", None, "required")
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+    # A batch opens with a prompt; token ids with an id (only the first item is looked at: a list is as
+    # long as the body allows, and a batch of more than one is refused whatever it holds).
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
             raise InvalidArgument("prompt", f"{len(prompt)} prompts", "only one prompt per request is supported")
         prompt = prompt[0]
@@ -265,18 +275,24 @@ def _set_prompt(request: router_pb2.GenerateRequest, prompt: object, names: dict
     spelled = names.setdefault("prompt_token_ids", "prompt")
     if not isinstance(prompt, list):
         raise InvalidArgument(spelled, prompt, f"must be a string or an array of token ids, not {_json_type(prompt)}")
+    context = context_for_model(request.model)
+    if len(prompt) >= context:  # as the router's validation refuses it, but before a single id is converted
+        raise InvalidArgument(spelled, f"{len(prompt)} tokens", f"does not fit the context window of {context}")
     request.prompt_token_ids.ids.extend(_int(f"{spelled}[{i}]", t, (0, _INT32[1])) for i, t in enumerate(prompt))
     if not prompt:
         request.prompt_token_ids.SetInParent()
 
 
-def _messages(value: object) -> list[ChatMessage]:
+def _messages(value: object, max_messages: int) -> list[ChatMessage]:
     if value is None:
         raise InvalidArgument("messages", None, "required")
     if not isinstance(value, list):
         raise InvalidArgument("messages", value, f"must be an array of messages, not {_json_type(value)}")
     if not value:
         raise InvalidArgument("messages", value, "must not be empty")
+    if len(value) > max_messages:
+        raise InvalidArgument("messages", f"{len(value)} messages", f"at most {max_messages}")
+    num_parts = 0
     messages = []
     for i, message in enumerate(value):
         where = f"messages[{i}]"
@@ -293,7 +309,13 @@ def _messages(value: object) -> list[ChatMessage]:
         name = "" if message.get("name") is None else text_value(f"{where}.name", message["name"])
         if message.get("content") is None and role != "assistant":  # only an assistant's may be null (OpenAI's API)
             raise InvalidArgument(f"{where}.content", None, f"required for a {role} message")
-        messages.append(ChatMessage(role=role, content=_content(where, message.get("content")), name=name))
+        content = message.get("content")
+        if isinstance(content, list):
+            num_parts += len(content)
+            if num_parts > max_messages:
+                raise InvalidArgument(f"{where}.content", f"{len(content)} parts",
+                                      f"more than {max_messages} content parts in all messages")
+        messages.append(ChatMessage(role=role, content=_content(where, content), name=name))
     return messages
 
 

@@ -108,7 +108,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         # One bucket per client connection, gRPC and HTTP alike (None: --max-requests-per-connection-per-s 0).
         self._connection_rates = config.connection_rates()
         # HTTPS with the certificate the gRPC port serves (--tls-cert), else plaintext HTTP.
-        self._http = (HttpApi(self, config.http_listen, config.max_prompt_bytes, self.check_connection_rate,
+        self._http = (HttpApi(self, config.http_listen, config.input_limits, self.check_connection_rate,
                               ssl_context=server_ssl_context(config.tls),
                               tracer=telemetry.tracer_provider.get_tracer("baton.router.http"))
                       if config.http_listen else None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from baton.v1 import common_pb2, router_pb2
@@ -28,6 +29,10 @@ class InputLimits:
     max_stop_bytes: int = 4096
     # Characters of request_id, tenant and workflow_id (each keys state kept per request, tenant, task).
     max_id_len: int = 128
+    # Models a request may accept instead of its own.
+    max_alternative_models: int = 16
+    # Messages of an HTTP chat request, and their content parts in all.
+    max_messages: int = 4096
 
 
 DEFAULT_LIMITS = InputLimits()
@@ -61,6 +66,17 @@ class ValidRequest:
     alternative_models: tuple[str, ...] = ()
 
 
+def find_model(name: str, models: Mapping[str, ModelEntry]) -> ModelEntry:
+    """The served model called name; NotFound naming it otherwise."""
+    model = models.get(name)
+    if model is None:
+        known = ", ".join(sorted(models)) or "none"
+        if len(known) > 400:
+            known = known[:397] + "..."
+        raise NotFound(f"model={shown(name)}: not served by this cluster (served: {known})")
+    return model
+
+
 def validate(
     request: router_pb2.GenerateRequest,
     models: dict[str, ModelEntry],
@@ -71,12 +87,7 @@ def validate(
     """The checked request; InvalidArgument or NotFound naming the field and value otherwise."""
     if not request.model:
         raise InvalidArgument("model", request.model, "required")
-    model = models.get(request.model)
-    if model is None:
-        known = ", ".join(sorted(models)) or "none"
-        if len(known) > 400:
-            known = known[:397] + "..."
-        raise NotFound(f"model={shown(request.model)}: not served by this cluster (served: {known})")
+    model = find_model(request.model, models)
     tokenizer = TOKENIZERS.get(model.tokenizer)
     if tokenizer is None:
         raise InvalidArgument("model", request.model, f"tokenizer {model.tokenizer!r} unsupported by this router")
@@ -85,6 +96,9 @@ def validate(
             raise InvalidArgument(field, getattr(request, field),
                                   f"{len(getattr(request, field))} characters, longer than {limits.max_id_len}")
     _check_stop_sizes(request, limits)
+    if len(request.alternative_models) > limits.max_alternative_models:
+        raise InvalidArgument("alternative_models", f"{len(request.alternative_models)} models",
+                              f"at most {limits.max_alternative_models}")
 
     context = model.max_context_tokens
     kind = request.WhichOneof("input")

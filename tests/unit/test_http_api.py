@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from baton.v1 import common_pb2, router_pb2
 from services.common.errors import BatonError, ResourceExhausted, Unavailable
 from services.router.http_api import HttpApi
-from services.router.validation import ModelEntry
+from services.router.validation import InputLimits, ModelEntry
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -60,7 +60,7 @@ class _FakeRouter:
 
 
 async def _client(router: _FakeRouter) -> tuple[TestClient, openai.AsyncOpenAI]:
-    http = TestClient(TestServer(HttpApi(router, "127.0.0.1:0", max_prompt_bytes=1024).app))
+    http = TestClient(TestServer(HttpApi(router, "127.0.0.1:0", InputLimits(max_prompt_bytes=1024)).app))
     await http.start_server()
     return http, openai.AsyncOpenAI(base_url=str(http.make_url("/v1")), api_key="k", max_retries=0)
 
@@ -152,7 +152,8 @@ async def test_the_tenant_comes_from_the_body_or_the_tenant_header() -> None:
 
 async def test_each_v1_request_counts_against_its_own_connection_and_health_probes_do_not() -> None:
     counted: list[str] = []
-    http = TestClient(TestServer(HttpApi(_FakeRouter(["a"]), "127.0.0.1:0", 1024, counted.append).app))
+    http = TestClient(TestServer(HttpApi(_FakeRouter(["a"]), "127.0.0.1:0", InputLimits(max_prompt_bytes=1024),
+                                         counted.append).app))
     await http.start_server()
     try:
         for path in ("/health", "/v1/models", "/v1/models"):
@@ -200,7 +201,7 @@ async def test_a_whole_answer_counts_delivered_only_once_its_response_is_written
     request = make_mocked_request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
                                   payload=_body({"model": "m", "prompt": "x"}), writer=writer)
     router = _DeliveryRouter(lambda: bool(writes))
-    api = HttpApi(router, "127.0.0.1:0", max_prompt_bytes=1024)
+    api = HttpApi(router, "127.0.0.1:0", InputLimits(max_prompt_bytes=1024))
     handler = (await api.app.router.resolve(request)).handler
     if client_gone:
         with pytest.raises(ConnectionResetError):
@@ -231,7 +232,7 @@ async def test_a_request_is_one_trace_its_calls_inside_its_server_span_under_the
             async for chunk in super().generate(*args, **kwargs):
                 yield chunk
 
-    http = TestClient(TestServer(HttpApi(_Traced(["a"]), "127.0.0.1:0", max_prompt_bytes=1024,
+    http = TestClient(TestServer(HttpApi(_Traced(["a"]), "127.0.0.1:0", InputLimits(max_prompt_bytes=1024),
                                          tracer=provider.get_tracer("test")).app))
     await http.start_server()
     client_trace = 0x0AF7651916CD43DD8448EB211C80319C

@@ -16,12 +16,12 @@ from services.router.chat_template import PLAIN, ChatMessage, template_for
 
 
 def _parse(kind: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> schema.ParsedRequest:
-    return schema.parse_request(kind, body, headers or {}, lambda model: PLAIN)
+    return schema.parse_request(kind, body, headers or {}, lambda model: PLAIN, lambda model: 64)
 
 
 def _refused(kind: str, body: object, headers: dict[str, str] | None = None) -> InvalidArgument:
     with pytest.raises(InvalidArgument) as caught:
-        schema.parse_request(kind, body, headers or {}, lambda model: PLAIN)
+        schema.parse_request(kind, body, headers or {}, lambda model: PLAIN, lambda model: 64)
     return caught.value
 
 
@@ -45,6 +45,40 @@ def test_token_id_prompts_and_a_batch_of_one_are_accepted_and_a_batch_of_two_ref
     assert list(_parse(schema.COMPLETIONS, {"model": "m", "prompt": [[3]]}).request.prompt_token_ids.ids) == [3]
     assert _parse(schema.COMPLETIONS, {"model": "m", "prompt": ["hi"]}).request.prompt == "hi"
     assert _refused(schema.COMPLETIONS, {"model": "m", "prompt": ["a", "b"]}).field == "prompt"
+
+
+# Each list's last item is of the wrong type: a refusal naming it would mean every item was converted first.
+LONG_LISTS = [
+    ("token ids", schema.COMPLETIONS, {"prompt": [1] * 64 + ["x"]}, {}, "prompt='65 tokens': does not fit the "
+     "context window of 64"),
+    ("a batch's token ids", schema.COMPLETIONS, {"prompt": [[1] * 64 + ["x"]]}, {}, "prompt[0]='65 tokens'"),
+    ("stop", schema.COMPLETIONS, {"prompt": "x", "stop": ["a"] * 16 + [1]}, {}, "stop='17 sequences': at most 16"),
+    ("alternative_models", schema.COMPLETIONS, {"prompt": "x", "alternative_models": ["a"] * 16 + [1]}, {},
+     "alternative_models='17 models': at most 16"),
+    ("X-Baton-Alternative-Models", schema.COMPLETIONS, {"prompt": "x"},
+     {"X-Baton-Alternative-Models": ",".join(["a"] * 17)}, "X-Baton-Alternative-Models='17 models'"),
+    ("messages", schema.CHAT, {"messages": [{"role": "user", "content": "x"}] * 4096 + [1]}, {},
+     "messages='4097 messages': at most 4096"),
+    ("content parts", schema.CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 4096},
+                                                 {"role": "user", "content": [1]}]}, {},
+     "messages[1].content='1 parts': more than 4096 content parts in all messages"),
+]
+
+
+@pytest.mark.parametrize(("kind", "body", "headers", "message"), [c[1:] for c in LONG_LISTS],
+                         ids=[c[0] for c in LONG_LISTS])
+def test_a_list_longer_than_the_router_takes_is_refused_by_its_length_before_its_items_are_read(
+        kind: str, body: dict[str, Any], headers: dict[str, str], message: str) -> None:
+    assert str(_refused(kind, {"model": "m"} | body, headers)).startswith(message)
+
+
+def test_token_ids_for_a_model_not_served_are_not_found_before_they_are_read() -> None:
+    def context_for_model(model: str) -> int:
+        raise NotFound(f"model={model!r}: not served by this cluster")
+
+    with pytest.raises(NotFound):
+        schema.parse_request(schema.COMPLETIONS, {"model": "gone", "prompt": [1, "x"]}, {}, lambda model: PLAIN,
+                             context_for_model)
 
 
 def test_chat_messages_render_with_the_plain_template_and_max_completion_tokens_wins() -> None:

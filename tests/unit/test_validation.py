@@ -141,6 +141,12 @@ def test_an_unusable_alternative_is_invalid_naming_its_position(name: str, why: 
     assert "alternative_models[1]" in str(caught.value) and name in str(caught.value) and why in str(caught.value)
 
 
+def test_more_alternatives_than_the_limit_are_refused_by_their_count() -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        validate(_request(alternative_models=["big"] * 17), ALL, DEFAULT_MAX_TOKENS, random.Random(0))
+    assert str(caught.value) == "alternative_models='17 models': at most 16"
+
+
 def test_a_resumed_request_keeps_to_its_model() -> None:
     request = _request(alternative_models=["big"], resume=router_pb2.Resume(token_ids=[97]))
     assert validate(request, ALL, DEFAULT_MAX_TOKENS, random.Random(0)).alternative_models == ()
