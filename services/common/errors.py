@@ -18,12 +18,45 @@ def shown(value: Any, limit: int = 80) -> str:
     JSON's spelling (null, true, false), as a client wrote it in JSON or protobuf's JSON form."""
     if value is None or isinstance(value, bool):
         return "null" if value is None else str(value).lower()
-    text = repr(value)
+    text = _short_repr(value, limit)
     if len(text) <= limit:
         return text
-    size = f"{len(value)} {'bytes' if isinstance(value, bytes) else 'characters'}" \
-        if isinstance(value, str | bytes) else f"{len(text)} characters"
+    if isinstance(value, str | bytes):
+        size = f"{len(value)} {'bytes' if isinstance(value, bytes) else 'characters'}"
+    elif isinstance(value, list | tuple | dict):
+        size = f"{len(value)} items"
+    else:
+        size = f"{len(text)} characters"
     return f"{text[:limit - 3]}... ({size})"
+
+
+def _short_repr(value: Any, room: int) -> str:
+    """repr(value) up to a little past room characters, reading no more of value than that needs: a container
+    as long as a request body allows would otherwise cost its whole repr to show its first items."""
+    if isinstance(value, str | bytes):
+        return repr(value[:room + 1])
+    if not isinstance(value, list | tuple | dict) or not value:
+        return repr(value)
+    parts: list[str] = []
+    used = 0
+    items = value.items() if isinstance(value, dict) else value
+    for item in items:
+        if used > room:
+            parts.append("...")
+            break
+        if isinstance(value, dict):
+            key, inner = item
+            part = f"{_short_repr(key, room - used)}: {_short_repr(inner, room - used)}"
+        else:
+            part = _short_repr(item, room - used)
+        parts.append(part)
+        used += len(part) + 2
+    joined = ", ".join(parts)
+    if isinstance(value, dict):
+        return "{" + joined + "}"
+    if isinstance(value, list):
+        return "[" + joined + "]"
+    return "(" + joined + ("," if len(value) == 1 else "") + ")"
 
 
 class BatonError(Exception):

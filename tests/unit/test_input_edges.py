@@ -96,3 +96,22 @@ def test_an_unknown_model_with_a_huge_name_is_not_found_and_echoed_cut_short() -
     assert str(error).startswith("model='mmmm") and "not served by this cluster (served: m)" in str(error)
     assert len(str(error)) < 300
 
+
+
+class _Unread:
+    """An item whose repr fails: showing a value must not read this far into it."""
+
+    def __repr__(self) -> str:
+        raise AssertionError("read past what a refusal shows")
+
+
+@pytest.mark.parametrize(("value", "start"), [
+    ([1] * 100 + [_Unread()], "metadata=[1, 1, 1"),
+    ({f"k{i}": 1 for i in range(100)} | {"last": _Unread()}, "metadata={'k0': 1, 'k1': 1"),
+    ([[1] * 100 + [_Unread()]], "metadata=[[1, 1, 1"),
+], ids=["list", "object", "nested"])
+def test_a_refused_container_is_shown_by_its_first_items_and_its_length_without_reading_the_rest(
+        value: list[object] | dict[str, object], start: str) -> None:
+    message = str(InvalidArgument("metadata", value, "not supported by Baton"))
+    assert message.startswith(start)
+    assert message.endswith(f"... ({len(value)} items): not supported by Baton")
