@@ -12,6 +12,7 @@ import json
 import logging
 import ssl
 import time
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from typing import Any, Protocol
@@ -30,6 +31,21 @@ log = logging.getLogger(__name__)
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # JSON escapes make a body longer than the text it carries (up to 6 bytes per character, "\u00e9").
 _BODY_BYTES_PER_PROMPT_BYTE = 8
+# A request body's Content-Encoding -> zlib's wbits for it. aiohttp's own decoding is off: it answers a body that
+# does not decode with a 500 and a logged traceback, and br or zstd (their libraries not installed) in plain text.
+_ZLIB_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+# How the app is served beyond aiohttp's defaults (tests serve HttpApi.app with these too): bodies reach it as sent,
+# for _decoded to decode.
+RUNNER_OPTIONS: dict[str, Any] = {"auto_decompress": False}
+
+
+class _Refused(Exception):
+    """A refusal whose HTTP status no gRPC code has (413, 415): the middleware answers it as it is."""
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        super().__init__(body["error"]["message"])
+        self.status = status
+        self.body = body
 
 
 class GenerateService(Protocol):
@@ -74,12 +90,15 @@ async def _openai_errors(request: web.Request,
         return await handler(request)
     except BatonError as error:
         return _error(error)
+    except _Refused as refused:
+        return _json_response(refused.status, refused.body)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         if exc.status == 413:
-            return _json_response(413, schema.refusal("body", f"{request.content_length} bytes",
-                                                      f"longer than {request.client_max_size} bytes", 413))
+            size = "a chunked body" if request.content_length is None else f"{request.content_length} bytes"
+            return _json_response(413, schema.refusal("body", size, f"longer than {request.client_max_size} bytes",
+                                                      413))
         param = "path" if exc.status in (404, 405) else None
         message = f"{request.method} {request.path}: {exc.reason}"
         code = exc.reason.lower().replace(" ", "_")
@@ -145,7 +164,7 @@ class HttpApi:
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         # Handler cancellation: a client that hangs up cancels its generation (freeing the node).
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=shutdown_timeout_s)
+                                     shutdown_timeout=shutdown_timeout_s, **RUNNER_OPTIONS)
         self._closing: asyncio.Task[None] | None = None
 
     async def start(self) -> bool:
@@ -293,8 +312,36 @@ async def _send_events(response: web.StreamResponse, events: list[dict[str, Any]
 
 async def _read_json(request: web.Request) -> object:
     """The request's JSON body; InvalidArgument naming "body" when it is none."""
-    raw = await request.read()
+    raw = _decoded(request, await request.read())
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as exc:
         raise InvalidArgument("body", raw[:40].decode(errors="replace"), f"not valid JSON: {exc}") from None
+
+
+def _decoded(request: web.Request, raw: bytes) -> bytes:
+    """The body as its Content-Encoding (none, identity, gzip or deflate) says to decode it, no longer than the
+    body limit once decoded; refused naming the header or the body otherwise."""
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if encoding in ("", "identity"):
+        return raw
+    wbits = _ZLIB_WBITS.get(encoding)
+    if wbits is None:
+        raise _Refused(415, schema.refusal("Content-Encoding", request.headers["Content-Encoding"],
+                                           "not supported: send the body as identity, gzip or deflate", 415))
+    if encoding == "deflate" and raw and raw[0] & 0x0F != 8:
+        wbits = -zlib.MAX_WBITS  # a raw deflate stream without zlib's header, which clients send too
+    limit = request.client_max_size
+    decompressor = zlib.decompressobj(wbits)
+    try:
+        decoded = decompressor.decompress(raw, limit + 1)
+    except zlib.error as exc:
+        raise InvalidArgument("body", f"{len(raw)} bytes", f"not valid {encoding} data (Content-Encoding: "
+                              f"{encoding}): {exc}") from None
+    if len(decoded) > limit:
+        raise _Refused(413, schema.refusal("body", f"{len(raw)} bytes {encoding}-encoded",
+                                           f"longer than {limit} bytes once decoded", 413))
+    if not decompressor.eof or decompressor.unused_data:
+        raise InvalidArgument("body", f"{len(raw)} bytes", f"not valid {encoding} data (Content-Encoding: "
+                              f"{encoding}): {'it is cut short' if not decompressor.eof else 'data after its end'}")
+    return decoded

@@ -516,6 +516,7 @@ _ERROR_TYPES = {
     408: "timeout_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     499: "cancelled",
     503: "service_unavailable",

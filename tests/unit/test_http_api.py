@@ -4,7 +4,10 @@ before and during a stream arrive, and what a malformed request gets."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
+import logging
+import zlib
 from collections.abc import AsyncIterator, Callable, Mapping
 from unittest import mock
 
@@ -21,7 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from baton.v1 import common_pb2, router_pb2
 from services.common.errors import BatonError, ResourceExhausted, Unavailable
-from services.router.http_api import HttpApi
+from services.router.http_api import RUNNER_OPTIONS, HttpApi
 from services.router.validation import InputLimits, ModelEntry
 
 pytestmark = pytest.mark.timeout(30)
@@ -250,3 +253,40 @@ async def test_a_request_is_one_trace_its_calls_inside_its_server_span_under_the
     assert span.attributes["http.response.status_code"] == 200
     assert span.context.trace_id == client_trace and span.parent is not None
     assert inside == [span.context]
+
+
+_BODY = json.dumps({"model": "m", "prompt": "x", "max_tokens": 1}).encode()
+_BOMB = gzip.compress(b" " * (1 << 20) + _BODY)  # 1 MiB once decoded; the limit is 8 x 1024 + 64 KiB
+_ENCODED_BODIES = [
+    ("gzip", "gzip", gzip.compress(_BODY), 200, None, ""),
+    ("deflate", "deflate", zlib.compress(_BODY), 200, None, ""),
+    ("raw deflate", "deflate", zlib.compress(_BODY, wbits=-zlib.MAX_WBITS), 200, None, ""),
+    ("not gzip", "gzip", b"notgzip", 400, "body", "body='7 bytes': not valid gzip data"),
+    ("not deflate", "deflate", b"garbage", 400, "body", "body='7 bytes': not valid deflate data"),
+    ("cut short", "gzip", gzip.compress(_BODY)[:-10], 400, "body", "body="),
+    ("brotli", "br", b"garbage", 415, "Content-Encoding", "Content-Encoding='br': not supported"),
+    ("zstd", "zstd", b"garbage", 415, "Content-Encoding", "Content-Encoding='zstd': not supported"),
+    ("bomb", "gzip", _BOMB, 413, "body",
+     f"body='{len(_BOMB)} bytes gzip-encoded': longer than 73728 bytes once decoded"),
+]
+
+
+@pytest.mark.parametrize(("encoding", "body", "status", "param", "message"), [c[1:] for c in _ENCODED_BODIES],
+                         ids=[c[0] for c in _ENCODED_BODIES])
+async def test_a_compressed_body_is_decoded_or_refused_in_openais_shape_naming_the_body_or_header(
+        caplog: pytest.LogCaptureFixture, encoding: str, body: bytes, status: int, param: str | None,
+        message: str) -> None:
+    server = TestServer(HttpApi(_FakeRouter(["a"]), "127.0.0.1:0", InputLimits(max_prompt_bytes=1024)).app)
+    await server.start_server(**RUNNER_OPTIONS)
+    http = TestClient(server)
+    try:
+        with caplog.at_level(logging.ERROR):
+            reply = await http.post("/v1/completions", data=body, headers={"Content-Encoding": encoding,
+                                                                            "Content-Type": "application/json"})
+            answer = await reply.json()
+    finally:
+        await http.close()
+    assert reply.status == status, answer
+    if status != 200:
+        assert answer["error"]["param"] == param and answer["error"]["message"].startswith(message)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # a client's mistake, not a bug
