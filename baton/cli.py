@@ -471,7 +471,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                                else f"{state.scheduler_id} answered, and it does not lead on a confirmed lease")
         print(f"tasks: not shown: {why}")
     if state.leading_revision:
-        queued = ", ".join(f"{tenant} {n}" for tenant, n in sorted(state.queued_by_tenant.items()))
+        queued = ", ".join(f"{printable(tenant)} {n}" for tenant, n in sorted(state.queued_by_tenant.items()))
         print(f"admission queue: {sum(state.queued_by_tenant.values())} waiting{f' ({queued})' if queued else ''}")
     for action in state.model_actions[:5]:
         print(f"  model {action.kind} {action.model} on {action.node_id}: {action.result} ({action.reason})")
@@ -480,6 +480,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 _STATE_MARKS = {common_pb2.MODEL_STATE_LOADING: " (loading)"}
+
+
+def printable(text: str) -> str:
+    """text as it is, or escaped as Python's repr escapes it when it holds a character a terminal would act on
+    (ESC, a newline): a client's request_id or tenant, which older routers took with control characters in it."""
+    return text if text.isprintable() else repr(text)
 
 
 def _print_recent_decisions(scheduler: str, metadata: tuple[tuple[str, str], ...] = (),
@@ -496,9 +502,10 @@ def _print_recent_decisions(scheduler: str, metadata: tuple[tuple[str, str], ...
     for d in recent.decisions:
         why = ", ".join(f"{c.node_id}: ttft {c.predicted_ttft_ms:.0f} ms, p {c.success:.2f}, ${c.cost:.5f}"
                         + ("" if c.warm else f", cold: {c.load_ms / 1000:.0f} s load") for c in d.candidates)
-        print(f"  {d.request_id[:12]:<12} -> {d.node_id:<8} score {d.score:.6g}" + (f"  [{why}]" if why else ""))
+        print(f"  {printable(d.request_id[:12]):<12} -> {d.node_id:<8} score {d.score:.6g}"
+              + (f"  [{why}]" if why else ""))
         if d.fallback:
-            print(f"  {'':<12}    fallback: {d.fallback}")
+            print(f"  {'':<12}    fallback: {printable(d.fallback)}")
 
 
 

@@ -7,6 +7,7 @@ token lists): a request is refused on its lengths alone when they cannot be serv
 from __future__ import annotations
 
 import random
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,6 +37,9 @@ class InputLimits:
 
 
 DEFAULT_LIMITS = InputLimits()
+
+# Unicode's control characters (category Cc): C0, DEL and C1.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 
 # How far past resume.elapsed_ms a resent request's first or last token may lie and still be taken as a client's
 # rounding (its two clock reads truncated apart): accepted as elapsed_ms. Further off, the timeline is refused.
@@ -95,6 +99,10 @@ def validate(
         if len(getattr(request, field)) > limits.max_id_len:
             raise InvalidArgument(field, getattr(request, field),
                                   f"{len(getattr(request, field))} characters, longer than {limits.max_id_len}")
+        # They reach logs and `baton status` as they are: an escape sequence there would act on an operator's terminal.
+        if bad := _CONTROL.search(getattr(request, field)):
+            raise InvalidArgument(field, getattr(request, field),
+                                  f"control character {bad.group()!r} at {bad.start()}: not allowed")
     _check_stop_sizes(request, limits)
     if len(request.alternative_models) > limits.max_alternative_models:
         raise InvalidArgument("alternative_models", f"{len(request.alternative_models)} models",

@@ -95,3 +95,27 @@ def test_status_asks_every_replica_at_once_so_a_frozen_first_one_does_not_hold_i
         assert main(["status", "--state-dir", str(tmp_path)]) == 0
     assert answering.frozen_still_asked is True
     assert "scheduler leader:" in capsys.readouterr().out  # whichever answered first
+
+
+class _Hostile(_Standby):
+    """A leader whose state holds a client's strings with terminal escapes in them (kept from before they were
+    refused)."""
+
+    def __init__(self) -> None:
+        super().__init__("scheduler-1", "")
+
+    def GetClusterState(self, request, context):  # noqa: N802 - the generated servicer's name
+        return scheduler_pb2.ClusterState(scheduler_id="scheduler-1", leader_id="scheduler-1", leading_revision=7,
+                                          queued_by_tenant={"t\x1b[2J": 1})
+
+    def GetRecentDecisions(self, request, context):  # noqa: N802 - the generated servicer's name
+        return scheduler_pb2.RecentDecisions(policy="baton", decisions=[
+            scheduler_pb2.PlacementDecision(request_id="r\x1b[2J\nx", node_id="n1", fallback="f\x1b[0m")])
+
+
+def test_status_shows_a_clients_control_characters_escaped_never_raw(capsys: pytest.CaptureFixture[str]) -> None:
+    with _serve(_Hostile()) as address:
+        assert main(["status", "--scheduler", address]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out
+    assert "('t\\x1b[2J' 1)" in out and "'r\\x1b[2J\\nx'" in out and "fallback: 'f\\x1b[0m'" in out

@@ -57,6 +57,9 @@ REJECTIONS = [
     ("step beyond total", {"step": 4, "total_steps": 3}, "step=4"),
     ("step 0 of a workflow with steps", {"step": 0, "total_steps": 3}, "step=0"),
     ("long request_id", {"request_id": "r" * 129}, "request_id='rrrr"),
+    ("ESC in tenant", {"tenant": "a\x1b[2J"}, "tenant='a\\x1b[2J': control character '\\x1b' at 1: not allowed"),
+    ("newline in request_id", {"request_id": "r\nINFO forged"}, "request_id='r\\nINFO forged': control character"),
+    ("C1 in workflow_id", {"workflow_id": "w\x9b2J"}, "workflow_id='w\\x9b2J': control character"),
 ]
 
 
