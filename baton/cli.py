@@ -22,6 +22,7 @@ from google.protobuf.json_format import MessageToDict
 from baton import tenants as tenants_cli
 from baton.client import BatonClient, finish_reason_of
 from baton.cluster import ClusterSpec, LocalCluster, StartError, sync_channel
+from baton.flag_types import INT32, UINT64, int_in
 from baton.protocol import AUTHORIZATION_KEY, is_transport_failure
 from baton.state_files import (
     STATE_DIR_ENV,
@@ -604,16 +605,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--router", default="", help="router host:port, or several comma-separated to fail over "
                      "between (default: the cluster's routers)")
     gen.add_argument("--model", default=_SIM_MODEL, help="the model to run")
-    gen.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate (default: the router's)")
+    gen.add_argument("--max-tokens", type=int_in(1, INT32[1]), default=None,
+                     help="most tokens to generate (default: the router's)")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens "
                      "whose probability reaches this, in (0, 1]")
-    gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: the router picks one)")
+    gen.add_argument("--seed", type=int_in(*UINT64), default=None, help="sampling seed (default: the router picks one)")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
                      help="end the completion once it ends with this text (which is kept); repeat for "
                      "several (default: none)")
     gen.add_argument("--tenant", default="", help="the tenant the request is accounted to")
-    gen.add_argument("--priority", type=int, default=0, help="admission priority band: higher is dispatched "
+    gen.add_argument("--priority", type=int_in(*INT32), default=0, help="admission priority band: higher is dispatched "
                      "first; below 0 may be shed under load")
     gen.add_argument("--json", action="store_true", help="print each streamed chunk as one JSON object per line "
                      "(the protobuf JSON of GenerateChunk; the last carries finish_reason and usage; a failure "

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 
 from baton.protocol import AUTHORIZATION_KEY, ORIGIN_KEY, is_transport_failure
 from baton.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -105,7 +106,7 @@ class BatonClient:
         **fields: object,
     ) -> AsyncIterator[router_pb2.GenerateChunk]:
         """Chunks as the routers relay them; other GenerateRequest fields go in **fields."""
-        request = router_pb2.GenerateRequest(model=model, **fields)
+        request = _generate_request(model, fields)
         if prompt is not None:
             request.prompt = prompt
         if prompt_token_ids is not None:
@@ -190,6 +191,32 @@ class BatonClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+# Integer ranges of protobuf's field types, to name a field whose value its type cannot hold.
+_RANGES = {
+    FieldDescriptor.TYPE_INT32: (-(1 << 31), (1 << 31) - 1), FieldDescriptor.TYPE_SINT32: (-(1 << 31), (1 << 31) - 1),
+    FieldDescriptor.TYPE_UINT32: (0, (1 << 32) - 1), FieldDescriptor.TYPE_INT64: (-(1 << 63), (1 << 63) - 1),
+    FieldDescriptor.TYPE_SINT64: (-(1 << 63), (1 << 63) - 1), FieldDescriptor.TYPE_UINT64: (0, (1 << 64) - 1),
+}
+
+
+def _generate_request(model: str, fields: dict[str, object]) -> router_pb2.GenerateRequest:
+    """The GenerateRequest of generate()'s arguments; ValueError or TypeError naming the field whose value it cannot
+    hold (protobuf's own says only "Value out of range"). What it can hold the router judges."""
+    try:
+        return router_pb2.GenerateRequest(model=model, **fields)
+    except (ValueError, TypeError) as exc:
+        for name, value in fields.items():
+            try:
+                router_pb2.GenerateRequest(**{name: value})
+            except (ValueError, TypeError):
+                field = router_pb2.GenerateRequest.DESCRIPTOR.fields_by_name.get(name)
+                bounds = _RANGES.get(field.type) if field is not None else None
+                if bounds is not None and isinstance(value, int) and not bounds[0] <= value <= bounds[1]:
+                    raise ValueError(f"{name}={value!r}: out of range [{bounds[0]}, {bounds[1]}]") from None
+                raise type(exc)(f"{name}={value!r}: {exc}") from None
+        raise
 
 
 def _deadline_passed(deadline_ms: int, request_id: str, num_received: int) -> grpc.aio.AioRpcError:

@@ -311,3 +311,18 @@ def test_sim_without_the_traces_says_where_they_are_expected(tmp_path: Path,
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert f"no AzureLLMInferenceTrace_code.csv in {tmp_path}" in err and "--traces" in err
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["generate", "hi", "--seed", "-1"], "argument --seed: '-1': must be an integer in [0, 18446744073709551615]"),
+    (["generate", "hi", "--seed", "18446744073709551616"], "argument --seed: '18446744073709551616'"),
+    (["generate", "hi", "--max-tokens", "99999999999"], "argument --max-tokens: '99999999999': must be an integer"),
+    (["generate", "hi", "--priority", "99999999999"], "argument --priority: '99999999999'"),
+    (["generate", "hi", "--priority", "1_0"], "argument --priority: '1_0'"),
+])
+def test_a_value_its_field_cannot_hold_is_refused_by_the_flags_name(
+        argv: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    assert named in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import types
 
 import grpc
@@ -227,3 +228,20 @@ async def test_a_stream_whose_deadline_passed_before_it_moved_ends_with_deadline
     assert "deadline_ms=4000" in raised.value.details()
     assert received == [7, 8]
     assert seen == [(4000, [], 0, None, None)]
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"seed": -1}, "seed=-1: out of range [0, 18446744073709551615]"),
+    ({"seed": 1 << 64}, "seed=18446744073709551616: out of range"),
+    ({"max_tokens": 99999999999}, "max_tokens=99999999999: out of range [-2147483648, 2147483647]"),
+    ({"priority": 99999999999}, "priority=99999999999: out of range"),
+])
+async def test_a_value_the_request_cannot_hold_is_a_value_error_naming_its_field(
+        fields: dict[str, int], named: str) -> None:
+    client = BatonClient("127.0.0.1:1")
+    try:
+        with pytest.raises(ValueError, match=re.escape(named)):
+            async for _ in client.generate("m", "hi", **fields):
+                pass
+    finally:
+        await client.close()

@@ -1,0 +1,24 @@
+"""argparse types that refuse a flag's value by the flag's name (argparse's own error) before anything runs."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable
+
+INT32 = (-(1 << 31), (1 << 31) - 1)
+UINT64 = (0, (1 << 64) - 1)
+# ASCII digits only: int() would also take "1_0" and other scripts' digits.
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
+def int_in(low: int, high: int) -> Callable[[str], int]:
+    """An integer flag in [low, high] (a protobuf field's range, or what the flag means)."""
+
+    def parse(text: str) -> int:
+        if not _INTEGER.fullmatch(text.strip()) or not low <= (value := int(text)) <= high:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be an integer in [{low}, {high}]")
+        return value
+
+    return parse
+
