@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import queue
 import shlex
@@ -101,9 +102,14 @@ def invalid_up_flag(args: argparse.Namespace) -> str | None:
     elif args.cold_models:
         return f"--cold-models {args.cold_models!r}: only sim nodes take cold models (vllm serves its " \
                f"--model-dir warm only)"
-    for flag in ("nodes", "routers", "schedulers", "kvindexes"):
+    for flag in ("nodes", "routers", "schedulers", "kvindexes", "lease_ttl_s"):
         if getattr(args, flag) < 1:
-            return f"--{flag} {getattr(args, flag)}: must be at least 1"
+            return f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1"
+    for flag in ("speed", "timeout_s"):  # float flags: nan and inf parse, and would start a cluster
+        if not 0 <= getattr(args, flag) < math.inf:
+            return f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be finite, 0 or more"
+    if not 0 <= args.router_port <= 65535:
+        return f"--router-port {args.router_port}: must be a port, 0 to 65535 (0: any free ports)"
     if args.router_port and args.router_port + args.routers - 1 > 65535:
         return f"--router-port {args.router_port} with --routers {args.routers}: ports past 65535"
     if args.name and not is_valid_name(args.name):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections.abc import Callable
 
 INT32 = (-(1 << 31), (1 << 31) - 1)
+INT64 = (-(1 << 63), (1 << 63) - 1)
 UINT64 = (0, (1 << 64) - 1)
 # ASCII digits only: int() would also take "1_0" and other scripts' digits.
 _INTEGER = re.compile(r"[+-]?[0-9]+")
@@ -22,3 +24,13 @@ def int_in(low: int, high: int) -> Callable[[str], int]:
 
     return parse
 
+
+def positive_finite(text: str) -> float:
+    """A float flag that must be finite and above 0 (a weight)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number above 0")
+    return value

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from baton.flag_types import INT64, int_in, positive_finite
 from services.common import etcd_keys
 from services.common.auth import TenantRecord, new_api_key
 from services.common.etcd_session import connect
@@ -112,10 +113,12 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     actions = tenants.add_subparsers(dest="action", required=True)
     add = actions.add_parser("add", help="issue a new API key for a tenant (creating it); prints the key once")
     add.add_argument("tenant")
-    add.add_argument("--weight", type=float, default=None, help="admission share under contention (default 1)")
-    add.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at once (default: "
-                     "unlimited)")
-    add.add_argument("--tokens-per-minute", type=int, default=None, help="prompt+completion tokens per minute")
+    add.add_argument("--weight", type=positive_finite, default=None,
+                     help="admission share under contention (default 1)")
+    add.add_argument("--max-concurrency", type=int_in(1, INT64[1]), default=None,
+                     help="requests in flight at once (default: unlimited)")
+    add.add_argument("--tokens-per-minute", type=int_in(1, INT64[1]), default=None,
+                     help="prompt+completion tokens per minute")
     add.add_argument("--cache-group", default=None, help="share the prefix cache with the tenants of this group "
                      "(default: the tenant's own name, shared with nobody)")
     add.add_argument("--admin", action="store_true", help="may read every tenant's decisions and the cluster state")

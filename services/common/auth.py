@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -22,6 +23,8 @@ from services.common.errors import Unauthenticated
 
 KEY_PREFIX = "bt_"
 _KEY_ID_CHARS = 12
+# Limits are kept as JSON in etcd and read by every scheduler; beyond int64 other clients cannot hold them.
+_INT64_MAX = (1 << 63) - 1
 _BEARER = "bearer "
 
 
@@ -73,12 +76,14 @@ class TenantRecord:
     def __post_init__(self) -> None:
         if not self.tenant or "/" in self.tenant:
             raise ValueError(f"tenant={self.tenant!r}: must be non-empty and contain no '/'")
-        if not self.weight > 0:
-            raise ValueError(f"weight={self.weight!r}: must be positive")
+        # (JSON has no Infinity or NaN: a record holding one would not be read back by other clients.)
+        if not 0 < self.weight < math.inf:
+            raise ValueError(f"weight={self.weight!r}: must be positive and finite")
         for name in ("max_concurrency", "tokens_per_minute"):
             value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name}={value!r}: must be at least 1 (or unset: unlimited)")
+            if value is not None and not 1 <= value <= _INT64_MAX:
+                raise ValueError(f"{name}={value!r}: must be at least 1 and at most {_INT64_MAX} "
+                                 "(or unset: unlimited)")
 
     @property
     def cache_salt(self) -> str:

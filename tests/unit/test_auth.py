@@ -4,6 +4,8 @@ separates prefix caches without changing tokens."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 
 import pytest
 
@@ -73,3 +75,14 @@ def test_the_sim_engine_caches_per_salt_and_generates_the_same_tokens_under_any_
     assert other.finals["b1"].num_cached_tokens == 0
     assert again.finals["a2"].num_cached_tokens == 96
     assert first.tokens["a1"] == other.tokens["b1"] == again.tokens["a2"]
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"weight": math.inf}, "weight=inf: must be positive and finite"),
+    ({"weight": math.nan}, "weight=nan"),
+    ({"max_concurrency": 1 << 63}, "max_concurrency=9223372036854775808: must be at least 1 and at most"),
+])
+def test_a_record_etcd_could_not_give_back_as_json_is_refused_by_its_field(fields: dict[str, float],
+                                                                          named: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(named)):
+        TenantRecord("acme", **fields)  # type: ignore[arg-type]

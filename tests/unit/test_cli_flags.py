@@ -65,6 +65,11 @@ def record(state_dir: Path, name: str, pid: int, routers: Sequence[str] = ("127.
     (["--engines", "sim,vllm"], "--model-dir: required when a node runs --engine vllm"),
     (["--engine", "sim", "--engines", "sim,vllm"], "--engine 'sim' and --engines 'sim,vllm': give one"),
     (["--name", "../x"], "--name '../x': use letters"),
+    (["--speed", "nan"], "--speed nan: must be finite, 0 or more"),
+    (["--speed", "inf"], "--speed inf: must be finite, 0 or more"),
+    (["--timeout-s", "-1"], "--timeout-s -1.0: must be finite, 0 or more"),
+    (["--router-port", "-7"], "--router-port -7: must be a port, 0 to 65535"),
+    (["--lease-ttl-s", "0"], "--lease-ttl-s 0: must be at least 1"),
 ])
 def test_a_bad_flag_is_refused_by_name_before_anything_starts(
         flags: list[str], named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_cluster: None) -> None:
@@ -319,6 +324,11 @@ def test_sim_without_the_traces_says_where_they_are_expected(tmp_path: Path,
     (["generate", "hi", "--max-tokens", "99999999999"], "argument --max-tokens: '99999999999': must be an integer"),
     (["generate", "hi", "--priority", "99999999999"], "argument --priority: '99999999999'"),
     (["generate", "hi", "--priority", "1_0"], "argument --priority: '1_0'"),
+    (["tenants", "add", "acme", "--weight", "inf"], "argument --weight: 'inf': must be a finite number above 0"),
+    (["tenants", "add", "acme", "--weight", "nan"], "argument --weight: 'nan'"),
+    (["tenants", "add", "acme", "--max-concurrency", "99999999999999999999"],
+     "argument --max-concurrency: '99999999999999999999': must be an integer in [1, 9223372036854775807]"),
+    (["tenants", "add", "acme", "--tokens-per-minute", "0"], "argument --tokens-per-minute: '0'"),
 ])
 def test_a_value_its_field_cannot_hold_is_refused_by_the_flags_name(
         argv: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
