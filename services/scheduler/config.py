@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 from services.common.config import ServiceConfig, doc
@@ -17,7 +18,12 @@ def parse_tenant_limits(text: str) -> dict[str, TenantLimits]:
         raw = json.loads(text)
         if not isinstance(raw, dict):
             raise TypeError("expected an object of tenants")
-        return {tenant: TenantLimits(**fields) for tenant, fields in raw.items()}
+        limits = {tenant: TenantLimits(**fields) for tenant, fields in raw.items()}
+        for tenant, tenant_limits in limits.items():
+            # Fair share divides by the weight; json.loads takes Infinity and NaN.
+            if not 0 < tenant_limits.weight < math.inf:
+                raise ValueError(f"{tenant}.weight={tenant_limits.weight!r}: must be positive and finite")
+        return limits
     except (ValueError, TypeError) as exc:
         raise ValueError(f"--tenant-limits={text!r}: {exc}") from None
 

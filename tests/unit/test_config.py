@@ -12,6 +12,7 @@ from services.common.config import doc, parse_config
 from services.node_agent.config import NodeAgentConfig
 from services.node_agent.engines.factory import build_host, node_info
 from services.router.config import RouterConfig
+from services.scheduler.config import parse_tenant_limits
 
 PREFIX = "BATON_ROUTER"
 
@@ -193,3 +194,10 @@ def test_a_node_agents_report_intervals_must_be_positive(field: str) -> None:
     """At 0 the node agent's report loop would never wait, and starve its event loop."""
     with pytest.raises(ValueError, match=r"--heartbeat-interval-s and --load-report-interval-s must be positive.* 0"):
         NodeAgentConfig(**{field: 0.0})
+
+
+@pytest.mark.parametrize("text", ['{"acme": {"weight": 0}}', '{"acme": {"weight": Infinity}}',
+                                  '{"acme": {"weight": NaN}}'])
+def test_a_tenant_weight_fair_share_cannot_divide_by_is_refused_naming_it(text: str) -> None:
+    with pytest.raises(ValueError, match=r"acme\.weight=.*: must be positive and finite"):
+        parse_tenant_limits(text)
