@@ -248,6 +248,8 @@ class HttpApi:
         parsed = schema.parse_request(kind, body, request.headers, self._template_for_model,
                                       self._context_for_model, self._limits)
         parsed.request.tenant = tenant_for(request, body)
+        if isinstance(body, dict) and body.get(schema.TENANT_FIELD) is None:  # named as the client spelt it
+            parsed.names[schema.TENANT_FIELD] = schema.TENANT_HEADER
         builder = schema.ResponseBuilder(parsed, created=int(time.time()))
         async with aclosing(self._service.generate(parsed.request, lambda: None,
                                                    request.headers.get("Authorization"))) as chunks:

@@ -31,6 +31,10 @@ CHAT = "chat.completion"
 
 _INT32 = (-(1 << 31), (1 << 31) - 1)
 _UINT64 = (0, (1 << 64) - 1)
+# The largest finite float32 (temperature, top_p): past it the field would hold inf, not the value sent.
+_FLOAT32_MAX = 3.4028234663852886e38
+# A header's integer: ASCII digits only (int() also takes "1_0" and other scripts' digits).
+_HEADER_INT = re.compile(r"[+-]?[0-9]+")
 
 # OpenAI's defaults where they differ from a GenerateRequest's zero value.
 DEFAULT_TEMPERATURE = 1.0
@@ -122,9 +126,12 @@ def _number(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidArgument(name, value, f"must be a number, not {_json_type(value)}")
     try:
-        return float(value)
+        number = float(value)
     except OverflowError:  # an integer too large for a float
         raise InvalidArgument(name, value, "out of range") from None
+    if math.isfinite(number) and abs(number) > _FLOAT32_MAX:  # (nan and inf the router refuses as they are)
+        raise InvalidArgument(name, value, f"out of range: at most {_FLOAT32_MAX:g} in magnitude (a 32-bit float)")
+    return number
 
 
 def _bool(name: str, value: object) -> bool:
@@ -166,10 +173,9 @@ def _from_header(name: str, kind: str, header: str, raw: str) -> object:
         if lowered not in ("true", "false", "1", "0"):
             raise InvalidArgument(header, raw, "must be true or false")
         return lowered in ("true", "1")
-    try:
-        return int(raw.strip())
-    except ValueError:
-        raise InvalidArgument(header, raw, "must be an integer") from None
+    if not _HEADER_INT.fullmatch(raw.strip()):
+        raise InvalidArgument(header, raw, "must be an integer (ASCII digits)")
+    return int(raw.strip())
 
 
 def parse_request(kind: str, body: object, headers: Mapping[str, str],

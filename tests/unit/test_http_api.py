@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from baton.v1 import common_pb2, router_pb2
-from services.common.errors import BatonError, ResourceExhausted, Unavailable
+from services.common.errors import BatonError, InvalidArgument, ResourceExhausted, Unavailable
 from services.router.http_api import RUNNER_OPTIONS, HttpApi
 from services.router.validation import InputLimits, ModelEntry
 
@@ -148,6 +148,22 @@ async def test_the_tenant_comes_from_the_body_or_the_tenant_header() -> None:
         assert [r.tenant for r in router.requests] == ["acme", "globex"]
         models = await client.models.list()
         assert [m.id for m in models.data] == ["m"]
+    finally:
+        await client.close()
+        await http.close()
+
+
+@pytest.mark.parametrize(("where", "param"), [("header", "X-Baton-Tenant"), ("body", "tenant")])
+async def test_a_refused_tenant_is_named_as_the_client_sent_it(where: str, param: str) -> None:
+    tenant = "t" * 200
+    http, client = await _client(_FakeRouter([], InvalidArgument("tenant", tenant, "200 characters, longer than 128")))
+    try:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.completions.create(
+                model="m", prompt="x", extra_headers={"X-Baton-Tenant": tenant} if where == "header" else None,
+                extra_body={"tenant": tenant} if where == "body" else None)
+        assert refused.value.body["param"] == param  # type: ignore[index]
+        assert refused.value.body["message"].startswith(f"{param}='tttt")  # type: ignore[index]
     finally:
         await client.close()
         await http.close()

@@ -81,6 +81,17 @@ def test_token_ids_for_a_model_not_served_are_not_found_before_they_are_read() -
                              context_for_model)
 
 
+@pytest.mark.parametrize(("body", "headers", "message"), [
+    ({"temperature": 1e39}, {}, "temperature=1e+39: out of range"),
+    ({"top_p": -1e39}, {}, "top_p=-1e+39: out of range"),
+    ({}, {"X-Baton-Priority": "1_0"}, "X-Baton-Priority='1_0': must be an integer (ASCII digits)"),
+    ({}, {"X-Baton-Step": "\u0661\u0662"}, "X-Baton-Step='\u0661\u0662': must be an integer"),
+])
+def test_a_value_is_refused_as_the_client_sent_it_not_as_the_field_would_hold_it(
+        body: dict[str, Any], headers: dict[str, str], message: str) -> None:
+    assert str(_refused(schema.COMPLETIONS, {"model": "m", "prompt": "x"} | body, headers)).startswith(message)
+
+
 def test_chat_messages_render_with_the_plain_template_and_max_completion_tokens_wins() -> None:
     parsed = _parse(schema.CHAT, {"model": "m", "max_tokens": 3, "max_completion_tokens": 5, "messages": [
         {"role": "system", "content": "Be brief."},
