@@ -82,6 +82,9 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
 }
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 _NAME = re.compile(r"[A-Za-z_][\w-]{0,63}")
+# A chat message's name: OpenAI's rule. It goes into the prompt's role header (<|user name=NAME|>), where "|>" or
+# a newline would end the header and forge another message's role.
+_MESSAGE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 @dataclass
@@ -313,6 +316,8 @@ def _messages(value: object, max_messages: int) -> list[ChatMessage]:
         if role not in _ROLES:
             raise InvalidArgument(f"{where}.role", role, f"must be one of {', '.join(_ROLES)}")
         name = "" if message.get("name") is None else text_value(f"{where}.name", message["name"])
+        if name and not _MESSAGE_NAME.fullmatch(name):
+            raise InvalidArgument(f"{where}.name", name, "must be 1 to 64 of a-z, A-Z, 0-9, '_' and '-'")
         if message.get("content") is None and role != "assistant":  # only an assistant's may be null (OpenAI's API)
             raise InvalidArgument(f"{where}.content", None, f"required for a {role} message")
         content = message.get("content")
