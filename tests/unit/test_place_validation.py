@@ -55,7 +55,8 @@ async def test_a_place_with_a_senseless_field_is_refused_by_name_and_the_next_is
     service._cluster.report_load("n0", Load(kv_blocks_total=1000), time.monotonic())
     try:
         with pytest.raises(Refused) as refused:
-            await service.Place(scheduler_pb2.PlaceRequest(**{**GOOD, **fields}), FakeContext())  # type: ignore[arg-type]
+            request = scheduler_pb2.PlaceRequest(**{**GOOD, **fields})
+            await service.Place(request, FakeContext())  # type: ignore[arg-type]
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert named in str(refused.value)
         placement = await service.Place(scheduler_pb2.PlaceRequest(**GOOD), FakeContext())  # type: ignore[arg-type]
