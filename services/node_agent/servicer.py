@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Coroutine, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -53,6 +54,24 @@ def sampling_from_proto(sampling: common_pb2.SamplingParams) -> SamplingParams:
     )
 
 
+@dataclass
+class _Serving:
+    """A Generate stream this node serves: what it was asked, and whether a resume of it has taken its place."""
+
+    prompt: tuple[int, ...]
+    max_tokens: int
+    superseded: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def resumed_by(self, request: node_agent_pb2.NodeGenerateRequest, vocab_size: int) -> bool:
+        """Whether request resumes this stream: its prompt is this one's plus tokens in the vocabulary, and it asks
+        for no more than this one had left (so it fits the context and the KV room this one held)."""
+        prompt = request.prompt_token_ids
+        extra = prompt[len(self.prompt):]
+        return (len(prompt) >= len(self.prompt) and tuple(prompt[:len(self.prompt)]) == self.prompt
+                and all(0 <= t < vocab_size for t in extra)
+                and len(prompt) + request.sampling.max_tokens <= len(self.prompt) + self.max_tokens)
+
+
 class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     service_names = ("baton.v1.NodeAgent",)
 
@@ -64,8 +83,8 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         self._schedulers = ServiceDirectory(self._member.client, "scheduler", telemetry, grace_s=config.lease_ttl_s)
         self._kvindexes = ServiceDirectory(self._member.client, "kvindex", telemetry, grace_s=config.lease_ttl_s)
         self._kv_log = KvEventLog(config.node_id, host)
-        # Per request id, the stream serving it now, set once a resume of that id has taken its place.
-        self._superseded: dict[str, asyncio.Event] = {}
+        # Per request id, the stream serving it now.
+        self._serving: dict[str, _Serving] = {}
         self._tokens = telemetry.meter.create_counter(
             "baton.node.generated_tokens", description="tokens generated on this node"
         )
@@ -121,12 +140,14 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         except BatonError as error:
             await abort(context, error)
         request_id = request.request_id
-        if request.num_resumed_tokens and engine.progress(request_id) is not None:
+        earlier = self._serving.get(request_id)
+        if (request.num_resumed_tokens and earlier is not None and engine.progress(request_id) is not None
+                and earlier.resumed_by(request, engine.vocab_size)):
             # A resume of a stream this node still serves: its router froze, or lost its client, who resumed through
-            # another router. The newer stream has the client; the old one ends (refused, the resume failed).
+            # another router. The newer stream has the client; the old one ends (refused, the resume failed). Only a
+            # resume the engine will take as surely as it took the earlier one, or a refused one would end it too.
             log.info("request %s: resumed here while its earlier stream still ran; ending that one", request_id)
-            if (earlier := self._superseded.get(request_id)) is not None:
-                earlier.set()
+            earlier.superseded.set()
             engine.abort(request_id)
         engine_request = EngineRequest(
             request_id=request.request_id,
@@ -139,7 +160,8 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             outputs = engine.generate(engine_request, self._config.heartbeat_interval_s)
         except EngineInputError as exc:
             await abort(context, InvalidArgument(exc.field, exc.value, exc.reason))
-        superseded = self._superseded[request_id] = asyncio.Event()
+        serving = self._serving[request_id] = _Serving(tuple(request.prompt_token_ids), request.sampling.max_tokens)
+        superseded = serving.superseded
         try:
             exact = engine.resumes_exactly(engine_request.sampling)
             yield self._chunk(request, 0,
@@ -175,8 +197,8 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         except EngineInputError as exc:  # an engine that checks part of its input as it runs (vLLM)
             await abort(context, InvalidArgument(exc.field, exc.value, exc.reason))
         finally:
-            if self._superseded.get(request_id) is superseded:
-                del self._superseded[request_id]
+            if self._serving.get(request_id) is serving:
+                del self._serving[request_id]
             # The client went away or the stream broke: the engine must not go on for nobody. Closing the stream
             # ends this request only (not one of the same id admitted since, closed late as it may be).
             await outputs.aclose()

@@ -9,6 +9,7 @@ publisher and are re-keyed to Baton's block keys, load comes from vLLM's schedul
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import tempfile
@@ -135,6 +136,10 @@ class VllmEngine:
         self.kv_block_size: int = config.cache_config.block_size
         self.num_kv_blocks: int = config.cache_config.num_gpu_blocks or 0
         self._requests: dict[str, _Running] = {}
+        # Each admission's own id in vLLM: a request resumed here while its earlier stream still runs is added again
+        # under its id at once, while vLLM's abort of the earlier one (in its cancelled pump) has yet to run; under one
+        # id the new one could be refused as running, or aborted by that late abort.
+        self._admissions = itertools.count()
         self._num_received = 0  # requests handed to generate(), refused ones included (Load.num_received)
         self._gpu_time = GpuTimeShare()
         self._keys = BlockKeyMap()
@@ -263,7 +268,7 @@ class VllmEngine:
         resumed = prompt[len(prompt) - request.num_resumed_tokens:] if request.num_resumed_tokens else []
         queue: asyncio.Queue[Any] = asyncio.Queue()
         pump = asyncio.get_running_loop().create_task(
-            self._pump(request.request_id, prompt, params, queue, request.cache_salt))
+            self._pump(f"{request.request_id}#{next(self._admissions)}", prompt, params, queue, request.cache_salt))
         running = self._requests[request.request_id] = _Running(
             prompt_len=len(prompt), pump=pump, queue=queue,
             num_cached_tokens=self._keys.cached_prefix_tokens(prompt, request.cache_salt))
@@ -299,13 +304,13 @@ class VllmEngine:
             raise EngineInputError("num_resumed_tokens", request.num_resumed_tokens,
                                    f"must be below the prompt length {len(prompt)}")
 
-    async def _pump(self, request_id: str, prompt: list[int], params: Any, queue: asyncio.Queue[Any],
+    async def _pump(self, vllm_request_id: str, prompt: list[int], params: Any, queue: asyncio.Queue[Any],
                     cache_salt: str = "") -> None:
         """Move vLLM's outputs of one request into its queue; cancelled, vLLM aborts the request."""
         try:
             # vLLM's cache_salt keeps its prefix cache per salt (per tenant, when authentication is on).
             inputs = {"prompt_token_ids": prompt, **({"cache_salt": cache_salt} if cache_salt else {})}
-            async for output in self._llm.generate(inputs, params, request_id):
+            async for output in self._llm.generate(inputs, params, vllm_request_id):
                 queue.put_nowait(output)
         except asyncio.CancelledError:
             raise
