@@ -13,9 +13,9 @@ RECONNECT_OPTIONS = (
 )
 
 # A client's streams through a router: HTTP/2 pings while a call is open, so a router that is frozen (SIGSTOP, a
-# paused VM) or cut off without a reset fails its calls within KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS and the
+# paused VM) or cut off without a reset fails its calls within about KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS and the
 # client resumes through another router; without them it waited as long as the freeze. A live process answers
-# pings in gRPC's transport, whatever its Python code is doing.
+# pings in gRPC's transport, whatever its Python code is doing (a router holding the GIL for 15 s was not failed over).
 KEEPALIVE_TIME_MS = 2000
 KEEPALIVE_TIMEOUT_MS = 4000
 CLIENT_KEEPALIVE_OPTIONS = (
@@ -23,16 +23,13 @@ CLIENT_KEEPALIVE_OPTIONS = (
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),
-    # Else a ping goes out at most every 5 minutes while the router sends nothing: a frozen one was never found out.
-    ("grpc.http2.min_time_between_pings_ms", KEEPALIVE_TIME_MS),
-    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS),
     # A ping of gRPC's own (its flow-control probe) unanswered by a frozen router held back every keepalive ping, so
     # the keepalive timeout never ran: any ping unanswered for that long fails the connection.
     ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
 )
-# What a Baton server lets its clients ping as often as that: gRPC's servers answer pings more often than every
-# 5 minutes without data with GOAWAY (too_many_pings), which would fail every quiet stream (a long prefill).
+# What a Baton server lets its clients ping that often while it sends nothing: by default gRPC's servers take pings
+# more often than every 5 minutes without data as abuse and answer with GOAWAY (too_many_pings), which failed a
+# stream quiet for 12 s (a long prefill, a wait in the admission queue) at about 6 s. More often is still abuse.
 SERVER_KEEPALIVE_OPTIONS = (
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
-    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
 )

@@ -13,6 +13,7 @@ from baton.client import FAILOVER_CONNECT_S, BatonClient
 from baton.cluster import free_port
 from baton.protocol import ORIGIN_KEY, is_transport_failure
 from baton.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.common.reconnect import SERVER_KEEPALIVE_OPTIONS
 
 
 class _Router(router_pb2_grpc.RouterServicer):
@@ -245,3 +246,36 @@ async def test_a_value_the_request_cannot_hold_is_a_value_error_naming_its_field
                 pass
     finally:
         await client.close()
+
+
+class _QuietRouter(router_pb2_grpc.RouterServicer):
+    """A router whose stream sends nothing for quiet_s (a long prefill, a wait in the admission queue)."""
+
+    def __init__(self, quiet_s: float) -> None:
+        self.quiet_s = quiet_s
+        self.calls = 0
+
+    async def Generate(self, request, context):  # noqa: N802 - the generated servicer's name
+        self.calls += 1
+        await asyncio.sleep(self.quiet_s)  # the modelled quiet stream, not synchronisation
+        yield router_pb2.GenerateChunk(request_id=request.request_id, token_ids=[7], index=0, node_id="n1",
+                                       finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+
+@pytest.mark.asyncio
+async def test_a_stream_quiet_for_longer_than_the_keepalive_is_not_taken_for_a_dead_router() -> None:
+    """The client pings its router every 2 s while a call is open; a gRPC server with its default options answers
+    pings that come more often than every 5 minutes without data with GOAWAY (too_many_pings), which failed a stream
+    quiet for 12 s (at about 6 s) and sent it to another router. Baton's servers take them."""
+    server = grpc.aio.server(options=list(SERVER_KEEPALIVE_OPTIONS))
+    router = _QuietRouter(quiet_s=12.0)
+    router_pb2_grpc.add_RouterServicer_to_server(router, server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    client = BatonClient([address, f"127.0.0.1:{free_port()}"], max_failovers=1)
+    try:
+        completion = await asyncio.wait_for(client.complete("m", prompt="hi", max_tokens=1), 30)
+        assert completion.token_ids == [7] and router.calls == 1 and client.current_address == address
+    finally:
+        await client.close()
+        await server.stop(0)
