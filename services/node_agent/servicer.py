@@ -136,8 +136,12 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     ) -> AsyncIterator[node_agent_pb2.NodeGenerateChunk]:
         try:
             engine = self._host.engine_for(request.model)
+        except BatonError as error:
+            await abort(context, error)
+        try:
             check_node_sampling(request.sampling, self._host.local(request.model).vocab_size)
         except BatonError as error:
+            engine.refused_before_admission()  # received all the same, as the engine counts those it refuses
             await abort(context, error)
         request_id = request.request_id
         earlier = self._serving.get(request_id)

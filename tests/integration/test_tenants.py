@@ -164,11 +164,17 @@ async def test_a_tenant_sees_only_its_own_decisions_and_no_cluster_state(secured
 
 
 async def test_a_tenants_record_carries_its_limits(secured: LocalCluster) -> None:
-    key = add_tenant(secured, "frugal", tokens_per_minute=8)
-    with pytest.raises(grpc.aio.AioRpcError) as refused:
-        await complete(secured, key, "a prompt longer than eight tokens")
+    key = add_tenant(secured, "frugal", tokens_per_minute=40)
+    prompt = "thirty-three bytes of prompt here"  # 33 tokens and 4 to generate: 37 of the minute's 40
+    await complete(secured, key, prompt)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:  # the minute's tokens are spent: a wait lets it in
+        await complete(secured, key, prompt)
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "'frugal' is over its limit of 8 tokens per minute" in refused.value.details()
+    assert "'frugal' is over its limit of 40 tokens per minute" in refused.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as never:  # more than the whole minute: no wait lets it in
+        await complete(secured, key, prompt + " and then some more")
+    assert never.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_tokens=4" in never.value.details() and "whole limit of 40 tokens" in never.value.details()
 
 
 

@@ -24,11 +24,16 @@ def _request(request_id: str, **fields: object) -> node_agent_pb2.NodeGenerateRe
 
 async def _refusal(request: node_agent_pb2.NodeGenerateRequest) -> Refused:
     async with _node() as node:
+        before = await node.GetLoad(node_agent_pb2.GetLoadRequest(), FakeContext())  # type: ignore[arg-type]
+        received = before.num_received
         stream = node.Generate(request, FakeContext())  # type: ignore[arg-type]
         async with contextlib.aclosing(stream):
             with pytest.raises(Refused) as refused:
                 async for _ in stream:
                     pass
+        # Counted as received, as every request the node was sent: the leader stops counting its placements by it.
+        load = await node.GetLoad(node_agent_pb2.GetLoadRequest(), FakeContext())  # type: ignore[arg-type]
+        assert load.num_received == received + 1
         # The node serves the next request as before.
         good = [c async for c in node.Generate(_request("next"), FakeContext())]  # type: ignore[arg-type]
         assert good[-1].finish_reason

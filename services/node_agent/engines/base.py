@@ -77,6 +77,10 @@ class Engine(Protocol):
     def resumes_exactly(self, sampling: SamplingParams) -> bool:
         """Whether re-running prompt + generated tokens with this sampling continues identically."""
 
+    def refused_before_admission(self) -> None:
+        """Count a request the node refused by its own checks, before generate(): Load.num_received counts every
+        request the node was sent, refused ones included (the leader stops counting its placements by it)."""
+
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; a no-op once it has finished."""
 

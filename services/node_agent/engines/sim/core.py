@@ -116,6 +116,10 @@ class SimEngineCore:
         self._waiting.append(seq)
         self._waiting_tokens += seq.num_uncomputed_tokens
 
+    def count_refused(self) -> None:
+        """A request refused before add_request (by the node's own checks): received all the same."""
+        self._num_received += 1
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Drop a request now and free its blocks; its ABORT output is returned here, never by step()."""
         seq = self._requests.pop(request_id, None)

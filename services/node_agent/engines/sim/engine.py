@@ -145,6 +145,10 @@ class SimEngine:
         if self._buffers.get(request_id) is buffer:
             self.abort(request_id)
 
+    def refused_before_admission(self) -> None:
+        self._core.count_refused()
+        self.load_changed.notify()
+
     def abort(self, request_id: str) -> None:
         """Stop request_id and free its KV blocks; nothing happens if it already finished."""
         self._buffers.pop(request_id, None)

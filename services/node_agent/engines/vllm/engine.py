@@ -405,6 +405,10 @@ class VllmEngine:
                                    sum(r.prompt_len + r.num_completion_tokens for r in decoding),
                                    len(self._requests) - len(decoding), now)
 
+    def refused_before_admission(self) -> None:
+        self._num_received += 1
+        self.load_changed.notify()
+
     def abort(self, request_id: str) -> None:
         """Stop request_id in vLLM (its pump's cancellation aborts it there); a no-op once finished."""
         running = self._requests.pop(request_id, None)
