@@ -55,6 +55,9 @@ _SUCCEEDED = scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
 _LATE = scheduler_pb2.REQUEST_OUTCOME_LATE
 # How long a Place without a deadline is held while the leader's lease is unconfirmed.
 _UNCONFIRMED_HOLD_S = 30.0
+# A node that reported within this long is taken as alive when a placement excludes it (nodes report load every
+# 250 ms by default: four reports missed).
+_REPORTING_S = 1.0
 # Of a call's time, what its waits for leadership leave for the reply: a refusal that names the leader after the
 # caller's deadline is a DEADLINE_EXCEEDED to it, and a Finished notice refused so is lost.
 _REPLY_RESERVE_S = 0.2
@@ -390,10 +393,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             live = [s for s in self._cluster.nodes() if self._cluster.is_live(s, now)]
             if not any(model in s.spec.cold_models for s in live):
                 return
-            # Warm where the request will not go (its router avoids those nodes): the planner loads for demand the
-            # warm nodes cannot take, not for this, so waiting held it to its deadline, and its router had no time
-            # left to ask again without its exclusions.
-            if any(model in s.spec.warm_models and s.spec.node_id in plan.ask.exclude for s in live):
+            # Warm where the request will not go (its router avoids those nodes) and still reporting: the planner
+            # loads for demand the warm nodes cannot take, not for this, so waiting held it to its deadline, and its
+            # router had no time left to ask again without its exclusions. One that went silent may have died: its
+            # lease ends, and the planner loads the model elsewhere for the request, as before.
+            if any(model in s.spec.warm_models and s.spec.node_id in plan.ask.exclude
+                   and s.reported_at is not None and now - s.reported_at <= _REPORTING_S for s in live):
                 return
             changed = self._nodes_changed.since_now()
             if not await wait_or_timeout(changed, max(0.0, deadline - loop.time())):
@@ -407,11 +412,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         while True:
             await asyncio.sleep(self._config.model_plan_interval_s)
             now = self._clock()
-            self._tasks.expire(now)
             if not self._role.is_leader:
                 self._planner.release()  # a successor plans afresh; on return, so does this one
                 self._fleet_counted_at = now  # the leader counts this interval
                 continue
+            # Only while leading: no live report touches a standby's tasks, and one elected again keeps its own ledger.
+            self._tasks.expire(now)
             self._count_fleet_time()
             actions = self._planner.plan(self._cluster, now, self._loader.busy_nodes(), self._loader.loading_models())
             by_node: dict[str, list[ModelAction]] = {}

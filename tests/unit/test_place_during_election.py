@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import grpc
@@ -57,8 +58,9 @@ async def test_a_place_while_the_leader_is_being_re_elected_is_placed_not_refuse
         await service.close()
 
 
+@pytest.mark.parametrize("silent", [False, True])
 async def test_a_place_whose_exclusions_leave_only_a_busy_gpu_with_the_model_on_disk_is_refused_at_once(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, silent: bool) -> None:
     """The model is warm on n0, which the router avoids, and on n1's disk, whose GPU serves another model: no load
     is coming for it (warm capacity is not short), yet Place waited for the planner until the caller's deadline, and
     the router had no time left to ask again without its exclusions (a live probe saw a request hang 45 s)."""
@@ -68,14 +70,51 @@ async def test_a_place_whose_exclusions_leave_only_a_busy_gpu_with_the_model_on_
         NodeSpec(node_id="n0", address="n0:1", gpu="h100", price_per_hour=1.0, warm_models=frozenset({MODEL})),
         NodeSpec(node_id="n1", address="n1:1", gpu="h100", price_per_hour=1.0, warm_models=frozenset({"other"}),
                  cold_models=frozenset({MODEL}))])
-    for node in ("n0", "n1"):
-        service._cluster.report_load(node, Load(kv_blocks_total=1000), time.monotonic())
+    service._cluster.report_load("n1", Load(kv_blocks_total=1000), time.monotonic())
+    # n0 reported just now; or 5 s ago, when it may have died: then the request waits, as before, for n0's lease to
+    # end and the planner to load the model on n1 (here it waits on).
+    service._cluster.report_load("n0", Load(kv_blocks_total=1000), time.monotonic() - (5.0 if silent else 0.0))
     service._role.elected.set()
     request = scheduler_pb2.PlaceRequest(request_id="r1", model=MODEL, num_prompt_tokens=16, max_tokens=8,
                                          exclude_node_ids=["n0"])
     try:
+        if silent:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(service.Place(request, FakeContext()), 0.5)  # type: ignore[arg-type]
+            return
         with pytest.raises(Refused) as refused:
             await asyncio.wait_for(service.Place(request, FakeContext()), 5)  # type: ignore[arg-type]
         assert refused.value.code == grpc.StatusCode.UNAVAILABLE and "excluded: n0" in str(refused.value)
     finally:
+        await service.close()
+
+
+async def test_a_standby_does_not_end_the_tasks_no_one_reports_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No live report touches a standby's tasks, so its timeout ended them as failed; a leader elected again after an
+    etcd freeze keeps its own ledger, so those would stay failed. Only the leader ends silent tasks."""
+    leading = False
+    fake_leadership(monkeypatch, lambda: leading)
+    service = SchedulerService(SchedulerConfig(model_plan_interval_s=0.01, task_timeout_s=0.01),
+                               Telemetry("scheduler/test", "none"))
+    service._tasks.record("step-1-of-2", 1, 2, 0.0, ok=True, now=service._clock() - 1.0)
+    ticks = 0
+
+    def tick() -> None:
+        nonlocal ticks
+        ticks += 1
+
+    monkeypatch.setattr(service._planner, "release", tick)  # called on each of a standby's planning rounds
+    planning = asyncio.create_task(service._plan_models())
+    try:
+        while ticks < 3:
+            await asyncio.sleep(0.01)  # the planning rounds' own pace, counted by tick
+        assert service._tasks.stats().open == 1
+        leading = True
+        while service._tasks.stats().open:
+            await asyncio.sleep(0.01)
+        assert service._tasks.stats().failed == 1  # the leader ends it: silent past the timeout, step 2 never came
+    finally:
+        planning.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await planning
         await service.close()
