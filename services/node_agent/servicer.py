@@ -14,7 +14,7 @@ from google.protobuf import json_format
 from baton.v1 import common_pb2, node_agent_pb2, node_agent_pb2_grpc
 from services.common import etcd_keys
 from services.common.directory import ServiceDirectory
-from services.common.errors import Aborted, BatonError, InvalidArgument, abort
+from services.common.errors import Aborted, BatonError, InvalidArgument, Unavailable, abort
 from services.common.etcd_session import Membership
 from services.common.sampling_checks import check_node_sampling
 from services.common.telemetry import Telemetry
@@ -60,16 +60,20 @@ class _Serving:
 
     prompt: tuple[int, ...]
     max_tokens: int
+    cache_salt: str
     superseded: asyncio.Event = field(default_factory=asyncio.Event)
 
     def resumed_by(self, request: node_agent_pb2.NodeGenerateRequest, vocab_size: int) -> bool:
-        """Whether request resumes this stream: its prompt is this one's plus tokens in the vocabulary, and it asks
-        for no more than this one had left (so it fits the context and the KV room this one held)."""
+        """Whether request resumes this stream as the engine will surely take it: its prompt is this one's plus
+        tokens in the vocabulary, it resumes part of that prompt, asks for at least one token and no more than this
+        one had left (so it fits the context and the KV room this one held), under the same cache salt."""
         prompt = request.prompt_token_ids
         extra = prompt[len(self.prompt):]
         return (len(prompt) >= len(self.prompt) and tuple(prompt[:len(self.prompt)]) == self.prompt
                 and all(0 <= t < vocab_size for t in extra)
-                and len(prompt) + request.sampling.max_tokens <= len(self.prompt) + self.max_tokens)
+                and 0 < request.num_resumed_tokens < len(prompt) and request.sampling.max_tokens >= 1
+                and len(prompt) + request.sampling.max_tokens <= len(self.prompt) + self.max_tokens
+                and request.cache_salt == self.cache_salt)
 
 
 class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
@@ -145,11 +149,15 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             await abort(context, error)
         request_id = request.request_id
         earlier = self._serving.get(request_id)
-        if (request.num_resumed_tokens and earlier is not None and engine.progress(request_id) is not None
-                and earlier.resumed_by(request, engine.vocab_size)):
+        if request.num_resumed_tokens and earlier is not None and engine.progress(request_id) is not None:
             # A resume of a stream this node still serves: its router froze, or lost its client, who resumed through
             # another router. The newer stream has the client; the old one ends (refused, the resume failed). Only a
-            # resume the engine will take as surely as it took the earlier one, or a refused one would end it too.
+            # resume the engine will take as surely as it took the earlier one, or a refused one would end it too;
+            # another is sent elsewhere (UNAVAILABLE: its router places it on another node), not refused as bad.
+            if not earlier.resumed_by(request, engine.vocab_size):
+                engine.refused_before_admission()
+                await abort(context, Unavailable(f"request {request_id}: an earlier stream of it still runs on node "
+                                                 f"{self._config.node_id}, which this resume cannot take over"))
             log.info("request %s: resumed here while its earlier stream still ran; ending that one", request_id)
             earlier.superseded.set()
             engine.abort(request_id)
@@ -164,7 +172,8 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             outputs = engine.generate(engine_request, self._config.heartbeat_interval_s)
         except EngineInputError as exc:
             await abort(context, InvalidArgument(exc.field, exc.value, exc.reason))
-        serving = self._serving[request_id] = _Serving(tuple(request.prompt_token_ids), request.sampling.max_tokens)
+        serving = self._serving[request_id] = _Serving(tuple(request.prompt_token_ids), request.sampling.max_tokens,
+                                                       request.cache_salt)
         superseded = serving.superseded
         try:
             exact = engine.resumes_exactly(engine_request.sampling)

@@ -179,14 +179,17 @@ async def test_a_resume_of_a_stream_its_node_still_serves_takes_its_place(cluste
                     request_id="resumed-here", model=MODEL, prompt_token_ids=prompt, sampling=sampling), timeout=10):
                 pass
         assert duplicate.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "already running" in str(duplicate.value)
-        # One that asks for more than the running stream had left is refused, and the running stream goes on.
-        too_long = node_agent_pb2.NodeGenerateRequest(
-            request_id="resumed-here", model=MODEL, prompt_token_ids=prompt + tokens, num_resumed_tokens=len(tokens),
-            sampling=common_pb2.SamplingParams(max_tokens=10**8, ignore_eos=True))
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            async for _ in stub.Generate(too_long, timeout=10):
-                pass
-        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # One that asks for more than the running stream had left, or resumes none of its prompt, is sent elsewhere
+        # (UNAVAILABLE: its router places it on another node), and the running stream goes on.
+        for max_tokens, num_resumed in ((10**8, len(tokens)), (4, len(prompt) + len(tokens))):
+            asked = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            other = node_agent_pb2.NodeGenerateRequest(request_id="resumed-here", model=MODEL,
+                                                       prompt_token_ids=prompt + tokens,
+                                                       num_resumed_tokens=num_resumed, sampling=asked)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in stub.Generate(other, timeout=10):
+                    pass
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "cannot take over" in str(refused.value)
         assert (await stub.GetLoad(node_agent_pb2.GetLoadRequest())).num_running == 1
         more = len(tokens)
         while len(tokens) == more:
