@@ -400,9 +400,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if any(model in s.spec.warm_models and s.spec.node_id in plan.ask.exclude
                    and s.reported_at is not None and now - s.reported_at <= _REPORTING_S for s in live):
                 return
+            # Woken by a change of the fleet, and each _REPORTING_S (load reports do not signal it): an excluded warm
+            # node that reports again is found so.
             changed = self._nodes_changed.since_now()
-            if not await wait_or_timeout(changed, max(0.0, deadline - loop.time())):
+            left_s = deadline - loop.time()
+            if left_s <= 0:
                 return
+            await wait_or_timeout(changed, min(left_s, _REPORTING_S))
             self._placer.refresh(plan, self._clock(), self._loader.changing_nodes)
 
     async def _plan_models(self) -> None:

@@ -58,9 +58,9 @@ async def test_a_place_while_the_leader_is_being_re_elected_is_placed_not_refuse
         await service.close()
 
 
-@pytest.mark.parametrize("silent", [False, True])
+@pytest.mark.parametrize(("silent", "reports_again"), [(False, False), (True, False), (True, True)])
 async def test_a_place_whose_exclusions_leave_only_a_busy_gpu_with_the_model_on_disk_is_refused_at_once(
-        monkeypatch: pytest.MonkeyPatch, silent: bool) -> None:
+        monkeypatch: pytest.MonkeyPatch, silent: bool, reports_again: bool) -> None:
     """The model is warm on n0, which the router avoids, and on n1's disk, whose GPU serves another model: no load
     is coming for it (warm capacity is not short), yet Place waited for the planner until the caller's deadline, and
     the router had no time left to ask again without its exclusions (a live probe saw a request hang 45 s)."""
@@ -77,8 +77,11 @@ async def test_a_place_whose_exclusions_leave_only_a_busy_gpu_with_the_model_on_
     service._role.elected.set()
     request = scheduler_pb2.PlaceRequest(request_id="r1", model=MODEL, num_prompt_tokens=16, max_tokens=8,
                                          exclude_node_ids=["n0"])
+    if reports_again:  # late, not dead: its next report comes while the request waits, and it is refused then
+        asyncio.get_running_loop().call_later(
+            0.3, lambda: service._cluster.report_load("n0", Load(kv_blocks_total=1000), time.monotonic()))
     try:
-        if silent:
+        if silent and not reports_again:
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(service.Place(request, FakeContext()), 0.5)  # type: ignore[arg-type]
             return
