@@ -89,6 +89,12 @@ class Unavailable(BatonError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class AlreadyExists(BatonError):
+    """A request id that is already running where it was sent."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class Aborted(BatonError):
     """Ended by a newer request of the same id (e.g. a stream superseded by its own resume)."""
 

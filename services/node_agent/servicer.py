@@ -14,7 +14,7 @@ from google.protobuf import json_format
 from baton.v1 import common_pb2, node_agent_pb2, node_agent_pb2_grpc
 from services.common import etcd_keys
 from services.common.directory import ServiceDirectory
-from services.common.errors import Aborted, BatonError, InvalidArgument, Unavailable, abort
+from services.common.errors import Aborted, AlreadyExists, BatonError, InvalidArgument, Unavailable, abort
 from services.common.etcd_session import Membership
 from services.common.sampling_checks import check_node_sampling
 from services.common.telemetry import Telemetry
@@ -149,6 +149,12 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             await abort(context, error)
         request_id = request.request_id
         earlier = self._serving.get(request_id)
+        if earlier is not None and engine.progress(request_id) is not None and not request.num_resumed_tokens:
+            # Said as such (not as bad input), so the router of this one tells the leader the id's other stream still
+            # holds their one admission slot, whichever router that stream came through.
+            engine.refused_before_admission()
+            await abort(context, AlreadyExists(f"request_id={request_id!r}: is already running on node "
+                                               f"{self._config.node_id}"))
         if request.num_resumed_tokens and earlier is not None and engine.progress(request_id) is not None:
             # A resume of a stream this node still serves: its router froze, or lost its client, who resumed through
             # another router. The newer stream has the client; the old one ends (refused, the resume failed). Only a

@@ -268,8 +268,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         outcome = ""  # the status it ended with; none: OK once its last reply went out, else its client went away
         live_id: str | None = None
         # How the generation ended, told the leader once this stream knows whether its last reply went out.
-        # (ABORTED comes from a node whose stream a resume of this request, through another router, took over.)
-        held = HeldEndings(lambda ending: self._tell_finished(ending, outcome == grpc.StatusCode.ABORTED.name))
+        # ABORTED comes from a node whose stream a resume of this request, through another router, took over;
+        # ALREADY_EXISTS from one that runs this id already, for a stream of it through this router or another.
+        held = HeldEndings(lambda ending: self._tell_finished(
+            ending, outcome in (grpc.StatusCode.ABORTED.name, grpc.StatusCode.ALREADY_EXISTS.name)))
         delivered = False
         # The request as the cluster knows it (with --auth, in its tenant's namespace) and as the client does.
         cluster_id = client_id = request.request_id
@@ -359,11 +361,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if not self._open_streams:
                 self._streams_ended.set()
 
-    def _tell_finished(self, ending: Ending, superseded: bool) -> None:
+    def _tell_finished(self, ending: Ending, other_stream_elsewhere: bool) -> None:
         """Tell the leader how a stream ended, and whether another of its request id still runs: here, or elsewhere
-        when a resume took this one's place on its node (superseded). Their admission slot is one: released now, a
-        refused duplicate, or a frozen router waking, freed the slot of the stream still running."""
-        ending.another_stream_live = superseded or self._live.get(ending.generation.request_id, 0) > 0
+        as its node said (a resume took this one's place there, or it was already running there). Their admission
+        slot is one: released now, a refused duplicate, or a frozen router waking, freed the slot of the stream
+        still running."""
+        ending.another_stream_live = other_stream_elsewhere or self._live.get(ending.generation.request_id, 0) > 0
         self._relay.tell_finished(ending)
 
 

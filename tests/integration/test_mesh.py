@@ -178,7 +178,7 @@ async def test_a_resume_of_a_stream_its_node_still_serves_takes_its_place(cluste
             async for _ in stub.Generate(node_agent_pb2.NodeGenerateRequest(
                     request_id="resumed-here", model=MODEL, prompt_token_ids=prompt, sampling=sampling), timeout=10):
                 pass
-        assert duplicate.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "already running" in str(duplicate.value)
+        assert duplicate.value.code() == grpc.StatusCode.ALREADY_EXISTS and "already running" in str(duplicate.value)
         # One that asks for more than the running stream had left, or resumes none of its prompt, is sent elsewhere
         # (UNAVAILABLE: its router places it on another node), and the running stream goes on.
         for max_tokens, num_resumed in ((10**8, len(tokens)), (4, len(prompt) + len(tokens))):

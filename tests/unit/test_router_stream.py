@@ -29,7 +29,7 @@ from baton.v1 import (
 )
 from services.common import etcd_keys
 from services.common.directory import LeaderRecord
-from services.common.errors import Aborted, BatonError, Unavailable, abort
+from services.common.errors import Aborted, AlreadyExists, BatonError, Unavailable, abort
 from services.common.telemetry import Telemetry
 from services.router.config import RouterConfig
 from services.router.relay import Ending, HeldEndings
@@ -650,22 +650,26 @@ async def test_a_request_sent_twice_keeps_its_admission_slot_until_its_last_stre
         assert (told.request_id, told.another_stream_live) == ("twice", False)
 
 
-async def test_a_stream_a_resume_took_over_on_its_node_leaves_the_admission_slot_to_that_resume() -> None:
+@pytest.mark.parametrize("ending", [Aborted, AlreadyExists])
+async def test_a_stream_its_node_says_another_of_its_id_runs_leaves_the_admission_slot_to_that_one(
+        ending: type[BatonError]) -> None:
     """A router that froze wakes to find its node stream ended ABORTED: its client resumed through another router,
-    whose stream took this one's place on the node and holds the request's slot. Its notice said nothing of that, so
-    the leader freed the slot, and the tenant could run one over its concurrency limit."""
+    whose stream took this one's place on the node and holds the request's slot. Or the node refuses a request id it
+    is already running (ALREADY_EXISTS), for a stream of it through another router. The notice said nothing of
+    either, so the leader freed the slot, and the tenant could run one over its concurrency limit (a live check ran
+    three under a limit of one, each request's id sent again through the other router)."""
 
-    async def taken_over(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+    async def other_stream(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
         yield _started()
         yield Chunk(node_id=NODE, index=0, token_ids=[97])
-        raise Aborted(f"request {request.request_id}: a resume of it took this stream's place on node {NODE}")
+        raise ending(f"request {request.request_id}: another stream of it runs on node {NODE}")
 
-    async with _router(taken_over) as (router, scheduler):
+    async with _router(other_stream) as (router, scheduler):
         call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=8, request_id="r"))
         with pytest.raises(grpc.aio.AioRpcError) as ended:
             async for _ in call:
                 pass
-        assert ended.value.code() == grpc.StatusCode.ABORTED
+        assert ended.value.code() == ending.code
         told = await asyncio.wait_for(scheduler.finished.get(), 10)
     assert (told.request_id, told.another_stream_live) == ("r", True)
     assert [p.retry_cause for p in scheduler.places] == [""]  # not taken for a node failure: not moved
