@@ -173,8 +173,8 @@ class Admission:
                                            f"{limits.max_concurrency}", retry_after_s=1.0,
                            kind="tenant concurrency limit")
         if limits.tokens_per_minute is not None and ticket.num_tokens > limits.tokens_per_minute:
-            return Outcome(Verdict.REJECT, f"with its prompt, {ticket.num_tokens} tokens, more than tenant "
-                                           f"{ticket.tenant!r}'s whole limit of {limits.tokens_per_minute} tokens per "
+            return Outcome(Verdict.REJECT, f"with its prompt, {ticket.num_tokens} tokens, more than the whole limit "
+                                           f"of tenant {ticket.tenant!r}, {limits.tokens_per_minute} tokens per "
                                            "minute: no wait would let it in", kind="tenant tokens per minute limit",
                            never=True)
         if limits.tokens_per_minute is not None and tenant.served_tokens + ticket.num_tokens > limits.tokens_per_minute:

@@ -174,7 +174,7 @@ async def test_a_tenants_record_carries_its_limits(secured: LocalCluster) -> Non
     with pytest.raises(grpc.aio.AioRpcError) as never:  # more than the whole minute: no wait lets it in
         await complete(secured, key, prompt + " and then some more")
     assert never.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "max_tokens=4" in never.value.details() and "whole limit of 40 tokens" in never.value.details()
+    assert "max_tokens=4" in never.value.details() and "tenant 'frugal', 40 tokens per minute" in never.value.details()
 
 
 

@@ -188,8 +188,8 @@ async def test_a_request_larger_than_its_tenants_whole_minute_is_bad_input_not_a
     gate = AdmissionGate(admission, fleet.is_saturated, get_meter("test"), clock=fleet.clock)
     fleet.saturated = False
     big = Ticket(request_id="big", tenant="small", priority=0, num_tokens=205, arrived_at=fleet.now, max_tokens=200)
-    with pytest.raises(InvalidArgument, match=r"max_tokens=200: with its prompt, 205 tokens, more than tenant "
-                                              r"'small''s whole limit of 100 tokens per minute"):
+    with pytest.raises(InvalidArgument, match=r"max_tokens=200: with its prompt, 205 tokens, more than the whole "
+                                              r"limit of tenant 'small', 100 tokens per minute"):
         await gate.enter(big, 0.1)
     fits = Ticket(request_id="fits", tenant="small", priority=0, num_tokens=100, arrived_at=fleet.now, max_tokens=95)
     assert await gate.enter(fits, 0.1) is False  # admitted at once
