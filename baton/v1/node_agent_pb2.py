@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from baton.v1 import common_pb2 as baton_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61ton/v1/node_agent.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"!\n\x10LoadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"I\n\x11LoadModelResponse\x12\"\n\x05model\x18\x01 \x01(\x0b\x32\x13.baton.v1.ModelInfo\x12\x10\n\x08waited_s\x18\x02 \x01(\x01\"#\n\x12UnloadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"9\n\x13UnloadModelResponse\x12\"\n\x05model\x18\x01 \x01(\x0b\x32\x13.baton.v1.ModelInfo\"\xae\x01\n\x13NodeGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x1a\n\x12num_resumed_tokens\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"\xaa\x02\n\x11NodeGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05index\x18\x03 \x01(\x05\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\x0f\n\x07node_id\x18\x06 \x01(\t\x12(\n\ncheckpoint\x18\x07 \x01(\x0b\x32\x14.baton.v1.Checkpoint\x12(\n\x07started\x18\x08 \x01(\x0b\x32\x17.baton.v1.StreamStarted\x12+\n\x08progress\x18\t \x01(\x0b\x32\x19.baton.v1.RequestProgress\"\x83\x01\n\x0fRequestProgress\x12%\n\x05phase\x18\x01 \x01(\x0e\x32\x16.baton.v1.RequestPhase\x12\x11\n\tnum_ahead\x18\x02 \x01(\x05\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\"\xb8\x01\n\nCheckpoint\x12\x1a\n\x12num_context_tokens\x18\x01 \x01(\x05\x12\x1d\n\x15num_completion_tokens\x18\x02 \x01(\x05\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05\x65xact\x18\x04 \x01(\x08\x12\x0e\n\x06gpu_ms\x18\x05 \x01(\x01\x12\x1e\n\x11num_cached_tokens\x18\x06 \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x14\n\x12_num_cached_tokens\"H\n\rStreamStarted\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\x05\x12\x18\n\x10\x65xpected_step_ms\x18\x02 \x01(\x01\"\x10\n\x0eGetLoadRequest\"\x16\n\x14GetKVSnapshotRequest\"O\n\nKVSnapshot\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x04*\x81\x01\n\x0cRequestPhase\x12\x1d\n\x19REQUEST_PHASE_UNSPECIFIED\x10\x00\x12\x18\n\x14REQUEST_PHASE_QUEUED\x10\x01\x12\x1c\n\x18REQUEST_PHASE_PREFILLING\x10\x02\x12\x1a\n\x16REQUEST_PHASE_DECODING\x10\x03\x32\xe7\x02\n\tNodeAgent\x12H\n\x08Generate\x12\x1d.baton.v1.NodeGenerateRequest\x1a\x1b.baton.v1.NodeGenerateChunk0\x01\x12\x37\n\x07GetLoad\x12\x18.baton.v1.GetLoadRequest\x1a\x12.baton.v1.NodeLoad\x12\x45\n\rGetKVSnapshot\x12\x1e.baton.v1.GetKVSnapshotRequest\x1a\x14.baton.v1.KVSnapshot\x12\x44\n\tLoadModel\x12\x1a.baton.v1.LoadModelRequest\x1a\x1b.baton.v1.LoadModelResponse\x12J\n\x0bUnloadModel\x12\x1c.baton.v1.UnloadModelRequest\x1a\x1d.baton.v1.UnloadModelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61ton/v1/node_agent.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"!\n\x10LoadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"I\n\x11LoadModelResponse\x12\"\n\x05model\x18\x01 \x01(\x0b\x32\x13.baton.v1.ModelInfo\x12\x10\n\x08waited_s\x18\x02 \x01(\x01\"#\n\x12UnloadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"9\n\x13UnloadModelResponse\x12\"\n\x05model\x18\x01 \x01(\x0b\x32\x13.baton.v1.ModelInfo\"\xbe\x01\n\x13NodeGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x1a\n\x12num_resumed_tokens\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x0e\n\x06resent\x18\x07 \x01(\x08\"\xaa\x02\n\x11NodeGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05index\x18\x03 \x01(\x05\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\x0f\n\x07node_id\x18\x06 \x01(\t\x12(\n\ncheckpoint\x18\x07 \x01(\x0b\x32\x14.baton.v1.Checkpoint\x12(\n\x07started\x18\x08 \x01(\x0b\x32\x17.baton.v1.StreamStarted\x12+\n\x08progress\x18\t \x01(\x0b\x32\x19.baton.v1.RequestProgress\"\x83\x01\n\x0fRequestProgress\x12%\n\x05phase\x18\x01 \x01(\x0e\x32\x16.baton.v1.RequestPhase\x12\x11\n\tnum_ahead\x18\x02 \x01(\x05\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\"\xb8\x01\n\nCheckpoint\x12\x1a\n\x12num_context_tokens\x18\x01 \x01(\x05\x12\x1d\n\x15num_completion_tokens\x18\x02 \x01(\x05\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05\x65xact\x18\x04 \x01(\x08\x12\x0e\n\x06gpu_ms\x18\x05 \x01(\x01\x12\x1e\n\x11num_cached_tokens\x18\x06 \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x14\n\x12_num_cached_tokens\"H\n\rStreamStarted\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\x05\x12\x18\n\x10\x65xpected_step_ms\x18\x02 \x01(\x01\"\x10\n\x0eGetLoadRequest\"\x16\n\x14GetKVSnapshotRequest\"O\n\nKVSnapshot\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x04*\x81\x01\n\x0cRequestPhase\x12\x1d\n\x19REQUEST_PHASE_UNSPECIFIED\x10\x00\x12\x18\n\x14REQUEST_PHASE_QUEUED\x10\x01\x12\x1c\n\x18REQUEST_PHASE_PREFILLING\x10\x02\x12\x1a\n\x16REQUEST_PHASE_DECODING\x10\x03\x32\xe7\x02\n\tNodeAgent\x12H\n\x08Generate\x12\x1d.baton.v1.NodeGenerateRequest\x1a\x1b.baton.v1.NodeGenerateChunk0\x01\x12\x37\n\x07GetLoad\x12\x18.baton.v1.GetLoadRequest\x1a\x12.baton.v1.NodeLoad\x12\x45\n\rGetKVSnapshot\x12\x1e.baton.v1.GetKVSnapshotRequest\x1a\x14.baton.v1.KVSnapshot\x12\x44\n\tLoadModel\x12\x1a.baton.v1.LoadModelRequest\x1a\x1b.baton.v1.LoadModelResponse\x12J\n\x0bUnloadModel\x12\x1c.baton.v1.UnloadModelRequest\x1a\x1d.baton.v1.UnloadModelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.v1.node_agent_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REQUESTPHASE']._serialized_start=1265
-  _globals['_REQUESTPHASE']._serialized_end=1394
+  _globals['_REQUESTPHASE']._serialized_start=1281
+  _globals['_REQUESTPHASE']._serialized_end=1410
   _globals['_LOADMODELREQUEST']._serialized_start=62
   _globals['_LOADMODELREQUEST']._serialized_end=95
   _globals['_LOADMODELRESPONSE']._serialized_start=97
@@ -43,21 +43,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UNLOADMODELRESPONSE']._serialized_start=209
   _globals['_UNLOADMODELRESPONSE']._serialized_end=266
   _globals['_NODEGENERATEREQUEST']._serialized_start=269
-  _globals['_NODEGENERATEREQUEST']._serialized_end=443
-  _globals['_NODEGENERATECHUNK']._serialized_start=446
-  _globals['_NODEGENERATECHUNK']._serialized_end=744
-  _globals['_REQUESTPROGRESS']._serialized_start=747
-  _globals['_REQUESTPROGRESS']._serialized_end=878
-  _globals['_CHECKPOINT']._serialized_start=881
-  _globals['_CHECKPOINT']._serialized_end=1065
-  _globals['_STREAMSTARTED']._serialized_start=1067
-  _globals['_STREAMSTARTED']._serialized_end=1139
-  _globals['_GETLOADREQUEST']._serialized_start=1141
-  _globals['_GETLOADREQUEST']._serialized_end=1157
-  _globals['_GETKVSNAPSHOTREQUEST']._serialized_start=1159
-  _globals['_GETKVSNAPSHOTREQUEST']._serialized_end=1181
-  _globals['_KVSNAPSHOT']._serialized_start=1183
-  _globals['_KVSNAPSHOT']._serialized_end=1262
-  _globals['_NODEAGENT']._serialized_start=1397
-  _globals['_NODEAGENT']._serialized_end=1756
+  _globals['_NODEGENERATEREQUEST']._serialized_end=459
+  _globals['_NODEGENERATECHUNK']._serialized_start=462
+  _globals['_NODEGENERATECHUNK']._serialized_end=760
+  _globals['_REQUESTPROGRESS']._serialized_start=763
+  _globals['_REQUESTPROGRESS']._serialized_end=894
+  _globals['_CHECKPOINT']._serialized_start=897
+  _globals['_CHECKPOINT']._serialized_end=1081
+  _globals['_STREAMSTARTED']._serialized_start=1083
+  _globals['_STREAMSTARTED']._serialized_end=1155
+  _globals['_GETLOADREQUEST']._serialized_start=1157
+  _globals['_GETLOADREQUEST']._serialized_end=1173
+  _globals['_GETKVSNAPSHOTREQUEST']._serialized_start=1175
+  _globals['_GETKVSNAPSHOTREQUEST']._serialized_end=1197
+  _globals['_KVSNAPSHOT']._serialized_start=1199
+  _globals['_KVSNAPSHOT']._serialized_end=1278
+  _globals['_NODEAGENT']._serialized_start=1413
+  _globals['_NODEAGENT']._serialized_end=1772
 # @@protoc_insertion_point(module_scope)

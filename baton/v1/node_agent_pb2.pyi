@@ -46,20 +46,22 @@ class UnloadModelResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ...) -> None: ...
 
 class NodeGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "num_resumed_tokens", "cache_salt")
+    __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "num_resumed_tokens", "cache_salt", "resent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    RESENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     num_resumed_tokens: int
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_resumed_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    resent: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_resumed_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., resent: _Optional[bool] = ...) -> None: ...
 
 class NodeGenerateChunk(_message.Message):
     __slots__ = ("request_id", "token_ids", "index", "finish_reason", "usage", "node_id", "checkpoint", "started", "progress")

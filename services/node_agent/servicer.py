@@ -65,13 +65,14 @@ class _Serving:
 
     def resumed_by(self, request: node_agent_pb2.NodeGenerateRequest, vocab_size: int) -> bool:
         """Whether request resumes this stream as the engine will surely take it: its prompt is this one's plus
-        tokens in the vocabulary, it resumes part of that prompt, asks for at least one token and no more than this
-        one had left (so it fits the context and the KV room this one held), under the same cache salt."""
+        tokens in the vocabulary (or this one's, sent again before a token came), it resumes part of that prompt,
+        asks for at least one token and no more than this one had left (so it fits the context and the KV room this
+        one held), under the same cache salt."""
         prompt = request.prompt_token_ids
         extra = prompt[len(self.prompt):]
         return (len(prompt) >= len(self.prompt) and tuple(prompt[:len(self.prompt)]) == self.prompt
                 and all(0 <= t < vocab_size for t in extra)
-                and 0 < request.num_resumed_tokens < len(prompt) and request.sampling.max_tokens >= 1
+                and 0 <= request.num_resumed_tokens < len(prompt) and request.sampling.max_tokens >= 1
                 and len(prompt) + request.sampling.max_tokens <= len(self.prompt) + self.max_tokens
                 and request.cache_salt == self.cache_salt)
 
@@ -149,13 +150,14 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             await abort(context, error)
         request_id = request.request_id
         earlier = self._serving.get(request_id)
-        if earlier is not None and engine.progress(request_id) is not None and not request.num_resumed_tokens:
+        resumes = bool(request.num_resumed_tokens or request.resent)
+        if earlier is not None and engine.progress(request_id) is not None and not resumes:
             # Said as such (not as bad input), so the router of this one tells the leader the id's other stream still
             # holds their one admission slot, whichever router that stream came through.
             engine.refused_before_admission()
             await abort(context, AlreadyExists(f"request_id={request_id!r}: is already running on node "
                                                f"{self._config.node_id}"))
-        if request.num_resumed_tokens and earlier is not None and engine.progress(request_id) is not None:
+        if resumes and earlier is not None and engine.progress(request_id) is not None:
             # A resume of a stream this node still serves: its router froze, or lost its client, who resumed through
             # another router. The newer stream has the client; the old one ends (refused, the resume failed). Only a
             # resume the engine will take as surely as it took the earlier one, or a refused one would end it too;

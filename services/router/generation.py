@@ -48,6 +48,8 @@ class Generation:
     alternative_models: tuple[str, ...] = ()
     # The prefix-cache namespace of the request's tenant (empty: shared); see block_hash.salted_root.
     cache_salt: str = ""
+    # Its client sent it again (the request carries `resume`): a node still running it gives it that stream's place.
+    resent: bool = False
 
     def settle_model(self, model: str) -> None:
         """The scheduler chose model (empty: the request's own); every later attempt keeps to it."""
@@ -86,6 +88,7 @@ class Generation:
             sampling=sampling,
             num_resumed_tokens=len(self.generated),
             cache_salt=self.cache_salt,
+            resent=self.resent,
         )
 
     def record_failure(self, failure: NodeFailure, max_migrations: int) -> None:

@@ -293,6 +293,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 generated=list(valid.resume_token_ids),
                 alternative_models=valid.alternative_models,
                 cache_salt=cache_salt,
+                resent=request.HasField("resume"),
             )
             decoder = TOKENIZERS[valid.model.tokenizer].decoder()
             # A resumed stream's text continues where the client's left off, mid-character or not.

@@ -204,6 +204,22 @@ async def test_a_resume_of_a_stream_its_node_still_serves_takes_its_place(cluste
                 pass
         assert ended.value.code() == grpc.StatusCode.ABORTED and "a resume of it took" in str(ended.value)
 
+        # Sent again before its first token came (its router froze during the prefill): no tokens to resume, but the
+        # client's resend (`resent`) takes the running stream's place all the same.
+        fresh = node_agent_pb2.NodeGenerateRequest(request_id="resent-here", model=MODEL, prompt_token_ids=prompt,
+                                                   sampling=sampling)
+        first = stub.Generate(fresh, timeout=60)
+        assert (await first.read()).HasField("started")
+        again = node_agent_pb2.NodeGenerateRequest(request_id="resent-here", model=MODEL, prompt_token_ids=prompt,
+                                                   resent=True,
+                                                   sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True))
+        chunks = [c async for c in stub.Generate(again, timeout=30)]
+        assert sum(len(c.token_ids) for c in chunks) == 4 and chunks[-1].finish_reason
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            while await first.read() is not grpc.aio.EOF:
+                pass
+        assert ended.value.code() == grpc.StatusCode.ABORTED
+
 
 async def test_list_models_names_the_served_model(cluster: LocalCluster) -> None:
     assert cluster.router is not None

@@ -533,11 +533,20 @@ async def test_a_stream_resumed_through_another_router_reports_what_its_node_pre
 async def test_a_request_sent_again_before_its_first_token_is_told_to_the_leader_as_resumed() -> None:
     """Its router died before the first token: the client SDK sends it again with what is left of its deadline and
     no tokens. That remainder is the SDK's arithmetic: the leader must not refuse it as a budget no node could meet."""
-    async with _router(_token_stream(2, pace_s=0.001)) as (router, scheduler):
+    sent: list[node_agent_pb2.NodeGenerateRequest] = []
+    node = _token_stream(2, pace_s=0.001)
+
+    def noting(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        sent.append(request)
+        return node(request)
+
+    async with _router(noting) as (router, scheduler):
         call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2, deadline_ms=50,
                                                           resume=router_pb2.Resume(elapsed_ms=900)))
         assert sum(len(m.token_ids) for m in [m async for m in call]) == 2
     assert [p.resumed for p in scheduler.places] == [True]
+    # And its node hears it was sent again: one still running it from the first router gives it that stream's place.
+    assert [(r.resent, r.num_resumed_tokens) for r in sent] == [(True, 0)]
 
 
 async def test_a_resumed_streams_first_token_reported_past_its_elapsed_time_counts_as_at_the_resume() -> None:
