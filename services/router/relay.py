@@ -35,7 +35,8 @@ class Ending:
     request: router_pb2.GenerateRequest
     ttft_ms: int
     outcome: scheduler_pb2.RequestOutcome.ValueType
-    # Another stream of the same request id still runs through this router when it is told: their slot stays held.
+    # Another stream of the same request id still runs when it is told (through this router, or another as its node
+    # said): their one admission slot stays held while that stream's router reports it live.
     another_stream_live: bool = False
 
     def undelivered(self) -> None:

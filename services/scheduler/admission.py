@@ -277,6 +277,14 @@ class Admission:
                 renewed += 1
         return renewed
 
+    def leave_to_others(self, request_id: str, now: float) -> None:
+        """A stream of request_id ended while another of its id is said to run: the slot stays held, but only for a
+        third of the lease unless a router reports the id live again (the other stream's router does; a slot that
+        only seemed shared, its other stream gone just before, is freed then, not a whole lease later)."""
+        hold = self._held.get(request_id)
+        if hold is not None:
+            hold.expires_at = min(hold.expires_at, now + self.lease_s / 3)
+
     def release(self, request_id: str) -> bool:
         """The request ended: its slot is free. False if it held none (already released, or expired)."""
         hold = self._held.pop(request_id, None)

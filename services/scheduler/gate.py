@@ -98,8 +98,12 @@ class AdmissionGate:
     def _admit(self, ticket: Ticket) -> None:
         self._admission.on_admitted(ticket, self._clock())
 
-    def finished(self, request_id: str) -> None:
-        if self._admission.release(request_id):
+    def finished(self, request_id: str, another_stream_live: bool = False) -> None:
+        """A request ended: its slot is free, unless another stream of its id is said to run (then held as long as
+        a router reports it live)."""
+        if another_stream_live:
+            self._admission.leave_to_others(request_id, self._clock())
+        elif self._admission.release(request_id):
             self.capacity_changed()
 
     def renew(self, request_ids: Iterable[str]) -> int:

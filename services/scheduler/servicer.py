@@ -474,8 +474,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await self._confirm_leadership(context)
         except BatonError as error:
             await abort(context, error)
-        if not request.another_stream_live:  # else the slot is that stream's too
-            self._gate.finished(request.request_id)
+        self._gate.finished(request.request_id, request.another_stream_live)
         ctx = request.context
         if request.ttft_ms and ctx.ttft_budget_ms:
             self._ttft_ratio.record(request.ttft_ms / ctx.ttft_budget_ms)

@@ -150,3 +150,17 @@ async def test_a_finished_notice_with_another_stream_of_its_id_live_keeps_the_sl
         assert admission.num_held == 0
     finally:
         await service.close()
+
+
+def test_a_slot_left_to_another_stream_lapses_soon_unless_that_stream_is_reported_live() -> None:
+    """Another stream of the id was said to run (the node refused this one as running it), but it may have ended just
+    before: kept a whole lease, the slot held nothing and its tenant was refused meanwhile."""
+    admission = Admission(limits=CAPPED, lease_s=15.0)
+    admit(admission, "orphan", 0.0)
+    admit(admission, "shared", 0.0, tenant="u")
+    admission.leave_to_others("orphan", 1.0)
+    admission.leave_to_others("shared", 1.0)
+    assert admission.num_held == 2  # not freed at once: the other stream may well run
+    admission.renew(["shared"], 3.0)  # its router reports it live
+    assert admission.expire_holds(6.5) == ["orphan"]  # a third of the lease after: no one reported it
+    assert admission.expire_holds(17.0) == [] and admission.num_held == 1
