@@ -60,37 +60,35 @@ def positive_number(text: str, whole: str | None = None) -> float:
     return value
 
 
+def _bounded(text: str, within: Callable[[float], bool], why: str) -> float:
+    """text as a finite number that within() accepts; refused saying why otherwise."""
+    value = _number(text)
+    if not within(value):
+        _refuse_item(text, text, why)
+    return value
+
+
 def non_negative_seconds(text: str) -> float:
     """A finite time of 0 s or more (an idle time before a model swap)."""
-    value = _number(text)
-    if value < 0:
-        _refuse_item(text, text, "must be 0 s or more")
-    return value
+    return _bounded(text, lambda value: value >= 0, "must be 0 s or more")
 
 
 def slo_seconds(text: str) -> float:
     """An SLO budget in seconds: finite, and at least the millisecond the budgets are kept in."""
-    value = _number(text)
-    if value < 0.001:
-        _refuse_item(text, text, "must be at least 0.001 s (a budget of 0 or less no request can meet)")
-    return value
+    return _bounded(text, lambda value: value >= 0.001,
+                    "must be at least 0.001 s (a budget of 0 or less no request can meet)")
 
 
 def share(text: str) -> float:
     """A share in [0, 1]."""
-    value = _number(text)
-    if not 0 <= value <= 1:
-        _refuse_item(text, text, "must be between 0 and 1")
-    return value
+    return _bounded(text, lambda value: 0 <= value <= 1, "must be between 0 and 1")
 
 
 def timing_error(text: str) -> float:
     """The timing model's error e in [0, 1): engines run at a factor drawn from [1 - e, 1 + e], which must stay
     above 0."""
-    value = _number(text)
-    if not 0 <= value < 1:
-        _refuse_item(text, text, "must be at least 0 and below 1 (the engines run at a factor from [1 - e, 1 + e])")
-    return value
+    return _bounded(text, lambda value: 0 <= value < 1,
+                    "must be at least 0 and below 1 (the engines run at a factor from [1 - e, 1 + e])")
 
 
 def positive_int(text: str) -> int:

@@ -143,32 +143,13 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             engine = self._host.engine_for(request.model)
         except BatonError as error:
             await abort(context, error)
+        request_id = request.request_id
         try:
             check_node_sampling(request.sampling, self._host.local(request.model).vocab_size)
+            self._make_way(request, engine)
         except BatonError as error:
             engine.refused_before_admission()  # received all the same, as the engine counts those it refuses
             await abort(context, error)
-        request_id = request.request_id
-        earlier = self._serving.get(request_id)
-        resumes = bool(request.num_resumed_tokens or request.resent)
-        if earlier is not None and engine.progress(request_id) is not None and not resumes:
-            # Said as such (not as bad input), so the router of this one tells the leader the id's other stream still
-            # holds their one admission slot, whichever router that stream came through.
-            engine.refused_before_admission()
-            await abort(context, AlreadyExists(f"request_id={request_id!r}: is already running on node "
-                                               f"{self._config.node_id}"))
-        if resumes and earlier is not None and engine.progress(request_id) is not None:
-            # A resume of a stream this node still serves: its router froze, or lost its client, who resumed through
-            # another router. The newer stream has the client; the old one ends (refused, the resume failed). Only a
-            # resume the engine will take as surely as it took the earlier one, or a refused one would end it too;
-            # another is sent elsewhere (UNAVAILABLE: its router places it on another node), not refused as bad.
-            if not earlier.resumed_by(request, engine.vocab_size):
-                engine.refused_before_admission()
-                await abort(context, Unavailable(f"request {request_id}: an earlier stream of it still runs on node "
-                                                 f"{self._config.node_id}, which this resume cannot take over"))
-            log.info("request %s: resumed here while its earlier stream still ran; ending that one", request_id)
-            earlier.superseded.set()
-            engine.abort(request_id)
         engine_request = EngineRequest(
             request_id=request.request_id,
             prompt_token_ids=tuple(request.prompt_token_ids),
@@ -223,6 +204,25 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             # The client went away or the stream broke: the engine must not go on for nobody. Closing the stream
             # ends this request only (not one of the same id admitted since, closed late as it may be).
             await outputs.aclose()
+
+    def _make_way(self, request: node_agent_pb2.NodeGenerateRequest, engine: Engine) -> None:
+        """End the stream of request's id this node still runs, when request resumes it (its router froze, or lost
+        its client, who sent it again through another router: the newer stream has the client, and the old one ends
+        ABORTED). Only a resume the engine will take as surely as it took that stream, or a refused one would end it
+        too; another is Unavailable (its router places it on another node), a fresh request AlreadyExists (said as
+        such, so its router tells the leader the id's other stream holds their one admission slot)."""
+        request_id = request.request_id
+        earlier = self._serving.get(request_id)
+        if earlier is None or engine.progress(request_id) is None:
+            return
+        if not (request.num_resumed_tokens or request.resent):
+            raise AlreadyExists(f"request_id={request_id!r}: is already running on node {self._config.node_id}")
+        if not earlier.resumed_by(request, engine.vocab_size):
+            raise Unavailable(f"request {request_id}: an earlier stream of it still runs on node "
+                              f"{self._config.node_id}, which this resume cannot take over")
+        log.info("request %s: resumed here while its earlier stream still ran; ending that one", request_id)
+        earlier.superseded.set()
+        engine.abort(request_id)
 
     def _chunk(self, request: node_agent_pb2.NodeGenerateRequest, index: int,
                **fields: Any) -> node_agent_pb2.NodeGenerateChunk:

@@ -164,61 +164,55 @@ async def test_a_resume_of_a_stream_its_node_still_serves_takes_its_place(cluste
     """A client whose router froze (or lost it) resumes through another router, which may place the resume on the
     node still serving the old stream: that node refused it as a duplicate, and the client got INVALID_ARGUMENT.
     The resume now ends the old stream (ABORTED, which its router does not take for a node failure); a fresh
-    request of a running id is still refused."""
+    request of a running id is still refused (ALREADY_EXISTS)."""
     prompt = list(b"a stream resumed on its own node")
-    sampling = common_pb2.SamplingParams(max_tokens=4000, ignore_eos=True)
+
+    def ask(request_id: str, context: list[int], max_tokens: int,
+            **fields: object) -> node_agent_pb2.NodeGenerateRequest:
+        return node_agent_pb2.NodeGenerateRequest(
+            request_id=request_id, model=MODEL, prompt_token_ids=context,
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True), **fields)  # type: ignore
+
+    async def refusal(stream: grpc.aio.UnaryStreamCall) -> grpc.aio.AioRpcError:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            while await stream.read() is not grpc.aio.EOF:
+                pass
+        return refused.value
+
+    async def completed(stream: grpc.aio.UnaryStreamCall) -> int:
+        chunks = [c async for c in stream]
+        assert chunks[-1].finish_reason
+        return sum(len(c.token_ids) for c in chunks)
+
     async with grpc.aio.insecure_channel(cluster.nodes[0].address) as channel:
         stub = node_agent_pb2_grpc.NodeAgentStub(channel)
-        old = stub.Generate(node_agent_pb2.NodeGenerateRequest(request_id="resumed-here", model=MODEL,
-                                                               prompt_token_ids=prompt, sampling=sampling), timeout=60)
+        old = stub.Generate(ask("resumed-here", prompt, 4000), timeout=60)
         tokens: list[int] = []
         while not tokens:
             tokens += (await old.read()).token_ids
-        with pytest.raises(grpc.aio.AioRpcError) as duplicate:
-            async for _ in stub.Generate(node_agent_pb2.NodeGenerateRequest(
-                    request_id="resumed-here", model=MODEL, prompt_token_ids=prompt, sampling=sampling), timeout=10):
-                pass
-        assert duplicate.value.code() == grpc.StatusCode.ALREADY_EXISTS and "already running" in str(duplicate.value)
+        duplicate = await refusal(stub.Generate(ask("resumed-here", prompt, 4000), timeout=10))
+        assert duplicate.code() == grpc.StatusCode.ALREADY_EXISTS and "already running" in str(duplicate)
         # One that asks for more than the running stream had left, or resumes none of its prompt, is sent elsewhere
         # (UNAVAILABLE: its router places it on another node), and the running stream goes on.
         for max_tokens, num_resumed in ((10**8, len(tokens)), (4, len(prompt) + len(tokens))):
-            asked = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-            other = node_agent_pb2.NodeGenerateRequest(request_id="resumed-here", model=MODEL,
-                                                       prompt_token_ids=prompt + tokens,
-                                                       num_resumed_tokens=num_resumed, sampling=asked)
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                async for _ in stub.Generate(other, timeout=10):
-                    pass
-            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "cannot take over" in str(refused.value)
+            refused = await refusal(stub.Generate(
+                ask("resumed-here", prompt + tokens, max_tokens, num_resumed_tokens=num_resumed), timeout=10))
+            assert refused.code() == grpc.StatusCode.UNAVAILABLE and "cannot take over" in str(refused)
         assert (await stub.GetLoad(node_agent_pb2.GetLoadRequest())).num_running == 1
         more = len(tokens)
         while len(tokens) == more:
             tokens += (await old.read()).token_ids
-        resume = node_agent_pb2.NodeGenerateRequest(
-            request_id="resumed-here", model=MODEL, prompt_token_ids=prompt + tokens, num_resumed_tokens=len(tokens),
-            sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True))
-        chunks = [c async for c in stub.Generate(resume, timeout=30)]
-        assert sum(len(c.token_ids) for c in chunks) == 4 and chunks[-1].finish_reason
-        with pytest.raises(grpc.aio.AioRpcError) as ended:
-            while await old.read() is not grpc.aio.EOF:
-                pass
-        assert ended.value.code() == grpc.StatusCode.ABORTED and "a resume of it took" in str(ended.value)
+        resume = ask("resumed-here", prompt + tokens, 4, num_resumed_tokens=len(tokens))
+        assert await completed(stub.Generate(resume, timeout=30)) == 4
+        ended = await refusal(old)
+        assert ended.code() == grpc.StatusCode.ABORTED and "a resume of it took" in str(ended)
 
         # Sent again before its first token came (its router froze during the prefill): no tokens to resume, but the
         # client's resend (`resent`) takes the running stream's place all the same.
-        fresh = node_agent_pb2.NodeGenerateRequest(request_id="resent-here", model=MODEL, prompt_token_ids=prompt,
-                                                   sampling=sampling)
-        first = stub.Generate(fresh, timeout=60)
+        first = stub.Generate(ask("resent-here", prompt, 4000), timeout=60)
         assert (await first.read()).HasField("started")
-        again = node_agent_pb2.NodeGenerateRequest(request_id="resent-here", model=MODEL, prompt_token_ids=prompt,
-                                                   resent=True,
-                                                   sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True))
-        chunks = [c async for c in stub.Generate(again, timeout=30)]
-        assert sum(len(c.token_ids) for c in chunks) == 4 and chunks[-1].finish_reason
-        with pytest.raises(grpc.aio.AioRpcError) as ended:
-            while await first.read() is not grpc.aio.EOF:
-                pass
-        assert ended.value.code() == grpc.StatusCode.ABORTED
+        assert await completed(stub.Generate(ask("resent-here", prompt, 4, resent=True), timeout=30)) == 4
+        assert (await refusal(first)).code() == grpc.StatusCode.ABORTED
 
 
 async def test_list_models_names_the_served_model(cluster: LocalCluster) -> None:
