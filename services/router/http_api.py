@@ -72,8 +72,11 @@ def tenant_for(request: web.Request, body: Mapping[str, Any]) -> str:
 
 
 def _json_response(status: int, body: dict[str, Any], headers: Mapping[str, str] | None = None) -> web.Response:
-    return web.Response(status=status, text=json.dumps(body), content_type="application/json",
-                        headers=dict(headers or {}))
+    """A JSON response; an error says whether to retry it (aiohttp's own refusals and a 500 too)."""
+    headers = dict(headers or {})
+    if status >= 400 and schema.SHOULD_RETRY_HEADER not in headers:
+        headers.update(schema.retry_headers(status))
+    return web.Response(status=status, text=json.dumps(body), content_type="application/json", headers=headers)
 
 
 def _error(error: BatonError, names: Mapping[str, str] | None = None) -> web.Response:

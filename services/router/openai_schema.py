@@ -536,8 +536,31 @@ _ERROR_TYPES = {
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]-]*)=")
 
 
+# The openai SDK sends a request again on a 408, 409, 429 or 5xx, twice by default, unless the response says
+# `x-should-retry: false` (its own header, not a standard one); every error response here says true or false.
+SHOULD_RETRY_HEADER = "x-should-retry"
+
+
 def http_status(code: grpc.StatusCode) -> int:
     return _HTTP_STATUS.get(code, 500)
+
+
+def is_worth_retrying(status: int, retry_after_ms: int | None = None) -> bool:
+    """Whether the same request sent again may succeed: a 429 that says when to come back, or a 5xx but 501 (no node
+    or leader for now, a failure). Not a 408 (its deadline_ms passed, and would again), a 409 (its id runs already,
+    or a newer request of its id took over: a retry would race them), nor any other refusal of the request as sent."""
+    if status == 429:
+        return retry_after_ms is not None
+    return status >= 500 and status != 501
+
+
+def retry_headers(status: int, retry_after_ms: int | None = None) -> dict[str, str]:
+    """The headers that tell a client whether, and when, to send a refused request again."""
+    headers = {SHOULD_RETRY_HEADER: "true" if is_worth_retrying(status, retry_after_ms) else "false"}
+    if retry_after_ms is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after_ms / 1000)))
+        headers["retry-after-ms"] = str(retry_after_ms)
+    return headers
 
 
 def error_json(status: int, message: str, param: str | None, code: str) -> dict[str, Any]:
@@ -561,10 +584,7 @@ def error_response(error: BatonError, names: Mapping[str, str] | None = None
         if spelled != param:
             message = spelled + message[len(param):]
             param = spelled
-    headers: dict[str, str] = {}
-    if isinstance(error, ResourceExhausted):
-        headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_ms / 1000)))
-        headers["retry-after-ms"] = str(error.retry_after_ms)
+    headers = retry_headers(status, error.retry_after_ms if isinstance(error, ResourceExhausted) else None)
     return status, error_json(status, message, param, error.code.name.lower()), headers
 
 

@@ -23,7 +23,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from baton.v1 import common_pb2, router_pb2
-from services.common.errors import BatonError, InvalidArgument, ResourceExhausted, Unavailable
+from services.common.errors import (Aborted, AlreadyExists, BatonError, DeadlineExceeded, InvalidArgument,
+                                    ResourceExhausted, Unavailable)
 from services.router.http_api import RUNNER_OPTIONS, HttpApi
 from services.router.validation import InputLimits, ModelEntry
 
@@ -62,10 +63,10 @@ class _FakeRouter:
                                        usage=common_pb2.Usage(prompt_tokens=1, completion_tokens=len(self.texts)))
 
 
-async def _client(router: _FakeRouter) -> tuple[TestClient, openai.AsyncOpenAI]:
+async def _client(router: _FakeRouter, max_retries: int = 0) -> tuple[TestClient, openai.AsyncOpenAI]:
     http = TestClient(TestServer(HttpApi(router, "127.0.0.1:0", InputLimits(max_prompt_bytes=1024)).app))
     await http.start_server()
-    return http, openai.AsyncOpenAI(base_url=str(http.make_url("/v1")), api_key="k", max_retries=0)
+    return http, openai.AsyncOpenAI(base_url=str(http.make_url("/v1")), api_key="k", max_retries=max_retries)
 
 
 async def test_a_refusal_to_retry_later_is_a_429_the_client_sees_with_its_retry_after() -> None:
@@ -76,6 +77,34 @@ async def test_a_refusal_to_retry_later_is_a_429_the_client_sees_with_its_retry_
         assert caught.value.response.headers["Retry-After"] == "3"
         assert caught.value.response.headers["retry-after-ms"] == "2500"
         assert caught.value.body["type"] == "rate_limit_error"  # type: ignore[index]
+    finally:
+        await client.close()
+        await http.close()
+
+
+def _failure(code: grpc.StatusCode, message: str) -> BatonError:
+    failure = BatonError(message)
+    failure.code = code
+    return failure
+
+
+@pytest.mark.parametrize(("failure", "num_sent"), [
+    (AlreadyExists("request_id='r': already running"), 1),
+    (Aborted("request r: superseded by a newer request of its id"), 1),
+    (DeadlineExceeded("deadline_ms=50: passed after 0 generated tokens of request r"), 1),
+    (InvalidArgument("max_tokens", 0, "must be at least 1"), 1),
+    (_failure(grpc.StatusCode.UNIMPLEMENTED, "not implemented"), 1),
+    (ResourceExhausted("tenant 'a' over its share", 1), 3),
+    (Unavailable("no live node serves model 'm'"), 3),
+])
+async def test_the_openai_client_sends_again_only_a_refusal_that_a_retry_may_pass(failure: BatonError,
+                                                                                   num_sent: int) -> None:
+    router = _FakeRouter([], failure)
+    http, client = await _client(router, max_retries=2)  # the SDK's default
+    try:
+        with pytest.raises(openai.APIStatusError):
+            await client.completions.create(model="m", prompt="x")
+        assert len(router.requests) == num_sent
     finally:
         await client.close()
         await http.close()
@@ -132,6 +161,7 @@ async def test_malformed_requests_get_openai_shaped_errors_naming_what_was_wrong
         error = (await response.json())["error"]
         assert error["param"] == param and error["message"]
         assert error["type"] != "server_error"  # every one of these is the client's to fix
+        assert response.headers["x-should-retry"] == "false"  # nor would sending it again help
         if status == 405:  # HTTP requires it: which methods the path takes
             assert response.headers["Allow"] == "POST" and "allowed: POST" in error["message"]
     finally:

@@ -181,23 +181,26 @@ def _with_code(code: grpc.StatusCode, message: str) -> BatonError:
     return error
 
 
-@pytest.mark.parametrize(("error", "status", "param"), [
-    (NotFound("model='x': not served by this cluster"), 404, "model"),
-    (_with_code(grpc.StatusCode.UNAUTHENTICATED, "no API key"), 401, None),
-    (_with_code(grpc.StatusCode.UNAVAILABLE, "no live node"), 503, None),
-    (DeadlineExceeded("deadline_ms=5: passed"), 408, "deadline_ms"),
-    (_with_code(grpc.StatusCode.INTERNAL, "boom"), 500, None),
+@pytest.mark.parametrize(("error", "status", "param", "should_retry"), [
+    (NotFound("model='x': not served by this cluster"), 404, "model", "false"),
+    (_with_code(grpc.StatusCode.UNAUTHENTICATED, "no API key"), 401, None, "false"),
+    (_with_code(grpc.StatusCode.UNAVAILABLE, "no live node"), 503, None, "true"),
+    (DeadlineExceeded("deadline_ms=5: passed"), 408, "deadline_ms", "false"),
+    (_with_code(grpc.StatusCode.ALREADY_EXISTS, "request_id='r': already running"), 409, "request_id", "false"),
+    (_with_code(grpc.StatusCode.RESOURCE_EXHAUSTED, "message larger than max"), 429, None, "false"),
+    (_with_code(grpc.StatusCode.INTERNAL, "boom"), 500, None, "true"),
 ])
-def test_grpc_codes_become_http_statuses(error: BatonError, status: int, param: str | None) -> None:
+def test_grpc_codes_become_http_statuses_that_say_whether_to_retry(error: BatonError, status: int,
+                                                                   param: str | None, should_retry: str) -> None:
     got_status, body, headers = schema.error_response(error)
-    assert (got_status, body["error"]["param"], headers) == (status, param, {})
+    assert (got_status, body["error"]["param"], headers) == (status, param, {"x-should-retry": should_retry})
     assert body["error"]["message"] == str(error)
 
 
 def test_a_refusal_to_retry_later_is_429_with_retry_after_in_seconds_and_ms() -> None:
     status, body, headers = schema.error_response(ResourceExhausted("tenant 'a': over its share", 1500))
     assert status == 429 and body["error"]["type"] == "rate_limit_error"
-    assert headers == {"Retry-After": "2", "retry-after-ms": "1500"}
+    assert headers == {"x-should-retry": "true", "Retry-After": "2", "retry-after-ms": "1500"}
 
 
 def _chunks(texts: list[str], finish: int) -> list[router_pb2.GenerateChunk]:
