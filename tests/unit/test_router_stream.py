@@ -233,6 +233,34 @@ async def test_a_stream_that_passes_its_deadline_ends_with_deadline_exceeded_kee
     assert notice.outcome == scheduler_pb2.REQUEST_OUTCOME_FAILED
 
 
+class _DecidingScheduler(_FakeScheduler):
+    """A leader that has yet to answer any Place (its own floor would refuse a deadline of 1 ms, once it answered)."""
+
+    async def Place(  # noqa: N802
+        self, request: scheduler_pb2.PlaceRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.Placement:
+        self.places.append(request)
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable: the wait never ends")
+
+
+async def test_a_deadline_below_the_floor_is_refused_naming_it_before_its_timer_or_the_leader_can_answer() -> None:
+    # Before, deadline_ms=1 got DEADLINE_EXCEEDED when the router's timer fired first (here: the leader is slow) and
+    # INVALID_ARGUMENT when the leader's floor answered first. A resent request's remainder is still timed.
+    async with _router(_token_stream(2, 0.0), _DecidingScheduler()) as (router, scheduler):
+        with pytest.raises(grpc.aio.AioRpcError) as fresh:
+            await router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2,
+                                                             deadline_ms=1)).read()
+        assert fresh.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (fresh.value.details() or "").startswith("deadline_ms=1: below the floor of 10 ms")
+        assert scheduler.places == []
+        with pytest.raises(grpc.aio.AioRpcError) as resent:
+            await router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2, deadline_ms=1,
+                                                             resume=router_pb2.Resume(elapsed_ms=900))).read()
+        assert resent.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert (resent.value.details() or "").startswith("deadline_ms=1: passed after 0 generated tokens")
+
+
 async def test_a_finished_answer_taken_after_its_deadline_ends_without_an_error() -> None:
     # The answer was finished within its deadline; its front end (a slow client's write) asked for the stream's end
     # after the deadline had passed. Before, the client got DEADLINE_EXCEEDED after its finish chunk.

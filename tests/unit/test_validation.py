@@ -54,6 +54,8 @@ REJECTIONS = [
     ("top_p above one", {"top_p": 1.5}, "top_p=1.5"),
     ("empty stop string", {"stop": ["ok", ""]}, "stop[1]=''"),
     ("negative deadline", {"deadline_ms": -1}, "deadline_ms=-1"),
+    ("deadline below the floor", {"deadline_ms": 1}, "deadline_ms=1: below the floor of 10 ms"),
+    ("deadline just below the floor", {"deadline_ms": 9}, "deadline_ms=9: below the floor of 10 ms"),
     ("step beyond total", {"step": 4, "total_steps": 3}, "step=4"),
     ("step 0 of a workflow with steps", {"step": 0, "total_steps": 3}, "step=0"),
     ("long request_id", {"request_id": "r" * 129}, "request_id='rrrr"),
@@ -76,6 +78,11 @@ def test_unknown_model_is_not_found_naming_it() -> None:
     assert type(error) is NotFound
     assert error.code == grpc.StatusCode.NOT_FOUND
     assert "model='nope'" in str(error)
+
+
+def test_a_deadline_at_the_floor_or_what_a_resent_request_has_left_is_accepted() -> None:
+    assert _validate(_request(deadline_ms=10)).request_id
+    assert _validate(_request(deadline_ms=1, resume=router_pb2.Resume(elapsed_ms=900))).request_id
 
 
 def test_max_tokens_up_to_the_room_left_is_accepted() -> None:
