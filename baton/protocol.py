@@ -9,6 +9,9 @@ ORIGIN_KEY = "baton-origin"
 RETRY_AFTER_KEY = "retry-after-ms"
 # Trailing metadata on a standby scheduler's refusal: the leader's address.
 LEADER_KEY = "baton-leader"
+# Trailing metadata on a node's UNAVAILABLE for a resume of a request id it runs in another stream, one that resume
+# cannot take over (docs/resume.md): the node's id. The node has not failed, and the resume may run on another node.
+STREAM_HELD_KEY = "baton-stream-held"
 
 
 def is_transport_failure(error: grpc.aio.AioRpcError) -> bool:

@@ -6,7 +6,7 @@ from typing import Any, NoReturn
 
 import grpc
 
-from baton.protocol import ORIGIN_KEY, RETRY_AFTER_KEY
+from baton.protocol import ORIGIN_KEY, RETRY_AFTER_KEY, STREAM_HELD_KEY
 
 # Longest status message sent: a status travels in trailing metadata, whose size gRPC limits (8 KiB
 # by default); past that the client gets RESOURCE_EXHAUSTED in place of the real status.
@@ -63,6 +63,8 @@ class BatonError(Exception):
     """An error with a gRPC status code and a message naming what was wrong."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    # Trailing metadata its status carries besides the origin: what a caller reads without parsing the message.
+    metadata: tuple[tuple[str, str], ...] = ()
 
 
 class InvalidArgument(BatonError):
@@ -87,6 +89,17 @@ class FailedPrecondition(BatonError):
 
 class Unavailable(BatonError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class StreamHeld(Unavailable):
+    """A resume of a request id that a node runs in another stream, one the resume cannot take over: the node has
+    not failed, and the resume may run on another node. STREAM_HELD_KEY names the node, for a router to tell this
+    from a node's failure without reading the message (UNAVAILABLE all the same: an older router places it
+    elsewhere too)."""
+
+    def __init__(self, message: str, node_id: str) -> None:
+        super().__init__(message)
+        self.metadata = ((STREAM_HELD_KEY, node_id),)
 
 
 class AlreadyExists(BatonError):
@@ -128,8 +141,7 @@ async def abort(context: grpc.aio.ServicerContext, error: BatonError) -> NoRetur
     metadata = [(ORIGIN_KEY, "baton")]
     if isinstance(error, ResourceExhausted):
         metadata.append((RETRY_AFTER_KEY, str(error.retry_after_ms)))
-    if isinstance(error, FailedPrecondition):
-        metadata.extend(error.metadata)
+    metadata.extend(error.metadata)
     message = str(error)
     if len(message) > MAX_MESSAGE_CHARS:
         message = message[:MAX_MESSAGE_CHARS - 3] + "..."

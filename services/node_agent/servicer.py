@@ -14,7 +14,7 @@ from google.protobuf import json_format
 from baton.v1 import common_pb2, node_agent_pb2, node_agent_pb2_grpc
 from services.common import etcd_keys
 from services.common.directory import ServiceDirectory
-from services.common.errors import Aborted, AlreadyExists, BatonError, InvalidArgument, Unavailable, abort
+from services.common.errors import Aborted, AlreadyExists, BatonError, InvalidArgument, StreamHeld, abort
 from services.common.etcd_session import Membership
 from services.common.sampling_checks import check_node_sampling
 from services.common.telemetry import Telemetry
@@ -63,18 +63,28 @@ class _Serving:
     cache_salt: str
     superseded: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def resumed_by(self, request: node_agent_pb2.NodeGenerateRequest, vocab_size: int) -> bool:
-        """Whether request resumes this stream as the engine will surely take it: its prompt is this one's plus
-        tokens in the vocabulary (or this one's, sent again before a token came), it resumes part of that prompt,
-        asks for at least one token and no more than this one had left (so it fits the context and the KV room this
-        one held), under the same cache salt."""
+    def refusal(self, request: node_agent_pb2.NodeGenerateRequest, vocab_size: int) -> str | None:
+        """Why request cannot take this stream's place; None when it resumes this stream as the engine will surely
+        take it: its prompt is this one's plus tokens in the vocabulary (or this one's, sent again before a token
+        came), it resumes part of that prompt, asks for at least one token and no more than this one had left (so it
+        fits the context and the KV room this one held), under the same cache salt."""
         prompt = request.prompt_token_ids
-        extra = prompt[len(self.prompt):]
-        return (len(prompt) >= len(self.prompt) and tuple(prompt[:len(self.prompt)]) == self.prompt
-                and all(0 <= t < vocab_size for t in extra)
-                and 0 <= request.num_resumed_tokens < len(prompt) and request.sampling.max_tokens >= 1
-                and len(prompt) + request.sampling.max_tokens <= len(self.prompt) + self.max_tokens
-                and request.cache_salt == self.cache_salt)
+        max_tokens = request.sampling.max_tokens
+        if tuple(prompt[:len(self.prompt)]) != self.prompt:
+            return "its prompt does not begin with that stream's"
+        if not all(0 <= t < vocab_size for t in prompt[len(self.prompt):]):
+            return f"its prompt's tokens past that stream's are not all in the vocabulary [0, {vocab_size})"
+        if not 0 <= request.num_resumed_tokens < len(prompt):
+            return (f"num_resumed_tokens={request.num_resumed_tokens} is not 0 or more and below its prompt's length "
+                    f"{len(prompt)}")
+        if max_tokens < 1:
+            return f"sampling.max_tokens={max_tokens} asks for no token"
+        if len(prompt) + max_tokens > len(self.prompt) + self.max_tokens:
+            return (f"sampling.max_tokens={max_tokens} takes it to {len(prompt) + max_tokens} tokens, past the "
+                    f"{len(self.prompt) + self.max_tokens} that stream could reach")
+        if request.cache_salt != self.cache_salt:
+            return "its cache salt (its tenant's prefix-cache namespace) is not that stream's"
+        return None
 
 
 class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
@@ -209,17 +219,19 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         """End the stream of request's id this node still runs, when request resumes it (its router froze, or lost
         its client, who sent it again through another router: the newer stream has the client, and the old one ends
         ABORTED). Only a resume the engine will take as surely as it took that stream, or a refused one would end it
-        too; another is Unavailable (its router places it on another node), a fresh request AlreadyExists (said as
-        such, so its router tells the leader the id's other stream holds their one admission slot)."""
+        too; another is StreamHeld (its router places it on another node, not taking this one for failed), a fresh
+        request AlreadyExists (said as such, so its router tells the leader the id's other stream holds their one
+        admission slot)."""
         request_id = request.request_id
         earlier = self._serving.get(request_id)
         if earlier is None or engine.progress(request_id) is None:
             return
         if not (request.num_resumed_tokens or request.resent):
             raise AlreadyExists(f"request_id={request_id!r}: is already running on node {self._config.node_id}")
-        if not earlier.resumed_by(request, engine.vocab_size):
-            raise Unavailable(f"request {request_id}: an earlier stream of it still runs on node "
-                              f"{self._config.node_id}, which this resume cannot take over")
+        if (why := earlier.refusal(request, engine.vocab_size)) is not None:
+            raise StreamHeld(f"request_id={request_id!r}: an earlier stream of it still runs on node "
+                             f"{self._config.node_id}, which this resume cannot take over: {why}",
+                             self._config.node_id)
         log.info("request %s: resumed here while its earlier stream still ran; ending that one", request_id)
         earlier.superseded.set()
         engine.abort(request_id)

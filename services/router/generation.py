@@ -28,6 +28,16 @@ class NodeFailure(Exception):
         self.cause = cause
 
 
+class TakeoverRefused(Exception):
+    """A node runs another stream of this request's id (a frozen router's, say) that this attempt cannot take over:
+    the node is well, and the generation may run elsewhere, with no move counted."""
+
+    def __init__(self, node_id: str, detail: str) -> None:
+        super().__init__(f"node {node_id}: {detail}")
+        self.node_id = node_id
+        self.detail = detail
+
+
 @dataclass
 class Generation:
     """One request's prompt, sampling and every completion token received so far."""
@@ -38,6 +48,8 @@ class Generation:
     sampling: common_pb2.SamplingParams
     generated: list[int] = field(default_factory=list)
     failures: list[NodeFailure] = field(default_factory=list)
+    # Nodes that run another stream of its id and would not give it up to this one: avoided by this generation only.
+    refusals: list[TakeoverRefused] = field(default_factory=list)
     # Context tokens prefilled again on the nodes this generation moved to.
     recomputed_tokens: int = 0
     # False once any node said its resumed run may differ from an uninterrupted one.
@@ -71,7 +83,7 @@ class Generation:
         return len(self.failures)
 
     def excluded_nodes(self) -> list[str]:
-        return sorted({failure.node_id for failure in self.failures})
+        return sorted({failure.node_id for failure in self.failures} | {refusal.node_id for refusal in self.refusals})
 
     def context_block_hashes(self) -> list[int]:
         return block_hashes(self.context, parent_hash=salted_root(self.cache_salt))

@@ -7,9 +7,10 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
+from baton.protocol import STREAM_HELD_KEY
 from baton.v1 import node_agent_pb2, node_agent_pb2_grpc
 from services.common.errors import from_rpc_error
-from services.router.generation import FailureCause, NodeFailure
+from services.router.generation import FailureCause, NodeFailure, TakeoverRefused
 from services.router.stall import NodeActivity, StallWatch
 
 # A node stream failing with these codes is the node's failure, not the request's.
@@ -53,7 +54,8 @@ async def watched_stream(
     timeout_s: float | None,
     activity: NodeActivity | None = None,
 ) -> AsyncIterator[node_agent_pb2.NodeGenerateChunk]:
-    """The node's chunks that carry tokens or a finish; NodeFailure when the node fails us.
+    """The node's chunks that carry tokens or a finish; NodeFailure when the node fails us, TakeoverRefused when it
+    runs another stream of the request's id that this one cannot take over (it is well: not a failure).
 
     Silence is only measured while this generator waits on the node: while its consumer holds
     a chunk (a full buffer towards a slow client), the node is not being read and cannot be heard.
@@ -104,6 +106,8 @@ async def watched_stream(
     except grpc.aio.AioRpcError as exc:
         if failure is not None:
             raise NodeFailure(node_id, failure, stalled_because) from None
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and _says_stream_held(exc):
+            raise TakeoverRefused(node_id, exc.details() or "") from None
         if exc.code() in _NODE_FAILURE_CODES:
             cause = FailureCause.STREAM_BROKEN if received_any else FailureCause.CONNECT_FAILED
             raise NodeFailure(node_id, cause, exc.details() or exc.code().name) from None
@@ -117,6 +121,11 @@ async def watched_stream(
         # (at once: the call is done or cancelled). Left suspended, the span waited for the garbage collector, and
         # at exit was never exported.
         await _read_out(responses)
+
+
+def _says_stream_held(error: grpc.aio.AioRpcError) -> bool:
+    """The node refused on purpose: it runs another stream of the id (its status carries STREAM_HELD_KEY)."""
+    return any(key == STREAM_HELD_KEY for key, _ in (error.trailing_metadata() or ()))
 
 
 async def _read_out(responses: AsyncIterator[node_agent_pb2.NodeGenerateChunk]) -> None:

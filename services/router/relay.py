@@ -15,11 +15,11 @@ from opentelemetry.metrics import Meter
 from baton.protocol import LEADER_KEY, is_transport_failure
 from baton.v1 import common_pb2, node_agent_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.directory import ChannelPool, LeaderDirectory, LeaderRecord
-from services.common.errors import BatonError, Unavailable, from_rpc_error
+from services.common.errors import BatonError, StreamHeld, Unavailable, from_rpc_error
 from services.common.request_context import context_of
 from services.common.slo import Slo, classify
 from services.router.config import RouterConfig
-from services.router.generation import FailureCause, Generation, NodeFailure
+from services.router.generation import FailureCause, Generation, NodeFailure, TakeoverRefused
 from services.router.latency import StreamLatency
 from services.router.node_stream import NodeLiveness, watched_stream
 from services.router.stall import NodeActivity
@@ -189,6 +189,12 @@ class Relay:
                         yield chunk
                         if chunk.finish_reason:
                             return
+                except TakeoverRefused as refusal:
+                    # The node is well: it runs another stream of this id (a frozen router's, say) that this one
+                    # cannot take over. This generation runs elsewhere; no other placement avoids the node, and no
+                    # move is counted.
+                    log.info("request %s: %s; placing it elsewhere", generation.request_id, refusal)
+                    generation.refusals.append(refusal)
                 except NodeFailure as failure:
                     self._suspects[failure.node_id] = loop.time() + self._config.suspect_s
                     if generation.num_remaining == 0:  # every token arrived: nothing moves, the stream ends
@@ -270,10 +276,11 @@ class Relay:
         self, generation: Generation, request: router_pb2.GenerateRequest, retry_cause: str,
         remaining_s: float | None,
     ) -> scheduler_pb2.Placement:
-        """A node for the generation's next attempt, avoiding nodes that failed recently.
+        """A node for the generation's next attempt, avoiding nodes that failed recently and those that run another
+        stream of its id it cannot take over.
 
         When it is a move (retry_cause set) that cannot happen, Unavailable says which node failed
-        how, and why the generation could not move.
+        how, and why the generation could not move; when no node but those is left, StreamHeld says so.
         """
         now = asyncio.get_running_loop().time()
         self._suspects = {node: until for node, until in self._suspects.items() if until > now}
@@ -305,6 +312,11 @@ class Relay:
             if retry_cause and error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
                 raise Unavailable(f"request {generation.request_id}: {generation.failures[-1]}; could not move "
                                   f"it: {error}") from None
+            if generation.refusals and error.code == grpc.StatusCode.UNAVAILABLE:
+                # Retryable, and said as the node said it: its client may send it again once that stream ends.
+                refusal = generation.refusals[-1]
+                raise StreamHeld(f"{refusal.detail}; no other node could take it: {error}",
+                                 refusal.node_id) from None
             raise
         generation.settle_model(placement.model)
         return placement

@@ -364,10 +364,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     def _tell_finished(self, ending: Ending, other_stream_elsewhere: bool) -> None:
         """Tell the leader how a stream ended, and whether another of its request id still runs: here, or elsewhere
-        as its node said (a resume took this one's place there, or it was already running there). Their admission
-        slot is one: released now, a refused duplicate, or a frozen router waking, freed the slot of the stream
-        still running."""
-        ending.another_stream_live = other_stream_elsewhere or self._live.get(ending.generation.request_id, 0) > 0
+        as a node said (a resume took this one's place there, it was already running there, or it runs there in a
+        stream this one could not take over). Their admission slot is one: released now, a refused duplicate, or a
+        frozen router waking, freed the slot of the stream still running."""
+        ending.another_stream_live = (other_stream_elsewhere or bool(ending.generation.refusals)
+                                      or self._live.get(ending.generation.request_id, 0) > 0)
         self._relay.tell_finished(ending)
 
 

@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 
 from baton.client import BatonClient, Completion
 from baton.cluster import LocalCluster
+from baton.protocol import STREAM_HELD_KEY
 from baton.v1 import (
     common_pb2,
     kvindex_pb2,
@@ -193,11 +194,13 @@ async def test_a_resume_of_a_stream_its_node_still_serves_takes_its_place(cluste
         duplicate = await refusal(stub.Generate(ask("resumed-here", prompt, 4000), timeout=10))
         assert duplicate.code() == grpc.StatusCode.ALREADY_EXISTS and "already running" in str(duplicate)
         # One that asks for more than the running stream had left, or resumes none of its prompt, is sent elsewhere
-        # (UNAVAILABLE: its router places it on another node), and the running stream goes on.
+        # (UNAVAILABLE marked baton-stream-held: its router places it on another node, not taking this one for
+        # failed), and the running stream goes on.
         for max_tokens, num_resumed in ((10**8, len(tokens)), (4, len(prompt) + len(tokens))):
             refused = await refusal(stub.Generate(
                 ask("resumed-here", prompt + tokens, max_tokens, num_resumed_tokens=num_resumed), timeout=10))
             assert refused.code() == grpc.StatusCode.UNAVAILABLE and "cannot take over" in str(refused)
+            assert dict(refused.trailing_metadata() or ()).get(STREAM_HELD_KEY) == cluster.nodes[0].name
         assert (await stub.GetLoad(node_agent_pb2.GetLoadRequest())).num_running == 1
         more = len(tokens)
         while len(tokens) == more:
