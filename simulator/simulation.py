@@ -20,13 +20,14 @@ from typing import NoReturn
 from baton.v1 import common_pb2
 from services.common.engine_profile import EngineProfile
 from services.common.errors import BatonError, Unavailable
+from services.common.failure_cause import FailureCause
 from services.common.load import Load
 from services.kvindex.index import KVIndex
 from services.node_agent.engines.sim.core import SimEngineCore
 from services.node_agent.engines.sim.models import GPU_SPECS, SimModelSpec, get_model, kv_capacity_blocks, load_time_s
 from services.node_agent.engines.sim.profile import configured_profile
 from services.node_agent.engines.types import EngineRequest, SamplingParams, StepResult
-from services.router.generation import FailureCause, Generation, NodeFailure
+from services.router.generation import Generation, NodeFailure
 from services.scheduler.admission import Admission, Verdict
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.fleet import ClusterView, NodeSpec
@@ -424,7 +425,7 @@ class Simulation:
                    - len(generation.generated))
 
     def _place(self, generation: Generation, record: RequestRecord, block_hashes: tuple[int, ...],
-               retry_cause: str = "") -> None:
+               retry_cause: FailureCause | None = None) -> None:
         """The scheduler's Place, step by step through the same placement core, the awaits as events."""
         # As the router does: skip the nodes that failed this request, and any that failed lately.
         self._suspects = {n: until for n, until in self._suspects.items() if until > self._now}
@@ -436,7 +437,8 @@ class Simulation:
             tpot_budget_ms=request.tpot_budget_ms or self._tpot_budget_ms, deadline_ms=request.deadline_ms,
             tenant=request.tenant, priority=request.priority, workflow_id=request.task_id, step=request.step,
             total_steps=request.total_steps),
-            exclude=frozenset(generation.excluded_nodes()) | frozenset(self._suspects), retry_cause=retry_cause)
+            exclude=frozenset(generation.excluded_nodes()) | frozenset(self._suspects),
+            retry_cause=retry_cause.value if retry_cause else "")
         # The scheduler sees each node's load as of now (the live one, as of its last report).
         self._refresh_loads()
         try:
@@ -631,4 +633,4 @@ class Simulation:
             self._fail(record, str(error))
             return
         record.num_migrations = generation.num_migrations
-        self._place(generation, record, tuple(generation.context_block_hashes()), retry_cause=failure.cause.value)
+        self._place(generation, record, tuple(generation.context_block_hashes()), retry_cause=failure.cause)

@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 from baton.v1 import common_pb2, node_agent_pb2
 from services.common.block_hash import block_hashes, salted_root
 from services.common.errors import Unavailable
-
-
-class FailureCause(enum.Enum):
-    """Why a node stream was given up, and so why the generation moved."""
-
-    CONNECT_FAILED = "connect_failed"  # the stream broke before the node sent anything
-    STREAM_BROKEN = "stream_broken"  # the stream broke or ended without a finish
-    STALLED = "stalled"  # no token or heartbeat within the stall deadline
-    LEASE_EXPIRED = "lease_expired"  # the node's etcd registration went away
+from services.common.failure_cause import FailureCause
 
 
 class NodeFailure(Exception):

@@ -10,7 +10,8 @@ import grpc
 from baton.protocol import STREAM_HELD_KEY
 from baton.v1 import node_agent_pb2, node_agent_pb2_grpc
 from services.common.errors import from_rpc_error
-from services.router.generation import FailureCause, NodeFailure, TakeoverRefused
+from services.common.failure_cause import FailureCause
+from services.router.generation import NodeFailure, TakeoverRefused
 from services.router.stall import NodeActivity, StallWatch
 
 # A node stream failing with these codes is the node's failure, not the request's.

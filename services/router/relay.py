@@ -16,10 +16,11 @@ from baton.protocol import LEADER_KEY, is_transport_failure
 from baton.v1 import common_pb2, node_agent_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.directory import ChannelPool, LeaderDirectory, LeaderRecord
 from services.common.errors import BatonError, StreamHeld, Unavailable, from_rpc_error
+from services.common.failure_cause import FailureCause
 from services.common.request_context import context_of
 from services.common.slo import Slo, classify
 from services.router.config import RouterConfig
-from services.router.generation import FailureCause, Generation, NodeFailure, TakeoverRefused
+from services.router.generation import Generation, NodeFailure, TakeoverRefused
 from services.router.latency import StreamLatency
 from services.router.node_stream import NodeLiveness, watched_stream
 from services.router.stall import NodeActivity
@@ -137,7 +138,7 @@ class Relay:
                             len(generation.generated) - num_resumed, loop.time())
 
         try:
-            retry_cause = ""
+            retry_cause: FailureCause | None = None  # why it moves, once a node failed it
             failed_at: float | None = None
             while True:
                 # Its node failed after the last token, before the finish; or a resumed request came with every token
@@ -204,7 +205,7 @@ class Relay:
                                 failure, len(generation.generated))
                     self._migrations.add(1, {"cause": failure.cause.value})
                     generation.record_failure(failure, self._config.max_migrations)
-                    retry_cause = failure.cause.value
+                    retry_cause = failure.cause
                     if failed_at is None:
                         failed_at = last_token_at if last_token_at is not None else loop.time()
                 finally:  # an attempt that failed: what it used and prefilled counts too
@@ -273,7 +274,7 @@ class Relay:
             log.warning("%s was not delivered: %s", task.get_name(), task.exception())
 
     async def _place(
-        self, generation: Generation, request: router_pb2.GenerateRequest, retry_cause: str,
+        self, generation: Generation, request: router_pb2.GenerateRequest, retry_cause: FailureCause | None,
         remaining_s: float | None,
     ) -> scheduler_pb2.Placement:
         """A node for the generation's next attempt, avoiding nodes that failed recently and those that run another
@@ -293,7 +294,7 @@ class Relay:
             max_tokens=generation.num_remaining,
             context=context_of(request),
             exclude_node_ids=sorted(excluded | set(self._suspects)),
-            retry_cause=retry_cause,
+            retry_cause=retry_cause.value if retry_cause else "",
             alternative_models=generation.alternative_models,
             resumed=bool(generation.generated) or request.HasField("resume"),
         )

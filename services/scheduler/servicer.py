@@ -23,6 +23,7 @@ from services.common.change_signal import ChangeSignal, wait_or_timeout
 from services.common.directory import ChannelPool, ServiceDirectory
 from services.common.errors import BatonError, FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable, abort
 from services.common.etcd_session import Membership, PrefixView
+from services.common.failure_cause import RETRY_CAUSES
 from services.common.load import load_from_proto, load_to_proto
 from services.common.node_registration import parse_node_info
 from services.common.profile_proto import profile_from_proto
@@ -308,6 +309,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     ) -> scheduler_pb2.Placement:
         plan: Plan | None = None
         is_placed = False
+        # The metric's label: a cause check_place refuses is counted as one "unknown", not under its own value.
+        retry = request.retry_cause if not request.retry_cause or request.retry_cause in RETRY_CAUSES else "unknown"
         try:
             check_place(request, self._max_context_tokens(request.model), self._config.max_id_len)
             ask = place_ask(request)
@@ -348,7 +351,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 await self._load_for(request.request_id, decision, model, context.time_remaining())
             is_placed = True
         except BatonError as error:
-            self._placements.add(1, {"outcome": error.code.name, "retry": request.retry_cause})
+            self._placements.add(1, {"outcome": error.code.name, "retry": retry})
             # Budgets refused by the placement core, before the gate or after its queue: counted as the gate's are.
             if isinstance(error, Unmeetable):
                 self._gate.refused(f"{error.field} no node could meet", request.context.priority)
@@ -358,7 +361,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             if plan is not None and not is_placed:  # refused, failed or cancelled once the budget was charged
                 self._placer.abandon(plan)
-        self._placements.add(1, {"outcome": "OK", "retry": request.retry_cause})
+        self._placements.add(1, {"outcome": "OK", "retry": retry})
         log.debug("placed %s on %s (cost %.1f, %d cached blocks)", request.request_id, decision.node_id,
                   decision.cost, decision.matched_blocks)
         return scheduler_pb2.Placement(

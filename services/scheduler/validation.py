@@ -14,6 +14,7 @@ import math
 from baton.v1 import scheduler_pb2
 from services.common.block_hash import DEFAULT_BLOCK_SIZE
 from services.common.errors import InvalidArgument
+from services.common.failure_cause import RETRY_CAUSES
 from services.common.request_context import check_context
 
 # Tokens (prompt + max_tokens) a request for a model no registered node lists may ask for: no model has a
@@ -32,10 +33,13 @@ def check_place(request: scheduler_pb2.PlaceRequest, max_context_tokens: int | N
         raise InvalidArgument("model", request.model, "must name a model")
     scoped = 2 * max_id_len + 1
     for field, value, limit in (("request_id", request.request_id, scoped), ("tenant", request.context.tenant,
-                                max_id_len), ("workflow_id", request.context.workflow_id, scoped),
-                                ("retry_cause", request.retry_cause, max_id_len)):
+                                max_id_len), ("workflow_id", request.context.workflow_id, scoped)):
         if len(value) > limit:
             raise InvalidArgument(field, value, f"{len(value)} characters, longer than {limit}")
+    # It labels the placements metric: a value of the caller's choosing would grow that metric without bound.
+    if request.retry_cause and request.retry_cause not in RETRY_CAUSES:
+        raise InvalidArgument("retry_cause", request.retry_cause,
+                              f"not a cause of a move ({', '.join(sorted(RETRY_CAUSES))}; empty for a first placement)")
     if request.num_prompt_tokens <= 0:
         raise InvalidArgument("num_prompt_tokens", request.num_prompt_tokens, "must be positive")
     if request.max_tokens <= 0:

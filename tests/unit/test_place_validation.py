@@ -11,6 +11,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from baton.v1 import common_pb2, scheduler_pb2
+from services.common.failure_cause import RETRY_CAUSES
 from services.common.load import Load
 from services.common.telemetry import Telemetry
 from services.scheduler.config import SchedulerConfig
@@ -43,6 +44,7 @@ GOOD = {"request_id": "r", "model": MODEL, "num_prompt_tokens": 16, "max_tokens"
     ({"context": common_pb2.RequestContext(workflow_id="w" * 258)}, "258 characters, longer than 257"),
     ({"request_id": "r" * 258}, "258 characters, longer than 257"),
     ({"retry_cause": "c" * 129}, "retry_cause='cccc"),
+    ({"retry_cause": "node b failed"}, "retry_cause='node b failed': not a cause of a move"),
 ])
 @pytest.mark.timeout(10)
 async def test_a_place_with_a_senseless_field_is_refused_by_name_and_the_next_is_placed(
@@ -151,3 +153,36 @@ async def test_a_place_whose_deadline_no_node_could_meet_is_invalid_unless_it_re
     assert sorted((p.attributes["reason"], p.value) for rm in metrics.resource_metrics for sm in rm.scope_metrics
                   for m in sm.metrics if m.name == "baton.scheduler.admissions" for p in m.data.data_points) == [
         ("deadline cannot be met", 1), ("deadline_ms no node could meet", 1)]
+
+
+@pytest.mark.timeout(10)
+async def test_a_retry_cause_no_router_sends_is_refused_and_labels_no_metric(monkeypatch: pytest.MonkeyPatch) -> None:
+    """retry_cause labels the placements metric: a value of the caller's choosing would add a series each; only
+    the causes of a move are taken, and those refused are counted under one label."""
+    fake_leadership(monkeypatch, lambda: True)
+    reader = InMemoryMetricReader()
+    telemetry = Telemetry("scheduler/test", "none")
+    telemetry.meter = MeterProvider(metric_readers=[reader]).get_meter("test")
+    service = SchedulerService(SchedulerConfig(), telemetry)
+    service._role.elected.set()
+    service._cluster.set_nodes([NodeSpec(node_id="n0", address="n0:1", gpu="h100", price_per_hour=1.0,
+                                         warm_models=frozenset({MODEL}))])
+    service._cluster.report_load("n0", Load(kv_blocks_total=1000), time.monotonic())
+    try:
+        for n in range(3):
+            with pytest.raises(Refused) as refused:
+                await service.Place(scheduler_pb2.PlaceRequest(**GOOD, retry_cause=f"cause-{n}"),
+                                    FakeContext())  # type: ignore[arg-type]
+            assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"retry_cause='cause-{n}': not a cause of a move" in str(refused.value)
+        for cause in sorted(RETRY_CAUSES):
+            placement = await service.Place(scheduler_pb2.PlaceRequest(**GOOD, retry_cause=cause),
+                                            FakeContext())  # type: ignore[arg-type]
+            assert placement.node_id == "n0"
+    finally:
+        await service.close()
+    metrics = reader.get_metrics_data()
+    assert sorted((p.attributes["outcome"], p.attributes["retry"], p.value) for rm in metrics.resource_metrics
+                  for sm in rm.scope_metrics for m in sm.metrics if m.name == "baton.scheduler.placements"
+                  for p in m.data.data_points) == [
+        ("INVALID_ARGUMENT", "unknown", 3), *(("OK", cause, 1) for cause in sorted(RETRY_CAUSES))]
