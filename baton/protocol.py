@@ -12,6 +12,10 @@ LEADER_KEY = "baton-leader"
 # Trailing metadata on a node's UNAVAILABLE for a resume of a request id it runs in another stream, one that resume
 # cannot take over (docs/resume.md): the node's id. The node has not failed, and the resume may run on another node.
 STREAM_HELD_KEY = "baton-stream-held"
+# Most request ids a router sends in one Scheduler/ReportLiveRequests (it splits a longer list over several): well
+# under gRPC's 4 MiB message limit at 257 characters each (a tenant's name and its request id, each at most the
+# routers' --max-id-len of 128). The scheduler's --max-live-ids is at least this.
+LIVE_IDS_PER_REPORT = 10_000
 
 
 def is_transport_failure(error: grpc.aio.AioRpcError) -> bool:

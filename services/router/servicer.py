@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 from opentelemetry.metrics import Observation
 
+from baton.protocol import LIVE_IDS_PER_REPORT
 from baton.v1 import (
     common_pb2,
     node_agent_pb2,
@@ -43,9 +44,6 @@ from services.router.validation import ModelEntry, validate
 
 log = logging.getLogger(__name__)
 
-# Request ids per ReportLiveRequests call (well under gRPC's 4 MiB message limit at 257 characters each:
-# a tenant's name and its request id, each at most --max-id-len 128 by default).
-_LIVE_IDS_PER_REPORT = 10_000
 # How long a router that stops waits for the streams its server cut to end (their cleanup tells the leader).
 _CLOSE_STREAMS_S = 5.0
 
@@ -137,8 +135,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 continue
             stub = scheduler_pb2_grpc.SchedulerStub(self._leader.channel(address))
             live = list(self._live)
-            for start in range(0, len(live), _LIVE_IDS_PER_REPORT):
-                ids = live[start:start + _LIVE_IDS_PER_REPORT]
+            for start in range(0, len(live), LIVE_IDS_PER_REPORT):
+                ids = live[start:start + LIVE_IDS_PER_REPORT]
                 workflows = sorted({self._live_workflows[i] for i in ids if i in self._live_workflows})
                 report = scheduler_pb2.LiveRequests(router_id=self._config.instance_id, request_ids=ids,
                                                     workflow_ids=workflows)

@@ -6,6 +6,7 @@ import json
 import math
 from dataclasses import dataclass
 
+from baton.protocol import LIVE_IDS_PER_REPORT
 from services.common.config import ServiceConfig, doc
 from services.common.slo import DEFAULT_TPOT_BUDGET_MS, DEFAULT_TTFT_BUDGET_MS
 from services.scheduler.admission import TenantLimits
@@ -61,6 +62,9 @@ class SchedulerConfig(ServiceConfig):
                            "tpot_budget_ms (the routers' --slo-tpot-ms)", DEFAULT_TPOT_BUDGET_MS)
     max_id_len: int = doc("longest tenant a Place may name, in characters (the routers' --max-id-len); a request "
                           "or workflow id may be twice as long and one more (scoped by its tenant)", 128)
+    max_live_ids: int = doc("most request ids (and workflow ids) one ReportLiveRequests may carry; at least the "
+                            f"{LIVE_IDS_PER_REPORT} a router sends per report (it splits a longer list)",
+                            LIVE_IDS_PER_REPORT)
     auth: bool = doc("GetRecentDecisions and GetClusterState need an API key (metadata 'authorization: Bearer "
                      "<key>'): an administrator's sees everything, a tenant's only its own decisions", False)
 
@@ -81,5 +85,9 @@ class SchedulerConfig(ServiceConfig):
                 raise ValueError(f"--{name.replace('_', '-')}: must be positive, got {getattr(self, name)}")
         if self.model_swap_idle_s < 0 or self.model_idle_unload_s < 0:
             raise ValueError("--model-swap-idle-s and --model-idle-unload-s must be 0 or more")
+        if self.max_live_ids < LIVE_IDS_PER_REPORT:
+            raise ValueError(f"--max-live-ids: must be at least {LIVE_IDS_PER_REPORT}, the request ids a router "
+                             f"reports at once (fewer would refuse its reports and free its requests' slots), got "
+                             f"{self.max_live_ids}")
         if self.kvindex_timeout_s <= 0:
             raise ValueError(f"--kvindex-timeout-s: must be positive, got {self.kvindex_timeout_s}")

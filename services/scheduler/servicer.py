@@ -42,7 +42,7 @@ from services.scheduler.placement import DeadlineOutOfReach, PlaceAsk, Placer, P
 from services.scheduler.policies import Decision, PlacementRequest, make_policy
 from services.scheduler.retry_budget import RetryBudget
 from services.scheduler.tasks import TaskLedger
-from services.scheduler.validation import check_finished, check_place
+from services.scheduler.validation import check_finished, check_live_requests, check_place
 
 log = logging.getLogger(__name__)
 
@@ -498,6 +498,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def ReportLiveRequests(
         self, request: scheduler_pb2.LiveRequests, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.LiveRequestsAck:
+        try:
+            check_live_requests(request, self._config.max_live_ids)
+        except BatonError as error:
+            await abort(context, error)
         await self._role.wait_if_taking_over(self._config.lease_ttl_s)
         num_held = 0
         if self._role.is_leader:

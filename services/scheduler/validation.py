@@ -1,4 +1,4 @@
-"""What the scheduler checks of a Place or Finished request before any work, naming the field and its value. Pure.
+"""What the scheduler checks of a Place, Finished or live-request report before any work, naming the field. Pure.
 
 The router checks what clients send, but any gRPC caller may call the scheduler, and a request's fields
 do more than describe it: its prompt blocks count as load on the node it is placed on (a placement that
@@ -80,3 +80,11 @@ def check_finished(request: scheduler_pb2.FinishedRequest, max_context_tokens: i
         raise InvalidArgument("num_output_tokens", request.num_output_tokens,
                               f"must be 0 to {request.model}'s context ({max_context_tokens})" if max_context_tokens
                               else "must not be negative")
+
+
+def check_live_requests(request: scheduler_pb2.LiveRequests, max_live_ids: int) -> None:
+    """Refuse a live-request report longer than a router sends (work on every id, on every report), naming the
+    list and its length."""
+    for field, ids in (("request_ids", request.request_ids), ("workflow_ids", request.workflow_ids)):
+        if len(ids) > max_live_ids:
+            raise InvalidArgument(field, f"{len(ids)} ids", f"more than --max-live-ids ({max_live_ids}) in one report")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 from opentelemetry.metrics import get_meter
 
+from baton.protocol import LIVE_IDS_PER_REPORT
 from baton.v1 import scheduler_pb2
 from services.common.errors import ResourceExhausted
 from services.common.telemetry import Telemetry
@@ -13,7 +15,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.gate import AdmissionGate
 from services.scheduler.servicer import SchedulerService
 from tests.unit.leading import fake_leadership
-from tests.unit.test_place_during_election import FakeContext
+from tests.unit.test_place_during_election import FakeContext, Refused
 
 CAPPED = {"t": TenantLimits(max_concurrency=1)}
 
@@ -164,3 +166,32 @@ def test_a_slot_left_to_another_stream_lapses_soon_unless_that_stream_is_reporte
     admission.renew(["shared"], 3.0)  # its router reports it live
     assert admission.expire_holds(6.5) == ["orphan"]  # a third of the lease after: no one reported it
     assert admission.expire_holds(17.0) == [] and admission.num_held == 1
+
+
+@pytest.mark.parametrize("field", ["request_ids", "workflow_ids"])
+@pytest.mark.timeout(10)
+async def test_a_live_report_longer_than_a_router_sends_is_refused_naming_its_length(
+        monkeypatch: pytest.MonkeyPatch, field: str) -> None:
+    """Every id of a report is looked up, every report: one list is bounded by --max-live-ids (at least the ids a
+    router sends at once), and a report that long is taken."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    try:
+        admit(service._admission, "r0", service._clock())
+        ids = [f"r{n}" for n in range(LIVE_IDS_PER_REPORT + 1)]
+        with pytest.raises(Refused) as refused:
+            await service.ReportLiveRequests(scheduler_pb2.LiveRequests(**{field: ids}),
+                                             FakeContext())  # type: ignore[arg-type]
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"{field}='{LIVE_IDS_PER_REPORT + 1} ids': more than --max-live-ids ({LIVE_IDS_PER_REPORT})" in str(
+            refused.value)
+        ack = await service.ReportLiveRequests(scheduler_pb2.LiveRequests(request_ids=ids[:LIVE_IDS_PER_REPORT]),
+                                               FakeContext())  # type: ignore[arg-type]
+        assert ack.num_held == 1
+    finally:
+        await service.close()
+
+
+def test_the_live_report_bound_cannot_be_set_below_what_a_router_sends() -> None:
+    with pytest.raises(ValueError, match=f"--max-live-ids: must be at least {LIVE_IDS_PER_REPORT}"):
+        SchedulerConfig(max_live_ids=LIVE_IDS_PER_REPORT - 1)

@@ -17,7 +17,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from baton.protocol import LEADER_KEY
+from baton.protocol import LEADER_KEY, LIVE_IDS_PER_REPORT
 from baton.v1 import (
     common_pb2,
     node_agent_pb2,
@@ -34,6 +34,8 @@ from services.common.telemetry import Telemetry
 from services.router.config import RouterConfig
 from services.router.relay import Ending, HeldEndings
 from services.router.servicer import RouterService
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.validation import check_live_requests
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -631,6 +633,24 @@ async def test_the_router_reports_the_workflows_of_the_steps_it_serves() -> None
             reporting.cancel()
             call.cancel()
     assert list(report.request_ids) == ["s2"] and list(report.workflow_ids) == ["wf-1"]
+
+
+async def test_a_router_serving_more_requests_than_one_report_holds_splits_its_report() -> None:
+    # The leader refuses a report longer than its --max-live-ids: each part the router sends is within its default.
+    async with _router(_one_token_then_silent, live_report_interval_s=0.05) as (_, scheduler):
+        assert scheduler.router is not None
+        num_live = 2 * LIVE_IDS_PER_REPORT + 1
+        scheduler.router._live.update(f"r{n}" for n in range(num_live))
+        scheduler.router._live_workflows.update((f"r{n}", f"wf{n}") for n in range(num_live))
+        reporting = asyncio.create_task(scheduler.router._report_live())
+        try:
+            reports = [await asyncio.wait_for(scheduler.live_reports.get(), 10) for _ in range(3)]
+        finally:
+            reporting.cancel()
+    for report in reports:
+        check_live_requests(report, SchedulerConfig().max_live_ids)
+    assert [len(r.request_ids) for r in reports] == [LIVE_IDS_PER_REPORT, LIVE_IDS_PER_REPORT, 1]
+    assert sum(len(r.workflow_ids) for r in reports) == num_live
 
 
 async def test_a_finished_notice_refused_by_a_standby_goes_to_the_leader_it_names() -> None:
