@@ -7,6 +7,10 @@ import struct
 from collections.abc import Sequence
 
 DEFAULT_BLOCK_SIZE = 16
+# Most leading blocks of a prompt an overlap query asks a kvindex about (the scheduler's and the kvindexes'
+# --max-overlap-blocks): 2^20 tokens' worth, a million-token context, and as many tokens as a text prompt within
+# the routers' --max-prompt-bytes default (1 MiB) can have, a token being a byte at least.
+MAX_OVERLAP_BLOCKS = (1 << 20) // DEFAULT_BLOCK_SIZE
 # Parent of the first block of every chain.
 ROOT_PARENT_HASH = 0
 

@@ -13,7 +13,7 @@ import grpc
 from baton.v1 import kvindex_pb2, kvindex_pb2_grpc, node_agent_pb2, node_agent_pb2_grpc
 from services.common import etcd_keys
 from services.common.directory import ChannelPool
-from services.common.errors import BatonError, Unavailable, abort
+from services.common.errors import BatonError, InvalidArgument, Unavailable, abort
 from services.common.etcd_session import Membership, PrefixView
 from services.common.kv_event_proto import event_from_proto
 from services.common.telemetry import Telemetry
@@ -134,5 +134,8 @@ class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
     async def QueryOverlap(
         self, request: kvindex_pb2.OverlapRequest, context: grpc.aio.ServicerContext
     ) -> kvindex_pb2.OverlapResponse:
+        if len(request.block_hashes) > self._config.max_overlap_blocks:
+            await abort(context, InvalidArgument("block_hashes", f"{len(request.block_hashes)} hashes",
+                                                 f"more than --max-overlap-blocks ({self._config.max_overlap_blocks})"))
         matched = self._index.overlap(request.model, list(request.block_hashes))
         return kvindex_pb2.OverlapResponse(matched_blocks=matched)

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from baton.protocol import LIVE_IDS_PER_REPORT
+from services.common.block_hash import MAX_OVERLAP_BLOCKS
 from services.common.config import ServiceConfig, doc
 from services.common.slo import DEFAULT_TPOT_BUDGET_MS, DEFAULT_TTFT_BUDGET_MS
 from services.scheduler.admission import TenantLimits
@@ -37,6 +38,9 @@ class SchedulerConfig(ServiceConfig):
     instance_id: str = doc("this replica's id in etcd", "scheduler-0")
     load_timeout_s: float = doc("a node silent for longer than this is no candidate", 10.0)
     kvindex_timeout_s: float = doc("deadline of an overlap query; past it, place without cache info", 0.25)
+    max_overlap_blocks: int = doc("most leading blocks of a prompt an overlap query asks about (no more than the "
+                                  "kvindexes' --max-overlap-blocks); a longer prompt's cache matches in these only",
+                                  MAX_OVERLAP_BLOCKS)
     policy: str = doc("placement policy: baton, dynamo, llm_d, sglang, least_loaded or round_robin", "baton")
     prefill_load_scale: float = doc("weight of prefill blocks in the KV/load cost (dynamo policy)", 1.0)
     retry_ratio: float = doc("retries (migrations) allowed as a fraction of requests, over 10 s", 0.2)
@@ -80,7 +84,7 @@ class SchedulerConfig(ServiceConfig):
         if self.retry_ratio < 0 or self.retry_min_per_s < 0:
             raise ValueError("--retry-ratio and --retry-min-per-s must be 0 or more")
         for name in ("model_plan_interval_s", "model_load_timeout_s", "task_timeout_s", "admission_lease_s",
-                     "max_id_len"):
+                     "max_id_len", "max_overlap_blocks"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}: must be positive, got {getattr(self, name)}")
         if self.model_swap_idle_s < 0 or self.model_idle_unload_s < 0:

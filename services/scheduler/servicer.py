@@ -294,7 +294,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         """Cached leading blocks per node, from any kvindex replica; empty when none answers in time."""
         if not block_hashes:
             return {}
-        request = kvindex_pb2.OverlapRequest(model=model, block_hashes=block_hashes)
+        # A match is a run of leading blocks: a longer prompt's is cut short there, not refused by the kvindex.
+        request = kvindex_pb2.OverlapRequest(model=model, block_hashes=block_hashes[:self._config.max_overlap_blocks])
         for address in self._kvindexes.addresses():
             stub = kvindex_pb2_grpc.KVIndexStub(self._kvindexes.channel(address))
             try:

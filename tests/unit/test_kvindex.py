@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import time
+
+import grpc
 import pytest
 
-from services.common.block_hash import block_hashes
+from baton.v1 import kvindex_pb2, scheduler_pb2
+from services.common.block_hash import DEFAULT_BLOCK_SIZE, MAX_OVERLAP_BLOCKS, block_hashes
 from services.common.kv_event_proto import event_from_proto, event_to_proto
 from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from services.common.load import Load
+from services.common.telemetry import Telemetry
+from services.kvindex.config import KVIndexConfig
 from services.kvindex.index import KVIndex
+from services.kvindex.servicer import KVIndexService
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.fleet import NodeSpec
+from services.scheduler.servicer import SchedulerService
+from tests.unit.leading import fake_leadership
+from tests.unit.test_place_during_election import FakeContext, Refused
 
 M = "m"
 PROMPT = [10, 11, 12, 13]  # stand-in block hashes for a four-block prompt
@@ -97,3 +110,52 @@ def test_events_round_trip_through_protobuf(event: KVEvent) -> None:
     message = event_to_proto(event)
     decoded = event_from_proto(type(message).FromString(message.SerializeToString()))
     assert decoded == event
+
+
+@pytest.mark.timeout(10)
+async def test_an_overlap_query_longer_than_max_overlap_blocks_is_refused_naming_its_length() -> None:
+    """A million-token prompt's blocks are asked about; 400,000 hashes in one query were taken and walked."""
+    service = KVIndexService(KVIndexConfig(), Telemetry("kvindex/test", "none"))
+    service._index.apply("a", M, _stored(*PROMPT))
+    try:
+        with pytest.raises(Refused) as refused:
+            await service.QueryOverlap(kvindex_pb2.OverlapRequest(model=M, block_hashes=[*PROMPT, *range(
+                MAX_OVERLAP_BLOCKS - 3)]), FakeContext())  # type: ignore[arg-type]
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert (f"block_hashes='{MAX_OVERLAP_BLOCKS + 1} hashes': more than --max-overlap-blocks "
+                f"({MAX_OVERLAP_BLOCKS})") in str(refused.value)
+        reply = await service.QueryOverlap(kvindex_pb2.OverlapRequest(model=M, block_hashes=[*PROMPT, *range(
+            MAX_OVERLAP_BLOCKS - 4)]), FakeContext())  # type: ignore[arg-type]
+        assert dict(reply.matched_blocks) == {"a": 4}
+    finally:
+        await service.close()
+
+
+@pytest.mark.timeout(20)
+async def test_a_place_of_a_prompt_longer_than_an_overlap_query_holds_still_finds_its_cache(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler asks about the leading --max-overlap-blocks of a longer prompt (a model whose nodes register
+    no context may take 2^20 blocks), not all of them, which the kvindex would refuse: no cache match at all."""
+    fake_leadership(monkeypatch, lambda: True)
+    kvindex = KVIndexService(KVIndexConfig(), Telemetry("kvindex/test", "none"))
+    kvindex._index.apply("n0", M, _stored(*PROMPT))
+    server = grpc.aio.server()
+    kvindex.register(server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    scheduler = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    scheduler._role.elected.set()
+    scheduler._kvindexes.addresses = lambda: [address]  # type: ignore[method-assign]
+    scheduler._cluster.set_nodes([NodeSpec(node_id="n0", address="n0:1", gpu="h100", price_per_hour=1.0,
+                                           warm_models=frozenset({M}))])
+    scheduler._cluster.report_load("n0", Load(kv_blocks_total=1_000_000), time.monotonic())
+    num_blocks = MAX_OVERLAP_BLOCKS + 1
+    try:
+        placement = await scheduler.Place(scheduler_pb2.PlaceRequest(
+            request_id="r", model=M, num_prompt_tokens=num_blocks * DEFAULT_BLOCK_SIZE, max_tokens=8,
+            block_hashes=[*PROMPT, *range(num_blocks - len(PROMPT))]), FakeContext())  # type: ignore[arg-type]
+        assert placement.node_id == "n0" and placement.matched_blocks == len(PROMPT)
+    finally:
+        await scheduler.close()
+        await server.stop(None)
+        await kvindex.close()
