@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from baton.protocol import MAX_ALTERNATIVE_MODELS
 from baton.v1 import common_pb2, router_pb2
 from services.common.errors import InvalidArgument, NotFound, shown
 from services.common.request_context import check_context
@@ -31,7 +32,7 @@ class InputLimits:
     # Characters of request_id, tenant and workflow_id (each keys state kept per request, tenant, task).
     max_id_len: int = 128
     # Models a request may accept instead of its own.
-    max_alternative_models: int = 16
+    max_alternative_models: int = MAX_ALTERNATIVE_MODELS
     # Messages of an HTTP chat request, and their content parts in all.
     max_messages: int = 4096
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from baton.protocol import MAX_ALTERNATIVE_MODELS
 from baton.v1 import scheduler_pb2
 from services.common.block_hash import DEFAULT_BLOCK_SIZE
 from services.common.errors import InvalidArgument
@@ -40,6 +41,10 @@ def check_place(request: scheduler_pb2.PlaceRequest, max_context_tokens: int | N
     if request.retry_cause and request.retry_cause not in RETRY_CAUSES:
         raise InvalidArgument("retry_cause", request.retry_cause,
                               f"not a cause of a move ({', '.join(sorted(RETRY_CAUSES))}; empty for a first placement)")
+    # Each is looked up in the fleet at every placement (one no registered node has is passed over).
+    if len(request.alternative_models) > MAX_ALTERNATIVE_MODELS:
+        raise InvalidArgument("alternative_models", f"{len(request.alternative_models)} models",
+                              f"at most {MAX_ALTERNATIVE_MODELS}")
     if request.num_prompt_tokens <= 0:
         raise InvalidArgument("num_prompt_tokens", request.num_prompt_tokens, "must be positive")
     if request.max_tokens <= 0:

@@ -45,6 +45,7 @@ GOOD = {"request_id": "r", "model": MODEL, "num_prompt_tokens": 16, "max_tokens"
     ({"request_id": "r" * 258}, "258 characters, longer than 257"),
     ({"retry_cause": "c" * 129}, "retry_cause='cccc"),
     ({"retry_cause": "node b failed"}, "retry_cause='node b failed': not a cause of a move"),
+    ({"alternative_models": [MODEL] * 17}, "alternative_models='17 models': at most 16"),
 ])
 @pytest.mark.timeout(10)
 async def test_a_place_with_a_senseless_field_is_refused_by_name_and_the_next_is_placed(
@@ -186,3 +187,4 @@ async def test_a_retry_cause_no_router_sends_is_refused_and_labels_no_metric(mon
                   for sm in rm.scope_metrics for m in sm.metrics if m.name == "baton.scheduler.placements"
                   for p in m.data.data_points) == [
         ("INVALID_ARGUMENT", "unknown", 3), *(("OK", cause, 1) for cause in sorted(RETRY_CAUSES))]
+
