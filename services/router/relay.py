@@ -311,8 +311,9 @@ class Relay:
                 placement = await self._call_scheduler(place, remaining_s)
         except BatonError as error:
             if retry_cause and error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
-                raise Unavailable(f"request {generation.request_id}: {generation.failures[-1]}; could not move "
-                                  f"it: {error}") from None
+                refused = "".join(f"; {refusal}" for refusal in generation.refusals[-1:])
+                raise Unavailable(f"request {generation.request_id}: {generation.failures[-1]}{refused}; could not "
+                                  f"move it: {error}") from None
             if generation.refusals and error.code == grpc.StatusCode.UNAVAILABLE:
                 # Retryable, and said as the node said it: its client may send it again once that stream ends.
                 refusal = generation.refusals[-1]

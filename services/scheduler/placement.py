@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.common.block_hash import DEFAULT_BLOCK_SIZE
-from services.common.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from services.common.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from services.scheduler.admission import Ticket
 from services.scheduler.fleet import ClusterView, NodeStatus, saturation
 from services.scheduler.model_planner import ModelPlanner
@@ -36,6 +36,11 @@ class Unmeetable(InvalidArgument):
 
 class DeadlineOutOfReach(ResourceExhausted):
     """A deadline the fleet as it is could not meet: asking again later may help (its retry hint)."""
+
+
+class LeftOutOfReach(DeadlineExceeded):
+    """What a resumed stream has left of its deadline, which the fleet as it is could not meet: sent again, it
+    would have less left (no retry hint)."""
 
 
 def _none_changing(model: str) -> frozenset[str]:
@@ -187,7 +192,7 @@ class Placer:
             plan.unpredicted = ("admission: no candidate registered an engine profile, so its time to first token"
                                 + (" and deadline were" if request.deadline_ms else " was")
                                 + " not predicted and nothing was refused on them")
-        self._check_deadline(request, options, now)
+        self._check_deadline(request, options, now, resumed=plan.ask.resumed)
         ticket = Ticket(request_id=request.request_id, tenant=request.tenant or "default",
                         priority=request.priority, num_tokens=request.num_prompt_tokens + request.max_tokens,
                         arrived_at=now,
@@ -227,11 +232,12 @@ class Placer:
                              "tokens or a later deadline)")
 
     def _check_deadline(self, request: PlacementRequest, options: list[Option], now: float,
-                        waited_s: float = 0.0) -> None:
+                        waited_s: float = 0.0, resumed: bool = False) -> None:
         """Refuse a request that could not end by its deadline on any candidate: the time it has waited
         plus TTFT plus max_tokens decode steps, predicted from the candidates' registered profiles on
         the fleet as it is (candidates without a profile: not predicted; none has one: no refusal, see
-        ticket)."""
+        ticket). A resumed stream's deadline_ms is what its client has left: it ends DEADLINE_EXCEEDED, as its
+        router's timer would end it, with no retry hint (sent again, it would have less left)."""
         if not request.deadline_ms:
             return
         ends = [end for o in options
@@ -239,6 +245,10 @@ class Placer:
         if not ends or (waited_s + min(ends)) * 1000 <= request.deadline_ms:
             return
         best_ms = (waited_s + min(ends)) * 1000
+        if resumed:
+            raise LeftOutOfReach(
+                f"deadline_ms={request.deadline_ms}: cannot be met in what the resumed stream has left; the rest of "
+                f"it, max_tokens={request.max_tokens}, is predicted to take {best_ms:.0f} ms on the best node now")
         raise DeadlineOutOfReach(
             f"deadline_ms={request.deadline_ms}: cannot be met; the first token and max_tokens={request.max_tokens} "
             f"are predicted to take {best_ms:.0f} ms on the best node now"
@@ -253,7 +263,7 @@ class Placer:
         fresh = [o for o in fresh if o.candidates]
         if not fresh:
             raise Unavailable(f"model={plan.ask.request.model!r}: no live node left for it after queueing")
-        self._check_deadline(plan.ask.request, fresh, now, waited_s=now - plan.started_at)
+        self._check_deadline(plan.ask.request, fresh, now, waited_s=now - plan.started_at, resumed=plan.ask.resumed)
         return fresh
 
     def decide(self, options: list[Option], now: float) -> Placed:

@@ -38,7 +38,7 @@ from services.scheduler.gate import AdmissionGate
 from services.scheduler.leadership import LeaderRole
 from services.scheduler.model_loader import ModelLoader
 from services.scheduler.model_planner import ModelAction, ModelPlanner
-from services.scheduler.placement import DeadlineOutOfReach, PlaceAsk, Placer, Plan, Unmeetable
+from services.scheduler.placement import DeadlineOutOfReach, LeftOutOfReach, PlaceAsk, Placer, Plan, Unmeetable
 from services.scheduler.policies import Decision, PlacementRequest, make_policy
 from services.scheduler.retry_budget import RetryBudget
 from services.scheduler.tasks import TaskLedger
@@ -356,7 +356,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             # Budgets refused by the placement core, before the gate or after its queue: counted as the gate's are.
             if isinstance(error, Unmeetable):
                 self._gate.refused(f"{error.field} no node could meet", request.context.priority)
-            elif isinstance(error, DeadlineOutOfReach):
+            elif isinstance(error, (DeadlineOutOfReach, LeftOutOfReach)):
                 self._gate.refused("deadline cannot be met", request.context.priority)
             await abort(context, error)
         finally:

@@ -201,3 +201,12 @@ def test_a_node_agents_report_intervals_must_be_positive(field: str) -> None:
 def test_a_tenant_weight_fair_share_cannot_divide_by_is_refused_naming_it(text: str) -> None:
     with pytest.raises(ValueError, match=r"acme\.weight=.*: must be positive and finite"):
         parse_tenant_limits(text)
+
+
+@pytest.mark.parametrize("node_id", ["", "gpu 1", "nœud-1", "a/b", "n\n", "n" * 129])
+def test_a_node_id_that_cannot_travel_in_grpc_metadata_or_an_etcd_key_is_refused(node_id: str) -> None:
+    """A node sends its id in a status's metadata (baton-stream-held): gRPC turns invalid metadata into INTERNAL,
+    which its router took for the node failing."""
+    with pytest.raises(ValueError, match="--node-id: 1 to 128 of letters"):
+        NodeAgentConfig(node_id=node_id)
+    assert NodeAgentConfig(node_id="h100-node_1.a:b@c").node_id == "h100-node_1.a:b@c"

@@ -129,7 +129,8 @@ async def test_recent_decisions_with_a_negative_limit_are_refused_naming_it(limi
 async def test_a_place_whose_deadline_no_node_could_meet_is_invalid_unless_it_resumes(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """What no node serving the model could do is bad input (no retry hint); a stream its client resumes asks for
-    what is left of its deadline, which only the fleet's load can refuse (with a hint)."""
+    what is left of its deadline, which only the fleet's load can refuse: DEADLINE_EXCEEDED, no hint (it has less left
+    each time it is sent)."""
     fake_leadership(monkeypatch, lambda: True)
     reader = InMemoryMetricReader()
     telemetry = Telemetry("scheduler/test", "none")
@@ -142,7 +143,7 @@ async def test_a_place_whose_deadline_no_node_could_meet_is_invalid_unless_it_re
     service._cluster.report_load("n0", Load(kv_blocks_total=100_000), time.monotonic())
     hopeless = {**GOOD, "model": model, "max_tokens": 2000, "context": common_pb2.RequestContext(deadline_ms=5)}
     try:
-        for resumed, code in ((False, grpc.StatusCode.INVALID_ARGUMENT), (True, grpc.StatusCode.RESOURCE_EXHAUSTED)):
+        for resumed, code in ((False, grpc.StatusCode.INVALID_ARGUMENT), (True, grpc.StatusCode.DEADLINE_EXCEEDED)):
             with pytest.raises(Refused) as refused:
                 await service.Place(scheduler_pb2.PlaceRequest(**hopeless, resumed=resumed),
                                     FakeContext())  # type: ignore[arg-type]

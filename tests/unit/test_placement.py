@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from services.common.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from services.common.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from services.common.load import Load
 from services.scheduler.fleet import ClusterView, NodeSpec, NodeStatus
 from services.scheduler.model_planner import ModelPlanner
@@ -163,11 +163,12 @@ def test_a_budget_no_node_serving_the_model_could_meet_is_invalid_without_a_retr
 
 def test_a_resumed_stream_is_never_refused_as_invalid_nor_judged_on_its_ttft_budget_again() -> None:
     """Its first token came through the router that died; what is left of its deadline is the client SDK's
-    arithmetic, so a refusal saying "your argument is invalid" would be wrong mid-stream."""
+    arithmetic, so a refusal saying "your argument is invalid" would be wrong mid-stream, and so would a retry hint
+    (sent again, it has less left): it ends DEADLINE_EXCEEDED, as its router's timer would end it."""
     model = "sim-llama-3.1-8b"
     placer = _placer(_spec("a", warm=(model,)))
     late = placer.start(PlaceAsk(_ask(model=model, max_tokens=2000, deadline_ms=5).request, resumed=True), 1.0)
-    with pytest.raises(ResourceExhausted, match="deadline_ms=5: cannot be met; "):
+    with pytest.raises(DeadlineExceeded, match="deadline_ms=5: cannot be met in what the resumed stream has left"):
         placer.ticket(late, placer.options(late, lambda _: {}), 1.0)
     tight = placer.start(PlaceAsk(_ask(model=model, ttft_budget_ms=1).request, resumed=True), 1.0)
     ticket, _ = placer.ticket(tight, placer.options(tight, lambda _: {}), 1.0)

@@ -116,3 +116,44 @@ async def test_a_resume_no_node_can_take_is_unavailable_naming_the_request_and_t
         ("r", [], ""), ("r", [NODE], ""), ("s", [], "")]
     assert _counted(reader, "baton.router.migrations") == []
     assert (told.request_id, told.another_stream_live) == ("r", True)
+
+
+class _NodeOneThenTwo(_FakeScheduler):
+    """Places on node-1, then node-2, and has no node left past those two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.placed_on = ""
+
+    async def Place(self, request, context):  # noqa: N802
+        self.places.append(request)
+        free = [n for n in ("node-1", "node-2") if n not in request.exclude_node_ids]
+        if not free:
+            await abort(context, Unavailable("no live node for the model"))
+        self.placed_on = free[0]
+        return scheduler_pb2.Placement(node_id=free[0], address=self.node_address)
+
+
+async def test_a_move_that_a_node_refuses_and_finds_no_other_node_names_the_failure_and_the_refusal() -> None:
+    """node-1 fails after a token; the move's node, node-2, runs another stream of the id: the client hears both
+    (the refusal was left out of the message, so a client saw only the failure and "no node")."""
+    scheduler = _NodeOneThenTwo()
+
+    async def handler(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        node_id = scheduler.placed_on
+        if node_id == "node-1":
+            yield _started()
+            yield Chunk(node_id=node_id, index=0, token_ids=[99])
+            raise Unavailable("node-1 broke")  # unmarked: a node failure
+        raise StreamHeld("request_id='r': an earlier stream of it still runs here", node_id)
+
+    async with _router(handler, scheduler) as (router, _):
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            async for _ in router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=3,
+                                                                      request_id="r")):
+                pass
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    details = failed.value.details() or ""
+    assert "could not move it" in details and "node node-2: request_id='r': an earlier stream" in details
+    # One move, charged once per placement that asked for it: the leader saw the move's cause on both.
+    assert [p.retry_cause for p in scheduler.places] == ["", "stream_broken", "stream_broken"]
