@@ -75,17 +75,18 @@ async def watched_stream(
             failure = cause
             call.cancel()
 
-    def check_stall() -> None:
+    def check_stall(due: float) -> None:
         nonlocal timer, stalled_because
-        why, recheck_s = watch.check(loop.time())
+        now = loop.time()
+        why, recheck_s = watch.check(now, late_s=now - due)
         if why is not None:
             stalled_because = why
             fail(FailureCause.STALLED)
         else:
-            timer = loop.call_later(recheck_s, check_stall)
+            timer = loop.call_later(recheck_s, check_stall, now + recheck_s)
 
     activity.open(node_id)
-    timer = loop.call_later(watch.deadline_s, check_stall)
+    timer = loop.call_later(watch.deadline_s, check_stall, loop.time() + watch.deadline_s)
     stop_watching = liveness.on_gone(node_id, lambda: fail(FailureCause.LEASE_EXPIRED))
     responses = aiter(call)
     try:

@@ -5,6 +5,11 @@ batch, an event loop behind on its writes) is late on some streams but still ans
 So a stream is stalled when it has been silent for its deadline and so has its node on every
 stream this router has with it; a stream silent while its node answers others is given
 BUSY_PATIENCE deadlines before it counts as stalled too. Time is passed in.
+
+The router itself may not have run: frozen (SIGSTOP, a paused VM) or starved of CPU, it heard
+nothing while the node went on sending, and the check comes late. Silence it could not hear is not
+the node's: a check that comes half a deadline or more late counts the silence from then, once until
+the stream is heard again (a router starved for good still finds a dead node, one deadline later).
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ class StallWatch:
         self._progress: node_agent_pb2.RequestProgress | None = None
         self._last_heard = now
         self._is_listening = True
+        # A late check forgave the silence before it, and nothing has been heard since.
+        self._forgiven = False
 
     @property
     def deadline_s(self) -> float:
@@ -83,6 +90,7 @@ class StallWatch:
     def heard(self, chunk: node_agent_pb2.NodeGenerateChunk, now: float) -> None:
         """A chunk arrived: the stream and its node are alive; keep what it announced."""
         self._last_heard = now
+        self._forgiven = False
         self._activity.heard(self.node_id, now)
         if chunk.HasField("started"):
             self._started = chunk.started
@@ -100,10 +108,15 @@ class StallWatch:
         self._is_listening = True
         self._last_heard = now
 
-    def check(self, now: float) -> tuple[str | None, float]:
-        """(why the stream is stalled, or None; seconds until it is worth checking again)."""
+    def check(self, now: float, late_s: float = 0.0) -> tuple[str | None, float]:
+        """(why the stream is stalled, or None; seconds until it is worth checking again). late_s: how long after
+        it was due this check runs (the router's own pause)."""
         deadline = self.deadline_s
         if not self._is_listening:
+            return None, deadline
+        if late_s >= deadline / 2 and not self._forgiven:
+            self._forgiven = True
+            self._last_heard = now
             return None, deadline
         silent = now - self._last_heard
         if silent < deadline:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -343,6 +344,24 @@ async def test_a_consumer_busy_with_a_chunk_is_not_a_stalled_node() -> None:
             release.set()
             rest = [chunk async for chunk in stream]
     assert [list(chunk.token_ids) for chunk in [first, *rest]] == [[97], [98]]
+
+
+async def test_a_router_whose_loop_stood_still_does_not_take_its_node_for_stalled() -> None:
+    """The router's event loop blocked for five stall deadlines (a frozen or starved router; here the loop is held
+    with time.sleep, the node's handler with it): its stall check comes late, with the node's next words unread. It
+    moved every stream it had with the node; now the silence counts from the late check, and the node is heard."""
+    async def generate(request: object, context: object) -> AsyncIterator[Chunk]:
+        yield _started(heartbeat_ms=10)
+        for _ in range(20):
+            await asyncio.sleep(0.02)
+            yield _heartbeat()
+        yield _finish(0, 97)
+
+    loop = asyncio.get_running_loop()
+    async with _node(generate) as channel, asyncio.timeout(10):
+        loop.call_later(0.05, time.sleep, 1.0)  # the fault: the whole loop stands still for 1 s
+        chunks = await _collect(channel, stall_floor_s=0.2)
+    assert [list(chunk.token_ids) for chunk in chunks] == [[97]]
 
 
 async def test_the_node_leaving_etcd_mid_stream_is_lease_expired() -> None:

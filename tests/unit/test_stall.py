@@ -106,3 +106,21 @@ def test_a_node_forgets_its_last_word_once_no_stream_is_open() -> None:
     activity.heard(NODE, 5.0)
     activity.close(NODE)
     assert activity.last_heard(NODE) is None
+
+
+def test_silence_the_router_could_not_hear_is_not_the_nodes_once_until_heard_again() -> None:
+    """A router frozen 30 s (SIGSTOP, a paused VM) checks 29 s late: the node sent all along, its chunks wait unread
+    behind the check, and every stream of the router counted as stalled and moved. Counted from the late check, the
+    node has a deadline to be heard; a second late check with nothing heard between finds a dead node."""
+    watch = _watch(NodeActivity())
+    watch.heard(_started(), 0.0)
+    assert watch.check(30.0, late_s=29.0) == (None, FLOOR_S)
+    watch.heard(_queued(3), 30.01)  # what the node sent while the router slept
+    assert watch.check(31.0, late_s=0.0)[0] is None
+    assert watch.check(60.0, late_s=28.0)[0] is None  # frozen again: heard since, so forgiven again
+    why, _ = watch.check(90.0, late_s=29.0)  # and again, nothing heard: a router starved for good finds it dead
+    assert why is not None and "nor on any other from the node" in why
+    # A check on time is judged as before: nothing heard for a deadline is stalled.
+    punctual = _watch(NodeActivity())
+    punctual.heard(_started(), 0.0)
+    assert punctual.check(FLOOR_S, late_s=FLOOR_S / 2 - 0.01)[0] is not None
