@@ -40,7 +40,7 @@ class LiveRequestsAck(_message.Message):
     def __init__(self, num_held: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class FinishedRequest(_message.Message):
-    __slots__ = ("request_id", "context", "ttft_ms", "outcome", "gpu_ms_by_node", "model", "num_output_tokens", "price_per_hour_by_node", "another_stream_live")
+    __slots__ = ("request_id", "context", "ttft_ms", "outcome", "gpu_ms_by_node", "model", "num_output_tokens", "price_per_hour_by_node", "another_stream_live", "router_id")
     class GpuMsByNodeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class FinishedRequest(_message.Message):
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRICE_PER_HOUR_BY_NODE_FIELD_NUMBER: _ClassVar[int]
     ANOTHER_STREAM_LIVE_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context: _common_pb2.RequestContext
     ttft_ms: int
@@ -73,7 +74,8 @@ class FinishedRequest(_message.Message):
     num_output_tokens: int
     price_per_hour_by_node: _containers.ScalarMap[str, float]
     another_stream_live: bool
-    def __init__(self, request_id: _Optional[str] = ..., context: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., ttft_ms: _Optional[int] = ..., outcome: _Optional[_Union[RequestOutcome, str]] = ..., gpu_ms_by_node: _Optional[_Mapping[str, float]] = ..., model: _Optional[str] = ..., num_output_tokens: _Optional[int] = ..., price_per_hour_by_node: _Optional[_Mapping[str, float]] = ..., another_stream_live: _Optional[bool] = ...) -> None: ...
+    router_id: str
+    def __init__(self, request_id: _Optional[str] = ..., context: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., ttft_ms: _Optional[int] = ..., outcome: _Optional[_Union[RequestOutcome, str]] = ..., gpu_ms_by_node: _Optional[_Mapping[str, float]] = ..., model: _Optional[str] = ..., num_output_tokens: _Optional[int] = ..., price_per_hour_by_node: _Optional[_Mapping[str, float]] = ..., another_stream_live: _Optional[bool] = ..., router_id: _Optional[str] = ...) -> None: ...
 
 class TaskStats(_message.Message):
     __slots__ = ("tasks_succeeded", "tasks_failed", "tasks_open", "ended_cost_usd", "cost_per_successful_task_usd", "model_load_cost_usd", "fleet_cost_usd", "fleet_cost_per_successful_task_usd")
@@ -186,7 +188,7 @@ class CandidateTerms(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., gpu: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., predicted_ttft_ms: _Optional[float] = ..., predicted_tpot_ms: _Optional[float] = ..., cost: _Optional[float] = ..., success: _Optional[float] = ..., workflow_spent: _Optional[float] = ..., has_kv_room: _Optional[bool] = ..., score: _Optional[float] = ..., warm: _Optional[bool] = ..., load_ms: _Optional[float] = ..., kv_free_blocks: _Optional[int] = ..., at_risk: _Optional[float] = ..., model: _Optional[str] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("request_id", "model", "num_prompt_tokens", "block_hashes", "max_tokens", "context", "exclude_node_ids", "retry_cause", "alternative_models", "resumed")
+    __slots__ = ("request_id", "model", "num_prompt_tokens", "block_hashes", "max_tokens", "context", "exclude_node_ids", "retry_cause", "alternative_models", "resumed", "router_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +199,7 @@ class PlaceRequest(_message.Message):
     RETRY_CAUSE_FIELD_NUMBER: _ClassVar[int]
     ALTERNATIVE_MODELS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     num_prompt_tokens: int
@@ -207,7 +210,8 @@ class PlaceRequest(_message.Message):
     retry_cause: str
     alternative_models: _containers.RepeatedScalarFieldContainer[str]
     resumed: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., context: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., exclude_node_ids: _Optional[_Iterable[str]] = ..., retry_cause: _Optional[str] = ..., alternative_models: _Optional[_Iterable[str]] = ..., resumed: _Optional[bool] = ...) -> None: ...
+    router_id: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., context: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., exclude_node_ids: _Optional[_Iterable[str]] = ..., retry_cause: _Optional[str] = ..., alternative_models: _Optional[_Iterable[str]] = ..., resumed: _Optional[bool] = ..., router_id: _Optional[str] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("node_id", "address", "matched_blocks", "cost", "model")

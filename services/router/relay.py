@@ -247,7 +247,7 @@ class Relay:
             num_output_tokens=len(generation.generated),
             price_per_hour_by_node={node: info.price_per_hour for node in generation.gpu_ms_by_node
                                     if (info := self._registration_of(node)) is not None},
-            another_stream_live=ending.another_stream_live)
+            another_stream_live=ending.another_stream_live, router_id=self._config.instance_id)
         task = asyncio.get_running_loop().create_task(self._call_scheduler(notice, _NOTICE_WITHIN_S),
                                                       name=f"Finished notice of {generation.request_id}")
         self._notices.add(task)
@@ -297,6 +297,7 @@ class Relay:
             retry_cause=retry_cause.value if retry_cause else "",
             alternative_models=generation.alternative_models,
             resumed=bool(generation.generated) or request.HasField("resume"),
+            router_id=self._config.instance_id,
         )
         try:
             try:

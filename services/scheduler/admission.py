@@ -56,6 +56,8 @@ class Ticket:
     progress: float = 0.0
     # The completion tokens of num_tokens, named when the whole ask is more than its tenant may ever have.
     max_tokens: int = 0
+    # The router that asked for it ("": not said): one holder of its slot.
+    holder: str = ""
 
 
 class Verdict(enum.Enum):
@@ -100,6 +102,13 @@ class _Hold:
 
     tenant: str
     expires_at: float
+    # The routers that placed the id or reported it live, and when first and last: a stream of the id may run
+    # through each (a client's resume through another router shares the slot).
+    holders: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def claim(self, holder: str, now: float) -> None:
+        if holder:
+            self.holders[holder] = (self.holders.get(holder, (now, now))[0], now)
 
 
 class Admission:
@@ -260,22 +269,41 @@ class Admission:
         hold = self._held.get(ticket.request_id)
         if hold is not None:
             hold.expires_at = max(hold.expires_at, now + self.lease_s)
+            hold.claim(ticket.holder, now)
             return
         tenant = self._tenants[ticket.tenant]
         tenant.in_flight += 1
         tenant.served.append((now, ticket.num_tokens))
         tenant.served_tokens += ticket.num_tokens
-        self._held[ticket.request_id] = _Hold(ticket.tenant, now + self.lease_s)
+        self._held[ticket.request_id] = hold = _Hold(ticket.tenant, now + self.lease_s)
+        hold.claim(ticket.holder, now)
 
-    def renew(self, request_ids: Iterable[str], now: float) -> int:
-        """Those of request_ids holding a slot are alive: their leases run lease_s from now. How many."""
+    def renew(self, request_ids: Iterable[str], now: float, holder: str = "") -> int:
+        """Those of request_ids holding a slot are alive (through holder, the router that says so): their leases
+        run lease_s from now. How many."""
         renewed = 0
         for request_id in request_ids:
             hold = self._held.get(request_id)
             if hold is not None:
                 hold.expires_at = max(hold.expires_at, now + self.lease_s)
+                hold.claim(holder, now)
                 renewed += 1
         return renewed
+
+    def end(self, request_id: str, now: float, holder: str = "", another_stream_live: bool = False) -> bool:
+        """A stream of request_id ended through holder (its router; "": not said). Its slot is freed unless another
+        stream of the id is said to run (another_stream_live) or another router placed or reported the id live
+        within the lease and since holder first did: then it is left to those (leave_to_others). (A router whose
+        last word came before holder's first, one that died and whose client resumed through holder, holds
+        nothing.) True if the slot was freed."""
+        hold = self._held.get(request_id)
+        if hold is None:
+            return False
+        since, _ = hold.holders.pop(holder, (-math.inf, -math.inf))
+        if another_stream_live or any(last > since and now - last < self.lease_s for _, last in hold.holders.values()):
+            self.leave_to_others(request_id, now)
+            return False
+        return self.release(request_id)
 
     def leave_to_others(self, request_id: str, now: float) -> None:
         """A stream of request_id ended while another of its id is said to run: the slot stays held, but only for a

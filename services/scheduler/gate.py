@@ -98,17 +98,16 @@ class AdmissionGate:
     def _admit(self, ticket: Ticket) -> None:
         self._admission.on_admitted(ticket, self._clock())
 
-    def finished(self, request_id: str, another_stream_live: bool = False) -> None:
-        """A request ended: its slot is free, unless another stream of its id is said to run (then held as long as
-        a router reports it live)."""
-        if another_stream_live:
-            self._admission.leave_to_others(request_id, self._clock())
-        elif self._admission.release(request_id):
+    def finished(self, request_id: str, another_stream_live: bool = False, holder: str = "") -> None:
+        """A request ended through holder (its router): its slot is free, unless another stream of its id is said to
+        run or another router holds the id (then held as long as a router reports it live)."""
+        if self._admission.end(request_id, self._clock(), holder, another_stream_live):
             self.capacity_changed()
 
-    def renew(self, request_ids: Iterable[str]) -> int:
-        """These requests are still being served: their slots' leases start again. How many were held."""
-        return self._admission.renew(request_ids, self._clock())
+    def renew(self, request_ids: Iterable[str], holder: str = "") -> int:
+        """These requests are still being served, through holder (a router): their slots' leases start again. How
+        many were held."""
+        return self._admission.renew(request_ids, self._clock(), holder)
 
     def sweep(self) -> None:
         """Free the slots whose lease ran out: their requests' end was never reported."""

@@ -61,6 +61,8 @@ class PlaceAsk:
     # Its context holds tokens its client already has: a stream resumed through another router (or moved). Its
     # budgets were met or missed by its first attempt: never refused as invalid, nor on its TTFT budget.
     resumed: bool = False
+    # The router that asks ("": not said): a holder of the id's admission slot.
+    router_id: str = ""
 
 
 @dataclass
@@ -199,7 +201,7 @@ class Placer:
                         deadline_at=now + request.ttft_budget_ms / 1000
                         if request.ttft_budget_ms and not plan.ask.resumed else math.inf,
                         progress=(request.step - 1) / request.total_steps if request.total_steps else 0.0,
-                        max_tokens=request.max_tokens)
+                        max_tokens=request.max_tokens, holder=plan.ask.router_id)
         best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now)
                           for o in options)
         return ticket, best_ttft_s

@@ -86,6 +86,7 @@ def place_ask(request: scheduler_pb2.PlaceRequest) -> PlaceAsk:
         exclude=frozenset(request.exclude_node_ids),
         retry_cause=request.retry_cause,
         resumed=request.resumed,
+        router_id=request.router_id,
     )
 
 
@@ -343,13 +344,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     options = self._placer.after_queueing(plan, options, self._clock(), changing)
             except BaseException:
                 if admitted:
-                    self._gate.finished(request.request_id)
+                    self._gate.finished(request.request_id, holder=request.router_id)
                 raise
             placed = self._placer.decide(options, self._clock())
             decision, model = placed.decision, placed.request.model
             self._record_decision(placed.request, decision, revision, plan.unpredicted)
             if placed.is_cold:
-                await self._load_for(request.request_id, decision, model, context.time_remaining())
+                await self._load_for(request, decision, model, context.time_remaining())
             is_placed = True
         except BatonError as error:
             self._placements.add(1, {"outcome": error.code.name, "retry": retry})
@@ -373,14 +374,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             model=model,
         )
 
-    async def _load_for(self, request_id: str, decision: Decision, model: str, remaining_s: float | None) -> None:
+    async def _load_for(self, request: scheduler_pb2.PlaceRequest, decision: Decision, model: str,
+                        remaining_s: float | None) -> None:
         """A cold node serves nothing until warm: load model there and wait for it, within the
-        request's time. If that fails, the admitted request will not run: its slot is freed."""
+        request's time. If that fails, the admitted request will not run: its slot is freed (as far as its
+        router held it)."""
         try:
             await within(self._loader.ensure_warm(decision.node_id, decision.address, model,
-                                                  f"placed {request_id} there"), remaining_s)
+                                                  f"placed {request.request_id} there"), remaining_s)
         except BaseException as exc:
-            self._gate.finished(request_id)
+            self._gate.finished(request.request_id, holder=request.router_id)
             if isinstance(exc, TimeoutError):
                 raise Unavailable(f"loading {model} on node {decision.node_id} takes longer than the request's "
                                   f"{remaining_s:.1f} s left; the load goes on") from None
@@ -467,7 +470,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.FinishedRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.FinishedAck:
         try:
-            check_finished(request, self._max_context_tokens(request.model))
+            check_finished(request, self._max_context_tokens(request.model), self._config.max_id_len)
         except BatonError as error:
             await abort(context, error)
         await self._role.wait_if_taking_over(self._config.lease_ttl_s)  # not to be overwritten by the hand-over
@@ -478,7 +481,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await self._confirm_leadership(context)
         except BatonError as error:
             await abort(context, error)
-        self._gate.finished(request.request_id, request.another_stream_live)
+        self._gate.finished(request.request_id, request.another_stream_live, request.router_id)
         ctx = request.context
         if request.ttft_ms and ctx.ttft_budget_ms:
             self._ttft_ratio.record(request.ttft_ms / ctx.ttft_budget_ms)
@@ -506,7 +509,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         await self._role.wait_if_taking_over(self._config.lease_ttl_s)
         num_held = 0
         if self._role.is_leader:
-            num_held = self._gate.renew(request.request_ids)
+            num_held = self._gate.renew(request.request_ids, request.router_id)
             # A long step (or a retry of a lone request, whose task is its id) does not time its task out.
             self._tasks.touch([*request.workflow_ids, *request.request_ids], self._clock())
         return scheduler_pb2.LiveRequestsAck(num_held=num_held,

@@ -34,7 +34,8 @@ def check_place(request: scheduler_pb2.PlaceRequest, max_context_tokens: int | N
         raise InvalidArgument("model", request.model, "must name a model")
     scoped = 2 * max_id_len + 1
     for field, value, limit in (("request_id", request.request_id, scoped), ("tenant", request.context.tenant,
-                                max_id_len), ("workflow_id", request.context.workflow_id, scoped)):
+                                max_id_len), ("workflow_id", request.context.workflow_id, scoped),
+                                ("router_id", request.router_id, max_id_len)):
         if len(value) > limit:
             raise InvalidArgument(field, value, f"{len(value)} characters, longer than {limit}")
     # It labels the placements metric: a value of the caller's choosing would grow that metric without bound.
@@ -66,12 +67,16 @@ def check_place(request: scheduler_pb2.PlaceRequest, max_context_tokens: int | N
     check_context(request.context)
 
 
-def check_finished(request: scheduler_pb2.FinishedRequest, max_context_tokens: int | None) -> None:
+def check_finished(request: scheduler_pb2.FinishedRequest, max_context_tokens: int | None,
+                   max_id_len: int = 128) -> None:
     """Refuse a Finished notice that would skew the ledger or the policy, naming the first such field and its value.
 
     A node it names may be one this leader never saw (it left before this leader began): its GPU time is charged
-    at the notice's price, so an unknown node is taken as it is.
+    at the notice's price, so an unknown node is taken as it is. router_id keys the admission slot's holders.
     """
+    if len(request.router_id) > max_id_len:
+        raise InvalidArgument("router_id", request.router_id, f"{len(request.router_id)} characters, longer than "
+                              f"{max_id_len}")
     if request.outcome not in scheduler_pb2.RequestOutcome.values():
         raise InvalidArgument("outcome", request.outcome, "not a RequestOutcome (0 to "
                               f"{max(scheduler_pb2.RequestOutcome.values())})")

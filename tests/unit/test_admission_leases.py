@@ -154,6 +154,63 @@ async def test_a_finished_notice_with_another_stream_of_its_id_live_keeps_the_sl
         await service.close()
 
 
+async def test_a_frozen_routers_notice_does_not_free_the_slot_its_clients_resume_holds_through_another_router(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Router a froze; its client resumed through router b, whose stream took the node's over. a woke to its client
+    gone and told the leader its stream ended (cancelled), not knowing of b's: the slot they share was freed while b's
+    stream ran, and the tenant, at --max-concurrency 1, ran one more. Each router now says who it is: the slot is
+    freed when the last router holding the id ends its stream."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    try:
+        admission = service._admission
+        admission.set_limits(CAPPED)
+        now = service._clock()
+        admission.on_admitted(Ticket(request_id="r", tenant="t", priority=0, num_tokens=100, arrived_at=now,
+                                     holder="router-a"), now)
+        # The resume through b shares the slot (a Place of the id while it is held).
+        admission.on_admitted(Ticket(request_id="r", tenant="t", priority=0, num_tokens=100, arrived_at=now,
+                                     holder="router-b"), now)
+        await service.ReportLiveRequests(scheduler_pb2.LiveRequests(router_id="router-b", request_ids=["r"]),
+                                         FakeContext())  # type: ignore[arg-type]
+
+        def ended(router: str) -> scheduler_pb2.FinishedRequest:
+            return scheduler_pb2.FinishedRequest(request_id="r", router_id=router,
+                                                 outcome=scheduler_pb2.REQUEST_OUTCOME_CANCELLED)
+
+        await service.Finished(ended("router-a"), FakeContext())  # type: ignore[arg-type]
+        assert admission.num_held == 1
+        assert verdict(admission, "another", service._clock()) == Verdict.REJECT  # still at its limit
+        await service.Finished(ended("router-b"), FakeContext())  # type: ignore[arg-type]
+        assert admission.num_held == 0
+    finally:
+        await service.close()
+
+
+def test_a_slot_whose_one_router_ends_it_is_freed_at_once() -> None:
+    """A router that placed the id and ends it, no other router holding it: freed at once, not left to others (nor
+    when the other router fell silent before this one first claimed the id)."""
+    admission = Admission(limits=CAPPED, lease_s=15.0)
+    admission.on_admitted(Ticket(request_id="r", tenant="t", priority=0, num_tokens=100, arrived_at=0.0,
+                                 holder="router-a"), 0.0)
+    admission.renew(["r"], 5.0, "router-a")
+    assert admission.end("r", 6.0, "router-a") is True and admission.num_held == 0
+    # A router whose last word came before the ending router's first (it died; its client resumed through b) holds
+    # nothing: b's end frees the slot at once.
+    admission.on_admitted(Ticket(request_id="s", tenant="t", priority=0, num_tokens=100, arrived_at=0.0,
+                                 holder="router-dead"), 0.0)
+    admission.renew(["s"], 5.0, "router-dead")
+    admission.renew(["s"], 6.0, "router-b")
+    assert admission.end("s", 8.0, "router-b") is True and admission.num_held == 0
+    # Two routers both streaming it (a duplicate placed on another node): the first to end leaves the slot held.
+    admission.on_admitted(Ticket(request_id="d", tenant="t", priority=0, num_tokens=100, arrived_at=10.0,
+                                 holder="router-a"), 10.0)
+    admission.renew(["d"], 11.0, "router-b")
+    admission.renew(["d"], 13.0, "router-a")
+    assert admission.end("d", 14.0, "router-b") is False and admission.num_held == 1
+    assert admission.end("d", 15.0, "router-a") is True and admission.num_held == 0
+
+
 def test_a_slot_left_to_another_stream_lapses_soon_unless_that_stream_is_reported_live() -> None:
     """Another stream of the id was said to run (the node refused this one as running it), but it may have ended just
     before: kept a whole lease, the slot held nothing and its tenant was refused meanwhile."""

@@ -157,3 +157,6 @@ async def test_a_move_that_a_node_refuses_and_finds_no_other_node_names_the_fail
     assert "could not move it" in details and "node node-2: request_id='r': an earlier stream" in details
     # One move, charged once per placement that asked for it: the leader saw the move's cause on both.
     assert [p.retry_cause for p in scheduler.places] == ["", "stream_broken", "stream_broken"]
+    # Its router says who it is on each Place and on the notice: the leader counts the routers holding the id's slot.
+    notice = await asyncio.wait_for(scheduler.finished.get(), 5)
+    assert notice.router_id and {p.router_id for p in scheduler.places} == {notice.router_id}
