@@ -239,7 +239,10 @@ class Placer:
         plus TTFT plus max_tokens decode steps, predicted from the candidates' registered profiles on
         the fleet as it is (candidates without a profile: not predicted; none has one: no refusal, see
         ticket). A resumed stream's deadline_ms is what its client has left: it ends DEADLINE_EXCEEDED, as its
-        router's timer would end it, with no retry hint (sent again, it would have less left)."""
+        router's timer would end it, with no retry hint (sent again, it would have less left). A fresh one that
+        has not waited, on a fleet whose every node listing its models is a candidate and idle, is bad input
+        (Unmeetable): no load is in the prediction and no node can come back, so a retry hint would send it
+        again in vain (an idle fleet answered 429 to a deadline between the floor and its prediction)."""
         if not request.deadline_ms:
             return
         ends = [end for o in options
@@ -247,6 +250,11 @@ class Placer:
         if not ends or (waited_s + min(ends)) * 1000 <= request.deadline_ms:
             return
         best_ms = (waited_s + min(ends)) * 1000
+        if not resumed and not waited_s and self._all_idle(options):
+            raise Unmeetable("deadline_ms", request.deadline_ms,
+                             f"cannot be met: the first token and max_tokens={request.max_tokens} are predicted to "
+                             f"take {best_ms:.0f} ms on an idle node, with nothing else running (ask for fewer "
+                             "tokens or a later deadline)")
         if resumed:
             raise LeftOutOfReach(
                 f"deadline_ms={request.deadline_ms}: cannot be met in what the resumed stream has left; the rest of "
@@ -256,6 +264,12 @@ class Placer:
             f"are predicted to take {best_ms:.0f} ms on the best node now"
             + (f", after {waited_s:.1f} s queued" if waited_s else "") + " (ask for fewer tokens or a later deadline)",
             retry_after_ms=max(1000, int(best_ms - request.deadline_ms)))
+
+    def _all_idle(self, options: list[Option]) -> bool:
+        """Every node listing one of the options' models is one of their candidates, with nothing in flight."""
+        candidates = {s.spec.node_id for o in options for s in o.candidates}
+        listing = [s for s in self.cluster.nodes() if any(s.spec.has(o.request.model) for o in options)]
+        return all(s.spec.node_id in candidates and s.is_idle for s in listing)
 
     def after_queueing(self, plan: Plan, options: list[Option], now: float,
                        changing: Changing = _none_changing) -> list[Option]:

@@ -11,7 +11,7 @@ from services.common.errors import DeadlineExceeded, InvalidArgument, NotFound, 
 from services.common.load import Load
 from services.scheduler.fleet import ClusterView, NodeSpec, NodeStatus
 from services.scheduler.model_planner import ModelPlanner
-from services.scheduler.placement import PlaceAsk, Placer
+from services.scheduler.placement import FLOOR_MARGIN, PlaceAsk, Placer
 from services.scheduler.policies import PlacementRequest, make_policy
 from services.scheduler.policies.baton import BatonPolicy
 from services.scheduler.retry_budget import RetryBudget
@@ -283,3 +283,24 @@ def test_the_fleet_is_saturated_by_what_it_was_sent_not_by_nodes_that_take_nothi
     assert placer.is_saturated(21.0)
     placer.cluster.report_load("b", Load(kv_blocks_total=1000), 26.5)
     assert not placer.is_saturated(26.5)  # a has said nothing for 5.5 s, past the 5 s load timeout
+
+
+def test_a_deadline_an_idle_fleet_cannot_meet_is_bad_input_and_one_a_loaded_fleet_cannot_meet_gets_a_hint() -> None:
+    """Between the floor (no node could, whatever happens) and the prediction on an idle fleet, a deadline got 429 and
+    a retry hint: the openai client sent it twice more, in vain, with nothing running. Refused as bad input now; on
+    a node with work in flight the hint stays (the load may pass)."""
+    model = "sim-llama-3.1-8b"
+    placer = _placer(_spec("h100", warm=(model,)))
+    placer.cluster.report_load("h100", Load(kv_blocks_total=100_000), 1.0)
+    probe = placer.start(_ask(model=model, max_tokens=200, deadline_ms=600_000), 1.0)
+    end_ms = placer._predictor.best_finish_s(probe.ask.request, probe.candidates[model], {}, 1.0) * 1000
+    floor_ms = placer._predictor.floor_s(probe.ask.request, probe.candidates[model])[1] * 1000
+    deadline_ms = int((end_ms + floor_ms * FLOOR_MARGIN) / 2)
+    assert floor_ms * FLOOR_MARGIN < deadline_ms < end_ms
+    plan = placer.start(_ask(model=model, max_tokens=200, deadline_ms=deadline_ms), 1.0)
+    with pytest.raises(InvalidArgument, match=f"deadline_ms={deadline_ms}: cannot be met: .* on an idle node"):
+        placer.ticket(plan, placer.options(plan, lambda _: {}), 1.0)
+    placer.cluster.report_load("h100", Load(kv_blocks_total=100_000, num_running=3), 2.0)
+    plan = placer.start(_ask(model=model, max_tokens=200, deadline_ms=deadline_ms), 2.0)
+    with pytest.raises(ResourceExhausted, match=f"deadline_ms={deadline_ms}: cannot be met; "):
+        placer.ticket(plan, placer.options(plan, lambda _: {}), 2.0)
