@@ -137,6 +137,7 @@ class Relay:
             return _outcome(finish_reason, request, self._slo, started_at, arrived_at, first_token_at, last_at,
                             len(generation.generated) - num_resumed, loop.time())
 
+        is_task = True  # a request refused as bad input is no task, wherever refused (as the router's own refusals)
         try:
             retry_cause: FailureCause | None = None  # why it moves, once a node failed it
             failed_at: float | None = None
@@ -147,7 +148,13 @@ class Relay:
                     outcome = judged(common_pb2.FINISH_REASON_LENGTH)
                     yield _length_finish(generation)
                     return
-                placement = await self._place(generation, request, retry_cause, time_remaining())
+                try:
+                    placement = await self._place(generation, request, retry_cause, time_remaining())
+                except BatonError as error:
+                    # Refused as bad input before any node ran it (a move's GPU time is a task's, whatever comes).
+                    is_task = (error.code != grpc.StatusCode.INVALID_ARGUMENT
+                               or bool(generation.failures or generation.refusals or generation.gpu_ms_by_node))
+                    raise
                 base = len(generation.generated)
                 node_chunks = watched_stream(
                     self._node_channels.get(placement.address), placement.node_id, generation.node_request(),
@@ -218,9 +225,12 @@ class Relay:
                 outcome = scheduler_pb2.REQUEST_OUTCOME_CANCELLED  # the client went away (not its deadline)
             raise
         finally:
-            # Placed or not (a refused request is a failed task too), the leader learns how it ended.
-            ttft_ms = int((first_token_at - started_at) * 1000) if first_token_at is not None else 0
-            held.append(Ending(generation, request, ttft_ms, outcome))
+            # Placed or not (a request refused for the fleet's load or a tenant's limit is a failed task too), the
+            # leader learns how it ended; not one it refused as bad input (it took no slot, and the request as sent
+            # could never succeed: the router's own refusals of bad input are no tasks either).
+            if is_task:
+                ttft_ms = int((first_token_at - started_at) * 1000) if first_token_at is not None else 0
+                held.append(Ending(generation, request, ttft_ms, outcome))
 
     def _charge_recomputed(self, generation: Generation, num_tokens: int) -> None:
         if num_tokens:

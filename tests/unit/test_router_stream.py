@@ -29,7 +29,15 @@ from baton.v1 import (
 )
 from services.common import etcd_keys
 from services.common.directory import LeaderRecord
-from services.common.errors import Aborted, AlreadyExists, BatonError, Unavailable, abort
+from services.common.errors import (
+    Aborted,
+    AlreadyExists,
+    BatonError,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+    abort,
+)
 from services.common.telemetry import Telemetry
 from services.router.config import RouterConfig
 from services.router.relay import Ending, HeldEndings
@@ -730,3 +738,43 @@ async def test_a_stream_its_node_says_another_of_its_id_runs_leaves_the_admissio
         told = await asyncio.wait_for(scheduler.finished.get(), 10)
     assert (told.request_id, told.another_stream_live) == ("r", True)
     assert [p.retry_cause for p in scheduler.places] == [""]  # not taken for a node failure: not moved
+
+
+class _RefusingScheduler(_FakeScheduler):
+    """Refuses every Place with the error it is given."""
+
+    def __init__(self, error: BatonError) -> None:
+        super().__init__()
+        self.error = error
+
+    async def Place(self, request, context):  # noqa: N802
+        self.places.append(request)
+        await abort(context, self.error)
+
+
+@pytest.mark.parametrize(("error", "is_task"), [
+    (InvalidArgument("deadline_ms", 1100, "cannot be met: ... on an idle node"), False),
+    (ResourceExhausted("tenant t: at its concurrency limit", retry_after_ms=1000), True),
+])
+@pytest.mark.timeout(30)
+async def test_a_request_the_leader_refuses_as_bad_input_is_no_task_and_one_it_refuses_for_load_is_a_failed_one(
+        error: BatonError, is_task: bool) -> None:
+    """The router's own refusals of bad input were no tasks, the leader's were failed tasks, open for
+    --task-timeout-s: whether a 400 counted depended on which service refused it. A refusal for the fleet's load or
+    a tenant's limit is still a failed task (the client may send the id again and succeed)."""
+    scheduler = _RefusingScheduler(error)
+    async with _router(lambda request: _never(), scheduler) as (router, _):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=3,
+                                                                      request_id="r")):
+                pass
+        assert refused.value.code() == error.code
+    # The router has closed: every notice it would send has gone out.
+    notices = [scheduler.finished.get_nowait() for _ in range(scheduler.finished.qsize())]
+    assert [(n.request_id, n.outcome) for n in notices] == (
+        [("r", scheduler_pb2.REQUEST_OUTCOME_FAILED)] if is_task else [])
+
+
+async def _never() -> AsyncIterator[Chunk]:
+    raise AssertionError("no node is asked")
+    yield
