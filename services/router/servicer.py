@@ -311,9 +311,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
                               max_pending=self._config.max_pending_chunks, key=lambda chunk: chunk.node_id)
             # Closed at once, whoever stops reading (a client gone): the relay stops its node stream. A deadline that
             # passes after the finished answer was handed out (its client slow to take it) does not cut off its end.
+            # (Not "the tokens sent so far stand": an HTTP client that asked for a whole answer was sent none.)
             passed = until(chunks, deadline_at, lambda: DeadlineExceeded(
                 f"deadline_ms={request.deadline_ms}: passed after {len(generation.generated)} generated "
-                f"tokens of request {client_id}; the tokens sent so far stand"),
+                f"tokens of request {client_id}"),
                 last=lambda chunk: bool(chunk.finish_reason))
             async with aclosing(passed) as relayed:
                 async for chunk in relayed:
