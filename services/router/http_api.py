@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 from opentelemetry import propagate, trace
+from opentelemetry.metrics import Meter
 
 from baton.v1 import router_pb2
 from services.common.errors import BatonError, InvalidArgument
@@ -117,6 +118,25 @@ async def _openai_errors(request: web.Request,
         return _json_response(500, schema.error_json(500, "internal error", None, "internal"))
 
 
+def _counted(meter: Meter) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """Each response by its route (the path's pattern, "unmatched" for none: no client-chosen path becomes a label)
+    and HTTP status: refusals the HTTP layer makes itself (a parameter Baton does not take, a body that is no JSON)
+    never reach the Generate count."""
+    responses = meter.create_counter("baton.router.http_responses",
+                                     description="HTTP API responses, by route and status code")
+
+    @web.middleware
+    async def counted(request: web.Request,
+                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        response = await handler(request)
+        resource = request.match_info.route.resource
+        responses.add(1, {"route": resource.canonical if resource is not None else "unmatched",
+                          "status": str(response.status)})
+        return response
+
+    return counted
+
+
 def connection_of(request: web.Request) -> str:
     """The TCP connection a request came on, by its peer's address and port: each connection (not
     each client host) has its own request rate."""
@@ -146,7 +166,7 @@ class HttpApi:
     def __init__(self, service: GenerateService, listen: str, limits: InputLimits,
                  check_connection_rate: Callable[[str], None] | None = None,
                  shutdown_timeout_s: float = 10.0, ssl_context: ssl.SSLContext | None = None,
-                 tracer: trace.Tracer | None = None) -> None:
+                 tracer: trace.Tracer | None = None, meter: Meter | None = None) -> None:
         self._service = service
         self._limits = limits
         # A request's server span, parent of its calls to the leader and the nodes (one trace per request, as the
@@ -154,7 +174,7 @@ class HttpApi:
         self._tracer = tracer or trace.get_tracer(__name__)
         self._listen = listen
         self._ssl_context = ssl_context  # None: plaintext HTTP
-        middlewares = [_openai_errors]
+        middlewares = [*([_counted(meter)] if meter is not None else []), _openai_errors]
         if check_connection_rate is not None:
             middlewares.append(_rate_per_connection(check_connection_rate))
         self.app = app = web.Application(middlewares=middlewares,

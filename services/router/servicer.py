@@ -108,7 +108,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         # HTTPS with the certificate the gRPC port serves (--tls-cert), else plaintext HTTP.
         self._http = (HttpApi(self, config.http_listen, config.input_limits, self.check_connection_rate,
                               ssl_context=server_ssl_context(config.tls),
-                              tracer=telemetry.tracer_provider.get_tracer("baton.router.http"))
+                              tracer=telemetry.tracer_provider.get_tracer("baton.router.http"),
+                              meter=telemetry.meter)
                       if config.http_listen else None)
 
     def register(self, server: grpc.aio.Server) -> None:

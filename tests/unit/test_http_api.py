@@ -18,6 +18,8 @@ import pytest
 from aiohttp import StreamReader
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 from opentelemetry import trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -336,3 +338,29 @@ async def test_a_compressed_body_is_decoded_or_refused_in_openais_shape_naming_t
     if status != 200:
         assert answer["error"]["param"] == param and answer["error"]["message"].startswith(message)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # a client's mistake, not a bug
+
+
+async def test_every_response_is_counted_by_route_and_status_the_http_layers_own_refusals_too() -> None:
+    """A parameter Baton does not take, or a body that is no JSON, is refused by the HTTP layer before any Generate:
+    no metric counted it, so an operator could not see a client library sending what Baton refuses. The path a
+    client chose is no label: one no route matches counts as "unmatched"."""
+    reader = InMemoryMetricReader()
+    meter = MeterProvider(metric_readers=[reader]).get_meter("test")
+    http = TestClient(TestServer(HttpApi(_FakeRouter(["a"]), "127.0.0.1:0", InputLimits(max_prompt_bytes=1024),
+                                         meter=meter).app))
+    await http.start_server()
+    try:
+        for body in ({"model": "m", "prompt": "x", "max_tokens": 1}, {"model": "m", "prompt": "x", "foo": 1},
+                     {"model": "m", "prompt": "x", "n": 2}):
+            await (await http.post("/v1/completions", json=body)).read()
+        await (await http.post("/v1/completions", data=b"{not json")).read()
+        for path in ("/v1/nope-1", "/v1/nope-2"):
+            await (await http.get(path)).read()
+        await (await http.get("/v1/models/m")).read()
+    finally:
+        await http.close()
+    counts = {(p.attributes["route"], p.attributes["status"]): p.value
+              for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+              if m.name == "baton.router.http_responses" for p in m.data.data_points}
+    assert counts == {("/v1/completions", "200"): 1, ("/v1/completions", "400"): 3, ("unmatched", "404"): 2,
+                      ("/v1/models/{model}", "200"): 1}
