@@ -470,7 +470,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         fleet = f"${tasks.fleet_cost_per_successful_task_usd:.6f}" if tasks.tasks_succeeded else "n/a"
         busy = f"${tasks.cost_per_successful_task_usd:.6f}" if tasks.tasks_succeeded else "n/a"
         print(f"tasks: {tasks.tasks_succeeded} succeeded, {tasks.tasks_failed} failed, {tasks.tasks_open} open; "
-              f"whole fleet ${tasks.fleet_cost_usd:.6f}; busy GPU time ${tasks.ended_cost_usd:.6f} "
+              f"whole fleet ${tasks.fleet_cost_usd:.6f}; busy GPU time of ended tasks ${tasks.ended_cost_usd:.6f} "
               f"+ ${tasks.model_load_cost_usd:.6f} of model loads")
         print(f"cost per successful task: {fleet} for the whole fleet (idle GPUs included), {busy} busy time only")
     else:  # only the leader keeps the ledger: say why it is missing rather than leave it out

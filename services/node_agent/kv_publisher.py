@@ -84,7 +84,8 @@ async def publish(events: KvEventLog, kvindexes: ServiceDirectory) -> None:
             try:
                 await stub.Publish(events.stream())
             except grpc.aio.AioRpcError as exc:
-                log.warning("kv event stream to %s broke: %s", address, exc.code().name)
+                # Its reason too: at start-up a kvindex may not yet have seen this node's registration in etcd.
+                log.warning("kv event stream to %s broke: %s: %s", address, exc.code().name, exc.details())
             except LogOverrun as exc:
                 log.warning("kvindex %s fell behind (%s); it will catch up from a snapshot", address, exc)
             await asyncio.sleep(_RETRY_S)
