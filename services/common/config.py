@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,6 +14,17 @@ from typing import Any, ClassVar, TypeVar
 import grpc
 
 from services.common.tls import TlsFiles, channel_credentials, server_credentials
+
+# A service's or node's id keys its etcd records, labels metrics and travels in gRPC metadata and messages (a node's in
+# baton-stream-held, a router's as router_id): printable ASCII with no space or slash, at most MAX_INSTANCE_ID_LEN.
+MAX_INSTANCE_ID_LEN = 128
+_INSTANCE_ID = re.compile(r"[A-Za-z0-9._:@-]{1,%d}" % MAX_INSTANCE_ID_LEN)
+
+
+def check_instance_id(flag: str, value: str) -> None:
+    """ValueError naming flag unless value is 1 to MAX_INSTANCE_ID_LEN of letters, digits and . _ : @ -."""
+    if not _INSTANCE_ID.fullmatch(value):
+        raise ValueError(f"--{flag}: 1 to {MAX_INSTANCE_ID_LEN} of letters, digits and . _ : @ -, got {value!r}")
 
 T = TypeVar("T")
 

@@ -3,15 +3,9 @@
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
-from services.common.config import ServiceConfig, doc
-
-
-# A node's id keys its etcd records and labels its metrics, and a node sends it in gRPC metadata (a status's
-# baton-stream-held): printable ASCII with no space or slash.
-_NODE_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
+from services.common.config import ServiceConfig, check_instance_id, doc
 
 
 @dataclass(frozen=True)
@@ -75,7 +69,6 @@ class NodeAgentConfig(ServiceConfig):
         if self.heartbeat_interval_s <= 0 or self.load_report_interval_s <= 0:
             raise ValueError(f"--heartbeat-interval-s and --load-report-interval-s must be positive, got "
                              f"{self.heartbeat_interval_s} and {self.load_report_interval_s}")
-        if not _NODE_ID.fullmatch(self.node_id):
-            raise ValueError(f"--node-id: 1 to 128 of letters, digits and . _ : @ -, got {self.node_id!r}")
+        check_instance_id("node-id", self.node_id)
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-seqs and --max-num-batched-tokens must be positive")

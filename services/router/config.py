@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from services.common.config import ServiceConfig, check_listen, doc
+from services.common.config import ServiceConfig, check_instance_id, check_listen, doc
 from services.common.slo import DEFAULT_TPOT_BUDGET_MS, DEFAULT_TTFT_BUDGET_MS, Slo
 from services.router.connection_rate import ConnectionRates
 from services.router.validation import InputLimits
@@ -17,7 +17,7 @@ class RouterConfig(ServiceConfig):
     """The client-facing entry point."""
 
     listen: str = doc("host:port to serve gRPC on", "127.0.0.1:50100")
-    instance_id: str = doc("this router's id in etcd", "router-0")
+    instance_id: str = doc("this router's id in etcd (1 to 128 of letters, digits and . _ : @ -)", "router-0")
     http_listen: str = doc("host:port to serve the OpenAI-compatible HTTP API on (empty: no HTTP API)", "")
     default_max_tokens: int = doc("max_tokens when a request leaves it unset", 256)
     placement_timeout_s: float = doc("longest a placement may take, admission queueing included, when the "
@@ -54,6 +54,7 @@ class RouterConfig(ServiceConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_instance_id("instance-id", self.instance_id)
         if self.http_listen:
             check_listen("http_listen", self.http_listen)
         if self.default_max_tokens < 1:

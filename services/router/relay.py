@@ -12,7 +12,7 @@ from typing import overload
 import grpc
 from opentelemetry.metrics import Meter
 
-from baton.protocol import LEADER_KEY, is_transport_failure
+from baton.protocol import LEADER_KEY, ORIGIN_KEY, is_transport_failure
 from baton.v1 import common_pb2, node_agent_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.directory import ChannelPool, LeaderDirectory, LeaderRecord
 from services.common.errors import BatonError, StreamHeld, Unavailable, from_rpc_error
@@ -386,7 +386,12 @@ class Relay:
                 log.log(_log_level(request), "scheduler %s is no longer the elected leader; moving the %s", at,
                         _what(request))
             except grpc.aio.AioRpcError as exc:
-                hint = dict(exc.trailing_metadata() or ()).get(LEADER_KEY)
+                metadata = dict(exc.trailing_metadata() or ())
+                hint = metadata.get(LEADER_KEY)
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and metadata.get(ORIGIN_KEY) == "baton":
+                    # The leader's own answer (a resumed stream that cannot end in what it has left), not this
+                    # call timing out: the client hears it as it is.
+                    raise from_rpc_error(exc) from None
                 if (exc.code() == grpc.StatusCode.FAILED_PRECONDITION and hint and hint != at
                         and num_hints < _MAX_REDIRECTS):
                     address, num_hints = hint, num_hints + 1  # a standby named the leader our view lacks

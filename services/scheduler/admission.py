@@ -105,9 +105,19 @@ class _Hold:
     # The routers that placed the id or reported it live, and when first and last: a stream of the id may run
     # through each (a client's resume through another router shares the slot).
     holders: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # Routers that ended their stream of the id while another held it: a live report of theirs that was under way
+    # (sent before the notice) does not make them holders again; their next placement of the id does.
+    ended: set[str] = field(default_factory=set)
 
-    def claim(self, holder: str, now: float) -> None:
-        if holder:
+    def claim(self, holder: str, now: float, placed: bool = False) -> None:
+        """holder placed the id (a stream of it begins there: its claim starts now, a router restarted under the
+        same id included) or reported it live."""
+        if not holder:
+            return
+        if placed:
+            self.ended.discard(holder)
+            self.holders[holder] = (now, now)
+        elif holder not in self.ended:
             self.holders[holder] = (self.holders.get(holder, (now, now))[0], now)
 
 
@@ -269,22 +279,23 @@ class Admission:
         hold = self._held.get(ticket.request_id)
         if hold is not None:
             hold.expires_at = max(hold.expires_at, now + self.lease_s)
-            hold.claim(ticket.holder, now)
+            hold.claim(ticket.holder, now, placed=True)
             return
         tenant = self._tenants[ticket.tenant]
         tenant.in_flight += 1
         tenant.served.append((now, ticket.num_tokens))
         tenant.served_tokens += ticket.num_tokens
         self._held[ticket.request_id] = hold = _Hold(ticket.tenant, now + self.lease_s)
-        hold.claim(ticket.holder, now)
+        hold.claim(ticket.holder, now, placed=True)
 
     def renew(self, request_ids: Iterable[str], now: float, holder: str = "") -> int:
         """Those of request_ids holding a slot are alive (through holder, the router that says so): their leases
-        run lease_s from now. How many."""
+        run lease_s from now. How many. Not from a router that has ended its stream of one (a report under way as
+        it did)."""
         renewed = 0
         for request_id in request_ids:
             hold = self._held.get(request_id)
-            if hold is not None:
+            if hold is not None and holder not in hold.ended:
                 hold.expires_at = max(hold.expires_at, now + self.lease_s)
                 hold.claim(holder, now)
                 renewed += 1
@@ -301,6 +312,8 @@ class Admission:
             return False
         since, _ = hold.holders.pop(holder, (-math.inf, -math.inf))
         if another_stream_live or any(last > since and now - last < self.lease_s for _, last in hold.holders.values()):
+            if holder and not another_stream_live:  # (with another stream said to run, it may run through holder)
+                hold.ended.add(holder)
             self.leave_to_others(request_id, now)
             return False
         return self.release(request_id)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from baton.protocol import LIVE_IDS_PER_REPORT
 from services.common.block_hash import MAX_OVERLAP_BLOCKS
-from services.common.config import ServiceConfig, doc
+from services.common.config import ServiceConfig, check_instance_id, doc
 from services.common.slo import DEFAULT_TPOT_BUDGET_MS, DEFAULT_TTFT_BUDGET_MS
 from services.scheduler.admission import TenantLimits
 from services.scheduler.policies import POLICIES
@@ -35,7 +35,7 @@ class SchedulerConfig(ServiceConfig):
     """Places each request on a node."""
 
     listen: str = doc("host:port to serve gRPC on", "127.0.0.1:50200")
-    instance_id: str = doc("this replica's id in etcd", "scheduler-0")
+    instance_id: str = doc("this replica's id in etcd (1 to 128 of letters, digits and . _ : @ -)", "scheduler-0")
     load_timeout_s: float = doc("a node silent for longer than this is no candidate", 10.0)
     kvindex_timeout_s: float = doc("deadline of an overlap query; past it, place without cache info", 0.25)
     max_overlap_blocks: int = doc("most leading blocks of a prompt an overlap query asks about (no more than the "
@@ -74,6 +74,7 @@ class SchedulerConfig(ServiceConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_instance_id("instance-id", self.instance_id)
         if self.load_timeout_s <= 0:
             raise ValueError(f"--load-timeout-s: must be positive, got {self.load_timeout_s}")
         if self.policy not in POLICIES:

@@ -14,6 +14,7 @@ import math
 from baton.protocol import MAX_ALTERNATIVE_MODELS
 from baton.v1 import scheduler_pb2
 from services.common.block_hash import DEFAULT_BLOCK_SIZE
+from services.common.config import MAX_INSTANCE_ID_LEN
 from services.common.errors import InvalidArgument
 from services.common.failure_cause import RETRY_CAUSES
 from services.common.request_context import check_context
@@ -35,7 +36,7 @@ def check_place(request: scheduler_pb2.PlaceRequest, max_context_tokens: int | N
     scoped = 2 * max_id_len + 1
     for field, value, limit in (("request_id", request.request_id, scoped), ("tenant", request.context.tenant,
                                 max_id_len), ("workflow_id", request.context.workflow_id, scoped),
-                                ("router_id", request.router_id, max_id_len)):
+                                ("router_id", request.router_id, MAX_INSTANCE_ID_LEN)):
         if len(value) > limit:
             raise InvalidArgument(field, value, f"{len(value)} characters, longer than {limit}")
     # It labels the placements metric: a value of the caller's choosing would grow that metric without bound.
@@ -67,16 +68,13 @@ def check_place(request: scheduler_pb2.PlaceRequest, max_context_tokens: int | N
     check_context(request.context)
 
 
-def check_finished(request: scheduler_pb2.FinishedRequest, max_context_tokens: int | None,
-                   max_id_len: int = 128) -> None:
+def check_finished(request: scheduler_pb2.FinishedRequest, max_context_tokens: int | None) -> None:
     """Refuse a Finished notice that would skew the ledger or the policy, naming the first such field and its value.
 
     A node it names may be one this leader never saw (it left before this leader began): its GPU time is charged
     at the notice's price, so an unknown node is taken as it is. router_id keys the admission slot's holders.
     """
-    if len(request.router_id) > max_id_len:
-        raise InvalidArgument("router_id", request.router_id, f"{len(request.router_id)} characters, longer than "
-                              f"{max_id_len}")
+    _check_router_id(request.router_id)
     if request.outcome not in scheduler_pb2.RequestOutcome.values():
         raise InvalidArgument("outcome", request.outcome, "not a RequestOutcome (0 to "
                               f"{max(scheduler_pb2.RequestOutcome.values())})")
@@ -95,6 +93,14 @@ def check_finished(request: scheduler_pb2.FinishedRequest, max_context_tokens: i
 def check_live_requests(request: scheduler_pb2.LiveRequests, max_live_ids: int) -> None:
     """Refuse a live-request report longer than a router sends (work on every id, on every report), naming the
     list and its length."""
+    _check_router_id(request.router_id)
     for field, ids in (("request_ids", request.request_ids), ("workflow_ids", request.workflow_ids)):
         if len(ids) > max_live_ids:
             raise InvalidArgument(field, f"{len(ids)} ids", f"more than --max-live-ids ({max_live_ids}) in one report")
+
+
+def _check_router_id(router_id: str) -> None:
+    """router_id keys the holders of an admission slot: a router's --instance-id, at most MAX_INSTANCE_ID_LEN."""
+    if len(router_id) > MAX_INSTANCE_ID_LEN:
+        raise InvalidArgument("router_id", router_id, f"{len(router_id)} characters, longer than {MAX_INSTANCE_ID_LEN} "
+                              "(a router's --instance-id)")

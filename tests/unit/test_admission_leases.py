@@ -211,6 +211,42 @@ def test_a_slot_whose_one_router_ends_it_is_freed_at_once() -> None:
     assert admission.end("d", 15.0, "router-a") is True and admission.num_held == 0
 
 
+def _placed(admission: Admission, rid: str, router: str, now: float) -> None:
+    admission.on_admitted(Ticket(request_id=rid, tenant="t", priority=0, num_tokens=100, arrived_at=now,
+                                 holder=router), now)
+
+
+def test_a_router_restarted_under_its_instance_id_claims_the_id_afresh_when_it_places_it() -> None:
+    """router-1 places r and dies; the client resumes through router-2, which dies too; router-1, restarted under the
+    same --instance-id, takes the client's next resume and ends it with nothing else running r. Its claim kept the
+    first process's start, so dead router-2 still counted and the slot was held a third of a lease (helper-101)."""
+    admission = Admission(limits=CAPPED, lease_s=15.0)
+    _placed(admission, "r", "router-1", 0.0)
+    admission.renew(["r"], 1.0, "router-1")
+    _placed(admission, "r", "router-2", 2.0)
+    admission.renew(["r"], 4.0, "router-2")
+    _placed(admission, "r", "router-1", 5.0)  # the restarted process, the same id
+    assert admission.end("r", 6.0, "router-1") is True and admission.num_held == 0
+
+
+def test_a_live_report_under_way_as_its_router_ended_the_id_does_not_make_it_a_holder_again() -> None:
+    """router-a's report (its ids taken before its stream ended) lands after its Finished: it made a a holder again,
+    and b's end then left the slot to a, held a third of a lease after both streams ended (helper-101)."""
+    admission = Admission(limits=CAPPED, lease_s=15.0)
+    _placed(admission, "r", "router-a", 0.0)
+    _placed(admission, "r", "router-b", 1.0)
+    admission.renew(["r"], 2.0, "router-b")
+    assert admission.end("r", 3.0, "router-a") is False  # b still streams it
+    assert admission.renew(["r"], 3.1, "router-a") == 0  # a's late report
+    assert admission.end("r", 4.0, "router-b") is True and admission.num_held == 0
+    # A router that places the id again (its client sent it once more) holds it again.
+    _placed(admission, "s", "router-a", 5.0)
+    _placed(admission, "s", "router-b", 5.5)
+    assert admission.end("s", 6.0, "router-a") is False
+    _placed(admission, "s", "router-a", 6.5)
+    assert admission.end("s", 7.0, "router-b") is False and admission.num_held == 1
+
+
 def test_a_slot_left_to_another_stream_lapses_soon_unless_that_stream_is_reported_live() -> None:
     """Another stream of the id was said to run (the node refused this one as running it), but it may have ended just
     before: kept a whole lease, the slot held nothing and its tenant was refused meanwhile."""

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from services.common.config import doc, parse_config
+from services.kvindex.config import KVIndexConfig
 from services.node_agent.config import NodeAgentConfig
 from services.node_agent.engines.factory import build_host, node_info
 from services.router.config import RouterConfig
-from services.scheduler.config import parse_tenant_limits
+from services.scheduler.config import SchedulerConfig, parse_tenant_limits
 
 PREFIX = "BATON_ROUTER"
 
@@ -210,3 +211,13 @@ def test_a_node_id_that_cannot_travel_in_grpc_metadata_or_an_etcd_key_is_refused
     with pytest.raises(ValueError, match="--node-id: 1 to 128 of letters"):
         NodeAgentConfig(node_id=node_id)
     assert NodeAgentConfig(node_id="h100-node_1.a:b@c").node_id == "h100-node_1.a:b@c"
+
+
+@pytest.mark.parametrize("make", [RouterConfig, SchedulerConfig, KVIndexConfig])
+@pytest.mark.parametrize("instance_id", ["", "router 1", "r/1", "r" * 129])
+def test_an_instance_id_that_cannot_key_etcd_or_travel_as_router_id_is_refused(make: type, instance_id: str) -> None:
+    """A router sends its --instance-id as router_id on every Place and Finished, which the leader bounds at 128
+    characters: a longer one made every request a 400 naming router_id, a server's misconfiguration blamed on its
+    clients (helper-101)."""
+    with pytest.raises(ValueError, match="--instance-id: 1 to 128 of letters"):
+        make(instance_id=instance_id)

@@ -43,6 +43,7 @@ from services.router.config import RouterConfig
 from services.router.relay import Ending, HeldEndings
 from services.router.servicer import RouterService
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.placement import LeftOutOfReach
 from services.scheduler.validation import check_live_requests
 
 pytestmark = pytest.mark.timeout(60)
@@ -778,3 +779,21 @@ async def test_a_request_the_leader_refuses_as_bad_input_is_no_task_and_one_it_r
 async def _never() -> AsyncIterator[Chunk]:
     raise AssertionError("no node is asked")
     yield
+
+
+@pytest.mark.timeout(30)
+async def test_a_leaders_deadline_exceeded_for_a_resumed_stream_reaches_its_client_at_once() -> None:
+    """The leader ends a resumed stream that cannot end in what it has left with DEADLINE_EXCEEDED; the router took
+    that for its own call to the leader timing out, waited --leader-wait-s for another leader and answered
+    UNAVAILABLE, retryable and false (helper-101). A status the leader sent on purpose carries its origin."""
+    scheduler = _RefusingScheduler(LeftOutOfReach("deadline_ms=900: cannot be met in what the resumed stream has "
+                                                  "left"))
+    resume = router_pb2.Resume(token_ids=[97, 98], elapsed_ms=100)
+    async with _router(lambda request: _never(), scheduler, leader_wait_s=30.0) as (router, _):
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            async for _ in router.Generate(router_pb2.GenerateRequest(
+                    model=MODEL, prompt="hi", max_tokens=4, request_id="r", resume=resume, deadline_ms=60_000)):
+                pass
+    assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "cannot be met in what the resumed stream has left" in (failed.value.details() or "")
+    assert len(scheduler.places) == 1
