@@ -20,6 +20,18 @@ log = logging.getLogger(__name__)
 _TICK_S = 0.05
 # Longest time between sweeps for admitted requests whose lease ran out.
 _SWEEP_S = 1.0
+# Admission takes every int32 priority as a band of its own, but its metrics label by value only the priorities
+# from -10 to 10 (beyond them ">10" or "<-10"): a label per priority would let any client add series at will.
+MAX_LABELLED_BAND = 10
+
+
+def band_label(priority: int) -> str:
+    """The `band` label of a priority: the priority itself within +-MAX_LABELLED_BAND, else which side it is."""
+    if priority > MAX_LABELLED_BAND:
+        return f">{MAX_LABELLED_BAND}"
+    if priority < -MAX_LABELLED_BAND:
+        return f"<-{MAX_LABELLED_BAND}"
+    return str(priority)
 
 
 class AdmissionGate:
@@ -49,7 +61,7 @@ class AdmissionGate:
     def refused(self, reason: str, priority: int) -> None:
         """Count a request the placement core refused before it reached the gate (a deadline no node could meet,
         or none on the fleet as it is), as the gate counts its own refusals."""
-        self._decisions.add(1, {"verdict": "reject", "reason": reason, "band": priority})
+        self._decisions.add(1, {"verdict": "reject", "reason": reason, "band": band_label(priority)})
 
     async def enter(self, ticket: Ticket, predicted_ttft_s: float) -> bool:
         """Return once ticket is admitted (True if it had to wait); ResourceExhausted if refused.
@@ -58,7 +70,7 @@ class AdmissionGate:
         at saturation again as soon as it runs, and the placement must count by then.
         """
         outcome = self._admission.offer(ticket, self._clock(), self._is_saturated(), predicted_ttft_s)
-        band = {"band": ticket.priority}
+        band = {"band": band_label(ticket.priority)}
         if outcome.shed is not None:
             self._refuse_queued(outcome.shed, outcome.reason, "shed for a more important request")
         if outcome.verdict == Verdict.REJECT:
@@ -87,7 +99,7 @@ class AdmissionGate:
                     future.result().set()
                 raise
             self._queue_wait.record((self._clock() - ticket.arrived_at) * 1000,
-                                    {"band": ticket.priority, "tenant": ticket.tenant})
+                                    {**band, "tenant": ticket.tenant})
             self._admit(ticket)
             placed.set()  # the dispatcher resumes only after our caller's next await
             return True
@@ -121,8 +133,9 @@ class AdmissionGate:
 
     def _refuse_queued(self, ticket: Ticket, reason: str, kind: str) -> None:
         """Refuse a queued request (counted as queued when it came, and now as refused)."""
-        self._depth.add(-1, {"band": ticket.priority})
-        self._decisions.add(1, {"verdict": "reject", "reason": kind, "band": ticket.priority})
+        band = band_label(ticket.priority)
+        self._depth.add(-1, {"band": band})
+        self._decisions.add(1, {"verdict": "reject", "reason": kind, "band": band})
         future = self._waiting.pop(ticket.request_id, None)
         if future is not None and not future.done():
             future.set_exception(ResourceExhausted(f"request {ticket.request_id}: {reason}", retry_after_ms=1000))
@@ -140,7 +153,7 @@ class AdmissionGate:
                 ticket = self._admission.pop_next(self._clock())
                 if ticket is None:
                     break
-                self._depth.add(-1, {"band": ticket.priority})
+                self._depth.add(-1, {"band": band_label(ticket.priority)})
                 future = self._waiting.pop(ticket.request_id, None)
                 if future is None or future.done():
                     continue

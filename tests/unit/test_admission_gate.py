@@ -175,10 +175,47 @@ async def test_refusals_are_counted_by_kind_with_no_tenants_limit_in_a_label() -
     points = next(m for m in metrics if m.name == "baton.scheduler.admissions").data.data_points
     refused = {tuple(sorted(p.attributes.items())): p.value for p in points if p.attributes["verdict"] == "reject"}
     assert refused == {
-        (("band", 0), ("reason", "tenant concurrency limit"), ("tenant", "acme"), ("verdict", "reject")): 1,
-        (("band", 0), ("reason", "shed for a more important request"), ("verdict", "reject")): 1,
-        (("band", 1), ("reason", "deadline passed in queue"), ("verdict", "reject")): 1,
+        (("band", "0"), ("reason", "tenant concurrency limit"), ("tenant", "acme"), ("verdict", "reject")): 1,
+        (("band", "0"), ("reason", "shed for a more important request"), ("verdict", "reject")): 1,
+        (("band", "1"), ("reason", "deadline passed in queue"), ("verdict", "reject")): 1,
     }
+
+
+def _points(reader: InMemoryMetricReader, name: str) -> list:
+    metrics = reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics
+    return next(m for m in metrics if m.name == name).data.data_points
+
+
+async def test_a_clients_priority_labels_its_band_only_within_ten_either_way() -> None:
+    """band was the raw priority, any int32 a client sends: a live probe's six priorities (1000 to 1003, -5,
+    2**31 - 1) made six series of each admission metric; past +-10 a band is labelled by its side only."""
+    reader = InMemoryMetricReader()
+    meter = MeterProvider(metric_readers=[reader]).get_meter("test")
+    fleet = Fleet()
+    fleet.saturated = False
+    admission = Admission()
+    gate = AdmissionGate(admission, fleet.is_saturated, meter, clock=fleet.clock)
+    for i, priority in enumerate((1000, 1001, 1002, 1003, -5, 2**31 - 1, 10, -10, -11, -2**31)):
+        assert await gate.enter(ticket(f"admitted-{i}", fleet.now, priority=priority), 0.1) is False
+    gate.refused("deadline cannot be met", 12345)
+    fleet.saturated = True
+    dispatcher = asyncio.create_task(gate.run())
+    try:
+        waiting = [await queued(gate, admission, ticket(f"queued-{p}", fleet.now, priority=p)) for p in (500, 501)]
+        fleet.saturated = False
+        gate.capacity_changed()
+        assert await asyncio.wait_for(asyncio.gather(*waiting), 5) == [True, True]
+    finally:
+        dispatcher.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await dispatcher
+    admitted = {p.attributes["band"]: p.value for p in _points(reader, "baton.scheduler.admissions")
+                if p.attributes["verdict"] == "admit"}
+    assert admitted == {">10": 5, "-5": 1, "10": 1, "-10": 1, "<-10": 2}
+    assert {p.attributes["band"] for p in _points(reader, "baton.scheduler.admissions")
+            if p.attributes["verdict"] != "admit"} == {">10"}  # queued twice, refused once
+    assert {p.attributes["band"]: p.value for p in _points(reader, "baton.scheduler.queue_depth")} == {">10": 0}
+    assert [(p.attributes["band"], p.count) for p in _points(reader, "baton.scheduler.queue_wait")] == [(">10", 2)]
 
 
 async def test_a_request_larger_than_its_tenants_whole_minute_is_bad_input_not_a_wait() -> None:
