@@ -27,6 +27,29 @@ from opentelemetry.sdk.trace.export import (
 from prometheus_client import CollectorRegistry, start_http_server
 
 
+# Distinct values a label that clients choose (a tenant) keeps in one process by default (--max-tenant-labels);
+# later ones are OTHER_LABEL.
+MAX_LABEL_VALUES = 100
+OTHER_LABEL = "other"
+
+
+class BoundedLabel:
+    """A label whose values come from clients: the first `limit` distinct values label as themselves, every later
+    one as OTHER_LABEL, so that no client can add series without bound. One event loop's (not thread-safe)."""
+
+    def __init__(self, limit: int = MAX_LABEL_VALUES) -> None:
+        self._limit = limit
+        self._kept: set[str] = set()
+
+    def __call__(self, value: str) -> str:
+        if value in self._kept:
+            return value
+        if len(self._kept) >= self._limit:
+            return OTHER_LABEL
+        self._kept.add(value)
+        return value
+
+
 class JsonLinesSpanExporter(SpanExporter):
     """Appends one JSON object per finished span to a file (several processes may share it)."""
 

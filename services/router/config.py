@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from services.common.config import ServiceConfig, check_instance_id, check_listen, doc
 from services.common.slo import DEFAULT_TPOT_BUDGET_MS, DEFAULT_TTFT_BUDGET_MS, Slo
+from services.common.telemetry import MAX_LABEL_VALUES
 from services.router.connection_rate import ConnectionRates
 from services.router.validation import InputLimits
 
@@ -37,6 +38,9 @@ class RouterConfig(ServiceConfig):
     max_stop_sequences: int = doc("most stop strings one request may carry", 16)
     max_stop_bytes: int = doc("most UTF-8 bytes of all a request's stop strings together", 4096)
     max_id_len: int = doc("longest request_id, tenant or workflow_id, in characters", 128)
+    max_tenant_labels: int = doc("distinct tenants the latency histograms label by name, the first seen; later "
+                                 "ones are 'other' (0: every one; without --auth a tenant is whatever the client "
+                                 "sends)", MAX_LABEL_VALUES)
     max_requests_per_connection_per_s: float = doc(
         "requests one client connection (a gRPC channel's TCP connection, an HTTP connection) may send per "
         "second on average, past its burst; more are refused with RESOURCE_EXHAUSTED / 429 (0: no limit)", 500.0)
@@ -73,6 +77,8 @@ class RouterConfig(ServiceConfig):
             raise ValueError(f"--leader-wait-s: must be positive, got {self.leader_wait_s}")
         if self.placement_timeout_s <= 0:
             raise ValueError(f"--placement-timeout-s: must be positive, got {self.placement_timeout_s}")
+        if self.max_tenant_labels < 0:
+            raise ValueError(f"--max-tenant-labels: must be 0 or more, got {self.max_tenant_labels}")
         if not 0 <= self.max_requests_per_connection_per_s < math.inf:
             raise ValueError("--max-requests-per-connection-per-s: must be 0 (no limit) or positive, got "
                              f"{self.max_requests_per_connection_per_s}")

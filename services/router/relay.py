@@ -104,7 +104,7 @@ class Relay:
         self._recomputed = meter.create_counter(
             "baton.router.recomputed_tokens", description="context tokens prefilled again on resume"
         )
-        self._latency = StreamLatency(meter)
+        self._latency = StreamLatency(meter, config.max_tenant_labels)
 
     async def stream(
         self, generation: Generation, request: router_pb2.GenerateRequest,

@@ -10,6 +10,7 @@ from baton.protocol import LIVE_IDS_PER_REPORT
 from services.common.block_hash import MAX_OVERLAP_BLOCKS
 from services.common.config import ServiceConfig, check_instance_id, doc
 from services.common.slo import DEFAULT_TPOT_BUDGET_MS, DEFAULT_TTFT_BUDGET_MS
+from services.common.telemetry import MAX_LABEL_VALUES
 from services.scheduler.admission import TenantLimits
 from services.scheduler.policies import POLICIES
 
@@ -66,6 +67,8 @@ class SchedulerConfig(ServiceConfig):
                            "tpot_budget_ms (the routers' --slo-tpot-ms)", DEFAULT_TPOT_BUDGET_MS)
     max_id_len: int = doc("longest tenant a Place may name, in characters (the routers' --max-id-len); a request "
                           "or workflow id may be twice as long and one more (scoped by its tenant)", 128)
+    max_tenant_labels: int = doc("distinct tenants the admission metrics label by name, the first seen; later ones "
+                                 "are 'other' (0: every one; a Place may name any tenant)", MAX_LABEL_VALUES)
     max_live_ids: int = doc("most request ids (and workflow ids) one ReportLiveRequests may carry; at least the "
                             f"{LIVE_IDS_PER_REPORT} a router sends per report (it splits a longer list)",
                             LIVE_IDS_PER_REPORT)
@@ -94,5 +97,7 @@ class SchedulerConfig(ServiceConfig):
             raise ValueError(f"--max-live-ids: must be at least {LIVE_IDS_PER_REPORT}, the request ids a router "
                              f"reports at once (fewer would refuse its reports and free its requests' slots), got "
                              f"{self.max_live_ids}")
+        if self.max_tenant_labels < 0:
+            raise ValueError(f"--max-tenant-labels: must be 0 or more, got {self.max_tenant_labels}")
         if self.kvindex_timeout_s <= 0:
             raise ValueError(f"--kvindex-timeout-s: must be positive, got {self.kvindex_timeout_s}")

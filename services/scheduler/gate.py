@@ -12,6 +12,7 @@ from opentelemetry.metrics import Meter
 
 from services.common.change_signal import ChangeSignal, wait_or_timeout
 from services.common.errors import InvalidArgument, ResourceExhausted
+from services.common.telemetry import MAX_LABEL_VALUES, BoundedLabel
 from services.scheduler.admission import Admission, Ticket, Verdict
 
 log = logging.getLogger(__name__)
@@ -38,13 +39,15 @@ class AdmissionGate:
     """Admits, queues or refuses each new request; dispatches the queue as capacity frees."""
 
     def __init__(self, admission: Admission, is_saturated: Callable[[], bool], meter: Meter,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_tenant_labels: int = MAX_LABEL_VALUES) -> None:
         self._admission = admission
         self._is_saturated = is_saturated
         self._clock = clock
         self._waiting: dict[str, asyncio.Future[asyncio.Event]] = {}
         self._capacity = ChangeSignal()
         self._swept_at = -math.inf
+        # A Place names any tenant its caller likes (a router without --auth passes its client's on).
+        self._tenant = BoundedLabel(max_tenant_labels)
         self._decisions = meter.create_counter("baton.scheduler.admissions",
                                                description="admission verdicts, by verdict, reason and band")
         self._queue_wait = meter.create_histogram("baton.scheduler.queue_wait", unit="ms",
@@ -75,7 +78,7 @@ class AdmissionGate:
             self._refuse_queued(outcome.shed, outcome.reason, "shed for a more important request")
         if outcome.verdict == Verdict.REJECT:
             # A tenant's limit is counted per tenant, by a label of its own (its limit is in no label).
-            tenant = {"tenant": ticket.tenant} if outcome.kind.startswith("tenant") else {}
+            tenant = {"tenant": self._tenant(ticket.tenant)} if outcome.kind.startswith("tenant") else {}
             self._decisions.add(1, {"verdict": "reject", "reason": outcome.kind, **band, **tenant})
             if outcome.never:  # a 429 with a retry hint would send it again in vain
                 raise InvalidArgument("max_tokens", ticket.max_tokens, outcome.reason)
@@ -99,7 +102,7 @@ class AdmissionGate:
                     future.result().set()
                 raise
             self._queue_wait.record((self._clock() - ticket.arrived_at) * 1000,
-                                    {**band, "tenant": ticket.tenant})
+                                    {**band, "tenant": self._tenant(ticket.tenant)})
             self._admit(ticket)
             placed.set()  # the dispatcher resumes only after our caller's next await
             return True

@@ -142,7 +142,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             explicit_bucket_boundaries_advisory=TTFT_RATIO_BUCKETS)
         self._admission = Admission(max_queued=config.max_queued, limits=parse_tenant_limits(config.tenant_limits),
                                     lease_s=config.admission_lease_s)
-        self._gate = AdmissionGate(self._admission, self._is_saturated, telemetry.meter, clock)
+        self._gate = AdmissionGate(self._admission, self._is_saturated, telemetry.meter, clock,
+                                   config.max_tenant_labels)
         self._node_infos: dict[str, common_pb2.NodeInfo] = {}
         # Nodes draining out of the fleet: no new work, but paid for until they leave.
         self._draining_price_per_hour = 0.0
