@@ -116,7 +116,7 @@ def task_stats(result: RunResult, slo: Slo) -> TaskStats:
     request's end, in the order they ended, with its outcome and the GPU time it used at its nodes'
     prices; GPU time no request used (model loads) as overhead; the whole fleet for the run."""
     ledger = TaskLedger(timeout_s=0.0)
-    for record in sorted(result.records, key=lambda r: r.ended_s):
+    for record in sorted((r for r in result.records if r.is_task), key=lambda r: r.ended_s):
         request = record.request
         ledger.record(request.task_id, request.step, request.total_steps, record.gpu_cost, slo.is_met(record),
                       record.ended_s)

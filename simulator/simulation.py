@@ -19,7 +19,7 @@ from typing import NoReturn
 
 from baton.v1 import common_pb2
 from services.common.engine_profile import EngineProfile
-from services.common.errors import BatonError, Unavailable
+from services.common.errors import BatonError, InvalidArgument, Unavailable
 from services.common.failure_cause import FailureCause
 from services.common.load import Load
 from services.kvindex.index import KVIndex
@@ -93,6 +93,8 @@ class RequestRecord:
     cached_tokens: int = 0
     num_migrations: int = 0
     failed: str = ""  # why, when it could not complete
+    # False for a lone request refused as bad input before any node ran it: no task, as the live router counts it.
+    is_task: bool = True
     # The node it was last placed on ("": none).
     node_id: str = ""
     # GPU time it used at its nodes' prices (every attempt's: as the router reports it to the ledger).
@@ -444,7 +446,7 @@ class Simulation:
         try:
             plan = self._placer.start(ask, self._now)
         except Unmeetable as error:  # a budget no node could meet: refused at once, as Place does
-            self._fail(record, f"refused: {error}")
+            self._refuse(record, error)
             return
         except BatonError as error:
             self._fail(record, str(error))
@@ -467,7 +469,7 @@ class Simulation:
             admission = self._placer.ticket(plan, options, self._now) if self._admission is not None else None
         except BatonError as error:  # a deadline the fleet as it is could not meet: refused at once, as Place does
             self._placer.abandon(plan)
-            self._fail(record, f"refused: {error}")
+            self._refuse(record, error)
             return
         if admission is None:
             self._commit(pending, options)
@@ -542,6 +544,12 @@ class Simulation:
                 self._fail(pending.record, str(error))
                 continue
             self._commit(pending, options)
+
+    def _refuse(self, record: RequestRecord, error: BatonError) -> None:
+        """Refused by the placement core; a lone request refused as bad input is no task (services/router/relay.py)."""
+        self._fail(record, f"refused: {error}")
+        if isinstance(error, InvalidArgument) and record.request.total_steps <= 1 and not record.gpu_cost:
+            record.is_task = False
 
     def _fail(self, record: RequestRecord, why: str) -> None:
         record.failed = why

@@ -137,7 +137,7 @@ class Relay:
             return _outcome(finish_reason, request, self._slo, started_at, arrived_at, first_token_at, last_at,
                             len(generation.generated) - num_resumed, loop.time())
 
-        is_task = True  # a request refused as bad input is no task, wherever refused (as the router's own refusals)
+        is_task = True  # a lone request refused as bad input is no task, wherever refused (as the router's own)
         try:
             retry_cause: FailureCause | None = None  # why it moves, once a node failed it
             failed_at: float | None = None
@@ -151,8 +151,10 @@ class Relay:
                 try:
                     placement = await self._place(generation, request, retry_cause, time_remaining())
                 except BatonError as error:
-                    # Refused as bad input before any node ran it (a move's GPU time is a task's, whatever comes).
-                    is_task = (error.code != grpc.StatusCode.INVALID_ARGUMENT
+                    # Refused as bad input before any node ran it (a move's GPU time is a task's, whatever comes), and
+                    # no workflow's step (its workflow failed: unreported, one without total_steps counted as
+                    # succeeded).
+                    is_task = (error.code != grpc.StatusCode.INVALID_ARGUMENT or bool(request.workflow_id)
                                or bool(generation.failures or generation.refusals or generation.gpu_ms_by_node))
                     raise
                 base = len(generation.generated)

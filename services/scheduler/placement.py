@@ -240,7 +240,7 @@ class Placer:
         the fleet as it is (candidates without a profile: not predicted; none has one: no refusal, see
         ticket). A resumed stream's deadline_ms is what its client has left: it ends DEADLINE_EXCEEDED, as its
         router's timer would end it, with no retry hint (sent again, it would have less left). A fresh one that
-        has not waited, on a fleet whose every node listing its models is a candidate and idle, is bad input
+        has not waited, on a fleet whose every node listing its models is a warm candidate and idle, is bad input
         (Unmeetable): no load is in the prediction and no node can come back, so a retry hint would send it
         again in vain (an idle fleet answered 429 to a deadline between the floor and its prediction)."""
         if not request.deadline_ms:
@@ -266,8 +266,9 @@ class Placer:
             retry_after_ms=max(1000, int(best_ms - request.deadline_ms)))
 
     def _all_idle(self, options: list[Option]) -> bool:
-        """Every node listing one of the options' models is one of their candidates, with nothing in flight."""
-        candidates = {s.spec.node_id for o in options for s in o.candidates}
+        """Every node listing one of the options' models is one of their candidates with the model warm (a cold
+        or loading one's prediction holds the load, which passes) and nothing in flight."""
+        candidates = {s.spec.node_id for o in options for s in o.candidates if o.request.model in s.spec.warm_models}
         listing = [s for s in self.cluster.nodes() if any(s.spec.has(o.request.model) for o in options)]
         return all(s.spec.node_id in candidates and s.is_idle for s in listing)
 

@@ -304,3 +304,18 @@ def test_a_deadline_an_idle_fleet_cannot_meet_is_bad_input_and_one_a_loaded_flee
     plan = placer.start(_ask(model=model, max_tokens=200, deadline_ms=deadline_ms), 2.0)
     with pytest.raises(ResourceExhausted, match=f"deadline_ms={deadline_ms}: cannot be met; "):
         placer.ticket(plan, placer.options(plan, lambda _: {}), 2.0)
+
+
+@pytest.mark.parametrize("loading", [False, True])
+def test_a_deadline_only_a_models_load_puts_out_of_reach_on_an_idle_fleet_keeps_its_retry_hint(loading: bool) -> None:
+    """A free GPU with the model on disk (or loading it) is a candidate whose prediction holds the load: 30 s for a
+    request a warm node ends in under half a second. That is no bad input: once loaded, the same request is met
+    (helper-103 found it refused as unmeetable)."""
+    model = "sim-llama-3.1-8b"
+    spec = dataclasses.replace(_spec("n", warm=(), cold=(model,)), load_time_s={model: 30.0},
+                               loading_models=frozenset({model}) if loading else frozenset())
+    placer = _placer(spec, policy="baton")
+    placer.cluster.report_load("n", Load(kv_blocks_total=100_000), 1.0)
+    plan = placer.start(_ask(model=model, max_tokens=50, deadline_ms=5_000), 1.0)
+    with pytest.raises(ResourceExhausted, match="deadline_ms=5000: cannot be met; "):
+        placer.ticket(plan, placer.options(plan, lambda _: {}), 1.0)

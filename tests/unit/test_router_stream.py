@@ -753,21 +753,24 @@ class _RefusingScheduler(_FakeScheduler):
         await abort(context, self.error)
 
 
-@pytest.mark.parametrize(("error", "is_task"), [
-    (InvalidArgument("deadline_ms", 1100, "cannot be met: ... on an idle node"), False),
-    (ResourceExhausted("tenant t: at its concurrency limit", retry_after_ms=1000), True),
+@pytest.mark.parametrize(("error", "workflow_id", "is_task"), [
+    (InvalidArgument("deadline_ms", 1100, "cannot be met: ... on an idle node"), "", False),
+    (InvalidArgument("deadline_ms", 1100, "cannot be met: ... on an idle node"), "w", True),
+    (ResourceExhausted("tenant t: at its concurrency limit", retry_after_ms=1000), "", True),
 ])
 @pytest.mark.timeout(30)
 async def test_a_request_the_leader_refuses_as_bad_input_is_no_task_and_one_it_refuses_for_load_is_a_failed_one(
-        error: BatonError, is_task: bool) -> None:
+        error: BatonError, workflow_id: str, is_task: bool) -> None:
     """The router's own refusals of bad input were no tasks, the leader's were failed tasks, open for
     --task-timeout-s: whether a 400 counted depended on which service refused it. A refusal for the fleet's load or
-    a tenant's limit is still a failed task (the client may send the id again and succeed)."""
+    a tenant's limit is still a failed task (the client may send the id again and succeed), and so is a workflow's
+    step refused as bad input: its workflow failed (unreported, one without total_steps counted as succeeded)."""
     scheduler = _RefusingScheduler(error)
     async with _router(lambda request: _never(), scheduler) as (router, _):
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             async for _ in router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=3,
-                                                                      request_id="r")):
+                                                                      request_id="r", workflow_id=workflow_id,
+                                                                      step=2 if workflow_id else 0)):
                 pass
         assert refused.value.code() == error.code
     # The router has closed: every notice it would send has gone out.

@@ -14,7 +14,7 @@ from services.common.block_hash import block_hashes
 from services.node_agent.engines.sim.models import get_model, load_time_s
 from services.scheduler.model_planner import ModelPlanner
 from services.scheduler.policies import make_policy
-from simulator.metrics import Slo, summarize
+from simulator.metrics import Slo, summarize, task_stats
 from simulator.model_study import shifted
 from simulator.simulation import RunResult, Simulation, fleet
 from simulator.report import TRACES
@@ -292,6 +292,12 @@ def test_a_deadline_no_node_could_meet_is_refused_in_the_simulator_and_the_other
     records = {r.request.request_id: r for r in result.records}
     assert records["hopeless"].failed.startswith("refused: deadline_ms=5: cannot be met")
     assert all(records[f"r{i}"].num_generated == 32 for i in range(5))
+    # As the live router counts it: a lone request refused as bad input is no task, a workflow's step is its failure.
+    assert task_stats(result, Slo()).failed == 0 and task_stats(result, Slo()).succeeded == 5
+    step = dataclasses.replace(hopeless, task_id="w", step=2, total_steps=2)
+    first = dataclasses.replace(_request((3,), 64, "first"), task_id="w", step=1, total_steps=2)
+    flow = Simulation(fleet("1xh100"), make_policy("baton"), admission="baton").run(Workload("flow", [first, step]))
+    assert (task_stats(flow, Slo()).succeeded, task_stats(flow, Slo()).failed) == (0, 1)
 
 
 # -- model placement --------------------------------------------------------------------------------
