@@ -89,6 +89,11 @@ class StartError(RuntimeError):
     """A process did not become ready; the message names it and its log."""
 
 
+# A router stops in up to 20 s: its gRPC server's grace for the streams under way (10 s), then those streams'
+# ends (5 s) and their Finished notices to the leader (5 s, all of it when no leader answers); SIGKILLed at 10 s, it
+# lost the notices (services/common/server.py, services/router/servicer.py and relay.py).
+ROUTER_STOP_S = 25.0
+
 @dataclass
 class ManagedProcess:
     """One child process that this cluster started and alone may stop."""
@@ -101,6 +106,8 @@ class ManagedProcess:
     # host:port of its Prometheus endpoint (/metrics), "" when it serves none.
     metrics_address: str = ""
     proc: subprocess.Popen[bytes] | None = None
+    # How long stop() waits after SIGTERM before SIGKILL.
+    stop_timeout_s: float = 10.0
 
     def start(self) -> None:
         env = {**os.environ, **self.env}
@@ -127,9 +134,10 @@ class ManagedProcess:
             assert self.proc is not None
             self.proc.send_signal(sig)
 
-    def stop(self, timeout_s: float = 10.0) -> int | None:
-        """SIGTERM, wait, then SIGKILL; then SIGKILL whatever it started and left behind (it may
-        have been killed itself); returns the exit code."""
+    def stop(self, timeout_s: float | None = None) -> int | None:
+        """SIGTERM, wait (stop_timeout_s unless timeout_s), then SIGKILL; then SIGKILL whatever it started and left
+        behind (it may have been killed itself); returns the exit code."""
+        timeout_s = self.stop_timeout_s if timeout_s is None else timeout_s
         if self.proc is None:
             return None
         if self.proc.poll() is None:
@@ -346,7 +354,8 @@ class LocalCluster:
             args.append(f"--metrics-port={metrics_address.rpartition(':')[2]}")
         args += list(extra)
         return ManagedProcess(name=name, args=args, log_path=self.workdir / f"{name}.log", address=address,
-                              metrics_address=metrics_address)
+                              metrics_address=metrics_address,
+                              stop_timeout_s=ROUTER_STOP_S if module == "services.router" else 10.0)
 
     def start(self, timeout_s: float = 60.0) -> None:
         """Start everything and wait until every service is SERVING and sees every node."""
