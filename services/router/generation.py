@@ -13,10 +13,13 @@ from services.common.failure_cause import FailureCause
 class NodeFailure(Exception):
     """A node stopped serving this generation; it may continue elsewhere."""
 
-    def __init__(self, node_id: str, cause: FailureCause, detail: str = "") -> None:
+    def __init__(self, node_id: str, cause: FailureCause, detail: str = "", heard: bool = True) -> None:
         super().__init__(f"node {node_id}: {cause.value}{': ' + detail if detail else ''}")
         self.node_id = node_id
         self.cause = cause
+        # Whether the node said anything on the stream (it had the request): if not, the next node's prefill
+        # computes nothing again.
+        self.heard = heard
 
 
 class TakeoverRefused(Exception):

@@ -99,20 +99,20 @@ async def watched_stream(
                 watch.listen(loop.time())
                 if chunk.finish_reason:
                     return
-        raise NodeFailure(node_id, FailureCause.STREAM_BROKEN, "stream ended without a finish")
+        raise NodeFailure(node_id, FailureCause.STREAM_BROKEN, "stream ended without a finish", received_any)
     except asyncio.CancelledError:
         current = asyncio.current_task()
         if failure is None or (current is not None and current.cancelling()):
             raise  # cancelled from outside (the client went away): not a node failure
-        raise NodeFailure(node_id, failure, stalled_because) from None
+        raise NodeFailure(node_id, failure, stalled_because, received_any) from None
     except grpc.aio.AioRpcError as exc:
         if failure is not None:
-            raise NodeFailure(node_id, failure, stalled_because) from None
+            raise NodeFailure(node_id, failure, stalled_because, received_any) from None
         if exc.code() == grpc.StatusCode.UNAVAILABLE and _says_stream_held(exc):
             raise TakeoverRefused(node_id, exc.details() or "") from None
         if exc.code() in _NODE_FAILURE_CODES:
             cause = FailureCause.STREAM_BROKEN if received_any else FailureCause.CONNECT_FAILED
-            raise NodeFailure(node_id, cause, exc.details() or exc.code().name) from None
+            raise NodeFailure(node_id, cause, exc.details() or exc.code().name, received_any) from None
         raise from_rpc_error(exc) from None
     finally:
         timer.cancel()

@@ -140,6 +140,8 @@ class Relay:
         is_task = True  # a lone request refused as bad input is no task, wherever refused (as the router's own)
         try:
             retry_cause: FailureCause | None = None  # why it moves, once a node failed it
+            # A failed node had the request (said anything on its stream): a move's node then prefills again.
+            computed_elsewhere = False
             failed_at: float | None = None
             while True:
                 # Its node failed after the last token, before the finish; or a resumed request came with every token
@@ -186,7 +188,7 @@ class Relay:
                                 self._resume_stall.record((last_token_at - failed_at) * 1000)
                                 failed_at = None
                         # A move's node, or a node resuming what the client already has, prefills that again.
-                        if (retry_cause or base) and (prefilled := _prefilled(chunk)) is not None:
+                        if (computed_elsewhere or base) and (prefilled := _prefilled(chunk)) is not None:
                             attempt_recomputed = prefilled
                         chunk.index += base
                         if chunk.finish_reason:
@@ -215,6 +217,7 @@ class Relay:
                     self._migrations.add(1, {"cause": failure.cause.value})
                     generation.record_failure(failure, self._config.max_migrations)
                     retry_cause = failure.cause
+                    computed_elsewhere = computed_elsewhere or failure.heard
                     if failed_at is None:
                         failed_at = last_token_at if last_token_at is not None else loop.time()
                 finally:  # an attempt that failed: what it used and prefilled counts too

@@ -800,3 +800,25 @@ async def test_a_leaders_deadline_exceeded_for_a_resumed_stream_reaches_its_clie
     assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "cannot be met in what the resumed stream has left" in (failed.value.details() or "")
     assert len(scheduler.places) == 1
+
+
+@pytest.mark.timeout(30)
+async def test_a_move_from_a_node_that_never_had_the_request_recomputes_nothing() -> None:
+    """The first node froze before the request reached it (it said nothing on the stream): its move's node prefills
+    the prompt for the first time, and recomputed_tokens counted all of it as computed again."""
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        if scheduler.places[-1].retry_cause == "":
+            await asyncio.Event().wait()  # the first node: silent until the router gives up on it
+        context = len(request.prompt_token_ids)
+        yield _started()
+        yield Chunk(node_id=NODE, index=0, token_ids=[97], finish_reason=common_pb2.FINISH_REASON_LENGTH,
+                    checkpoint=node_agent_pb2.Checkpoint(num_context_tokens=context + 1, num_completion_tokens=1,
+                                                         num_cached_tokens=0),
+                    usage=common_pb2.Usage(prompt_tokens=context, completion_tokens=1))
+
+    scheduler = _MovingScheduler()
+    async with _router(generate, scheduler, stall_floor_s=0.2) as (router, _):
+        messages = [m async for m in router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi",
+                                                                                 max_tokens=1))]
+    usage = messages[-1].usage
+    assert usage.num_migrations == 1 and usage.recomputed_tokens == 0
