@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.common.block_hash import DEFAULT_BLOCK_SIZE
 from services.common.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from services.common.load import Load
 from services.scheduler.admission import Ticket
 from services.scheduler.fleet import ClusterView, NodeStatus, saturation
 from services.scheduler.model_planner import ModelPlanner
@@ -240,9 +242,9 @@ class Placer:
         the fleet as it is (candidates without a profile: not predicted; none has one: no refusal, see
         ticket). A resumed stream's deadline_ms is what its client has left: it ends DEADLINE_EXCEEDED, as its
         router's timer would end it, with no retry hint (sent again, it would have less left). A fresh one that
-        has not waited, on a fleet whose every node listing its models is a warm candidate and idle, is bad input
-        (Unmeetable): no load is in the prediction and no node can come back, so a retry hint would send it
-        again in vain (an idle fleet answered 429 to a deadline between the floor and its prediction)."""
+        its candidates could not meet even with their load gone (_idle_end_s) is bad input (Unmeetable): a retry
+        hint would send it again in vain (one between the floor and that prediction got 429, and the openai
+        client sent it three times)."""
         if not request.deadline_ms:
             return
         ends = [end for o in options
@@ -250,10 +252,11 @@ class Placer:
         if not ends or (waited_s + min(ends)) * 1000 <= request.deadline_ms:
             return
         best_ms = (waited_s + min(ends)) * 1000
-        if not resumed and not waited_s and self._all_idle(options):
+        if not resumed and (idle_s := self._idle_end_s(options, now)) is not None \
+                and idle_s * 1000 > request.deadline_ms:
             raise Unmeetable("deadline_ms", request.deadline_ms,
                              f"cannot be met: the first token and max_tokens={request.max_tokens} are predicted to "
-                             f"take {best_ms:.0f} ms on an idle node, with nothing else running (ask for fewer "
+                             f"take {idle_s * 1000:.0f} ms on an idle node, with nothing else running (ask for fewer "
                              "tokens or a later deadline)")
         if resumed:
             raise LeftOutOfReach(
@@ -265,12 +268,19 @@ class Placer:
             + (f", after {waited_s:.1f} s queued" if waited_s else "") + " (ask for fewer tokens or a later deadline)",
             retry_after_ms=max(1000, int(best_ms - request.deadline_ms)))
 
-    def _all_idle(self, options: list[Option]) -> bool:
-        """Every node listing one of the options' models is one of their candidates with the model warm (a cold
-        or loading one's prediction holds the load, which passes) and nothing in flight."""
-        candidates = {s.spec.node_id for o in options for s in o.candidates if o.request.model in s.spec.warm_models}
-        listing = [s for s in self.cluster.nodes() if any(s.spec.has(o.request.model) for o in options)]
-        return all(s.spec.node_id in candidates and s.is_idle for s in listing)
+    def _idle_end_s(self, options: list[Option], now: float) -> float | None:
+        """The soonest predicted end on the options' candidates as if nothing else ran there (their load, the
+        placements they have not reported and their measured step times taken away); None unless every node listing
+        one of the models is a candidate with it warm (one that is not may come back or end its load, and do
+        better) and some prediction is made."""
+        warm = {s.spec.node_id for o in options for s in o.candidates if o.request.model in s.spec.warm_models}
+        if not all(s.spec.node_id in warm for s in self.cluster.nodes()
+                   if any(s.spec.has(o.request.model) for o in options)):
+            return None
+        ends = [end for o in options
+                if (end := self._predictor.best_finish_s(o.request, [_idle(s) for s in o.candidates],
+                                                         o.matched_blocks, now)) is not None]
+        return min(ends) if ends else None
 
     def after_queueing(self, plan: Plan, options: list[Option], now: float,
                        changing: Changing = _none_changing) -> list[Option]:
@@ -291,3 +301,9 @@ class Placer:
         self.planner.note_demand(request.model, now)
         chosen = self.cluster.get(decision.node_id)
         return Placed(decision, request, is_cold=chosen is not None and request.model not in chosen.spec.warm_models)
+
+
+def _idle(status: NodeStatus) -> NodeStatus:
+    """status with nothing running, waiting or placed there (its KV room and cache as they are)."""
+    return dataclasses.replace(status, load=Load(kv_blocks_total=status.load.kv_blocks_total), placed_prefill_blocks=0,
+                               placed_requests=0, unreceived=deque(), num_received=None)

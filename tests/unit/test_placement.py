@@ -285,25 +285,31 @@ def test_the_fleet_is_saturated_by_what_it_was_sent_not_by_nodes_that_take_nothi
     assert not placer.is_saturated(26.5)  # a has said nothing for 5.5 s, past the 5 s load timeout
 
 
-def test_a_deadline_an_idle_fleet_cannot_meet_is_bad_input_and_one_a_loaded_fleet_cannot_meet_gets_a_hint() -> None:
-    """Between the floor (no node could, whatever happens) and the prediction on an idle fleet, a deadline got 429 and
-    a retry hint: the openai client sent it twice more, in vain, with nothing running. Refused as bad input now; on
-    a node with work in flight the hint stays (the load may pass)."""
+def test_a_deadline_an_idle_node_cannot_meet_is_bad_input_and_one_only_the_load_puts_out_of_reach_gets_a_hint() -> None:
+    """Between the floor (no node could, whatever happens) and the prediction on an idle node, a deadline got 429 and
+    a retry hint: the openai client sent it twice more, in vain. Refused as bad input now, with work in flight too
+    (helper-104 saw the hint with three requests running); one that only the load puts out of reach keeps its hint
+    (the load may pass)."""
     model = "sim-llama-3.1-8b"
     placer = _placer(_spec("h100", warm=(model,)))
     placer.cluster.report_load("h100", Load(kv_blocks_total=100_000), 1.0)
     probe = placer.start(_ask(model=model, max_tokens=200, deadline_ms=600_000), 1.0)
-    end_ms = placer._predictor.best_finish_s(probe.ask.request, probe.candidates[model], {}, 1.0) * 1000
+    idle_ms = placer._predictor.best_finish_s(probe.ask.request, probe.candidates[model], {}, 1.0) * 1000
     floor_ms = placer._predictor.floor_s(probe.ask.request, probe.candidates[model])[1] * 1000
-    deadline_ms = int((end_ms + floor_ms * FLOOR_MARGIN) / 2)
-    assert floor_ms * FLOOR_MARGIN < deadline_ms < end_ms
-    plan = placer.start(_ask(model=model, max_tokens=200, deadline_ms=deadline_ms), 1.0)
-    with pytest.raises(InvalidArgument, match=f"deadline_ms={deadline_ms}: cannot be met: .* on an idle node"):
-        placer.ticket(plan, placer.options(plan, lambda _: {}), 1.0)
-    placer.cluster.report_load("h100", Load(kv_blocks_total=100_000, num_running=3), 2.0)
-    plan = placer.start(_ask(model=model, max_tokens=200, deadline_ms=deadline_ms), 2.0)
-    with pytest.raises(ResourceExhausted, match=f"deadline_ms={deadline_ms}: cannot be met; "):
-        placer.ticket(plan, placer.options(plan, lambda _: {}), 2.0)
+    hopeless = int((idle_ms + floor_ms * FLOOR_MARGIN) / 2)
+    assert floor_ms * FLOOR_MARGIN < hopeless < idle_ms
+    busy = Load(kv_blocks_total=100_000, num_running=40, pending_prefill_tokens=20_000, active_decode_blocks=4000)
+    for load, now in ((Load(kv_blocks_total=100_000), 2.0), (busy, 3.0)):
+        placer.cluster.report_load("h100", load, now)
+        plan = placer.start(_ask(model=model, max_tokens=200, deadline_ms=hopeless), now)
+        with pytest.raises(InvalidArgument, match=f"deadline_ms={hopeless}: cannot be met: .* on an idle node"):
+            placer.ticket(plan, placer.options(plan, lambda _: {}), now)
+    loaded = placer.start(_ask(model=model, max_tokens=200, deadline_ms=600_000), 3.0)
+    loaded_ms = placer._predictor.best_finish_s(loaded.ask.request, loaded.candidates[model], {}, 3.0) * 1000
+    assert loaded_ms > idle_ms + 2
+    plan = placer.start(_ask(model=model, max_tokens=200, deadline_ms=int(idle_ms) + 1), 3.0)
+    with pytest.raises(ResourceExhausted, match=f"deadline_ms={int(idle_ms) + 1}: cannot be met; "):
+        placer.ticket(plan, placer.options(plan, lambda _: {}), 3.0)
 
 
 @pytest.mark.parametrize("loading", [False, True])
