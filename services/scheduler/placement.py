@@ -112,6 +112,8 @@ class Placer:
         # Baton's own policy predicts for admission with what it knows (the prompt tokens it has been
         # sending each node); other policies get a predictor of their own.
         self._predictor = predictor or (policy if isinstance(policy, BatonPolicy) else BatonPolicy())
+        # Predicts on idle copies of nodes: with no memory of the prompts sent them lately (the load it takes away).
+        self._idle_predictor = BatonPolicy()
 
     def start(self, ask: PlaceAsk, now: float, changing: Changing = _none_changing) -> Plan:
         """Charge the retry budget (or count the request), find the models some node has and their
@@ -196,7 +198,7 @@ class Placer:
             plan.unpredicted = ("admission: no candidate registered an engine profile, so its time to first token"
                                 + (" and deadline were" if request.deadline_ms else " was")
                                 + " not predicted and nothing was refused on them")
-        self._check_deadline(request, options, now, resumed=plan.ask.resumed)
+        self._check_deadline(request, options, now, resumed=plan.ask.resumed, models=plan.models)
         ticket = Ticket(request_id=request.request_id, tenant=request.tenant or "default",
                         priority=request.priority, num_tokens=request.num_prompt_tokens + request.max_tokens,
                         arrived_at=now,
@@ -236,15 +238,16 @@ class Placer:
                              "tokens or a later deadline)")
 
     def _check_deadline(self, request: PlacementRequest, options: list[Option], now: float,
-                        waited_s: float = 0.0, resumed: bool = False) -> None:
+                        waited_s: float = 0.0, resumed: bool = False, models: list[str] | None = None) -> None:
         """Refuse a request that could not end by its deadline on any candidate: the time it has waited
         plus TTFT plus max_tokens decode steps, predicted from the candidates' registered profiles on
         the fleet as it is (candidates without a profile: not predicted; none has one: no refusal, see
         ticket). A resumed stream's deadline_ms is what its client has left: it ends DEADLINE_EXCEEDED, as its
-        router's timer would end it, with no retry hint (sent again, it would have less left). A fresh one that
-        its candidates could not meet even with their load gone (_idle_end_s) is bad input (Unmeetable): a retry
-        hint would send it again in vain (one between the floor and that prediction got 429, and the openai
-        client sent it three times)."""
+        router's timer would end it, with no retry hint (sent again, it would have less left). A fresh one, on
+        arrival (models: those it accepts that some node has), that its candidates could not meet even with their
+        load gone (_idle_end_s) is bad input (Unmeetable): a retry hint would send it again in vain (one between
+        the floor and that prediction got 429, and the openai client sent it three times). After the queue it was
+        admitted as meetable: what changed is the fleet, and a retry may help."""
         if not request.deadline_ms:
             return
         ends = [end for o in options
@@ -252,7 +255,7 @@ class Placer:
         if not ends or (waited_s + min(ends)) * 1000 <= request.deadline_ms:
             return
         best_ms = (waited_s + min(ends)) * 1000
-        if not resumed and (idle_s := self._idle_end_s(options, now)) is not None \
+        if not resumed and models is not None and (idle_s := self._idle_end_s(options, models, now)) is not None \
                 and idle_s * 1000 > request.deadline_ms:
             raise Unmeetable("deadline_ms", request.deadline_ms,
                              f"cannot be met: the first token and max_tokens={request.max_tokens} are predicted to "
@@ -268,18 +271,18 @@ class Placer:
             + (f", after {waited_s:.1f} s queued" if waited_s else "") + " (ask for fewer tokens or a later deadline)",
             retry_after_ms=max(1000, int(best_ms - request.deadline_ms)))
 
-    def _idle_end_s(self, options: list[Option], now: float) -> float | None:
+    def _idle_end_s(self, options: list[Option], models: list[str], now: float) -> float | None:
         """The soonest predicted end on the options' candidates as if nothing else ran there (their load, the
-        placements they have not reported and their measured step times taken away); None unless every node listing
-        one of the models is a candidate with it warm (one that is not may come back or end its load, and do
-        better) and some prediction is made."""
-        warm = {s.spec.node_id for o in options for s in o.candidates if o.request.model in s.spec.warm_models}
-        if not all(s.spec.node_id in warm for s in self.cluster.nodes()
-                   if any(s.spec.has(o.request.model) for o in options)):
+        placements they have not reported and the prompts sent them lately taken away); None unless every node
+        listing one of models is a candidate with it warm and a profile for it (one that is not may come back, end
+        its load or calibrate, and do better) and some prediction is made."""
+        warm = {s.spec.node_id for o in options for s in o.candidates
+                if o.request.model in s.spec.warm_models and s.profile(o.request.model) is not None}
+        if not all(s.spec.node_id in warm for s in self.cluster.nodes() if any(s.spec.has(m) for m in models)):
             return None
         ends = [end for o in options
-                if (end := self._predictor.best_finish_s(o.request, [_idle(s) for s in o.candidates],
-                                                         o.matched_blocks, now)) is not None]
+                if (end := self._idle_predictor.best_finish_s(o.request, [_idle(s) for s in o.candidates],
+                                                              o.matched_blocks, now)) is not None]
         return min(ends) if ends else None
 
     def after_queueing(self, plan: Plan, options: list[Option], now: float,

@@ -325,3 +325,64 @@ def test_a_deadline_only_a_models_load_puts_out_of_reach_on_an_idle_fleet_keeps_
     plan = placer.start(_ask(model=model, max_tokens=50, deadline_ms=5_000), 1.0)
     with pytest.raises(ResourceExhausted, match="deadline_ms=5000: cannot be met; "):
         placer.ticket(plan, placer.options(plan, lambda _: {}), 1.0)
+
+
+def _idle_ms(status: NodeStatus, ask: PlaceAsk, model: str = "sim-llama-3.1-8b") -> float:
+    """The request's predicted end on status with nothing there and no prompts sent it lately."""
+    idle = NodeStatus(spec=status.spec, load=Load(kv_blocks_total=100_000))
+    return BatonPolicy().best_finish_s(dataclasses.replace(ask.request, model=model), [idle], {}, 1.0) * 1000
+
+
+def _burst(placer: Placer, start: float) -> None:
+    """Twenty 8k-token prompts placed on the node within a second (then they end: its reports say idle)."""
+    for i in range(20):
+        plan = placer.start(_ask(model="sim-llama-3.1-8b", prompt_blocks=512), start + i * 0.05)
+        placer.decide(placer.options(plan, lambda _: {}), start + i * 0.05)
+
+
+def test_what_an_idle_node_could_meet_is_never_bad_input_whatever_was_sent_it_lately_or_while_queued() -> None:
+    """From helper-105's review: the idle copy kept the policy's memory of the prompts it sent the node in the last
+    10 s, so a deadline an idle node meets was refused as bad input after a burst (a retry 11 s later was admitted);
+    and a request admitted on arrival was refused as bad input after the queue."""
+    model = "sim-llama-3.1-8b"
+    placer = _placer(_spec("h100", warm=(model,)), policy="baton")
+    placer.cluster.report_load("h100", Load(kv_blocks_total=100_000), 1.0)
+    ask = _ask(model=model, prompt_blocks=32, max_tokens=1000)
+    deadline = int(_idle_ms(placer.cluster.get("h100"), ask) * 1.2)
+    queued = placer.start(_ask(model=model, prompt_blocks=32, max_tokens=1000, deadline_ms=deadline), 1.0)
+    options = placer.options(queued, lambda _: {})
+    assert placer.ticket(queued, options, 1.0) is not None  # admitted on arrival (then it waits in the queue)
+    _burst(placer, 1.1)
+    placer.cluster.report_load("h100", Load(kv_blocks_total=100_000), 2.5)  # the burst has ended
+    with pytest.raises(ResourceExhausted, match=f"deadline_ms={deadline}: cannot be met; "):
+        placer.ticket(placer.start(_ask(model=model, prompt_blocks=32, max_tokens=1000, deadline_ms=deadline), 2.5),
+                      options, 2.5)
+    with pytest.raises(ResourceExhausted, match=f"deadline_ms={deadline}: cannot be met; .* queued"):
+        placer.after_queueing(queued, options, 2.5)
+
+
+@pytest.mark.parametrize("case", ["calibrating", "silent", "other_model_warm"])
+def test_a_node_that_may_do_better_later_keeps_a_retry_hint(case: str) -> None:
+    """From helper-105's review: a warm H100 still calibrating (no profile), or the request's own model's H100
+    silent or holding another model while only an L4 serves its alternative: the idle L4 alone decided, and a
+    deadline the H100 would meet was refused as bad input."""
+    model, alternative = "sim-llama-3.1-8b", "sim-llama-3-8b"
+    if case == "calibrating":
+        fast = dataclasses.replace(_spec("fast", warm=(model,)), profiles={})
+        slow = _spec("slow", warm=(model,), gpu="l4")
+    else:
+        fast = _spec("fast", warm=(model,) if case == "silent" else ("sim-llama-2-7b",),
+                     cold=() if case == "silent" else (model,))
+        slow = _spec("slow", warm=(alternative,), gpu="l4")
+    placer = _placer(fast, slow, policy="baton")
+    placer.cluster.report_load("fast", Load(kv_blocks_total=100_000), 0.0 if case == "silent" else 10.0)
+    placer.cluster.report_load("slow", Load(kv_blocks_total=100_000), 10.0)
+    ask = _ask(model=model, prompt_blocks=32, max_tokens=500)
+    fast_ms = _idle_ms(NodeStatus(spec=_spec("h", warm=(model,))), ask)
+    slow_ms = _idle_ms(placer.cluster.get("slow"), ask, model if case == "calibrating" else alternative)
+    assert fast_ms < slow_ms
+    deadline = int((fast_ms + slow_ms) / 2)
+    request = dataclasses.replace(ask.request, deadline_ms=deadline)
+    plan = placer.start(PlaceAsk(request, alternative_models=() if case == "calibrating" else (alternative,)), 10.0)
+    with pytest.raises(ResourceExhausted, match=f"deadline_ms={deadline}: cannot be met; "):
+        placer.ticket(plan, placer.options(plan, lambda _: {}), 10.0)
