@@ -126,17 +126,23 @@ async def test_recent_decisions_with_a_negative_limit_are_refused_naming_it(limi
         await service.close()
 
 
-async def test_a_place_whose_deadline_no_node_could_meet_is_invalid_unless_it_resumes(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """What no node serving the model could do is bad input (no retry hint); a stream its client resumes asks for
-    what is left of its deadline, which only the fleet's load can refuse: DEADLINE_EXCEEDED, no hint (it has less left
-    each time it is sent)."""
+def _metered_leader(monkeypatch: pytest.MonkeyPatch) -> tuple[SchedulerService, InMemoryMetricReader]:
+    """A leading scheduler whose metrics a reader collects."""
     fake_leadership(monkeypatch, lambda: True)
     reader = InMemoryMetricReader()
     telemetry = Telemetry("scheduler/test", "none")
     telemetry.meter = MeterProvider(metric_readers=[reader]).get_meter("test")
     service = SchedulerService(SchedulerConfig(), telemetry)
     service._role.elected.set()
+    return service, reader
+
+
+async def test_a_place_whose_deadline_no_node_could_meet_is_invalid_unless_it_resumes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What no node serving the model could do is bad input (no retry hint); a stream its client resumes asks for
+    what is left of its deadline, which only the fleet's load can refuse: DEADLINE_EXCEEDED, no hint (it has less left
+    each time it is sent)."""
+    service, reader = _metered_leader(monkeypatch)
     model = "sim-llama-3.1-8b"
     service._cluster.set_nodes([NodeSpec(node_id="n0", address="n0:1", gpu="h100", price_per_hour=1.0,
                                          warm_models=frozenset({model}), profiles=sim_profiles("h100", model))])
@@ -161,12 +167,7 @@ async def test_a_place_whose_deadline_no_node_could_meet_is_invalid_unless_it_re
 async def test_a_retry_cause_no_router_sends_is_refused_and_labels_no_metric(monkeypatch: pytest.MonkeyPatch) -> None:
     """retry_cause labels the placements metric: a value of the caller's choosing would add a series each; only
     the causes of a move are taken, and those refused are counted under one label."""
-    fake_leadership(monkeypatch, lambda: True)
-    reader = InMemoryMetricReader()
-    telemetry = Telemetry("scheduler/test", "none")
-    telemetry.meter = MeterProvider(metric_readers=[reader]).get_meter("test")
-    service = SchedulerService(SchedulerConfig(), telemetry)
-    service._role.elected.set()
+    service, reader = _metered_leader(monkeypatch)
     service._cluster.set_nodes([NodeSpec(node_id="n0", address="n0:1", gpu="h100", price_per_hour=1.0,
                                          warm_models=frozenset({MODEL}))])
     service._cluster.report_load("n0", Load(kv_blocks_total=1000), time.monotonic())
