@@ -174,7 +174,24 @@ class HttpApi:
         self._tracer = tracer or trace.get_tracer(__name__)
         self._listen = listen
         self._ssl_context = ssl_context  # None: plaintext HTTP
-        middlewares = [*([_counted(meter)] if meter is not None else []), _openai_errors]
+        # The handlers under way, to end at close: aiohttp waits shutdown_timeout_s for them, then only fails their
+        # request bodies and waits as long again, so a stream went on for twice the grace (20 s against the gRPC
+        # API's 10), and a router stopping with the leader away outlived baton up's window before SIGKILL.
+        self._shutdown_timeout_s = shutdown_timeout_s
+        self._in_flight: set[asyncio.Task[Any]] = set()
+
+        @web.middleware
+        async def tracked(request: web.Request,
+                          handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+            task = asyncio.current_task()
+            if task is not None:
+                self._in_flight.add(task)
+            try:
+                return await handler(request)
+            finally:
+                self._in_flight.discard(task)  # type: ignore[arg-type]
+
+        middlewares = [tracked, *([_counted(meter)] if meter is not None else []), _openai_errors]
         if check_connection_rate is not None:
             middlewares.append(_rate_per_connection(check_connection_rate))
         self.app = app = web.Application(middlewares=middlewares,
@@ -205,9 +222,16 @@ class HttpApi:
         return True
 
     def stop_accepting(self) -> None:
-        """Stop taking connections; requests in flight run on until close() (or its timeout)."""
+        """Stop taking connections; requests in flight run on for the shutdown timeout, then are cancelled (a
+        stream ends cut, its generation cancelled as when its client hangs up)."""
         if self._closing is None:
-            self._closing = asyncio.get_running_loop().create_task(self._runner.cleanup())
+            loop = asyncio.get_running_loop()
+            self._closing = loop.create_task(self._runner.cleanup())
+            loop.call_later(self._shutdown_timeout_s, self._cancel_in_flight)
+
+    def _cancel_in_flight(self) -> None:
+        for task in list(self._in_flight):
+            task.cancel()
 
     async def close(self) -> None:
         self.stop_accepting()

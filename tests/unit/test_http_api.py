@@ -15,7 +15,7 @@ import aiohttp
 import grpc
 import openai
 import pytest
-from aiohttp import StreamReader
+from aiohttp import StreamReader, web
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 from opentelemetry import trace
 from opentelemetry.sdk.metrics import MeterProvider
@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from baton.cluster import free_port
 from baton.v1 import common_pb2, router_pb2
 from services.common.errors import (Aborted, AlreadyExists, BatonError, DeadlineExceeded, InvalidArgument,
                                     ResourceExhausted, Unavailable)
@@ -364,3 +365,32 @@ async def test_every_response_is_counted_by_route_and_status_the_http_layers_own
               if m.name == "baton.router.http_responses" for p in m.data.data_points}
     assert counts == {("/v1/completions", "200"): 1, ("/v1/completions", "400"): 3, ("unmatched", "404"): 2,
                       ("/v1/models/{model}", "200"): 1}
+
+
+async def test_close_ends_a_stream_still_running_when_the_shutdown_timeout_passes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """aiohttp waits the shutdown timeout for a handler, then only fails its request body and waits as long again: a
+    stream ran on for twice the grace (20 s, where the gRPC API gives 10), and a router stopping with its leader away
+    outlived baton up's window and was SIGKILLed with its notices unsent (helper-106). The handler now ends at the
+    grace, within aiohttp's first wait: its second phase (failing the request, then waiting again) never comes."""
+    ended = asyncio.Event()
+    second_phase: list[BaseException] = []
+    monkeypatch.setattr(web.BaseRequest, "_cancel", lambda self, exc: second_phase.append(exc))
+
+    class _Endless(_FakeRouter):
+        async def generate(self, *args, **kwargs) -> AsyncIterator[router_pb2.GenerateChunk]:  # type: ignore[override]
+            try:
+                yield router_pb2.GenerateChunk(request_id="r", text="a", index=0, node_id="n", model="m")
+                await asyncio.Event().wait()  # a generation that outlasts any grace
+            finally:
+                ended.set()
+
+    port = free_port()
+    api = HttpApi(_Endless([]), f"127.0.0.1:{port}", InputLimits(max_prompt_bytes=1024), shutdown_timeout_s=0.2)
+    assert await api.start()
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"http://127.0.0.1:{port}/v1/completions",
+                                json={"model": "m", "prompt": "x", "stream": True}) as response:
+            assert (await response.content.readline()).startswith(b"data: ")  # the stream runs
+            await api.close()
+            assert ended.is_set() and second_phase == []  # its generation ended at the grace, in the first wait
