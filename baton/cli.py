@@ -434,7 +434,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             return 2
     state, address, errors = _first_cluster_state(addresses, args)
     if state is None:
-        print(f"baton status: no scheduler answered ({'; '.join(errors)})", file=sys.stderr)
+        refused = errors and all("UNAUTHENTICATED" in e or "PERMISSION_DENIED" in e for e in errors)
+        print(f"baton status: {'every scheduler refused the key' if refused else 'no scheduler answered'} "
+              f"({'; '.join(errors)})", file=sys.stderr)
         return 1
     leader_error = ""
     if state.leader_address and state.leader_address != address:  # the KPI and model actions are the leader's

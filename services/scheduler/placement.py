@@ -204,7 +204,9 @@ class Placer:
                         arrived_at=now,
                         deadline_at=now + request.ttft_budget_ms / 1000
                         if request.ttft_budget_ms and not plan.ask.resumed else math.inf,
-                        progress=(request.step - 1) / request.total_steps if request.total_steps else 0.0,
+                        # A step of a workflow only: a lone request claiming step 3 of 3 jumped its tenant's queue.
+                        progress=(request.step - 1) / request.total_steps
+                        if request.total_steps and request.workflow_id else 0.0,
                         max_tokens=request.max_tokens, holder=plan.ask.router_id)
         best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now)
                           for o in options)

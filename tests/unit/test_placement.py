@@ -386,3 +386,15 @@ def test_a_node_that_may_do_better_later_keeps_a_retry_hint(case: str) -> None:
     plan = placer.start(PlaceAsk(request, alternative_models=() if case == "calibrating" else (alternative,)), 10.0)
     with pytest.raises(ResourceExhausted, match=f"deadline_ms={deadline}: cannot be met; "):
         placer.ticket(plan, placer.options(plan, lambda _: {}), 10.0)
+
+
+def test_only_a_workflows_step_goes_before_fresh_requests_in_the_queue() -> None:
+    """Admission releases the request furthest into its workflow first: a lone request that claimed step 3 of 3
+    (no workflow_id) jumped its tenant's queue (helper-107)."""
+    placer = _placer(_spec("a"))
+    progress = []
+    for workflow_id in ("", "w"):
+        plan = placer.start(_ask(step=3, total_steps=3, workflow_id=workflow_id), 1.0)
+        ticket, _ = placer.ticket(plan, placer.options(plan, lambda _: {}), 1.0)
+        progress.append(ticket.progress)
+    assert progress == [0.0, 2 / 3]
