@@ -355,7 +355,8 @@ class LocalCluster:
         args += list(extra)
         return ManagedProcess(name=name, args=args, log_path=self.workdir / f"{name}.log", address=address,
                               metrics_address=metrics_address,
-                              stop_timeout_s=ROUTER_STOP_S if module == "services.router" else 10.0)
+                              stop_timeout_s=ROUTER_STOP_S if module == "services.router"
+                              else ManagedProcess.stop_timeout_s)
 
     def start(self, timeout_s: float = 60.0) -> None:
         """Start everything and wait until every service is SERVING and sees every node."""

@@ -89,14 +89,9 @@ class NodeStatus:
         capacity = self.kv_capacity(model)
         return capacity is None or capacity * self.spec.kv_block_size >= needed_blocks * needed_block_size
 
-    @property
-    def is_idle(self) -> bool:
-        """Nothing in flight and nothing placed, as its last report and the placements since say."""
-        return not (self.load.num_running or self.load.num_waiting or self.placed_requests)
-
     def idle_s(self, now: float) -> float:
         """How long the node has had nothing in flight and nothing placed (0 while it has)."""
-        if not self.is_idle:
+        if self.load.num_running or self.load.num_waiting or self.placed_requests:
             return 0.0
         return now - max(self.models_since, self.last_placed_at or self.models_since)
 
