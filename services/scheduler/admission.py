@@ -28,6 +28,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 WINDOW_S = 60.0
+# A tenant at its concurrency limit is told to retry when its oldest request should end: the mean time its requests
+# have held a slot (an exponential average over those ended, SLOT_SMOOTHING per end) less that one's age, at least
+# 1 s and at most SLOT_HINT_MAX_S (the openai client waits out a Retry-After of up to 60 s; longer, its own backoff).
+SLOT_SMOOTHING = 0.2
+SLOT_HINT_MAX_S = 60.0
 # How often idle tenants' state is dropped (a sweep over every tenant).
 _PRUNE_EVERY_S = 10.0
 
@@ -85,6 +90,18 @@ class _Tenant:
     in_flight: int = 0
     served: deque[tuple[float, int]] = field(default_factory=deque)
     served_tokens: int = 0
+    # When each request holding a slot was admitted, oldest first, and the mean time its ended ones held theirs
+    # (None until one has ended).
+    admitted: dict[str, float] = field(default_factory=dict)
+    held_s: float | None = None
+
+    def slot_free_in_s(self, now: float) -> float:
+        """About when a slot frees: the oldest holder's expected end by the mean hold, within [1, SLOT_HINT_MAX_S] s
+        (1 s before any has ended)."""
+        if self.held_s is None or not self.admitted:
+            return 1.0
+        oldest = next(iter(self.admitted.values()))
+        return min(SLOT_HINT_MAX_S, max(1.0, self.held_s - (now - oldest)))
 
     def expire(self, now: float) -> None:
         while self.served and self.served[0][0] <= now - WINDOW_S:
@@ -189,7 +206,7 @@ class Admission:
         tenant.expire(now)
         if limits.max_concurrency is not None and tenant.in_flight >= limits.max_concurrency:
             return Outcome(Verdict.REJECT, f"tenant {ticket.tenant!r} is at its concurrency limit of "
-                                           f"{limits.max_concurrency}", retry_after_s=1.0,
+                                           f"{limits.max_concurrency}", retry_after_s=tenant.slot_free_in_s(now),
                            kind="tenant concurrency limit")
         if limits.tokens_per_minute is not None and ticket.num_tokens > limits.tokens_per_minute:
             return Outcome(Verdict.REJECT, f"with its prompt, {ticket.num_tokens} tokens, more than the whole limit "
@@ -283,6 +300,7 @@ class Admission:
             return
         tenant = self._tenants[ticket.tenant]
         tenant.in_flight += 1
+        tenant.admitted[ticket.request_id] = now
         tenant.served.append((now, ticket.num_tokens))
         tenant.served_tokens += ticket.num_tokens
         self._held[ticket.request_id] = hold = _Hold(ticket.tenant, now + self.lease_s)
@@ -316,6 +334,11 @@ class Admission:
                 hold.ended.add(holder)
             self.leave_to_others(request_id, now)
             return False
+        state = self._tenants.get(hold.tenant)
+        admitted_at = state.admitted.get(request_id) if state is not None else None
+        if admitted_at is not None:  # an end reported, not a lease run out: how long a slot is held
+            held = now - admitted_at
+            state.held_s = held if state.held_s is None else state.held_s + SLOT_SMOOTHING * (held - state.held_s)
         return self.release(request_id)
 
     def leave_to_others(self, request_id: str, now: float) -> None:
@@ -334,6 +357,7 @@ class Admission:
         state = self._tenants.get(hold.tenant)
         if state is not None:
             state.in_flight = max(0, state.in_flight - 1)
+            state.admitted.pop(request_id, None)
         return True
 
     def expire_holds(self, now: float) -> list[str]:

@@ -45,6 +45,33 @@ def test_tenant_limits_name_the_limit() -> None:
     assert admission.offer(ticket("d"), 61.0, False, 0.1).verdict == Verdict.ADMIT  # the window moved on
 
 
+def test_a_tenant_at_its_concurrency_limit_is_told_when_its_oldest_request_should_end() -> None:
+    """The openai client retries a 429 after its Retry-After (up to 60 s): told 1 s while the one holding the slot
+    runs 30 s, it asked twice in vain and gave up. The hint is the tenant's mean hold less the oldest one's age."""
+    admission = Admission(limits={"t": TenantLimits(max_concurrency=1)}, lease_s=15.0)  # (none is renewed)
+    admission.on_admitted(ticket("first"), 0.0)
+    assert admission.offer(ticket("early"), 5.0, False, 0.1).retry_after_s == 1.0  # nothing has ended yet
+    assert admission.end("first", 30.0)  # held 30 s
+    admission.on_admitted(ticket("second"), 40.0)
+    busy = admission.offer(ticket("b"), 50.0, False, 0.1)
+    assert busy.verdict == Verdict.REJECT and busy.retry_after_s == 20.0
+    assert admission.offer(ticket("c"), 75.0, False, 0.1).retry_after_s == 1.0  # past the mean: soon, at least 1 s
+    assert admission.end("second", 80.0)  # held 40 s: the mean moves a fifth of the way, to 32 s
+    admission.on_admitted(ticket("third"), 80.0)
+    assert admission.offer(ticket("d"), 80.0, False, 0.1).retry_after_s == 32.0
+    assert admission.expire_holds(96.0) == ["third"]  # a lapsed lease is no end: the mean stays
+    admission.on_admitted(ticket("fourth"), 100.0)
+    assert admission.offer(ticket("e"), 100.0, False, 0.1).retry_after_s == 32.0
+
+
+def test_a_concurrency_hint_is_at_most_a_minute() -> None:
+    admission = Admission(limits={"t": TenantLimits(max_concurrency=1)})
+    admission.on_admitted(ticket("long"), 0.0)
+    assert admission.end("long", 600.0)
+    admission.on_admitted(ticket("next"), 600.0)
+    assert admission.offer(ticket("b"), 601.0, False, 0.1).retry_after_s == 60.0
+
+
 def test_dispatch_takes_the_highest_band_first_then_earliest_deadline() -> None:
     admission = Admission()
     for t in (ticket("low", priority=0, deadline=5), ticket("high-late", priority=1, deadline=9),
