@@ -27,7 +27,7 @@ from services.common import etcd_keys
 from services.common.coalesce import coalesce
 from services.common.deadline import until
 from services.common.directory import ChannelPool, LeaderDirectory
-from services.common.errors import BatonError, DeadlineExceeded, ResourceExhausted, abort
+from services.common.errors import AlreadyExists, BatonError, DeadlineExceeded, ResourceExhausted, abort
 from services.common.etcd_session import Membership, PrefixView
 from services.common.telemetry import Telemetry
 from services.common.tenant_directory import TenantDirectory
@@ -294,6 +294,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 cache_salt=cache_salt,
                 resent=request.HasField("resume"),
             )
+            if self._live.get(cluster_id) and not generation.resent:
+                # (The leader refuses one whose id another router runs; this router's own it knows best: the claim
+                # the leader has of it may be a stream that just ended, its Finished notice under way.)
+                raise AlreadyExists(f"request_id={client_id!r}: is already running, through this router; send it "
+                                    "again with `resume` to take its stream over, or use another request_id for a "
+                                    "new request")
             decoder = TOKENIZERS[valid.model.tokenizer].decoder()
             # A resumed stream's text continues where the client's left off, mid-character or not.
             decoder.decode(valid.resume_token_ids)

@@ -63,6 +63,8 @@ class Ticket:
     max_tokens: int = 0
     # The router that asked for it ("": not said): one holder of its slot.
     holder: str = ""
+    # Sent again by its client with `resume`, or moved: it may share the slot its id holds. A fresh request may not.
+    resumed: bool = False
 
 
 class Verdict(enum.Enum):
@@ -81,6 +83,8 @@ class Outcome:
     kind: str = ""
     # Refused for what it asks, not for the load: no retry would be admitted (bad input, not a wait).
     never: bool = False
+    # Refused as a fresh request for an id that is queued or running already (ALREADY_EXISTS, not a wait).
+    duplicate: bool = False
     # A queued ticket pushed out to make room (it is refused with `reason`).
     shed: Ticket | None = None
 
@@ -136,6 +140,12 @@ class _Hold:
             self.holders[holder] = (now, now)
         elif holder not in self.ended:
             self.holders[holder] = (self.holders.get(holder, (now, now))[0], now)
+
+    def held_elsewhere(self, holder: str, now: float, lease_s: float) -> bool:
+        """Whether a router other than holder placed the id or reported it live within the lease and has not ended
+        its stream of it (holder's own claim is not asked about: the router knows its own streams)."""
+        return any(other != holder and other not in self.ended and now - last < lease_s
+                   for other, (_, last) in self.holders.items())
 
 
 class Admission:
@@ -197,10 +207,22 @@ class Admission:
         """Admit, queue or refuse a new request.
 
         One that already holds a slot (the same request sent again, e.g. resumed through another
-        router after its first one died) is admitted on that slot: it has started and is never shed.
+        router after its first one died) is admitted on that slot: it has started and is never shed. A fresh
+        request (not resumed) for an id that is queued, or that another router runs, is refused as a duplicate: it
+        would run a second time beside the first, on its slot, past its tenant's limits.
         """
-        if ticket.request_id in self._held:
-            return Outcome(Verdict.ADMIT)
+        if ticket.request_id in self._queued:
+            return Outcome(Verdict.REJECT, f"request_id={ticket.request_id!r}: is already waiting for admission; use "
+                                           "another request_id for a new request", kind="request id in use",
+                           duplicate=True)
+        hold = self._held.get(ticket.request_id)
+        if hold is not None:
+            if ticket.resumed or not hold.held_elsewhere(ticket.holder, now, self.lease_s):
+                return Outcome(Verdict.ADMIT)
+            return Outcome(Verdict.REJECT, f"request_id={ticket.request_id!r}: is already running, through another "
+                                           "router; send it again with `resume` to take its stream over, or use "
+                                           "another request_id for a new request", kind="request id in use",
+                           duplicate=True)
         limits = self.limits(ticket.tenant)
         tenant = self._tenants[ticket.tenant]
         tenant.expire(now)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from opentelemetry.metrics import Meter
 
 from services.common.change_signal import ChangeSignal, wait_or_timeout
-from services.common.errors import InvalidArgument, ResourceExhausted
+from services.common.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 from services.common.telemetry import MAX_LABEL_VALUES, BoundedLabel
 from services.scheduler.admission import Admission, Ticket, Verdict
 
@@ -82,6 +82,8 @@ class AdmissionGate:
             self._decisions.add(1, {"verdict": "reject", "reason": outcome.kind, **band, **tenant})
             if outcome.never:  # a 429 with a retry hint would send it again in vain
                 raise InvalidArgument("max_tokens", ticket.max_tokens, outcome.reason)
+            if outcome.duplicate:
+                raise AlreadyExists(outcome.reason)
             raise ResourceExhausted(outcome.reason, retry_after_ms=int(outcome.retry_after_s * 1000))
         if outcome.verdict == Verdict.QUEUE:
             self._decisions.add(1, {"verdict": "queue", **band})

@@ -207,7 +207,7 @@ class Placer:
                         # A step of a workflow only: a lone request claiming step 3 of 3 jumped its tenant's queue.
                         progress=(request.step - 1) / request.total_steps
                         if request.total_steps and request.workflow_id else 0.0,
-                        max_tokens=request.max_tokens, holder=plan.ask.router_id)
+                        max_tokens=request.max_tokens, holder=plan.ask.router_id, resumed=plan.ask.resumed)
         best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now)
                           for o in options)
         return ticket, best_ttft_s

@@ -72,6 +72,35 @@ def test_a_concurrency_hint_is_at_most_a_minute() -> None:
     assert admission.offer(ticket("b"), 601.0, False, 0.1).retry_after_s == 60.0
 
 
+def test_a_fresh_request_for_an_id_another_router_runs_is_refused_as_a_duplicate() -> None:
+    """It was admitted on the running one's slot, before any limit: a tenant at a concurrency limit of one ran three
+    streams of one id on three nodes (helper-108). Its resume shares the slot; the asking router's own claim is no
+    other stream (the router refuses its own duplicates; its claim may be a stream whose end is under way)."""
+    admission = Admission(limits={"t": TenantLimits(max_concurrency=1)}, lease_s=15.0)
+    running = Ticket(request_id="r", tenant="t", priority=0, num_tokens=100, arrived_at=0.0, holder="router-a")
+    admission.on_admitted(running, 0.0)
+    fresh = Ticket(request_id="r", tenant="t", priority=0, num_tokens=100, arrived_at=1.0, holder="router-b")
+    refused = admission.offer(fresh, 1.0, False, 0.1)
+    assert refused.verdict == Verdict.REJECT and refused.duplicate and "'r': is already running" in refused.reason
+    resumed = Ticket(request_id="r", tenant="t", priority=0, num_tokens=100, arrived_at=1.0, holder="router-b",
+                     resumed=True)
+    assert admission.offer(resumed, 1.0, False, 0.1).verdict == Verdict.ADMIT
+    again = Ticket(request_id="r", tenant="t", priority=0, num_tokens=100, arrived_at=1.0, holder="router-a")
+    assert admission.offer(again, 1.0, False, 0.1).verdict == Verdict.ADMIT
+    assert admission.offer(fresh, 16.0, False, 0.1).verdict == Verdict.ADMIT  # router-a silent for a lease: gone
+    assert admission.end("r", 16.0, "router-a")
+    assert admission.offer(fresh, 17.0, False, 0.1).verdict == Verdict.ADMIT  # ended: the id is free
+
+
+def test_a_fresh_request_for_an_id_in_the_queue_is_refused_as_a_duplicate() -> None:
+    """The second took the first's place in the queue, and the first's caller waited for a dispatch that never came."""
+    admission = Admission()
+    assert admission.offer(ticket("q"), 0.0, True, 0.1).verdict == Verdict.QUEUE
+    refused = admission.offer(ticket("q"), 1.0, True, 0.1)
+    assert refused.duplicate and "'q': is already waiting for admission" in refused.reason
+    assert admission.num_queued == 1
+
+
 def test_dispatch_takes_the_highest_band_first_then_earliest_deadline() -> None:
     admission = Admission()
     for t in (ticket("low", priority=0, deadline=5), ticket("high-late", priority=1, deadline=9),

@@ -14,7 +14,7 @@ from opentelemetry.metrics import get_meter
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from services.common.errors import InvalidArgument, ResourceExhausted
+from services.common.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 from services.scheduler.admission import Admission, TenantLimits, Ticket
 from services.scheduler.gate import AdmissionGate
 
@@ -232,3 +232,15 @@ async def test_a_request_larger_than_its_tenants_whole_minute_is_bad_input_not_a
     assert await gate.enter(fits, 0.1) is False  # admitted at once
     with pytest.raises(ResourceExhausted, match="over its limit of 100 tokens per minute"):  # this one must wait
         await gate.enter(dataclasses.replace(fits, request_id="next"), 0.1)
+
+
+async def test_a_duplicate_of_a_queued_request_is_refused_already_exists_and_the_first_still_goes(
+        gate_and_fleet) -> None:
+    """The duplicate took the first's place in the queue: the first's caller waited for a dispatch that never came."""
+    gate, admission, fleet = gate_and_fleet
+    first = await queued(gate, admission, ticket("same", fleet.now))
+    with pytest.raises(AlreadyExists, match="'same': is already waiting for admission"):
+        await gate.enter(ticket("same", fleet.now), 0.1)
+    fleet.saturated = False
+    gate.capacity_changed()
+    assert await asyncio.wait_for(first, 5) is True

@@ -704,7 +704,10 @@ async def test_a_request_sent_twice_keeps_its_admission_slot_until_its_last_stre
         request = router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2, request_id="twice")
         first = router.Generate(request)
         assert list((await first.read()).token_ids) == [97]
-        second = router.Generate(request)
+        resent = router_pb2.GenerateRequest()
+        resent.CopyFrom(request)
+        resent.resume.SetInParent()  # sent again before a token reached its client (a fresh one is refused: below)
+        second = router.Generate(resent)
         assert list((await second.read()).token_ids) == [97]
         second.cancel()  # as a duplicate the node refuses: it ends while the first runs
         told = await asyncio.wait_for(scheduler.finished.get(), 10)
@@ -714,6 +717,36 @@ async def test_a_request_sent_twice_keeps_its_admission_slot_until_its_last_stre
         assert list(last.token_ids) == [98] and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
         told = await asyncio.wait_for(scheduler.finished.get(), 10)
         assert (told.request_id, told.another_stream_live) == ("twice", False)
+
+
+async def test_a_fresh_request_for_an_id_this_router_runs_is_refused_as_a_duplicate() -> None:
+    """Sent again without `resume` while its first stream runs, it ran a second time beside the first on another
+    node (only the node running it refused it), on one admission slot, past its tenant's limits (helper-108 ran three
+    under a concurrency limit of one). The router refuses it, naming the id; the first stream runs on, and its slot
+    is not given up by the refusal."""
+    release = asyncio.Event()
+
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        yield _started()
+        yield Chunk(node_id=NODE, index=0, token_ids=[97])
+        await release.wait()
+        yield Chunk(node_id=NODE, index=1, token_ids=[98], finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+    async with _router(generate) as (router, scheduler):
+        request = router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2, request_id="dup")
+        first = router.Generate(request)
+        assert list((await first.read()).token_ids) == [97]
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await router.Generate(request).read()
+        assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "request_id='dup': is already running" in refused.value.details()
+        assert scheduler.finished.empty() and len(scheduler.places) == 1
+        release.set()
+        last = await first.read()
+        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        told = await asyncio.wait_for(scheduler.finished.get(), 10)
+        assert (told.request_id, told.another_stream_live) == ("dup", False)
+        assert list((await router.Generate(request).read()).token_ids) == [97]  # once it ended, the id is free
 
 
 @pytest.mark.parametrize("ending", [Aborted, AlreadyExists])
