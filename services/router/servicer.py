@@ -329,7 +329,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     reply = router_pb2.GenerateChunk(
                         request_id=client_id,
                         token_ids=chunk.token_ids,
-                        text=decoder.decode(list(chunk.token_ids)),
+                        text=decoder.decode(list(chunk.token_ids), final=bool(chunk.finish_reason)),
                         index=chunk.index,
                         node_id=chunk.node_id,
                         finish_reason=chunk.finish_reason,

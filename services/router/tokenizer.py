@@ -21,8 +21,10 @@ class Tokenizer(Protocol):
 
 
 class StreamDecoder(Protocol):
-    def decode(self, token_ids: list[int]) -> str:
-        """Text of these tokens, holding back an incomplete multi-byte character."""
+    def decode(self, token_ids: list[int], final: bool = False) -> str:
+        """Text of these tokens, holding back an incomplete multi-byte character until the tokens that complete it
+        come, or the last ones (final: what is held back comes out, an incomplete character as U+FFFD), so that a
+        stream's text is its tokens decoded."""
 
 
 class ByteTokenizer:
@@ -41,8 +43,8 @@ class ByteStreamDecoder:
     def __init__(self) -> None:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._utf8.decode(bytes(t for t in token_ids if t < 256))
+    def decode(self, token_ids: list[int], final: bool = False) -> str:
+        return self._utf8.decode(bytes(t for t in token_ids if t < 256), final=final)
 
 
 class HfTokenizer:
@@ -66,23 +68,34 @@ class HfTokenizer:
 
 class HfStreamDecoder:
     """Incremental detokenization as vLLM does it: decode a short window of recent tokens and emit the
-    text past what the window's older part decoded to, holding back an incomplete character."""
+    text past what the window's older part decoded to, holding back an incomplete character.
+
+    Only the character is held back: the text before it goes out (the window's offsets wait for the character, and
+    _sent counts what went out past them). Holding back the whole window, as before, lost a chunk's every word when
+    its tokens ended mid-character, and the stream's last chunk never gave them back: a greedy answer of 8 tokens
+    came out as no text."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self._token_ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
+        self._sent = 0  # characters sent past the window's prefix while a character was held back
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], final: bool = False) -> str:
         self._token_ids.extend(token_ids)
         ids = self._token_ids
         prefix = self._tokenizer.decode(ids[self._prefix_offset:self._read_offset], skip_special_tokens=True)
         text = self._tokenizer.decode(ids[self._prefix_offset:], skip_special_tokens=True)
-        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+        start = len(prefix) + self._sent
+        if text.endswith("\ufffd") and not final:  # an incomplete character (or bytes that never make one)
+            ready = text.rstrip("\ufffd")[start:]
+            self._sent += len(ready)
+            return ready
+        if len(text) <= len(prefix):
             return ""
-        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
-        return text[len(prefix):]
+        self._prefix_offset, self._read_offset, self._sent = self._read_offset, len(ids), 0
+        return text[start:]
 
 
 class TokenizerRegistry(dict[str, Tokenizer]):
