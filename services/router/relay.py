@@ -328,7 +328,10 @@ class Relay:
                 place.exclude_node_ids.extend(sorted(excluded))
                 placement = await self._call_scheduler(place, remaining_s)
         except BatonError as error:
-            if retry_cause and error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+            # (NOT_FOUND for a move: every node that had the model has died or gone from etcd; an outage, not a
+            # model the client got wrong.)
+            if retry_cause and error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                              grpc.StatusCode.NOT_FOUND):
                 refused = "".join(f"; {refusal}" for refusal in generation.refusals[-1:])
                 raise Unavailable(f"request {generation.request_id}: {generation.failures[-1]}{refused}; could not "
                                   f"move it: {error}") from None

@@ -34,6 +34,7 @@ from services.common.errors import (
     AlreadyExists,
     BatonError,
     InvalidArgument,
+    NotFound,
     ResourceExhausted,
     Unavailable,
     abort,
@@ -214,6 +215,34 @@ async def test_a_move_with_nowhere_to_go_asks_once_and_says_what_happened() -> N
     details = raised.value.details() or ""
     assert f"node {NODE}: stalled" in details and "nor on any other from the node" in details
     assert "could not move it" in details and "no live node has it warm" in details
+
+
+async def test_a_move_that_finds_the_model_on_no_registered_node_is_unavailable_naming_the_failure() -> None:
+    """Every node that had the model died: the leader answers the move NOT_FOUND (no registered node has it), which
+    reached the client as is, over HTTP a 404 the openai client does not retry, as if the model did not exist
+    (helper-109, a node killed mid-stream with the leader frozen). A move that cannot happen is UNAVAILABLE, naming
+    the failure and why."""
+
+    class Gone(_FakeScheduler):
+        async def Place(self, request, context):  # noqa: N802
+            if request.retry_cause:
+                self.places.append(request)
+                await abort(context, NotFound(f"model={request.model!r}: no registered node has it"))
+            return await super().Place(request, context)
+
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        yield _started()
+        yield Chunk(node_id=NODE, index=0, token_ids=[97])
+        raise RuntimeError("the node died")
+
+    async with _router(generate, Gone()) as (router, scheduler):
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            async for _ in router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=8)):
+                pass
+    assert [p.retry_cause for p in scheduler.places] == ["", "stream_broken"]
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    details = raised.value.details() or ""
+    assert f"node {NODE}:" in details and "could not move it" in details and "no registered node has it" in details
 
 
 async def test_a_stream_that_passes_its_deadline_ends_with_deadline_exceeded_keeping_its_tokens() -> None:
