@@ -62,24 +62,38 @@ _FIELDS = {
     COMPLETIONS: _COMMON | {"prompt"},
     CHAT: _COMMON | {"messages", "max_completion_tokens"},
 }
-# OpenAI fields Baton does not serve: accepted only with a value that asks for nothing.
-_NEUTRAL: dict[str, tuple[object, ...]] = {
+# OpenAI fields Baton does not serve, by endpoint: accepted only with a value that asks for nothing, of the type
+# OpenAI gives the field (compared by == alone, `best_of: true` and `presence_penalty: false` passed).
+_NEUTRAL_PENALTIES: dict[str, tuple[object, ...]] = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}),
-    "store": (None, False),
-    "metadata": (None, {}),
-    "service_tier": (None, "auto", "default"),
 }
+_NEUTRAL: dict[str, dict[str, tuple[object, ...]]] = {
+    COMPLETIONS: {
+        **_NEUTRAL_PENALTIES,
+        "logprobs": (None, 0),
+        "echo": (None, False),
+        "best_of": (None, 1),
+        "suffix": (None, ""),
+    },
+    CHAT: {
+        **_NEUTRAL_PENALTIES,
+        "logprobs": (None, False),
+        "top_logprobs": (None, 0),
+        "tools": (None, []),
+        "tool_choice": (None, "none"),
+        "parallel_tool_calls": (None, True, False),
+        "response_format": (None, {"type": "text"}),
+        "store": (None, False),
+        "metadata": (None, {}),
+        "service_tier": (None, "auto", "default"),
+    },
+}
+
+
+def _asks_nothing(value: object, neutral: tuple[object, ...]) -> bool:
+    return any(type(value) is type(allowed) and value == allowed for allowed in neutral)
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 _NAME = re.compile(r"[A-Za-z_][\w-]{0,63}")
 # A chat message's name: OpenAI's rule. It goes into the prompt's role header (<|user name=NAME|>), where "|>" or
@@ -190,10 +204,11 @@ def parse_request(kind: str, body: object, headers: Mapping[str, str],
     bounds a prompt of token ids."""
     if not isinstance(body, dict):
         raise InvalidArgument("body", body, f"must be a JSON object, not {_json_type(body)}")
+    neutral = _NEUTRAL[kind]
     for key in body:
-        if key not in _FIELDS[kind] and key not in _NEUTRAL:
+        if key not in _FIELDS[kind] and key not in neutral:
             raise InvalidArgument(_key("", key), body[key], "unknown field")
-        if key in _NEUTRAL and body[key] not in _NEUTRAL[key]:
+        if key in neutral and not _asks_nothing(body[key], neutral[key]):
             raise InvalidArgument(key, body[key], "not supported by Baton")
     request = router_pb2.GenerateRequest()
     names: dict[str, str] = {}
@@ -229,6 +244,9 @@ def parse_request(kind: str, body: object, headers: Mapping[str, str],
     request.temperature = DEFAULT_TEMPERATURE if temperature is None else _number("temperature", temperature)
     if body.get("top_p") is not None:
         request.top_p = _number("top_p", body["top_p"])
+        if request.top_p == 0:  # (0 is "unset" in the protobuf field: it would sample from every token)
+            raise InvalidArgument("top_p", body["top_p"], "must be greater than 0 and at most 1, as vLLM asks (for the "
+                                  "likeliest token only, set temperature to 0)")
     if body.get("seed") is not None:
         request.seed = _int("seed", body["seed"], _UINT64)
     stop = body.get("stop")

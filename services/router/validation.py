@@ -201,8 +201,10 @@ def validate(
     if request.HasField("seed"):
         sampling.seed = request.seed
     elif request.temperature > 0:
-        # A sampled request gets a seed here, so that any replay of it is exact.
-        sampling.seed = rng.getrandbits(63)
+        # A sampled request gets a seed here, so that any replay of it is exact: of 53 bits, so that every JSON
+        # client holds it exactly (a 63-bit one, read as a double by jq or JavaScript, came back rounded and
+        # replayed other text).
+        sampling.seed = rng.getrandbits(53)
     return ValidRequest(
         request_id=request.request_id or uuid.uuid4().hex,
         model=model,

@@ -109,10 +109,13 @@ def test_stop_strings_are_tokenized() -> None:
     assert [list(s.token_ids) for s in stops] == [[10], [0xC3, 0xA9]]
 
 
-def test_sampled_request_without_seed_gets_one_from_rng() -> None:
-    sampling = _validate(_request(temperature=0.7), rng=random.Random(1)).sampling
-    assert sampling.HasField("seed")
-    assert sampling.seed == random.Random(1).getrandbits(63)
+def test_sampled_request_without_seed_gets_one_from_rng_that_a_json_double_holds() -> None:
+    """Its seed goes back to the client in the response (baton.seed); a 63-bit one came back rounded from jq or
+    JavaScript, which read JSON numbers as doubles, and replayed other text (helper-108)."""
+    for n in range(200):
+        sampling = _validate(_request(temperature=0.7), rng=random.Random(n)).sampling
+        assert sampling.HasField("seed") and sampling.seed == random.Random(n).getrandbits(53)
+        assert float(sampling.seed) == sampling.seed
 
 
 def test_client_seed_is_kept() -> None:
