@@ -18,6 +18,7 @@ from contextlib import aclosing
 from typing import Any, Protocol
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from opentelemetry import propagate, trace
 from opentelemetry.metrics import Meter
 
@@ -28,6 +29,24 @@ from services.router.chat_template import PLAIN, ChatTemplate, template_for
 from services.router.validation import InputLimits, ModelEntry, find_model
 
 log = logging.getLogger(__name__)
+
+
+class _UnparsedQuietly(logging.Filter):
+    """aiohttp logs a request it cannot parse (a control byte in a header, a wrong Content-Length: the client's fault,
+    answered 400) at ERROR with a traceback, once per connection, so that any client could fill the router's log with
+    them. Such a record becomes one DEBUG line, as aiohttp logs non-HTTP traffic; errors of the handlers stay."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError):
+            record.msg, record.args = f"{record.getMessage()}: {error}", ()
+            record.levelno, record.levelname, record.exc_info, record.exc_text = logging.DEBUG, "DEBUG", None, None
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+_AIOHTTP_SERVER_LOG = logging.getLogger("aiohttp.server")
+_AIOHTTP_SERVER_LOG.addFilter(_UnparsedQuietly())
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # JSON escapes make a body longer than the text it carries (up to 6 bytes per character, "\u00e9").

@@ -394,3 +394,26 @@ async def test_close_ends_a_stream_still_running_when_the_shutdown_timeout_passe
             assert (await response.content.readline()).startswith(b"data: ")  # the stream runs
             await api.close()
             assert ended.is_set() and second_phase == []  # its generation ended at the grace, in the first wait
+
+
+async def test_a_request_aiohttp_cannot_parse_is_a_400_and_one_debug_line_not_a_logged_traceback(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Any client could write an ERROR with a traceback into the router's log, once per connection, with one
+    malformed header (helper-108)."""
+    port = free_port()
+    api = HttpApi(_FakeRouter(["a"]), f"127.0.0.1:{port}", InputLimits(max_prompt_bytes=1024))
+    assert await api.start()
+    try:
+        with caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Baton-Tenant: a\x01b\r\n\r\n")
+            await writer.drain()
+            status = await reader.readline()
+            assert status.split()[1] == b"400", status
+            await reader.read()  # aiohttp closes the connection after its answer: its log record is written by then
+            writer.close()
+    finally:
+        await api.close()
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert records and all(r.levelno == logging.DEBUG and r.exc_info is None for r in records)
+    assert "400" in records[0].getMessage()
