@@ -22,7 +22,7 @@ from google.protobuf.json_format import MessageToDict
 
 from baton import tenants as tenants_cli
 from baton.client import BatonClient, finish_reason_of
-from baton.cluster import ClusterSpec, LocalCluster, StartError, sync_channel
+from baton.cluster import ClusterSpec, LocalCluster, ManagedProcess, StartError, sync_channel
 from baton.flag_types import INT32, UINT64, int_in
 from baton.protocol import AUTHORIZATION_KEY, is_transport_failure
 from baton.state_files import (
@@ -242,8 +242,10 @@ def _serve_up(cluster: LocalCluster, timeout_s: float, args: argparse.Namespace,
         # Looked at every little while: the kernel may hand the signal to another thread (gRPC's), and its Python
         # handler then runs only once this thread runs Python code, which a blocking wait never did (a closed
         # terminal's SIGHUP was lost until the next signal happened to reach this thread).
+        exited: set[str] = set()
         while not stop:
             time.sleep(_STOP_POLL_S)
+            report_exits(cluster.processes(), exited)
     finally:
         # With piped output whose reader is gone (`make run | tee` and Ctrl-C) a print raises
         # BrokenPipeError; it must not skip the ordered shutdown.
@@ -253,6 +255,20 @@ def _serve_up(cluster: LocalCluster, timeout_s: float, args: argparse.Namespace,
         if path is not None:
             remove_record(path, os.getpid())
     return 0
+
+
+def report_exits(processes: list[ManagedProcess], exited: set[str]) -> None:
+    """Say once of each of processes that has exited (killed, crashed) which one, how and where its log is: the
+    cluster runs on without it, and only a missing row in `baton status` showed it."""
+    for process in processes:
+        if process.name not in exited and process.proc is not None and not process.is_running():
+            exited.add(process.name)
+            code = process.proc.returncode
+            how = f"exit code {code}"
+            if code < 0:
+                with contextlib.suppress(ValueError):
+                    how = f"killed by {signal.Signals(-code).name}"
+            print(f"{process.name} (pid {process.pid}) exited ({how}); its log: {process.log_path}", flush=True)
 
 
 def try_hint(baton: str, name: str, others: bool, state_dir: Path, state: Path | None) -> str:
