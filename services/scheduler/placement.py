@@ -267,11 +267,16 @@ class Placer:
             raise LeftOutOfReach(
                 f"deadline_ms={request.deadline_ms}: cannot be met in what the resumed stream has left; the rest of "
                 f"it, max_tokens={request.max_tokens}, is predicted to take {best_ms:.0f} ms on the best node now")
+        # Retry when the load that puts it out of reach may have passed: at least the excess, and no sooner than the
+        # prompts sent the candidates lately stop weighing on their predicted steps (after a burst of large prompts a
+        # hint of the 1 s excess sent the openai client back twice within the ~9 s they weighed, in vain).
+        forgets_s = min((self._predictor.prompt_rate_forgets_in_s(s.spec.node_id, now)
+                         for o in options for s in o.candidates), default=0.0)
         raise DeadlineOutOfReach(
             f"deadline_ms={request.deadline_ms}: cannot be met; the first token and max_tokens={request.max_tokens} "
             f"are predicted to take {best_ms:.0f} ms on the best node now"
             + (f", after {waited_s:.1f} s queued" if waited_s else "") + " (ask for fewer tokens or a later deadline)",
-            retry_after_ms=max(1000, int(best_ms - request.deadline_ms)))
+            retry_after_ms=max(1000, int(best_ms - request.deadline_ms), math.ceil(forgets_s * 1000)))
 
     def _idle_end_s(self, options: list[Option], models: list[str], now: float) -> float | None:
         """The soonest predicted end on the options' candidates as if nothing else ran there (their load, the

@@ -398,3 +398,27 @@ def test_only_a_workflows_step_goes_before_fresh_requests_in_the_queue() -> None
         ticket, _ = placer.ticket(plan, placer.options(plan, lambda _: {}), 1.0)
         progress.append(ticket.progress)
     assert progress == [0.0, 2 / 3]
+
+
+def test_a_deadline_out_of_reach_for_the_prompts_just_sent_is_told_to_retry_once_they_no_longer_weigh() -> None:
+    """After a burst of large prompts the prediction carries their prefill chunks in its decode steps for
+    RATE_WINDOW_S: a deadline just out of reach was refused for about 9 s with a hint of its 1 s excess, and the
+    openai client's two retries came back within that time, in vain (helper-106). The hint is when that memory
+    passes; asked again then, it is admitted."""
+    model = "sim-llama-3.1-8b"
+    placer = _placer(_spec("a", warm=(model,)), policy="baton")
+    for i in range(6):  # 6 × 6,400 prompt tokens at t = 1
+        burst = _ask(model=model, prompt_blocks=400)
+        burst = PlaceAsk(dataclasses.replace(burst.request, request_id=f"b{i}",
+                                             block_hashes=tuple(range(1000 * i, 1000 * i + 400))))
+        plan = placer.start(burst, 1.0)
+        placer.decide(placer.options(plan, lambda _: {}), 1.0)
+    placer.cluster.report_load("a", Load(kv_blocks_total=100_000, num_running=1), 2.0)  # all prefilled by t = 2
+    ask = _ask(model=model, max_tokens=100, deadline_ms=800)
+    plan = placer.start(ask, 2.0)
+    with pytest.raises(ResourceExhausted, match="deadline_ms=800: cannot be met; ") as refused:
+        placer.ticket(plan, placer.options(plan, lambda _: {}), 2.0)
+    assert refused.value.retry_after_ms == 9000  # the burst's prompts weigh until t = 11
+    placer.cluster.report_load("a", Load(kv_blocks_total=100_000, num_running=1), 11.0)
+    plan = placer.start(ask, 11.0)
+    assert placer.ticket(plan, placer.options(plan, lambda _: {}), 11.0) is not None

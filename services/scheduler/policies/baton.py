@@ -174,6 +174,12 @@ class BatonPolicy(Policy):
             self._sent_tokens[node_id] -= sent.popleft()[1]
         return self._sent_tokens[node_id] / RATE_WINDOW_S
 
+    def prompt_rate_forgets_in_s(self, node_id: str, now: float) -> float:
+        """How long until the prompts this policy sent node_id lately no longer count in its predicted decode steps
+        (0: none count)."""
+        sent = self._sent.get(node_id)
+        return max(0.0, sent[-1][0] + RATE_WINDOW_S - now) if sent else 0.0
+
     def _record_sent(self, node_id: str, tokens: int, now: float) -> None:
         self._sent.setdefault(node_id, deque()).append((now, tokens))
         self._sent_tokens[node_id] = self._sent_tokens.get(node_id, 0) + tokens
