@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from services.common.engine_profile import EngineProfile, ProfileSource
-from services.common.profile_fit import ProfileRefiner, StepSample, fit_timing, relative_error
+from services.common.profile_fit import MAX_DRIFT, ProfileRefiner, StepSample, fit_timing, relative_error
 from services.common.step_timing import TimingModel
 
 pytestmark = pytest.mark.timeout(10)
@@ -78,3 +78,91 @@ def test_a_window_of_single_sequence_decodes_cannot_make_up_a_batch_coefficient(
     assert refined is not None
     assert refined.timing.e_ms_per_seq == pytest.approx(TRUE.e_ms_per_seq, rel=0.5)
     assert refined.timing.decode_step_ms(1, 500) == pytest.approx(TRUE.decode_step_ms(1, 500) * 1.1, rel=0.05)
+
+
+# A vllm node's calibration on CPU (the tiny model, 2 cores), and ordinary decode readings beside its prefills.
+CPU = TimingModel(a_ms=17.5, b_ms_per_tok=0.0193, c_ms_per_tok2=0.0, prefill_floor_ms=0.0,
+                  d_ms=4.53, e_ms_per_seq=0.0174, f_ms_per_ctx_tok=0.000599)
+CPU_DECODES = [StepSample(1, c, (), CPU.decode_step_ms(1, c)) for c in range(10, 300, 5)]
+SHORT_PROMPTS = (3, 5, 8, 12, 16, 20, 24, 28, 32, 35, 37, 40)
+
+
+def _refined(window: list[StepSample], calibrated: TimingModel = CPU) -> TimingModel:
+    """The timing the node re-registers once it has observed window."""
+    refiner = ProfileRefiner(EngineProfile(calibrated, 2048, 16, 4096, ProfileSource.CALIBRATED, num_samples=20,
+                                           max_num_seqs=256), refit_every=len(window), min_interval_s=0.0)
+    for step in window:
+        refiner.observe(step)
+    refined = refiner.refit(now=0.0)
+    assert refined is not None and refined.source is ProfileSource.ONLINE
+    return refined.timing
+
+
+def _prefill(timing: TimingModel, num_tokens: int) -> float:
+    return timing.prefill_ms([num_tokens])
+
+
+def test_short_prompts_slowed_at_their_longest_cannot_make_up_a_quadratic_term() -> None:
+    # Live: short-prompt traffic, a neighbour's burst slowing some of the longest; the node registered
+    # 11.5 + 0.169·Σn + 0.0852·Σn² and the scheduler predicted 190 s for 1,490 tokens (0.14 s in fact).
+    prefills = [StepSample(0, 0, (n,), _prefill(CPU, n) * (3.0 if n >= 35 and i % 2 else 1.0))
+                for i in range(4) for n in SHORT_PROMPTS]
+    refined = _refined(CPU_DECODES + prefills)
+    for n in (512, 1490, 2048):
+        assert _prefill(CPU, n) / 1.5 < _prefill(refined, n) < 1.5 * _prefill(CPU, n), n
+    assert refined.c_ms_per_tok2 < 1e-6
+
+
+def test_short_prompts_whose_time_does_not_follow_their_length_keep_the_per_token_cost() -> None:
+    # Live: short prompts taking about 45 ms whatever their length (2.5 times the calibration); the node
+    # registered 45.2 + 0·Σn, a 2,048-token prompt as quick as a 3-token one.
+    prefills = [StepSample(0, 0, (n,), 45.0 + (3.0 if (i + n) % 2 else -3.0) - 0.1 * n)
+                for i in range(4) for n in SHORT_PROMPTS]
+    refined = _refined(CPU_DECODES + prefills)
+    assert _prefill(refined, 20) > 35.0  # the short prompts' level is learned: the intercept moves
+    assert refined.b_ms_per_tok > 0.5 * CPU.b_ms_per_tok
+    assert _prefill(refined, 2048) - _prefill(refined, 16) > 0.5 * (_prefill(CPU, 2048) - _prefill(CPU, 16))
+    assert _prefill(refined, 2048) < 2.0 * _prefill(CPU, 2048)
+
+
+def test_one_slow_re_prefill_cannot_move_the_intercept_by_orders_of_magnitude() -> None:
+    # Live: one resume's re-prefill under load (600 tokens in 1.2 s), among decodes; the node registered
+    # an intercept of 1.19e3 ms, so every prompt was predicted at over a second.
+    refined = _refined(CPU_DECODES + [StepSample(0, 0, (600,), 1200.0)])
+    assert refined.a_ms < 2.0 * CPU.a_ms
+    for n in (16, 600, 2048):
+        assert _prefill(refined, n) < 2.0 * _prefill(CPU, n), n
+    with_others = _refined(CPU_DECODES + [StepSample(0, 0, (n,), _prefill(CPU, n)) for n in SHORT_PROMPTS]
+                           + [StepSample(0, 0, (600,), 1200.0)])
+    assert with_others.a_ms == pytest.approx(CPU.a_ms, rel=0.2)
+
+
+def test_decodes_slowed_at_their_longest_contexts_cannot_make_up_a_context_cost() -> None:
+    # The same flaw on decodes: single-sequence steps of 10-300 tokens of context, half of those past 270
+    # slowed by a neighbour, made the 64 × 1,024 reference batch (its quoted speed) 15 times slower.
+    steps = [StepSample(1, c, (), CPU.decode_step_ms(1, c) * (3.0 if c > 270 and c % 10 else 1.0))
+             for c in range(10, 300)]
+    refined = _refined(steps)
+    reference = CPU.decode_step_ms(64, 64 * 1024)
+    assert reference / 1.5 < refined.decode_step_ms(64, 64 * 1024) < 1.5 * reference
+
+
+def test_long_prompts_slower_than_calibrated_move_the_fit() -> None:
+    # The refit still learns what its readings show: long prompts costing twice the calibration's per token.
+    slower = dataclasses.replace(CPU, b_ms_per_tok=2 * CPU.b_ms_per_tok)
+    prefills = [StepSample(0, 0, (n,), _prefill(slower, n) * (1.05 if n % 3 else 0.95)) for n in range(256, 2049, 32)]
+    refined = _refined(CPU_DECODES + prefills)
+    for n in (1024, 2048):
+        assert abs(_prefill(refined, n) - _prefill(slower, n)) < 0.2 * (_prefill(slower, n) - _prefill(CPU, n)), n
+
+
+def test_no_refit_strays_more_than_max_drift_from_the_calibration() -> None:
+    # Readings ten times slower than the calibration's prefills and ten times quicker than its decodes,
+    # everywhere: the refit follows them as far as MAX_DRIFT times the calibration, no further.
+    prefills = [StepSample(0, 0, (n,), 10 * _prefill(CPU, n)) for n in range(16, 2049, 16)]
+    decodes = [StepSample(b, b * c, (), CPU.decode_step_ms(b, b * c) / 10) for b in (1, 8, 64) for c in (128, 1024)]
+    refined = _refined(prefills + decodes * 20)
+    slower = [_prefill(refined, n) / _prefill(CPU, n) for n in (16, 64, 256, 1024, 2048)]
+    assert all(2.0 < ratio <= MAX_DRIFT * 1.0001 for ratio in slower) and max(slower) > 0.99 * MAX_DRIFT
+    quicker = [CPU.decode_step_ms(b, b * c) / refined.decode_step_ms(b, b * c) for b in (1, 8, 64) for c in (128, 2048)]
+    assert all(2.0 < ratio <= MAX_DRIFT * 1.0001 for ratio in quicker) and max(quicker) > 0.99 * MAX_DRIFT
