@@ -636,8 +636,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "whose probability reaches this, in (0, 1]")
     gen.add_argument("--seed", type=int_in(*UINT64), default=None, help="sampling seed (default: the router picks one)")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                     help="end the completion once it ends with this text (which is kept); repeat for "
-                     "several (default: none)")
+                     help="end the completion at the first occurrence of this text in it (the text is kept); "
+                     "repeat for several (default: none)")
     gen.add_argument("--tenant", default="", help="the tenant the request is accounted to")
     gen.add_argument("--priority", type=int_in(*INT32), default=0, help="admission priority band: higher is dispatched "
                      "first; below 0 may be shed under load")

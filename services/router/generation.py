@@ -8,6 +8,7 @@ from baton.v1 import common_pb2, node_agent_pb2
 from services.common.block_hash import block_hashes, salted_root
 from services.common.errors import Unavailable
 from services.common.failure_cause import FailureCause
+from services.router.stop_text import StopText
 
 
 class NodeFailure(Exception):
@@ -56,6 +57,8 @@ class Generation:
     cache_salt: str = ""
     # Its client sent it again (the request carries `resume`): a node still running it gives it that stream's place.
     resent: bool = False
+    # Its stop strings, looked for in its text as it comes (None: it has none): the relay ends it at the first.
+    stop_text: StopText | None = None
 
     def settle_model(self, model: str) -> None:
         """The scheduler chose model (empty: the request's own); every later attempt keeps to it."""

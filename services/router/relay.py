@@ -173,6 +173,11 @@ class Relay:
                         if chunk.index != len(generation.generated) - base:
                             raise NodeFailure(placement.node_id, FailureCause.STREAM_BROKEN,
                                               f"chunk index {chunk.index}, expected {len(generation.generated) - base}")
+                        # A stop string in the text, however the model tokenized it (the node matches the stop's own
+                        # tokens only): the generation ends here, and closing its stream ends it on the node.
+                        if generation.stop_text is not None and (
+                                num_kept := generation.stop_text.find(chunk.token_ids)) is not None:
+                            _end_at_stop(chunk, num_kept)
                         generation.generated.extend(chunk.token_ids)
                         attempt_gpu_ms = chunk.checkpoint.gpu_ms
                         if base and not chunk.checkpoint.exact:
@@ -511,6 +516,18 @@ def _prefilled(chunk: node_agent_pb2.NodeGenerateChunk) -> int | None:
     if chunk.finish_reason:
         return max(0, chunk.usage.prompt_tokens - chunk.usage.cached_tokens)
     return None
+
+
+def _end_at_stop(chunk: node_agent_pb2.NodeGenerateChunk, num_kept: int) -> None:
+    """chunk, cut after its first num_kept tokens (the last of them completes a stop string), as the finish the
+    node would have sent: its usage as of its checkpoint (GPU time spent on the tokens cut off included)."""
+    del chunk.token_ids[num_kept:]
+    if not chunk.finish_reason:
+        checkpoint = chunk.checkpoint
+        chunk.usage.CopyFrom(common_pb2.Usage(
+            prompt_tokens=checkpoint.num_context_tokens - checkpoint.num_completion_tokens,
+            cached_tokens=checkpoint.num_cached_tokens, gpu_ms=checkpoint.gpu_ms))
+    chunk.finish_reason = common_pb2.FINISH_REASON_STOP
 
 
 def _length_finish(generation: Generation) -> node_agent_pb2.NodeGenerateChunk:

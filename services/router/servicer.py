@@ -39,6 +39,7 @@ from services.router.http_api import HttpApi
 from services.router.node_stream import NodeLiveness
 from services.router.relay import Ending, HeldEndings, Relay
 from services.router.request_scope import cluster_request_id, name_as_client
+from services.router.stop_text import StopText
 from services.router.tokenizer import TOKENIZERS
 from services.router.validation import ModelEntry, validate
 
@@ -284,6 +285,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 cluster_id = cluster_request_id(request.tenant, client_id)
                 if request.workflow_id:  # nor its workflow's task, whose steps and spend the scheduler keeps
                     request.workflow_id = cluster_request_id(request.tenant, request.workflow_id)
+            tokenizer = TOKENIZERS[valid.model.tokenizer]
             generation = Generation(
                 request_id=cluster_id,
                 model=valid.model.name,
@@ -293,6 +295,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 alternative_models=valid.alternative_models,
                 cache_salt=cache_salt,
                 resent=request.HasField("resume"),
+                # Only a request with stop strings has its tokens decoded one by one.
+                stop_text=(StopText(request.stop, tokenizer.decoder(), valid.resume_token_ids)
+                           if request.stop else None),
             )
             if self._live.get(cluster_id) and not generation.resent:
                 # (The leader refuses one whose id another router runs; this router's own it knows best: the claim
@@ -300,7 +305,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 raise AlreadyExists(f"request_id={client_id!r}: is already running, through this router; send it "
                                     "again with `resume` to take its stream over, or use another request_id for a "
                                     "new request")
-            decoder = TOKENIZERS[valid.model.tokenizer].decoder()
+            decoder = tokenizer.decoder()
             # A resumed stream's text continues where the client's left off, mid-character or not.
             decoder.decode(valid.resume_token_ids)
             is_first = True
@@ -326,10 +331,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
             async with aclosing(passed) as relayed:
                 async for chunk in relayed:
                     self._relayed_tokens.add(len(chunk.token_ids), {"model": generation.model})
+                    text = decoder.decode(list(chunk.token_ids), final=bool(chunk.finish_reason))
+                    if generation.stop_text is not None:  # the text ends with the stop, though its token may go on
+                        text = generation.stop_text.clip(text)
                     reply = router_pb2.GenerateChunk(
                         request_id=client_id,
                         token_ids=chunk.token_ids,
-                        text=decoder.decode(list(chunk.token_ids), final=bool(chunk.finish_reason)),
+                        text=text,
                         index=chunk.index,
                         node_id=chunk.node_id,
                         finish_reason=chunk.finish_reason,

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 from google.protobuf import json_format
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -41,11 +43,15 @@ from services.common.errors import (
 )
 from services.common.telemetry import Telemetry
 from services.router.config import RouterConfig
+from services.router.http_api import HttpApi
 from services.router.relay import Ending, HeldEndings
 from services.router.servicer import RouterService
+from services.router.tokenizer import TOKENIZERS
+from services.router.validation import InputLimits
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.placement import LeftOutOfReach
 from services.scheduler.validation import check_live_requests
+from tests.unit.piece_tokenizer import VOCAB_SIZE, PieceTokenizer, token_ids
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -118,9 +124,10 @@ async def _server(add: Callable[[grpc.aio.Server], None]) -> AsyncIterator[str]:
 
 @contextlib.asynccontextmanager
 async def _router(handler: NodeHandler, scheduler: _FakeScheduler | None = None, telemetry: Telemetry | None = None,
+                  tokenizer: str = "byte", vocab_size: int = 257,
                   **config: object) -> AsyncIterator[tuple[router_pb2_grpc.RouterStub, _FakeScheduler]]:
     """A router serving on 127.0.0.1 that sees one scheduler leader (scheduler, or a _FakeScheduler) and one
-    node (no etcd); its metrics go to telemetry's meter when given."""
+    node (no etcd) serving MODEL with tokenizer; its metrics go to telemetry's meter when given."""
     scheduler = scheduler or _FakeScheduler()
     async with contextlib.AsyncExitStack() as stack:
         node_address = await stack.enter_async_context(
@@ -134,8 +141,9 @@ async def _router(handler: NodeHandler, scheduler: _FakeScheduler | None = None,
         service._leader.leader = lambda: leader  # type: ignore[method-assign]
         service._leader.address = lambda: scheduler_address  # type: ignore[method-assign]
         info = common_pb2.NodeInfo(node_id=NODE, address=node_address, price_per_hour=4.25,
-                                   models=[common_pb2.ModelInfo(name=MODEL, max_context_tokens=4096, tokenizer="byte",
-                                                                vocab_size=257, is_warm=True)])
+                                   models=[common_pb2.ModelInfo(name=MODEL, max_context_tokens=4096,
+                                                                tokenizer=tokenizer, vocab_size=vocab_size,
+                                                                is_warm=True)])
         service._on_nodes_changed({etcd_keys.node_key(NODE): json_format.MessageToJson(info).encode()})
         stack.push_async_callback(service.close)
         router_address = await stack.enter_async_context(_server(service.register))
@@ -884,3 +892,112 @@ async def test_a_move_from_a_node_that_never_had_the_request_recomputes_nothing(
                                                                                  max_tokens=1))]
     usage = messages[-1].usage
     assert usage.num_migrations == 1 and usage.recomputed_tokens == 0
+
+
+# Stop strings in the text. A node matches a stop by the tokens of the string alone; a byte-level BPE model writes
+# "be" inside " be" and "e i" across " be", " if", so the node never stops there (found live on vLLM): the router
+# looks for the stop in the text and ends the generation itself.
+_BE, _IF = token_ids(b" be", b" if")
+
+
+def _be_if_forever(closed: asyncio.Event, dies_after: int = 0) -> NodeHandler:
+    """A node generating " be if be if ..." that matches no stop string and never finishes, so only its router can end
+    the stream (closed is set when it does). Its first attempt dies after dies_after tokens, if not 0."""
+
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        resumed, context = request.num_resumed_tokens, len(request.prompt_token_ids)
+        try:
+            yield _started()
+            for i in range(request.sampling.max_tokens):
+                if dies_after and not resumed and i == dies_after:
+                    raise RuntimeError("the node died")
+                yield Chunk(node_id=NODE, index=i, token_ids=[_BE if (resumed + i) % 2 == 0 else _IF],
+                            checkpoint=node_agent_pb2.Checkpoint(num_context_tokens=context + i + 1,
+                                                                 num_completion_tokens=i + 1, gpu_ms=1.5 * (i + 1),
+                                                                 num_cached_tokens=1))
+            await asyncio.Event().wait()  # its finish would come later, if ever
+        finally:
+            closed.set()
+
+    return generate
+
+
+@pytest.fixture
+def pieces_model(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    """_router's arguments for a model whose tokens are several bytes (tests/unit/piece_tokenizer.py)."""
+    monkeypatch.setitem(TOKENIZERS, "pieces", PieceTokenizer())
+    return {"tokenizer": "pieces", "vocab_size": VOCAB_SIZE}
+
+
+async def test_a_stop_string_inside_the_tokens_ends_the_stream_at_the_token_completing_it(
+        pieces_model: dict[str, object]) -> None:
+    closed = asyncio.Event()
+    async with _router(_be_if_forever(closed), **pieces_model) as (router, scheduler):  # type: ignore[arg-type]
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt=" if", max_tokens=40, stop=["e i"]))
+        messages = await asyncio.wait_for(_all(call), 10)
+        notice = await asyncio.wait_for(scheduler.finished.get(), 10)
+        await asyncio.wait_for(closed.wait(), 10)  # the node's stream closed: it stops generating
+    assert [t for m in messages for t in m.token_ids] == [_BE, _IF]  # through the token completing the stop
+    assert "".join(m.text for m in messages) == " be i"  # the stop kept, not what its last token has after it
+    assert messages[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    assert messages[-1].usage.completion_tokens == 2 and messages[-1].usage.gpu_ms == 3.0
+    assert messages[-1].usage.cached_tokens == 1
+    assert notice.outcome == scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
+    assert notice.num_output_tokens == 2 and dict(notice.gpu_ms_by_node) == {NODE: 3.0}
+
+
+@pytest.mark.parametrize(("stop", "tokens", "text"), [
+    ("e i", [_BE, _IF], " be i"),  # wholly in the resumed " be if": not stopped on again; the next one is found
+    ("f be", [_BE], " be"),  # begun in the resumed text, ended in the new
+])
+async def test_a_resumed_stream_stops_on_a_stop_it_completes_not_on_one_wholly_among_its_resumed_tokens(
+        pieces_model: dict[str, object], stop: str, tokens: list[int], text: str) -> None:
+    closed = asyncio.Event()
+    async with _router(_be_if_forever(closed), **pieces_model) as (router, scheduler):  # type: ignore[arg-type]
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt=" if", max_tokens=40, stop=[stop],
+                                                          resume=router_pb2.Resume(token_ids=[_BE, _IF])))
+        messages = await asyncio.wait_for(_all(call), 10)
+        notice = await asyncio.wait_for(scheduler.finished.get(), 10)
+    assert [t for m in messages for t in m.token_ids] == tokens and "".join(m.text for m in messages) == text
+    assert messages[0].index == 2 and messages[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    assert notice.outcome == scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
+
+
+async def test_a_stop_string_spanning_a_move_between_nodes_ends_the_stream_on_the_new_node(
+        pieces_model: dict[str, object]) -> None:
+    closed = asyncio.Event()
+    async with _router(_be_if_forever(closed, dies_after=1), _MovingScheduler(),
+                       **pieces_model) as (router, scheduler):  # type: ignore[arg-type]
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt=" if", max_tokens=40, stop=["e i"]))
+        messages = await asyncio.wait_for(_all(call), 10)
+        notice = await asyncio.wait_for(scheduler.finished.get(), 10)
+    assert [t for m in messages for t in m.token_ids] == [_BE, _IF] and "".join(m.text for m in messages) == " be i"
+    assert messages[-1].finish_reason == common_pb2.FINISH_REASON_STOP and messages[-1].usage.num_migrations == 1
+    assert notice.outcome == scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED and notice.num_output_tokens == 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_http_api_shows_the_text_up_to_a_stop_that_ends_inside_a_token(
+        pieces_model: dict[str, object], stream: bool) -> None:
+    """OpenAI's text excludes the stop, and nothing its last token carries after it comes out."""
+    closed = asyncio.Event()
+    async with _router(_be_if_forever(closed), **pieces_model) as (_, scheduler):  # type: ignore[arg-type]
+        assert scheduler.router is not None
+        http = TestClient(TestServer(HttpApi(scheduler.router, "127.0.0.1:0", InputLimits()).app))
+        await http.start_server()
+        try:
+            body = {"model": MODEL, "prompt": " if", "max_tokens": 40, "stop": ["e i"], "stream": stream}
+            response = await asyncio.wait_for(http.post("/v1/completions", json=body), 10)
+            if stream:
+                lines = [line for line in (await response.text()).splitlines() if line.startswith("data: {")]
+                choices = [json.loads(line.removeprefix("data: "))["choices"][0] for line in lines]
+            else:
+                choices = (await response.json())["choices"]
+        finally:
+            await http.close()
+    assert "".join(choice["text"] for choice in choices) == " b"
+    assert choices[-1]["finish_reason"] == "stop"
+
+
+async def _all(call: AsyncIterator[router_pb2.GenerateChunk]) -> list[router_pb2.GenerateChunk]:
+    return [message async for message in call]
