@@ -143,6 +143,12 @@ class Relay:
             # A failed node had the request (said anything on its stream): a move's node then prefills again.
             computed_elsewhere = False
             failed_at: float | None = None
+            if generation.stop_text is not None and generation.stop_text.in_resumed:
+                # A resumed request whose tokens hold a stop string ended there: no node generates past it.
+                outcome = judged(common_pb2.FINISH_REASON_STOP)
+                yield node_agent_pb2.NodeGenerateChunk(index=len(generation.generated),
+                                                       finish_reason=common_pb2.FINISH_REASON_STOP)
+                return
             while True:
                 # Its node failed after the last token, before the finish; or a resumed request came with every token
                 # (its router died before the finish): it ends here, and the leader hears it ended.

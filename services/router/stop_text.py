@@ -26,7 +26,11 @@ class StopText:
         # A stop that ends in new text begins at most this many characters before it.
         self._lookback = max((len(stop) for stop in self._stops), default=1) - 1
         self._decoder = decoder
-        self._tail = self._last_chars(decoder.decode(list(resumed_token_ids)))
+        resumed = decoder.decode(list(resumed_token_ids))
+        # A stop among the tokens its client already has: the stream ended there (its router died before the
+        # finish reached the client), and an uninterrupted one would have generated nothing more.
+        self.in_resumed = any(stop in resumed for stop in self._stops)
+        self._tail = self._last_chars(resumed)
         self._num_chars = 0  # characters of text generated since the resumed tokens, before the tail's end
         # Characters of that text through the end of the stop found; None until one is.
         self.num_chars_through_stop: int | None = None

@@ -946,12 +946,14 @@ async def test_a_stop_string_inside_the_tokens_ends_the_stream_at_the_token_comp
     assert notice.num_output_tokens == 2 and dict(notice.gpu_ms_by_node) == {NODE: 3.0}
 
 
-@pytest.mark.parametrize(("stop", "tokens", "text"), [
-    ("e i", [_BE, _IF], " be i"),  # wholly in the resumed " be if": not stopped on again; the next one is found
-    ("f be", [_BE], " be"),  # begun in the resumed text, ended in the new
+@pytest.mark.parametrize(("stop", "tokens", "text", "placed"), [
+    # Wholly in the resumed " be if": the stream ended there (its router died before the finish reached the client),
+    # and it ends at once with no node asked; it ran on to max_tokens (helper-109, a raw gRPC resume).
+    ("e i", [], "", False),
+    ("f be", [_BE], " be", True),  # begun in the resumed text, ended in the new
 ])
-async def test_a_resumed_stream_stops_on_a_stop_it_completes_not_on_one_wholly_among_its_resumed_tokens(
-        pieces_model: dict[str, object], stop: str, tokens: list[int], text: str) -> None:
+async def test_a_resumed_stream_stops_on_a_stop_it_completes_and_at_once_on_one_among_its_resumed_tokens(
+        pieces_model: dict[str, object], stop: str, tokens: list[int], text: str, placed: bool) -> None:
     closed = asyncio.Event()
     async with _router(_be_if_forever(closed), **pieces_model) as (router, scheduler):  # type: ignore[arg-type]
         call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt=" if", max_tokens=40, stop=[stop],
@@ -960,7 +962,7 @@ async def test_a_resumed_stream_stops_on_a_stop_it_completes_not_on_one_wholly_a
         notice = await asyncio.wait_for(scheduler.finished.get(), 10)
     assert [t for m in messages for t in m.token_ids] == tokens and "".join(m.text for m in messages) == text
     assert messages[0].index == 2 and messages[-1].finish_reason == common_pb2.FINISH_REASON_STOP
-    assert notice.outcome == scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
+    assert notice.outcome == scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED and bool(scheduler.places) == placed
 
 
 async def test_a_stop_string_spanning_a_move_between_nodes_ends_the_stream_on_the_new_node(

@@ -1,5 +1,5 @@
 """Stop strings found in a completion's text whatever its tokenization: inside one token, across tokens and chunks,
-split characters, and a resumed request's own text (looked back into, never stopped on again)."""
+split characters, and a resumed request's own text (looked back into; a stop wholly in it ended the stream there)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,9 @@ def test_a_stop_that_began_among_the_resumed_tokens_is_found_and_one_wholly_amon
     assert stop_text.find(token_ids(b" if")) == 1
     assert stop_text.num_chars_through_stop == 3  # of the new text: " if", the end of the stop "e if"
     assert stop_text.clip(" if") == " if"
+    assert not _stop_text("e if", resumed=token_ids(b" if", b" be")).in_resumed
     stop_text = _stop_text("be", resumed=token_ids(b" if", b" be"))
+    assert stop_text.in_resumed  # the stream ended among them: the relay ends it at once (find is not asked)
     assert stop_text.find(token_ids(b" if", b"b")) is None
     assert stop_text.find(token_ids(b"e")) == 1
 
