@@ -245,7 +245,7 @@ def _serve_up(cluster: LocalCluster, timeout_s: float, args: argparse.Namespace,
         exited: set[str] = set()
         while not stop:
             time.sleep(_STOP_POLL_S)
-            report_exits(cluster.processes(), exited)
+            report_exits(cluster.processes, exited)
     finally:
         # With piped output whose reader is gone (`make run | tee` and Ctrl-C) a print raises
         # BrokenPipeError; it must not skip the ordered shutdown.
