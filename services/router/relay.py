@@ -161,10 +161,10 @@ class Relay:
                 except BatonError as error:
                     # Refused as bad input before any node ran it (a move's GPU time is a task's, whatever comes), and
                     # no workflow's step (its workflow failed: unreported, one without total_steps counted as
-                    # succeeded); or refused as a duplicate of a stream of its id that runs (that stream's end is its
-                    # task's, and their slot is that stream's).
+                    # succeeded); or refused as a duplicate of a stream of its id that runs, or taken over in the
+                    # admission queue by its resend (that stream's end is its task's, and their slot is that stream's).
                     ran = bool(generation.failures or generation.refusals or generation.gpu_ms_by_node)
-                    is_task = ran or not (error.code == grpc.StatusCode.ALREADY_EXISTS or (
+                    is_task = ran or not (error.code in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.ABORTED) or (
                         error.code == grpc.StatusCode.INVALID_ARGUMENT and not request.workflow_id))
                     raise
                 base = len(generation.generated)

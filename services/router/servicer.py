@@ -302,9 +302,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if self._live.get(cluster_id) and not generation.resent:
                 # (The leader refuses one whose id another router runs; this router's own it knows best: the claim
                 # the leader has of it may be a stream that just ended, its Finished notice under way.)
-                raise AlreadyExists(f"request_id={client_id!r}: is already running, through this router; send it "
-                                    "again with `resume` to take its stream over, or use another request_id for a "
-                                    "new request")
+                raise AlreadyExists(f"request_id={client_id!r}: is already running, through this router; a new "
+                                    "request needs another request_id (a gRPC client takes the stream over by "
+                                    "sending it with `resume`)")
             decoder = tokenizer.decoder()
             # A resumed stream's text continues where the client's left off, mid-character or not.
             decoder.decode(valid.resume_token_ids)

@@ -21,10 +21,11 @@ no state behind. Time is passed in.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections import defaultdict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 WINDOW_S = 60.0
@@ -87,6 +88,8 @@ class Outcome:
     duplicate: bool = False
     # A queued ticket pushed out to make room (it is refused with `reason`).
     shed: Ticket | None = None
+    # The queued ticket of the same id that this one, its resend, took the place of (it is refused).
+    replaced: Ticket | None = None
 
 
 @dataclass
@@ -141,25 +144,28 @@ class _Hold:
         elif holder not in self.ended:
             self.holders[holder] = (self.holders.get(holder, (now, now))[0], now)
 
-    def held_elsewhere(self, holder: str, now: float, lease_s: float) -> bool:
-        """Whether a router other than holder placed the id or reported it live within the lease and has not ended
-        its stream of it (holder's own claim is not asked about: the router knows its own streams)."""
-        return any(other != holder and other not in self.ended and now - last < lease_s
+    def held_elsewhere(self, holder: str, now: float, lease_s: float, is_registered: Callable[[str], bool]) -> bool:
+        """Whether a router other than holder, still registered, placed the id or reported it live within the lease
+        and has not ended its stream of it (holder's own claim is not asked about: the router knows its own
+        streams; a router gone from etcd has none: its node streams ended with its connections)."""
+        return any(other != holder and other not in self.ended and now - last < lease_s and is_registered(other)
                    for other, (_, last) in self.holders.items())
 
 
 class Admission:
     def __init__(self, max_queued: int = 10_000, limits: dict[str, TenantLimits] | None = None,
                  default_limits: TenantLimits = TenantLimits(), fair_share: str = "tokens",
-                 check_deadlines: bool = True, lease_s: float = math.inf) -> None:
+                 check_deadlines: bool = True, lease_s: float = math.inf,
+                 is_registered: Callable[[str], bool] = lambda router_id: True) -> None:
         """fair_share "tokens" (Baton) or "round_robin" (GIE's flow control); check_deadlines refuses
         what cannot meet its deadline (GIE does not); lease_s: how long an admitted request keeps its
-        slot without a renewal."""
+        slot without a renewal; is_registered: whether a router (by its id) is registered in etcd now."""
         if fair_share not in ("tokens", "round_robin"):
             raise ValueError(f"fair_share must be tokens or round_robin, got {fair_share!r}")
         if not lease_s > 0:
             raise ValueError(f"lease_s must be positive, got {lease_s}")
         self.lease_s = lease_s
+        self._is_registered = is_registered
         self.max_queued = max_queued
         self._fair_share = fair_share
         self._check_deadlines = check_deadlines
@@ -208,21 +214,31 @@ class Admission:
 
         One that already holds a slot (the same request sent again, e.g. resumed through another
         router after its first one died) is admitted on that slot: it has started and is never shed. A fresh
-        request (not resumed) for an id that is queued, or that another router runs, is refused as a duplicate: it
-        would run a second time beside the first, on its slot, past its tenant's limits.
+        request (not resumed) for an id that is queued, or that another live router runs, is refused as a duplicate:
+        it would run a second time beside the first, on its slot, past its tenant's limits. A resumed one for an id
+        that is queued takes its place (Outcome.replaced: its first ask is refused; its client resent it through
+        another router, the first one frozen, say).
         """
-        if ticket.request_id in self._queued:
-            return Outcome(Verdict.REJECT, f"request_id={ticket.request_id!r}: is already waiting for admission; use "
-                                           "another request_id for a new request", kind="request id in use",
+        queued = self._queued.get(ticket.request_id)
+        if queued is not None and not ticket.resumed:
+            return Outcome(Verdict.REJECT, f"request_id={ticket.request_id!r}: is already waiting for admission; a new "
+                                           "request needs another request_id", kind="request id in use",
                            duplicate=True)
         hold = self._held.get(ticket.request_id)
         if hold is not None:
-            if ticket.resumed or not hold.held_elsewhere(ticket.holder, now, self.lease_s):
+            if ticket.resumed or not hold.held_elsewhere(ticket.holder, now, self.lease_s, self._is_registered):
                 return Outcome(Verdict.ADMIT)
             return Outcome(Verdict.REJECT, f"request_id={ticket.request_id!r}: is already running, through another "
-                                           "router; send it again with `resume` to take its stream over, or use "
-                                           "another request_id for a new request", kind="request id in use",
+                                           "router; a new request needs another request_id (a gRPC client takes "
+                                           "the stream over by sending it with `resume`)", kind="request id in use",
                            duplicate=True)
+        if queued is not None:
+            del self._queued[ticket.request_id]
+            return dataclasses.replace(self._judge(ticket, now, is_saturated, predicted_ttft_s), replaced=queued)
+        return self._judge(ticket, now, is_saturated, predicted_ttft_s)
+
+    def _judge(self, ticket: Ticket, now: float, is_saturated: bool, predicted_ttft_s: float) -> Outcome:
+        """offer's verdict on a request that holds no slot: its tenant's limits, its deadline, the fleet's load."""
         limits = self.limits(ticket.tenant)
         tenant = self._tenants[ticket.tenant]
         tenant.expire(now)

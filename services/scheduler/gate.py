@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from opentelemetry.metrics import Meter
 
 from services.common.change_signal import ChangeSignal, wait_or_timeout
-from services.common.errors import AlreadyExists, InvalidArgument, ResourceExhausted
+from services.common.errors import Aborted, AlreadyExists, InvalidArgument, ResourceExhausted
 from services.common.telemetry import MAX_LABEL_VALUES, BoundedLabel
 from services.scheduler.admission import Admission, Ticket, Verdict
 
@@ -76,6 +76,12 @@ class AdmissionGate:
         band = {"band": band_label(ticket.priority)}
         if outcome.shed is not None:
             self._refuse_queued(outcome.shed, outcome.reason, "shed for a more important request")
+        if outcome.replaced is not None:  # its resend took its place: the first ask ends (its router frozen, say)
+            self._depth.add(-1, {"band": band_label(outcome.replaced.priority)})
+            first = self._waiting.pop(ticket.request_id, None)
+            if first is not None and not first.done():
+                first.set_exception(Aborted(f"request_id={ticket.request_id!r}: its client sent it again, through "
+                                            "another router, which took its place in the admission queue"))
         if outcome.verdict == Verdict.REJECT:
             # A tenant's limit is counted per tenant, by a label of its own (its limit is in no label).
             tenant = {"tenant": self._tenant(ticket.tenant)} if outcome.kind.startswith("tenant") else {}
@@ -94,10 +100,12 @@ class AdmissionGate:
             try:
                 placed = await future
             except asyncio.CancelledError:
-                # The client went away (or the router's deadline passed): leave the queue.
-                if self._admission.cancel(ticket.request_id):
-                    self._depth.add(-1, band)
-                self._waiting.pop(ticket.request_id, None)
+                # The client went away (or the router's deadline passed): leave the queue, unless its resend took
+                # its place there (the queue's entry and the waiter are then the resend's).
+                if self._waiting.get(ticket.request_id) is future:
+                    if self._admission.cancel(ticket.request_id):
+                        self._depth.add(-1, band)
+                    del self._waiting[ticket.request_id]
                 if future.done() and not future.cancelled() and future.exception() is None:
                     # Its place came in the same turn as the cancellation: the dispatcher waits for it
                     # to be placed; it never will be, so let the dispatcher go on (else it stalls 1 s).

@@ -141,7 +141,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             "baton.scheduler.observed_ttft_ratio", description="clients' time to first token over their budget",
             explicit_bucket_boundaries_advisory=TTFT_RATIO_BUCKETS)
         self._admission = Admission(max_queued=config.max_queued, limits=parse_tenant_limits(config.tenant_limits),
-                                    lease_s=config.admission_lease_s)
+                                    lease_s=config.admission_lease_s, is_registered=self._router_registered)
         self._gate = AdmissionGate(self._admission, self._is_saturated, telemetry.meter, clock,
                                    config.max_tenant_labels)
         self._node_infos: dict[str, common_pb2.NodeInfo] = {}
@@ -154,6 +154,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         # what this scheduler tells about tenants.
         self._tenants = TenantDirectory(self._member.client, self._on_tenants_changed)
         self._kvindexes = ServiceDirectory(self._member.client, "kvindex", telemetry, grace_s=config.lease_ttl_s)
+        # The routers registered: one gone holds no stream of a request id (its node streams ended with it).
+        self._routers = PrefixView(self._member.client, etcd_keys.service_prefix("router"))
         # This process's mark on the hand-over states it writes (its instance id may outlive it, in a restart).
         self._incarnation = uuid.uuid4().hex
         self._role = LeaderRole(self._member.client, config.instance_id, config.address, config.lease_ttl_s,
@@ -188,8 +190,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self._plan_models(),
             self._nodes.run(),
             self._kvindexes.run(),
+            self._routers.run(),
             self._tenants.run(),
         ]
+
+    def _router_registered(self, router_id: str) -> bool:
+        """Whether router_id is registered in etcd (so, until this scheduler has read who is: yes)."""
+        return not self._routers.synced.is_set() or etcd_keys.service_key("router", router_id) in self._routers.items
 
     def _on_tenants_changed(self, keys: TenantKeys) -> None:
         limits = parse_tenant_limits(self._config.tenant_limits)

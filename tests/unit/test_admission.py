@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from services.scheduler.admission import Admission, TenantLimits, Ticket, Verdict, pool_saturation
@@ -90,6 +91,31 @@ def test_a_fresh_request_for_an_id_another_router_runs_is_refused_as_a_duplicate
     assert admission.offer(fresh, 16.0, False, 0.1).verdict == Verdict.ADMIT  # router-a silent for a lease: gone
     assert admission.end("r", 16.0, "router-a")
     assert admission.offer(fresh, 17.0, False, 0.1).verdict == Verdict.ADMIT  # ended: the id is free
+
+
+def test_a_router_gone_from_etcd_holds_no_stream_of_an_id() -> None:
+    """Its node streams ended with its connections: an HTTP client behind a load balancer, its router killed, had
+    its SDK's automatic resend (no `resume` over HTTP) refused 409 for a whole lease (helper-113)."""
+    registered = {"router-a"}
+    admission = Admission(lease_s=15.0, is_registered=lambda router_id: router_id in registered)
+    admission.on_admitted(Ticket(request_id="r", tenant="t", priority=0, num_tokens=100, arrived_at=0.0,
+                                 holder="router-a"), 0.0)
+    fresh = Ticket(request_id="r", tenant="t", priority=0, num_tokens=100, arrived_at=1.0, holder="router-b")
+    assert admission.offer(fresh, 1.0, False, 0.1).duplicate
+    registered.clear()  # router-a's lease in etcd ran out
+    assert admission.offer(fresh, 4.0, False, 0.1).verdict == Verdict.ADMIT
+
+
+def test_a_resend_of_a_queued_request_takes_its_place_in_the_queue() -> None:
+    """Its first router froze while it waited; its client resent it (`resume`) through another router, which was
+    refused as a duplicate."""
+    admission = Admission()
+    first = ticket("q")
+    assert admission.offer(first, 0.0, True, 0.1).verdict == Verdict.QUEUE
+    resend = dataclasses.replace(ticket("q", at=1.0), holder="router-b", resumed=True)
+    outcome = admission.offer(resend, 1.0, True, 0.1)
+    assert outcome.verdict == Verdict.QUEUE and outcome.replaced is first and admission.num_queued == 1
+    assert admission.pop_next(2.0) is resend
 
 
 def test_a_fresh_request_for_an_id_in_the_queue_is_refused_as_a_duplicate() -> None:

@@ -14,7 +14,7 @@ from opentelemetry.metrics import get_meter
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from services.common.errors import AlreadyExists, InvalidArgument, ResourceExhausted
+from services.common.errors import Aborted, AlreadyExists, InvalidArgument, ResourceExhausted
 from services.scheduler.admission import Admission, TenantLimits, Ticket
 from services.scheduler.gate import AdmissionGate
 
@@ -244,3 +244,34 @@ async def test_a_duplicate_of_a_queued_request_is_refused_already_exists_and_the
     fleet.saturated = False
     gate.capacity_changed()
     assert await asyncio.wait_for(first, 5) is True
+
+
+async def test_a_resend_takes_its_queued_asks_place_and_the_first_ask_ends_aborted(gate_and_fleet) -> None:
+    """Its first router froze while it waited; its client resent it through another router. The first ask ends
+    ABORTED and the resend is dispatched."""
+    gate, admission, fleet = gate_and_fleet
+    first = await queued(gate, admission, ticket("same", fleet.now))
+    resend = asyncio.create_task(gate.enter(dataclasses.replace(ticket("same", fleet.now), resumed=True), 0.1))
+    with pytest.raises(Aborted, match="'same': its client sent it again, through another router"):
+        await asyncio.wait_for(first, 5)
+    assert not resend.done() and admission.num_queued == 1
+    fleet.saturated = False
+    gate.capacity_changed()
+    assert await asyncio.wait_for(resend, 5) is True
+
+
+async def test_a_first_ask_cancelled_as_its_resend_takes_its_place_leaves_the_resend_queued(gate_and_fleet) -> None:
+    """The first ask's call is cancelled (its frozen router's deadline) in the same turn as its resend takes its
+    place: its cleanup took the resend's entry out of the queue, and the resend waited for a dispatch that never
+    came."""
+    gate, admission, fleet = gate_and_fleet
+    first = await queued(gate, admission, ticket("same", fleet.now))
+    resend = asyncio.create_task(gate.enter(dataclasses.replace(ticket("same", fleet.now), resumed=True), 0.1))
+    await asyncio.sleep(0)  # the resend runs to its wait; the first ask's wake-up is due, not yet run
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert admission.num_queued == 1
+    fleet.saturated = False
+    gate.capacity_changed()
+    assert await asyncio.wait_for(resend, 5) is True

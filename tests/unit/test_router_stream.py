@@ -827,6 +827,9 @@ class _RefusingScheduler(_FakeScheduler):
     (InvalidArgument("deadline_ms", 1100, "cannot be met: ... on an idle node"), "", False),
     (InvalidArgument("deadline_ms", 1100, "cannot be met: ... on an idle node"), "w", True),
     (ResourceExhausted("tenant t: at its concurrency limit", retry_after_ms=1000), "", True),
+    # A duplicate of an id that runs, or an ask its resend took the place of: the id's other stream is its task.
+    (AlreadyExists("request_id='r': is already running, through another router"), "", False),
+    (Aborted("request_id='r': its client sent it again, through another router"), "", False),
 ])
 @pytest.mark.timeout(30)
 async def test_a_request_the_leader_refuses_as_bad_input_is_no_task_and_one_it_refuses_for_load_is_a_failed_one(
