@@ -32,8 +32,9 @@ class StopText:
         self.in_resumed = any(stop in resumed for stop in self._stops)
         self._tail = self._last_chars(resumed)
         self._num_chars = 0  # characters of text generated since the resumed tokens, before the tail's end
-        # Characters of that text through the end of the stop found; None until one is.
-        self.num_chars_through_stop: int | None = None
+        # Characters of that text through the end of the stop found; None until one is (0 when it was among the
+        # resumed tokens: nothing more is sent, not even a character they leave incomplete).
+        self.num_chars_through_stop: int | None = 0 if self.in_resumed else None
         self._num_chars_clipped = 0  # characters clip has handed out
 
     def find(self, token_ids: Sequence[int]) -> int | None:

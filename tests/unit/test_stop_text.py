@@ -62,6 +62,8 @@ def test_a_stop_that_began_among_the_resumed_tokens_is_found_and_one_wholly_amon
     assert not _stop_text("e if", resumed=token_ids(b" if", b" be")).in_resumed
     stop_text = _stop_text("be", resumed=token_ids(b" if", b" be"))
     assert stop_text.in_resumed  # the stream ended among them: the relay ends it at once (find is not asked)
+    ended = _stop_text("be", resumed=token_ids(b" be", b"\xc3"))
+    assert ended.in_resumed and ended.clip("\ufffd") == ""  # the last chunk's flush of the incomplete "é" is not sent
     assert stop_text.find(token_ids(b" if", b"b")) is None
     assert stop_text.find(token_ids(b"e")) == 1
 
