@@ -45,9 +45,6 @@ class _UnparsedQuietly(logging.Filter):
         return True
 
 
-_AIOHTTP_SERVER_LOG = logging.getLogger("aiohttp.server")
-_AIOHTTP_SERVER_LOG.addFilter(_UnparsedQuietly())
-
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # JSON escapes make a body longer than the text it carries (up to 6 bytes per character, "\u00e9").
 _BODY_BYTES_PER_PROMPT_BYTE = 8
@@ -228,6 +225,9 @@ class HttpApi:
 
     async def start(self) -> bool:
         """Bind and serve; False (logged) when the address cannot be bound."""
+        server_log = logging.getLogger("aiohttp.server")
+        if not any(isinstance(f, _UnparsedQuietly) for f in server_log.filters):
+            server_log.addFilter(_UnparsedQuietly())
         host, _, port = self._listen.rpartition(":")
         await self._runner.setup()
         try:
