@@ -48,7 +48,7 @@ ANCHOR_CONTEXT_PER_SEQ = (128, 2048)
 ROBUST_SCALE = 0.5
 # A refit predicts every anchor step within this factor of the calibration's time for it.
 MAX_DRIFT = 4.0
-_ROBUST_ITERATIONS = 30
+_ROBUST_ITERATIONS = 8
 _MIN_UNIT_MS = 1e-3
 
 
@@ -202,7 +202,7 @@ def refit_timing(samples: Sequence[StepSample], calibrated: EngineProfile, prior
             if off > ROBUST_SCALE:
                 weights[i] *= ROBUST_SCALE / off
         fitted = _fit_nonnegative(rows, targets, weights)
-        settled = all(abs(_linear_ms(fitted, x) - _linear_ms(values, x)) <= 1e-6 * _linear_ms(prior, x)
+        settled = all(abs(_linear_ms(fitted, x) - _linear_ms(values, x)) <= 1e-3 * _linear_ms(prior, x)
                       for x in anchors)
         values = fitted
         if settled:
