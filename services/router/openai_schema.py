@@ -72,7 +72,7 @@ _NEUTRAL_PENALTIES: dict[str, tuple[object, ...]] = {
 _NEUTRAL: dict[str, dict[str, tuple[object, ...]]] = {
     COMPLETIONS: {
         **_NEUTRAL_PENALTIES,
-        "logprobs": (None, 0),
+        "logprobs": (None,),  # (0 asks for the sampled token's logprob, in OpenAI's API and vLLM's)
         "echo": (None, False),
         "best_of": (None, 1),
         "suffix": (None, ""),
@@ -244,7 +244,9 @@ def parse_request(kind: str, body: object, headers: Mapping[str, str],
     request.temperature = DEFAULT_TEMPERATURE if temperature is None else _number("temperature", temperature)
     if body.get("top_p") is not None:
         request.top_p = _number("top_p", body["top_p"])
-        if request.top_p == 0:  # (0 is "unset" in the protobuf field: it would sample from every token)
+        # (0 is "unset" in the protobuf field: it would sample from every token. Judged as sent, not as the 32-bit
+        # field holds it.)
+        if request.top_p == 0 or not 0 < body["top_p"] <= 1:
             raise InvalidArgument("top_p", body["top_p"], "must be greater than 0 and at most 1, as vLLM asks (for the "
                                   "likeliest token only, set temperature to 0)")
     if body.get("seed") is not None:

@@ -287,6 +287,7 @@ def test_a_refused_null_or_boolean_is_shown_as_json_spells_it(body: dict[str, An
     (schema.COMPLETIONS, "presence_penalty", False, "presence_penalty=false: not supported by Baton"),
     (schema.COMPLETIONS, "echo", 0, "echo=0: not supported by Baton"),
     (schema.COMPLETIONS, "logprobs", 0.0, "logprobs=0.0: not supported by Baton"),
+    (schema.COMPLETIONS, "logprobs", 0, "logprobs=0: not supported by Baton"),  # the sampled token's logprob
     (schema.CHAT, "logprobs", 0, "logprobs=0: not supported by Baton"),
     (schema.CHAT, "parallel_tool_calls", 1, "parallel_tool_calls=1: not supported by Baton"),
     (schema.CHAT, "top_logprobs", False, "top_logprobs=false: not supported by Baton"),
@@ -302,15 +303,16 @@ def test_a_field_baton_does_not_serve_is_taken_only_as_its_endpoints_field_with_
     base = {"model": "m", "prompt": "x"} if kind == schema.COMPLETIONS else {
         "model": "m", "messages": [{"role": "user", "content": "x"}]}
     assert str(_refused(kind, base | {field: value})).startswith(message)
-    neutral = {"best_of": 1, "presence_penalty": 0.0, "echo": False, "logprobs": 0 if kind == schema.COMPLETIONS
+    neutral = {"best_of": 1, "presence_penalty": 0.0, "echo": False, "logprobs": None if kind == schema.COMPLETIONS
                else False, "parallel_tool_calls": True, "top_logprobs": 0, "store": False}
     if field in neutral:
         _parse(kind, base | {field: neutral[field]})
 
 
-@pytest.mark.parametrize("top_p", [0, 0.0, 1e-50])
+@pytest.mark.parametrize("top_p", [0, 0.0, 1e-50, 1.0000001, 2])
 def test_top_p_zero_is_refused_not_run_as_one(top_p: float) -> None:
     """0 is the protobuf field's "unset": sent as 0 over HTTP, it sampled from every token where the client asked
-    for the likeliest (helper-108, helper-110; vLLM refuses it)."""
+    for the likeliest (helper-108, helper-110; vLLM refuses it). Above 1 is named as sent (it was named as the 32-bit
+    field held it, with the gRPC API's "0 means 1")."""
     refused = _refused(schema.COMPLETIONS, {"model": "m", "prompt": "x", "top_p": top_p})
     assert refused.field == "top_p" and "must be greater than 0 and at most 1" in str(refused)
