@@ -725,17 +725,24 @@ async def test_a_finished_notice_refused_by_a_standby_goes_to_the_leader_it_name
     assert notice.request_id == "r9" and notice.outcome == scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
 
 
-async def test_a_request_sent_twice_keeps_its_admission_slot_until_its_last_stream_ends() -> None:
-    """Both streams of one request id hold one slot at the leader; the first to end released it, so a refused
-    duplicate let a tenant at its concurrency limit start another request (a live probe ran four under a limit of
-    one)."""
-    release = asyncio.Event()
+def _one_token_then_the_last_at(release: asyncio.Event) -> NodeHandler:
+    """A node that sends token 97, then token 98 with the finish once release is set."""
 
     async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
         yield _started()
         yield Chunk(node_id=NODE, index=0, token_ids=[97])
         await release.wait()
         yield Chunk(node_id=NODE, index=1, token_ids=[98], finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+    return generate
+
+
+async def test_a_request_sent_twice_keeps_its_admission_slot_until_its_last_stream_ends() -> None:
+    """Both streams of one request id hold one slot at the leader; the first to end released it, so a refused
+    duplicate let a tenant at its concurrency limit start another request (a live probe ran four under a limit of
+    one)."""
+    release = asyncio.Event()
+    generate = _one_token_then_the_last_at(release)
 
     async with _router(generate) as (router, scheduler):
         request = router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2, request_id="twice")
@@ -762,12 +769,7 @@ async def test_a_fresh_request_for_an_id_this_router_runs_is_refused_as_a_duplic
     under a concurrency limit of one). The router refuses it, naming the id; the first stream runs on, and its slot
     is not given up by the refusal."""
     release = asyncio.Event()
-
-    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
-        yield _started()
-        yield Chunk(node_id=NODE, index=0, token_ids=[97])
-        await release.wait()
-        yield Chunk(node_id=NODE, index=1, token_ids=[98], finish_reason=common_pb2.FINISH_REASON_LENGTH)
+    generate = _one_token_then_the_last_at(release)
 
     async with _router(generate) as (router, scheduler):
         request = router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2, request_id="dup")
