@@ -86,6 +86,14 @@ class _Serving:
             return "its cache salt (its tenant's prefix-cache namespace) is not that stream's"
         return None
 
+    def is_another_request(self, request: node_agent_pb2.NodeGenerateRequest) -> bool:
+        """Whether request, a resume of this stream's id, cannot be this request resumed at all: its prompt and this
+        stream's differ before either ends (a client's resume has this stream's prompt and tokens it generated, or
+        fewer of them when this stream is a later attempt), or it has another cache salt."""
+        shared = min(len(request.prompt_token_ids), len(self.prompt))
+        return (tuple(request.prompt_token_ids[:shared]) != self.prompt[:shared]
+                or request.cache_salt != self.cache_salt)
+
 
 class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     service_names = ("baton.v1.NodeAgent",)
@@ -220,14 +228,20 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         its client, who sent it again through another router: the newer stream has the client, and the old one ends
         ABORTED). Only a resume the engine will take as surely as it took that stream, or a refused one would end it
         too; another is StreamHeld (its router places it on another node, not taking this one for failed), a fresh
-        request AlreadyExists (said as such, so its router tells the leader the id's other stream holds their one
-        admission slot)."""
+        request, or a "resume" that cannot be this request at all, AlreadyExists (said as such, so its router tells
+        the leader the id's other stream holds their one admission slot)."""
         request_id = request.request_id
         earlier = self._serving.get(request_id)
         if earlier is None or engine.progress(request_id) is None:
             return
         if not (request.num_resumed_tokens or request.resent):
             raise AlreadyExists(f"request_id={request_id!r}: is already running on node {self._config.node_id}")
+        if earlier.is_another_request(request):
+            # Placed elsewhere, it ran beside that stream on their one admission slot: a tenant at its concurrency
+            # limit ran a stream per node under one id with an empty `resume` (helper-114).
+            raise AlreadyExists(f"request_id={request_id!r}: is already running on node {self._config.node_id}, "
+                                f"as another request: {earlier.refusal(request, engine.vocab_size)} (a resume "
+                                "continues the running stream's prompt, under its cache salt)")
         if (why := earlier.refusal(request, engine.vocab_size)) is not None:
             raise StreamHeld(f"request_id={request_id!r}: an earlier stream of it still runs on node "
                              f"{self._config.node_id}, which this resume cannot take over: {why}",

@@ -1,6 +1,7 @@
 """A request for an id the node agent is running, one condition at a time: a resume the engine will take as surely as
-it took the running stream takes that stream's place (which ends ABORTED); a fresh request is refused ALREADY_EXISTS;
-any other resume is refused UNAVAILABLE with STREAM_HELD_KEY naming the node (well, not failed: its router places
+it took the running stream takes that stream's place (which ends ABORTED); a fresh request, or a resume that cannot
+be that request (another prompt, another cache salt), is refused ALREADY_EXISTS; any other resume is refused
+UNAVAILABLE with STREAM_HELD_KEY naming the node (well, not failed: its router places
 the resume elsewhere), and the running stream goes on."""
 
 from __future__ import annotations
@@ -100,9 +101,6 @@ async def test_a_fresh_request_for_the_running_id_is_refused_already_exists_and_
 Resume = Callable[[list[int]], node_agent_pb2.NodeGenerateRequest]
 
 NOT_TAKEN_OVER: list[tuple[str, Resume, str]] = [
-    ("a prompt that changes the running one's",
-     lambda tokens: _ask([98] + PROMPT[1:] + tokens, 4, num_resumed_tokens=len(tokens)),
-     "its prompt does not begin with that stream's"),
     ("a prompt shorter than the running one",
      lambda tokens: _ask(PROMPT[:-1], 4, num_resumed_tokens=1),
      "its prompt does not begin with that stream's"),
@@ -124,9 +122,6 @@ NOT_TAKEN_OVER: list[tuple[str, Resume, str]] = [
     ("a resend asking for one token more than the running stream",
      lambda tokens: _ask(PROMPT, MAX_TOKENS + 1, resent=True),
      f"past the {len(PROMPT) + MAX_TOKENS} that stream could reach"),
-    ("another cache salt",
-     lambda tokens: _ask(PROMPT + tokens, 4, num_resumed_tokens=len(tokens), cache_salt="tenant-b"),
-     "its cache salt (its tenant's prefix-cache namespace) is not that stream's"),
 ]
 
 
@@ -146,3 +141,30 @@ async def test_a_resume_the_engine_might_refuse_is_unavailable_naming_the_node_t
     assert why in refused.details
     assert refused.details.startswith("request_id='r': an earlier stream of it still runs on node n0, which this "
                                       "resume cannot take over: ")
+
+
+ANOTHER_REQUEST: list[tuple[str, Resume, str]] = [
+    ("a prompt that changes the running one's",
+     lambda tokens: _ask([98] + PROMPT[1:] + tokens, 4, num_resumed_tokens=len(tokens)),
+     "its prompt does not begin with that stream's"),
+    ("a resend with another prompt", lambda tokens: _ask([98] * 10, 4, resent=True),
+     "its prompt does not begin with that stream's"),
+    ("another cache salt",
+     lambda tokens: _ask(PROMPT + tokens, 4, num_resumed_tokens=len(tokens), cache_salt="tenant-b"),
+     "its cache salt (its tenant's prefix-cache namespace) is not that stream's"),
+]
+
+
+@pytest.mark.parametrize(("resume", "why"), [case[1:] for case in ANOTHER_REQUEST],
+                         ids=[case[0] for case in ANOTHER_REQUEST])
+async def test_a_resume_that_cannot_be_the_running_request_is_refused_already_exists(resume: Resume,
+                                                                                        why: str) -> None:
+    """Refused as a stream the node holds, it was placed on another node and ran beside the running one on their one
+    admission slot: a tenant at its concurrency limit ran a stream per node under one id (helper-114). Its router
+    passes ALREADY_EXISTS to its client, as for a fresh duplicate."""
+    async with _running() as (node, old, tokens):
+        refused = await _refusal(_generate(node, resume(tokens)))
+        assert await _next_tokens(old)
+    assert refused.code == grpc.StatusCode.ALREADY_EXISTS and STREAM_HELD_KEY not in refused.trailing_metadata
+    assert refused.details.startswith("request_id='r': is already running on node n0, as another request: ")
+    assert why in refused.details
