@@ -230,9 +230,10 @@ class PrefixView:
             if expiry is None:
                 await changed.wait()
             elif not await wait_or_timeout(changed, max(0.0, expiry - loop.time())):
-                if self._held.expire(loop.time()):
-                    log.warning("etcd keys under %s did not come back within %.1f s", self._prefix,
-                                self._held.grace_s)
+                if ended := self._held.expire(loop.time()):
+                    # Named: a node that died showed only as "keys under /baton/nodes/" in every service's log.
+                    log.warning("etcd keys under %s did not come back within %.1f s: %s", self._prefix,
+                                self._held.grace_s, ", ".join(key.removeprefix(self._prefix) for key in sorted(ended)))
                     await self._replace(self._held.view())
 
     async def _publish(self, leaving: frozenset[str]) -> None:

@@ -29,12 +29,12 @@ class LapsedKeys:
         self._present = dict(present)
         self.expire(now)
 
-    def expire(self, now: float) -> bool:
-        """Drop the keys whose grace has ended; whether any was."""
+    def expire(self, now: float) -> list[str]:
+        """Drop the keys whose grace has ended; which they were."""
         ended = [key for key, (_, since) in self._lapsed.items() if now - since >= self.grace_s]
         for key in ended:
             del self._lapsed[key]
-        return bool(ended)
+        return ended
 
     def view(self) -> dict[str, bytes]:
         """Every key present or lapsed, with its latest value."""

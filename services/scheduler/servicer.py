@@ -177,6 +177,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                       "GPU time (accounting=busy, the floor) over the tasks that succeeded")
         meter.create_observable_gauge("baton.scheduler.tasks", [self._observe_tasks],
                                       description="tasks ended, by outcome, and open")
+        # Always reported: which replica leads, and a standby's /metrics is not empty (its target_info too).
+        meter.create_observable_gauge("baton.scheduler.is_leader",
+                                      [lambda options: [Observation(1 if self._role.is_leader else 0)]],
+                                      description="1 on the replica that leads, 0 on a standby")
 
     def register(self, server: grpc.aio.Server) -> None:
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(self, server)

@@ -49,6 +49,8 @@ async def test_the_leader_exports_the_kpi_and_a_standby_does_not(monkeypatch: py
         assert ({"outcome": "open"}, 1) in metrics["baton.scheduler.tasks"]  # r2 may still be retried
     else:
         assert not metrics.get("baton.scheduler.cost_per_successful_task")
+    # Which replica leads, on every replica: a standby's /metrics was empty, its target_info too (helper-116).
+    assert metrics["baton.scheduler.is_leader"] == [({}, 1 if leading else 0)]
     await service.close()
 
 

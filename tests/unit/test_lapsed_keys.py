@@ -29,7 +29,7 @@ def test_a_key_not_put_back_goes_when_its_grace_ends() -> None:
     keys.update({"a": b"1"}, now=0.0)
     keys.update({}, now=10.0)
     assert not keys.expire(12.9) and keys.view() == {"a": b"1"}
-    assert keys.expire(13.0) and keys.view() == {} and keys.lapsed() == frozenset()
+    assert keys.expire(13.0) == ["a"] and keys.view() == {} and keys.lapsed() == frozenset()
 
 
 def test_a_key_its_holder_gave_up_goes_at_once() -> None:
