@@ -140,6 +140,7 @@ class Relay:
         is_task = True  # a lone request refused as bad input is no task, wherever refused (as the router's own)
         try:
             retry_cause: FailureCause | None = None  # why it moves, once a node failed it
+            moving: FailureCause | None = None  # a node failure whose move is not yet placed
             # A failed node had the request (said anything on its stream): a move's node then prefills again.
             computed_elsewhere = False
             failed_at: float | None = None
@@ -167,6 +168,9 @@ class Relay:
                     is_task = ran or not (error.code in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.ABORTED) or (
                         error.code == grpc.StatusCode.INVALID_ARGUMENT and not request.workflow_id))
                     raise
+                if moving is not None:  # counted once a node takes it (a move that found none moved nothing)
+                    self._migrations.add(1, {"cause": moving.value})
+                    moving = None
                 base = len(generation.generated)
                 node_chunks = watched_stream(
                     self._node_channels.get(placement.address), placement.node_id, generation.node_request(),
@@ -227,7 +231,7 @@ class Relay:
                         continue
                     log.warning("request %s: %s after %d tokens; resuming elsewhere", generation.request_id,
                                 failure, len(generation.generated))
-                    self._migrations.add(1, {"cause": failure.cause.value})
+                    moving = failure.cause
                     generation.record_failure(failure, self._config.max_migrations)
                     retry_cause = failure.cause
                     computed_elsewhere = computed_elsewhere or failure.heard

@@ -213,12 +213,16 @@ async def test_a_move_with_nowhere_to_go_asks_once_and_says_what_happened() -> N
         await never.wait()  # then nothing, on every stream: a stopped node
         yield Chunk(node_id=NODE, index=1, token_ids=[98])
 
-    async with _router(generate, stall_floor_s=0.2) as (router, scheduler):
+    reader = InMemoryMetricReader()
+    telemetry = Telemetry("router/test", "none")
+    telemetry.meter = MeterProvider(metric_readers=[reader]).get_meter("test")
+    async with _router(generate, stall_floor_s=0.2, telemetry=telemetry) as (router, scheduler):
         call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=8))
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             async for _ in call:
                 pass
     assert [p.retry_cause for p in scheduler.places] == ["", "stalled"]
+    assert _counted(reader, "baton.router.migrations") == []  # it moved nowhere (counted one: helper-116)
     assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
     details = raised.value.details() or ""
     assert f"node {NODE}: stalled" in details and "nor on any other from the node" in details
@@ -507,6 +511,7 @@ async def test_a_stream_that_moves_twice_reports_what_both_moves_prefilled_again
         await asyncio.wait_for(scheduler.finished.get(), 10)  # the stream has settled
     assert _counted(reader, "baton.router.requests") == [({"status": "OK"}, 1)]
     assert _counted(reader, "baton.router.recomputed_tokens") == [({"model": MODEL}, 7)]
+    assert _counted(reader, "baton.router.migrations") == [({"cause": "stream_broken"}, 2)]
     assert [t for m in messages for t in m.token_ids] == [97 + i for i in range(8)]
     usage = messages[-1].usage
     assert usage.num_migrations == 2
