@@ -41,7 +41,7 @@ from services.scheduler.model_planner import ModelAction, ModelPlanner
 from services.scheduler.placement import DeadlineOutOfReach, LeftOutOfReach, PlaceAsk, Placer, Plan, Unmeetable
 from services.scheduler.policies import Decision, PlacementRequest, make_policy
 from services.scheduler.retry_budget import RetryBudget
-from services.scheduler.tasks import TaskLedger
+from services.scheduler.tasks import TaskLedger, request_task, workflow_task
 from services.scheduler.validation import check_finished, check_live_requests, check_place
 
 log = logging.getLogger(__name__)
@@ -505,10 +505,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             cost = sum(ms / 3_600_000 * self._prices.get(node, _price(request.price_per_hour_by_node.get(node, 0.0)))
                        for node, ms in request.gpu_ms_by_node.items() if math.isfinite(ms) and ms > 0)
             if ctx.workflow_id:
-                self._tasks.record(ctx.workflow_id, ctx.step, ctx.total_steps, cost,
+                self._tasks.record(workflow_task(ctx.workflow_id), ctx.step, ctx.total_steps, cost,
                                    request.outcome == _SUCCEEDED, self._clock())
             else:
-                self._tasks.record(request.request_id, 1, 1, cost, request.outcome == _SUCCEEDED, self._clock())
+                self._tasks.record(request_task(request.request_id), 1, 1, cost, request.outcome == _SUCCEEDED,
+                                   self._clock())
         return scheduler_pb2.FinishedAck()
 
     async def ReportLiveRequests(
@@ -523,7 +524,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if self._role.is_leader:
             num_held = self._gate.renew(request.request_ids, request.router_id)
             # A long step (or a retry of a lone request, whose task is its id) does not time its task out.
-            self._tasks.touch([*request.workflow_ids, *request.request_ids], self._clock())
+            self._tasks.touch([*map(workflow_task, request.workflow_ids), *map(request_task, request.request_ids)],
+                              self._clock())
         return scheduler_pb2.LiveRequestsAck(num_held=num_held,
                                              lease_ms=int(self._config.admission_lease_s * 1000))
 

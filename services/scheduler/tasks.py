@@ -22,6 +22,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def workflow_task(workflow_id: str) -> str:
+    """The ledger's key of a workflow's task: its own key space, so that no request id names it (a lone request
+    reusing an ended workflow's id was taken for a late notice of it, and its success went uncounted)."""
+    return "workflow:" + workflow_id
+
+
+def request_task(request_id: str) -> str:
+    """The ledger's key of a lone request's task (a task of one step)."""
+    return "request:" + request_id
+
+
 @dataclass
 class _Task:
     total_steps: int
@@ -95,7 +106,9 @@ class TaskLedger:
             task.failed.discard(step)
         elif not ok and step > 0 and step not in task.succeeded:  # a late loser does not undo a success
             task.failed.add(step)
-        if task.total_steps and len(task.succeeded) >= task.total_steps:
+        # Every step it has, and nothing failed (a step past total_steps, numbered by a request that did not say
+        # total_steps, counted towards it: a workflow whose step 1 failed succeeded on steps 2 and 3 of 2).
+        if task.total_steps and not task.failed and task.succeeded >= set(range(1, task.total_steps + 1)):
             self._end(task_id, task, True)
             return True
         self._open[task_id] = task

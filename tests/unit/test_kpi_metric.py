@@ -17,6 +17,7 @@ from services.common.load import Load
 from services.common.telemetry import Telemetry
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.servicer import SchedulerService
+from services.scheduler.tasks import request_task, workflow_task
 from tests.unit.leading import fake_leadership
 from tests.unit.test_place_during_election import FakeContext, Refused
 
@@ -155,6 +156,25 @@ async def test_a_finished_notice_that_makes_no_sense_is_refused_by_name_and_the_
         await service.close()
 
 
+async def test_a_request_id_and_a_workflow_id_that_are_equal_are_two_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One key space: a lone request reusing an ended workflow's id (and a workflow named as an ended request) was
+    taken for a late notice of that task, and its success went uncounted (helper-115)."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    ok = scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
+    try:
+        for notice in (scheduler_pb2.FinishedRequest(request_id="s1", outcome=ok, context=common_pb2.RequestContext(
+                           workflow_id="x", step=1, total_steps=1)),
+                       scheduler_pb2.FinishedRequest(request_id="x", outcome=ok),
+                       scheduler_pb2.FinishedRequest(request_id="y", outcome=ok),
+                       scheduler_pb2.FinishedRequest(request_id="s2", outcome=ok, context=common_pb2.RequestContext(
+                           workflow_id="y", step=1, total_steps=1))):
+            await service.Finished(notice, FakeContext())  # type: ignore[arg-type]
+        assert service._tasks.stats().succeeded == 4
+    finally:
+        await service.close()
+
+
 def _registered(node_id: str, price: float, draining: bool = False) -> tuple[str, bytes]:
     info = common_pb2.NodeInfo(node_id=node_id, address="127.0.0.1:1", gpu="h100", price_per_hour=price,
                                draining=draining)
@@ -228,11 +248,11 @@ async def test_a_workflow_step_the_routers_report_running_keeps_its_task_open(mo
     now = [0.0]
     service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"), clock=lambda: now[0])
     timeout_s = service._tasks.timeout_s
-    service._tasks.record("wf", 1, 2, 0.01, ok=True, now=0.0)
+    service._tasks.record(workflow_task("wf"), 1, 2, 0.01, ok=True, now=0.0)
     now[0] = timeout_s - 10.0
     await service.ReportLiveRequests(scheduler_pb2.LiveRequests(request_ids=["s2"], workflow_ids=["wf"]), None)
     assert service._tasks.expire(timeout_s + 10.0) == 0
-    assert service._tasks.record("wf", 2, 2, 0.01, ok=True, now=timeout_s + 20.0) is True
+    assert service._tasks.record(workflow_task("wf"), 2, 2, 0.01, ok=True, now=timeout_s + 20.0) is True
     await service.close()
 
 
@@ -316,7 +336,7 @@ async def test_a_lone_request_retried_past_the_task_timeout_is_not_abandoned(mon
     now = [0.0]
     service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"), clock=lambda: now[0])
     timeout_s = service._tasks.timeout_s
-    service._tasks.record("r1", 1, 1, 0.01, ok=False, now=0.0)
+    service._tasks.record(request_task("r1"), 1, 1, 0.01, ok=False, now=0.0)
     now[0] = timeout_s - 10.0
     await service.ReportLiveRequests(scheduler_pb2.LiveRequests(request_ids=["r1"]), None)
     assert service._tasks.expire(timeout_s + 10.0) == 0

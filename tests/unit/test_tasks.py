@@ -25,6 +25,20 @@ def test_a_workflow_succeeds_when_every_step_has_and_failed_work_stays_in_the_co
     assert stats.cost_per_successful_task == pytest.approx(0.04)
 
 
+def test_a_step_past_total_steps_does_not_stand_in_for_a_failed_one() -> None:
+    """Step 1 of 2 late, step 2 met, then a step 3 whose request did not say total_steps: the workflow counted as
+    succeeded, on two successful steps (helper-115). It succeeds only when steps 1 to total_steps all have."""
+    ledger = TaskLedger(timeout_s=60.0)
+    assert ledger.record("wf", 1, 2, 0.01, ok=False, now=0.0) is None
+    assert ledger.record("wf", 2, 2, 0.01, ok=True, now=1.0) is None
+    assert ledger.record("wf", 3, 0, 0.01, ok=True, now=2.0) is None
+    ledger.expire(62.0)
+    assert (ledger.stats().succeeded, ledger.stats().failed) == (0, 1)
+    assert ledger.record("other", 3, 0, 0.01, ok=False, now=0.0) is None  # a failed step past them holds it too
+    assert ledger.record("other", 1, 2, 0.01, ok=True, now=1.0) is None
+    assert ledger.record("other", 2, 2, 0.01, ok=True, now=2.0) is None
+
+
 def test_an_abandoned_workflow_fails_at_the_timeout_and_its_cost_burdens_the_successes() -> None:
     ledger = TaskLedger(timeout_s=60.0)
     ledger.record("abandoned", 1, 5, 0.03, ok=True, now=0.0)
