@@ -49,7 +49,9 @@ RESUME_ROUNDING_MS = 1000
 # The shortest deadline_ms a fresh request may ask for. No answer comes sooner than the router's own path (the
 # leader's placement, then the node's first step through a second hop: 7 to 8 ms at p50 and p99 in
 # docs/benchmarks.md), so a shorter deadline can only pass: refused here, before the timer starts, it gets one answer
-# rather than 408 (the router's timer) or 400 (the leader's floor), whichever came first.
+# rather than 408 (the router's timer) or 400 (the leader's floor), whichever came first. A ttft_budget_ms under it
+# likewise: the leader, which sees only the node's part, admitted a 7 ms budget and the request ran late, a failed
+# task, or answered a 5 ms one 429 with a retry hint, and every retry failed as well.
 MIN_DEADLINE_MS = 10
 
 
@@ -182,10 +184,10 @@ def validate(
     check_temperature_top_p(request.temperature, request.top_p)
     check_context(request)
     # A resent request's deadline_ms is what its client had left (its own arithmetic): however little, it is timed.
-    if 0 < request.deadline_ms < MIN_DEADLINE_MS and not request.HasField("resume"):
-        raise InvalidArgument("deadline_ms", request.deadline_ms,
-                              f"below the floor of {MIN_DEADLINE_MS} ms: no answer comes sooner than a placement "
-                              "and a node's first step (ask for a later deadline, or none)")
+    for name, budget_ms in (("deadline_ms", request.deadline_ms), ("ttft_budget_ms", request.ttft_budget_ms)):
+        if 0 < budget_ms < MIN_DEADLINE_MS and not request.HasField("resume"):
+            raise InvalidArgument(name, budget_ms, f"below the floor of {MIN_DEADLINE_MS} ms: no answer comes sooner "
+                                  "than a placement and a node's first step (ask for more, or none)")
     if len(resumed) > max_tokens:
         raise InvalidArgument("resume.token_ids", f"{len(resumed)} tokens", f"more than max_tokens={max_tokens}")
     if resumed and request.temperature > 0 and not request.HasField("seed"):

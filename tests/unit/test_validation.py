@@ -56,6 +56,8 @@ REJECTIONS = [
     ("negative deadline", {"deadline_ms": -1}, "deadline_ms=-1"),
     ("deadline below the floor", {"deadline_ms": 1}, "deadline_ms=1: below the floor of 10 ms"),
     ("deadline just below the floor", {"deadline_ms": 9}, "deadline_ms=9: below the floor of 10 ms"),
+    # The leader admitted a 7 ms TTFT budget, run late, and answered 5 ms with a retry hint (helper-115).
+    ("TTFT budget below the floor", {"ttft_budget_ms": 7}, "ttft_budget_ms=7: below the floor of 10 ms"),
     ("step beyond total", {"step": 4, "total_steps": 3}, "step=4"),
     ("step 0 of a workflow with steps", {"step": 0, "total_steps": 3}, "step=0"),
     ("long request_id", {"request_id": "r" * 129}, "request_id='rrrr"),
@@ -82,6 +84,7 @@ def test_unknown_model_is_not_found_naming_it() -> None:
 
 def test_a_deadline_at_the_floor_or_what_a_resent_request_has_left_is_accepted() -> None:
     assert _validate(_request(deadline_ms=10)).request_id
+    assert _validate(_request(ttft_budget_ms=10)).request_id
     assert _validate(_request(deadline_ms=1, resume=router_pb2.Resume(elapsed_ms=900))).request_id
 
 
