@@ -345,6 +345,10 @@ class HttpApi:
                     await anext(chunks)
                 except (StopAsyncIteration, BatonError):  # the answer is out: nothing more to say
                     pass
+                except asyncio.CancelledError:
+                    # The client closed its connection once it had the answer (aiohttp cancels the handler): the
+                    # 200 is still counted and its span ended (a cancellation here skipped both, helper-116).
+                    pass
                 except Exception:  # a bug, but not one to answer: the client has its response
                     log.exception("HTTP %s %s failed after its answer was written", request.method, request.path)
                 return response

@@ -417,3 +417,22 @@ async def test_a_request_aiohttp_cannot_parse_is_a_400_and_one_debug_line_not_a_
     records = [r for r in caplog.records if r.name == "aiohttp.server"]
     assert records and all(r.levelno == logging.DEBUG and r.exc_info is None for r in records)
     assert "400" in records[0].getMessage()
+
+
+async def test_a_whole_answer_whose_client_closes_once_it_has_it_is_still_answered_200() -> None:
+    """The client read the body and closed the connection; aiohttp cancelled the handler while the router finished
+    the stream, and the 200 went uncounted in baton.router.http_responses, its span without a status (helper-116)."""
+
+    class _ClosedAfterTheAnswer(_FakeRouter):
+        async def generate(self, *args, **kwargs) -> AsyncIterator[router_pb2.GenerateChunk]:  # type: ignore[override]
+            async for chunk in super().generate(*args, **kwargs):
+                yield chunk
+            raise asyncio.CancelledError  # what the handler's cancellation brings while the stream ends
+
+    writer = mock.Mock(write_headers=mock.AsyncMock(), write=mock.AsyncMock(), drain=mock.AsyncMock(),
+                       write_eof=mock.AsyncMock())
+    request = make_mocked_request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                                  payload=_body({"model": "m", "prompt": "x"}), writer=writer)
+    api = HttpApi(_ClosedAfterTheAnswer(["a"]), "127.0.0.1:0", InputLimits(max_prompt_bytes=1024))
+    response = await (await api.app.router.resolve(request)).handler(request)
+    assert response.status == 200
