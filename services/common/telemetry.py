@@ -66,6 +66,7 @@ class JsonLinesSpanExporter(SpanExporter):
                 json.dumps(
                     {
                         "service": span.resource.attributes.get("service.name"),
+                        "instance": span.resource.attributes.get("service.instance.id"),
                         "name": span.name,
                         "trace_id": f"{ctx.trace_id:032x}",
                         "span_id": f"{ctx.span_id:016x}",
@@ -100,10 +101,13 @@ class Telemetry:
     """
 
     def __init__(self, service_name: str, exporter: str,
-                 channel_credentials: grpc.ChannelCredentials | None = None, metrics_listen: str = "") -> None:
+                 channel_credentials: grpc.ChannelCredentials | None = None, metrics_listen: str = "",
+                 instance_id: str = "") -> None:
         # TLS for calls to other services (see `channel`); None: plaintext.
         self.channel_credentials = channel_credentials
-        resource = Resource.create({"service.name": service_name})
+        # The replica by its --instance-id (--node-id), not a fresh UUID: two schedulers' spans told apart.
+        resource = Resource.create({"service.name": service_name,
+                                    **({"service.instance.id": instance_id} if instance_id else {})})
         self.tracer_provider = TracerProvider(resource=resource)
         span_exporter: SpanExporter | None = None
         metric_readers: list[MetricReader] = []

@@ -13,7 +13,8 @@ from services.kvindex.servicer import KVIndexService
 async def main() -> int:
     config = parse_config(KVIndexConfig, "BATON_KVINDEX")
     setup_logging(config.log_level)
-    telemetry = Telemetry("kvindex", config.otel_exporter, config.channel_credentials(), config.metrics_listen)
+    telemetry = Telemetry("kvindex", config.otel_exporter, config.channel_credentials(), config.metrics_listen,
+                          config.instance_id)
     return await serve(KVIndexService(config, telemetry), config.listen, telemetry,
                        credentials=config.server_credentials())
 

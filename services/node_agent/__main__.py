@@ -15,7 +15,7 @@ async def main() -> int:
     config = parse_config(NodeAgentConfig, "BATON_NODE")
     setup_logging(config.log_level)
     telemetry = Telemetry(f"node_agent/{config.node_id}", config.otel_exporter, config.channel_credentials(),
-                          config.metrics_listen)
+                          config.metrics_listen, config.node_id)
     host = build_host(config)
     return await serve(NodeAgentService(config, host, telemetry), config.listen, telemetry,
                        credentials=config.server_credentials())

@@ -13,7 +13,8 @@ from services.router.servicer import RouterService
 async def main() -> int:
     config = parse_config(RouterConfig, "BATON_ROUTER")
     setup_logging(config.log_level)
-    telemetry = Telemetry("router", config.otel_exporter, config.channel_credentials(), config.metrics_listen)
+    telemetry = Telemetry("router", config.otel_exporter, config.channel_credentials(), config.metrics_listen,
+                          config.instance_id)
     service = RouterService(config, telemetry)
     if not await service.open_http():
         await service.close()

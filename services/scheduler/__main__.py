@@ -13,7 +13,8 @@ from services.scheduler.servicer import SchedulerService
 async def main() -> int:
     config = parse_config(SchedulerConfig, "BATON_SCHEDULER")
     setup_logging(config.log_level)
-    telemetry = Telemetry("scheduler", config.otel_exporter, config.channel_credentials(), config.metrics_listen)
+    telemetry = Telemetry("scheduler", config.otel_exporter, config.channel_credentials(), config.metrics_listen,
+                          config.instance_id)
     return await serve(SchedulerService(config, telemetry), config.listen, telemetry,
                        credentials=config.server_credentials())
 

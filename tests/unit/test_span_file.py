@@ -10,7 +10,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-from services.common.telemetry import JsonLinesSpanExporter
+from services.common.telemetry import JsonLinesSpanExporter, Telemetry
 
 
 def test_each_span_line_has_its_times_kind_status_and_parent(tmp_path: Path) -> None:
@@ -28,3 +28,15 @@ def test_each_span_line_has_its_times_kind_status_and_parent(tmp_path: Path) -> 
     assert inner_line["parent_span_id"] == outer_line["span_id"] and inner_line["attributes"] == {"n": 3}
     assert outer_line["start_time_unix_nano"] <= inner_line["start_time_unix_nano"]
     assert inner_line["start_time_unix_nano"] <= inner_line["end_time_unix_nano"] <= outer_line["end_time_unix_nano"]
+
+
+def test_a_span_names_the_replica_that_made_it(tmp_path: Path) -> None:
+    """service.instance.id was a fresh UUID per process, and the file's lines had no instance at all: two scheduler
+    replicas' spans could not be told apart (helper-116)."""
+    path = tmp_path / "spans.jsonl"
+    telemetry = Telemetry("scheduler", f"file:{path}", instance_id="scheduler-1")
+    with telemetry.tracer_provider.get_tracer("test").start_as_current_span("Place"):
+        pass
+    telemetry.tracer_provider.shutdown()  # (its spans written)
+    line = json.loads(path.read_text().splitlines()[0])
+    assert (line["service"], line["instance"]) == ("scheduler", "scheduler-1")
