@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,8 +30,6 @@ Changing = Callable[[str], frozenset[str]]
 # run up to 30 % faster than the profile it registered (the simulator's timing error; a calibrated vLLM profile's
 # prefill fit is off by 3-5 %, at worst 27 %: ../shared/perf/fitted_coefficients.csv).
 FLOOR_MARGIN = 0.7
-# Request ids whose last node the placer remembers, for a client's resend of one (about 100 bytes each).
-_PLACED_ON_KEPT = 100_000
 
 
 class Unmeetable(InvalidArgument):
@@ -116,9 +114,6 @@ class Placer:
         self._predictor = predictor or (policy if isinstance(policy, BatonPolicy) else BatonPolicy())
         # Predicts on idle copies of nodes: with no memory of the prompts sent them lately (the load it takes away).
         self._idle_predictor = BatonPolicy()
-        # The node each request id was last placed on, the least recent first (at most _PLACED_ON_KEPT): a client's
-        # resend of it goes back there.
-        self._placed_on: OrderedDict[str, str] = OrderedDict()
 
     def start(self, ask: PlaceAsk, now: float, changing: Changing = _none_changing) -> Plan:
         """Charge the retry budget (or count the request), find the models some node has and their
@@ -189,17 +184,8 @@ class Placer:
             plan.charged_at = None
 
     def options(self, plan: Plan, overlap: Callable[[str], dict[str, int]]) -> list[Option]:
-        """Each model with candidates, its nodes and their cached prompt blocks (overlap(model)). A client's resend
-        of a request (resumed, not a move) goes to the node it was last placed on when that node is a candidate:
-        a stream of it that may still run there (its first router frozen, or still unaware its client left) gives
-        the resend its place, where on another node both ran to the end, twice the work on one admission slot
-        (helper-114); and that node holds its context's KV."""
-        request = plan.ask.request
-        if plan.ask.resumed and not plan.is_retry and (node_id := self._placed_on.get(request.request_id)):
-            for m, nodes in plan.candidates.items():
-                if (running := [s for s in nodes if s.spec.node_id == node_id]):
-                    return [Option(dataclasses.replace(request, model=m), running, overlap(m))]
-        return [Option(dataclasses.replace(request, model=m), nodes, overlap(m))
+        """Each model with candidates, its nodes and their cached prompt blocks (overlap(model))."""
+        return [Option(dataclasses.replace(plan.ask.request, model=m), nodes, overlap(m))
                 for m, nodes in plan.candidates.items() if nodes]
 
     def ticket(self, plan: Plan, options: list[Option], now: float) -> tuple[Ticket, float] | None:
@@ -321,10 +307,6 @@ class Placer:
         """The policy's choice, counted on the chosen node until its next load report."""
         index, decision = self.policy.choose_among(options, now)
         request = options[index].request
-        self._placed_on[request.request_id] = decision.node_id
-        self._placed_on.move_to_end(request.request_id)
-        if len(self._placed_on) > _PLACED_ON_KEPT:
-            self._placed_on.popitem(last=False)
         self.cluster.record_placement(decision.node_id, request.num_prompt_blocks, now)
         self.planner.note_demand(request.model, now)
         chosen = self.cluster.get(decision.node_id)

@@ -422,20 +422,3 @@ def test_a_deadline_out_of_reach_for_the_prompts_just_sent_is_told_to_retry_once
     placer.cluster.report_load("a", Load(kv_blocks_total=100_000, num_running=1), 11.0)
     plan = placer.start(ask, 11.0)
     assert placer.ticket(plan, placer.options(plan, lambda _: {}), 11.0) is not None
-
-
-def test_a_clients_resend_goes_to_the_node_its_request_was_placed_on() -> None:
-    """A stream of it may still run there (its first router frozen): that node gives the resend its place, where on
-    another node both ran to the end, on one admission slot (helper-114: 4 of 4 on a fleet of equal nodes). A move
-    (a retry, its node excluded) and a fresh request are placed by the policy as before."""
-    placer = _placer(_spec("a"), _spec("b"))
-    first = _ask()
-    assert _place(placer, first, overlap={"b": 10}) == "b"
-    resend = PlaceAsk(first.request, resumed=True)
-    assert _place(placer, resend, overlap={"a": 10}) == "b"  # the cache says "a"; the stream is on "b"
-    assert _place(placer, _ask(), overlap={"a": 10}) == "a"  # a fresh request of the id (refused by admission)
-    assert _place(placer, resend, overlap={"b": 10}) == "a"  # last placed on "a" now
-    moved = PlaceAsk(first.request, resumed=True, retry_cause="stalled", exclude=frozenset({"b"}))
-    assert _place(placer, moved) == "a"
-    away = PlaceAsk(first.request, resumed=True, exclude=frozenset({"a"}))  # its node no candidate: the policy's
-    assert _place(placer, away) == "b"
