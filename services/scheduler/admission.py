@@ -145,10 +145,13 @@ class _Hold:
             self.holders[holder] = (self.holders.get(holder, (now, now))[0], now)
 
     def held_elsewhere(self, holder: str, now: float, lease_s: float, is_registered: Callable[[str], bool]) -> bool:
-        """Whether a router other than holder, still registered, placed the id or reported it live within the lease
-        and has not ended its stream of it (holder's own claim is not asked about: the router knows its own
-        streams; a router gone from etcd has none: its node streams ended with its connections)."""
-        return any(other != holder and other not in self.ended and now - last < lease_s and is_registered(other)
+        """Whether a router other than holder placed the id or reported it live within the lease, has not ended its
+        stream of it, and is registered in etcd or spoke of it within a third of the lease (holder's own claim is
+        not asked about: the router knows its own streams). A router gone from etcd and silent has none: its node
+        streams ended with its connections. One still speaking may run it unregistered: stopping, it leaves etcd
+        first and lets its streams run on; its lease may lapse in an etcd hiccup while it serves."""
+        return any(other != holder and other not in self.ended and now - last < lease_s
+                   and (now - last < lease_s / 3 or is_registered(other))
                    for other, (_, last) in self.holders.items())
 
 

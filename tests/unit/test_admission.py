@@ -95,15 +95,18 @@ def test_a_fresh_request_for_an_id_another_router_runs_is_refused_as_a_duplicate
 
 def test_a_router_gone_from_etcd_holds_no_stream_of_an_id() -> None:
     """Its node streams ended with its connections: an HTTP client behind a load balancer, its router killed, had
-    its SDK's automatic resend (no `resume` over HTTP) refused 409 for a whole lease (helper-113)."""
+    its SDK's automatic resend (no `resume` over HTTP) refused 409 for a whole lease (helper-113). One gone from etcd
+    that still reports the id may run it: a router stopping leaves etcd first (helper-117)."""
     registered = {"router-a"}
     admission = Admission(lease_s=15.0, is_registered=lambda router_id: router_id in registered)
     admission.on_admitted(Ticket(request_id="r", tenant="t", priority=0, num_tokens=100, arrived_at=0.0,
                                  holder="router-a"), 0.0)
     fresh = Ticket(request_id="r", tenant="t", priority=0, num_tokens=100, arrived_at=1.0, holder="router-b")
     assert admission.offer(fresh, 1.0, False, 0.1).duplicate
-    registered.clear()  # router-a's lease in etcd ran out
-    assert admission.offer(fresh, 4.0, False, 0.1).verdict == Verdict.ADMIT
+    registered.clear()  # router-a left etcd: stopping (its streams run on), or its lease lapsed in an etcd hiccup
+    assert admission.renew(["r"], 2.0, "router-a") == 1  # ... and it still reports the id live
+    assert admission.offer(fresh, 6.9, False, 0.1).duplicate  # within a third of the lease of its last word
+    assert admission.offer(fresh, 7.0, False, 0.1).verdict == Verdict.ADMIT  # gone and silent: dead
 
 
 def test_a_resend_of_a_queued_request_takes_its_place_in_the_queue() -> None:
