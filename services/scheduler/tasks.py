@@ -33,6 +33,18 @@ def request_task(request_id: str) -> str:
     return "request:" + request_id
 
 
+def _is_keyed(task_id: str) -> bool:
+    return task_id.startswith(("workflow:", "request:"))
+
+
+def _keyed(task_id: str, total_steps: int) -> str:
+    """task_id as this version keys it: a key from a version with one key space (its successor is a newer leader)
+    is a lone request's when its task has one step, else a workflow's."""
+    if _is_keyed(task_id):
+        return task_id
+    return request_task(task_id) if total_steps <= 1 else workflow_task(task_id)
+
+
 @dataclass
 class _Task:
     total_steps: int
@@ -191,8 +203,11 @@ class TaskLedger:
         self.fleet_cost_usd = float(state.get("fleet_cost_usd", 0.0))
         failed_steps = state.get("open_failed_steps", {})
         self._open = OrderedDict(
-            (k, _Task(int(total), float(spent), set(steps), set(failed_steps.get(k, legacy[0] if legacy else ())),
-                      bool(ok), now - float(age)))
+            (_keyed(k, int(total)),
+             _Task(int(total), float(spent), set(steps), set(failed_steps.get(k, legacy[0] if legacy else ())),
+                   bool(ok), now - float(age)))
             # A state written by the versions that put failed steps in a sixth field.
             for k, (total, spent, steps, ok, age, *legacy) in state["open"].items())
-        self._ended = OrderedDict.fromkeys(state.get("ended", ()))
+        # An ended task's key from a version with one key space may be either kind.
+        self._ended = OrderedDict.fromkeys(key for k in state.get("ended", ())
+                                           for key in ((k,) if _is_keyed(k) else (request_task(k), workflow_task(k))))

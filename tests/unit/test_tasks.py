@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.tasks import TaskLedger
+from services.scheduler.tasks import TaskLedger, request_task, workflow_task
 
 
 def test_a_request_without_a_workflow_is_a_task_of_one_step() -> None:
@@ -61,12 +61,12 @@ def test_a_workflow_of_unknown_length_ends_at_the_timeout_as_its_last_step_went(
 
 def test_the_next_leader_continues_the_ledger() -> None:
     ledger = TaskLedger(timeout_s=60.0)
-    ledger.record("done", 1, 1, 0.01, ok=True, now=0.0)
-    ledger.record("wf", 1, 2, 0.02, ok=True, now=95.0)
+    ledger.record(request_task("done"), 1, 1, 0.01, ok=True, now=0.0)
+    ledger.record(workflow_task("wf"), 1, 2, 0.02, ok=True, now=95.0)
     successor = TaskLedger(timeout_s=60.0)
     successor.restore(ledger.to_state(max_open=100, now=100.0), now=5000.0)  # another host's clock
-    assert successor.spent("wf") == pytest.approx(0.02)
-    assert successor.record("wf", 2, 2, 0.02, ok=True, now=5001.0) is True
+    assert successor.spent(workflow_task("wf")) == pytest.approx(0.02)
+    assert successor.record(workflow_task("wf"), 2, 2, 0.02, ok=True, now=5001.0) is True
     assert successor.stats().cost_per_successful_task == pytest.approx(0.05 / 2)
     assert successor.expire(now=5050.0) == 0  # its age (5 s) came across
 
@@ -144,16 +144,16 @@ def test_a_workflow_whose_step_runs_longer_than_the_timeout_is_not_abandoned() -
 def test_open_tasks_beyond_what_is_handed_over_reach_the_next_leader_as_failed_with_their_cost() -> None:
     ledger = TaskLedger(timeout_s=60.0)
     for i in range(4):
-        ledger.record(f"wf{i}", 1, 2, 0.01, ok=True, now=float(i))
+        ledger.record(workflow_task(f"wf{i}"), 1, 2, 0.01, ok=True, now=float(i))
     successor = TaskLedger(timeout_s=60.0)
     successor.restore(ledger.to_state(max_open=2, now=4.0), now=4.0)
     stats = successor.stats()
     assert (stats.succeeded, stats.failed, stats.open) == (0, 2, 2)
     assert stats.ended_cost_usd == pytest.approx(0.02)
-    assert successor.spent("wf3") == pytest.approx(0.01)  # the most recently active go on
+    assert successor.spent(workflow_task("wf3")) == pytest.approx(0.01)  # the most recently active go on
     assert ledger.stats().open == 4  # the leader's own ledger is unchanged
     # A late notice of a dropped one adds its cost and does not open it again (to be counted twice).
-    assert successor.record("wf0", 2, 2, 0.01, ok=True, now=5.0) is None
+    assert successor.record(workflow_task("wf0"), 2, 2, 0.01, ok=True, now=5.0) is None
     stats = successor.stats()
     assert (stats.succeeded, stats.failed, stats.open) == (0, 2, 2)
     assert stats.ended_cost_usd == pytest.approx(0.03)
@@ -175,3 +175,17 @@ def test_a_state_with_failed_steps_in_a_sixth_field_is_restored() -> None:
     successor.restore(state, now=0.0)
     successor.expire(now=20.0)
     assert (successor.stats().succeeded, successor.stats().failed) == (0, 1)
+
+
+def test_a_successor_keys_the_open_and_ended_tasks_of_a_leader_with_one_key_space_as_it_does() -> None:
+    """A leader of the version before the key spaces hands over "wf" (2 steps, one done) and "r" (a lone request
+    that failed, open for its retry), and "gone" ended: the successor counted each again under its own keys, a
+    workflow's success as two failures (helper-117)."""
+    state = {"succeeded": 0, "failed": 0, "ended_cost_usd": 0.0,
+             "open": {"wf": [2, 0.01, [1], True, 1.0], "r": [1, 0.01, [], False, 1.0]}, "ended": ["gone"]}
+    successor = TaskLedger(timeout_s=60.0)
+    successor.restore(state, now=10.0)
+    assert successor.record(workflow_task("wf"), 2, 2, 0.01, ok=True, now=11.0) is True
+    assert successor.record(request_task("r"), 1, 1, 0.01, ok=True, now=11.0) is True
+    assert successor.record(request_task("gone"), 1, 1, 0.01, ok=True, now=11.0) is None  # ended: a late notice
+    assert (successor.stats().succeeded, successor.stats().failed, successor.stats().open) == (2, 0, 0)
