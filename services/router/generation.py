@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import array
+import functools
+import hashlib
 from dataclasses import dataclass, field
 
 from baton.v1 import common_pb2, node_agent_pb2
@@ -65,6 +68,13 @@ class Generation:
         if model:
             self.model = model
         self.alternative_models = ()
+
+    @functools.cached_property
+    def prompt_digest(self) -> int:
+        """A digest of its own prompt's tokens and its cache salt, never 0: a resend of its id through any router
+        (the same tokenizer makes the same tokens) has the same one, another request under that id another."""
+        data = array.array("q", self.prompt_token_ids).tobytes() + b"\0" + self.cache_salt.encode()
+        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big") or 1
 
     @property
     def context(self) -> list[int]:

@@ -330,6 +330,7 @@ class Relay:
             alternative_models=generation.alternative_models,
             resumed=bool(generation.generated) or request.HasField("resume"),
             router_id=self._config.instance_id,
+            prompt_digest=generation.prompt_digest,
         )
         try:
             try:

@@ -66,6 +66,8 @@ class Ticket:
     holder: str = ""
     # Sent again by its client with `resume`, or moved: it may share the slot its id holds. A fresh request may not.
     resumed: bool = False
+    # Its prompt's and cache salt's digest (0: not said): a resend must have the held id's to share its slot.
+    prompt_digest: int = 0
 
 
 class Verdict(enum.Enum):
@@ -126,6 +128,8 @@ class _Hold:
 
     tenant: str
     expires_at: float
+    # The digest of the prompt it was admitted with (0: not said).
+    prompt_digest: int = 0
     # The routers that placed the id or reported it live, and when first and last: a stream of the id may run
     # through each (a client's resume through another router shares the slot).
     holders: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -223,12 +227,20 @@ class Admission:
         another router, the first one frozen, say).
         """
         queued = self._queued.get(ticket.request_id)
-        if queued is not None and not ticket.resumed:
+        if queued is not None and (not ticket.resumed or _other_prompt(ticket, queued.prompt_digest)):
             return Outcome(Verdict.REJECT, f"request_id={ticket.request_id!r}: is already waiting for admission; a new "
                                            "request needs another request_id", kind="request id in use",
                            duplicate=True)
         hold = self._held.get(ticket.request_id)
         if hold is not None:
+            if ticket.resumed and _other_prompt(ticket, hold.prompt_digest):
+                # Another prompt under a running id, sent as a "resume": placed away from the node running the id
+                # (only that node could tell), it ran beside that stream on its slot, one stream per node past the
+                # tenant's concurrency limit (helper-118).
+                return Outcome(Verdict.REJECT, f"request_id={ticket.request_id!r}: is already running as another "
+                                               "request: this one's prompt (or cache salt) is not the running one's; "
+                                               "a new request needs another request_id", kind="request id in use",
+                               duplicate=True)
             if ticket.resumed or not hold.held_elsewhere(ticket.holder, now, self.lease_s, self._is_registered):
                 return Outcome(Verdict.ADMIT)
             return Outcome(Verdict.REJECT, f"request_id={ticket.request_id!r}: is already running, through another "
@@ -344,7 +356,7 @@ class Admission:
         tenant.admitted[ticket.request_id] = now
         tenant.served.append((now, ticket.num_tokens))
         tenant.served_tokens += ticket.num_tokens
-        self._held[ticket.request_id] = hold = _Hold(ticket.tenant, now + self.lease_s)
+        self._held[ticket.request_id] = hold = _Hold(ticket.tenant, now + self.lease_s, ticket.prompt_digest)
         hold.claim(ticket.holder, now, placed=True)
 
     def renew(self, request_ids: Iterable[str], now: float, holder: str = "") -> int:
@@ -421,6 +433,12 @@ class Admission:
         for name in idle:
             del self._tenants[name]
         return len(idle)
+
+
+def _other_prompt(ticket: Ticket, digest: int) -> bool:
+    """Whether ticket, a resend of an id, has another prompt (or cache salt) than the digest its id was admitted or
+    queued with (unknown when either was not said)."""
+    return bool(digest and ticket.prompt_digest and ticket.prompt_digest != digest)
 
 
 def pool_saturation(loads: list[tuple[int, int, int]]) -> float:

@@ -65,6 +65,8 @@ class PlaceAsk:
     resumed: bool = False
     # The router that asks ("": not said): a holder of the id's admission slot.
     router_id: str = ""
+    # Its prompt's and cache salt's digest (0: not said): a resend of a running id must have the running one's.
+    prompt_digest: int = 0
 
 
 @dataclass
@@ -207,7 +209,8 @@ class Placer:
                         # A step of a workflow only: a lone request claiming step 3 of 3 jumped its tenant's queue.
                         progress=(request.step - 1) / request.total_steps
                         if request.total_steps and request.workflow_id else 0.0,
-                        max_tokens=request.max_tokens, holder=plan.ask.router_id, resumed=plan.ask.resumed)
+                        max_tokens=request.max_tokens, holder=plan.ask.router_id, resumed=plan.ask.resumed,
+                        prompt_digest=plan.ask.prompt_digest)
         best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now)
                           for o in options)
         return ticket, best_ttft_s

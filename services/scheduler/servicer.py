@@ -87,6 +87,7 @@ def place_ask(request: scheduler_pb2.PlaceRequest) -> PlaceAsk:
         retry_cause=request.retry_cause,
         resumed=request.resumed,
         router_id=request.router_id,
+        prompt_digest=request.prompt_digest,
     )
 
 

@@ -109,6 +109,24 @@ def test_a_router_gone_from_etcd_holds_no_stream_of_an_id() -> None:
     assert admission.offer(fresh, 7.0, False, 0.1).verdict == Verdict.ADMIT  # gone and silent: dead
 
 
+def test_a_resend_with_another_prompt_under_a_running_or_queued_id_is_refused_as_a_duplicate() -> None:
+    """Sent as a "resume" with another prompt, it was admitted on the running id's slot and, placed away from the node
+    running the id (only that node compared prompts), ran beside it: tenant lim, at a concurrency limit of 1, ran
+    three streams under one id (helper-118). A resend with the running one's prompt shares the slot as before."""
+    admission = Admission(limits={"lim": TenantLimits(max_concurrency=1)})
+    running = Ticket(request_id="r", tenant="lim", priority=0, num_tokens=100, arrived_at=0.0, holder="router-a",
+                     prompt_digest=11)
+    admission.on_admitted(running, 0.0)
+    other = dataclasses.replace(running, holder="router-b", resumed=True, prompt_digest=12)
+    refused = admission.offer(other, 1.0, False, 0.1)
+    assert refused.duplicate and "is already running as another request" in refused.reason
+    assert admission.offer(dataclasses.replace(other, prompt_digest=11), 1.0, False, 0.1).verdict == Verdict.ADMIT
+    assert admission.offer(dataclasses.replace(other, prompt_digest=0), 1.0, False, 0.1).verdict == Verdict.ADMIT
+    queued = Admission()
+    assert queued.offer(dataclasses.replace(ticket("q"), prompt_digest=11), 0.0, True, 0.1).verdict == Verdict.QUEUE
+    assert queued.offer(dataclasses.replace(ticket("q"), resumed=True, prompt_digest=12), 1.0, True, 0.1).duplicate
+
+
 def test_a_resend_of_a_queued_request_takes_its_place_in_the_queue() -> None:
     """Its first router froze while it waited; its client resent it (`resume`) through another router, which was
     refused as a duplicate."""

@@ -768,6 +768,20 @@ async def test_a_request_sent_twice_keeps_its_admission_slot_until_its_last_stre
         assert (told.request_id, told.another_stream_live) == ("twice", False)
 
 
+async def test_the_leader_is_told_the_digest_of_a_requests_own_prompt_the_same_for_its_resume() -> None:
+    """So that it can tell a resend of a running id from another request sent under it with `resume`."""
+    release = asyncio.Event()
+    release.set()
+    async with _router(_one_token_then_the_last_at(release)) as (router, scheduler):
+        for request in (router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2, request_id="a"),
+                        router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2, request_id="b",
+                                                   resume=router_pb2.Resume(token_ids=[97], elapsed_ms=10)),
+                        router_pb2.GenerateRequest(model=MODEL, prompt="ho", max_tokens=2, request_id="c")):
+            [_ async for _ in router.Generate(request)]
+    first, resumed, other = (p.prompt_digest for p in scheduler.places)
+    assert first and first == resumed and other != first
+
+
 async def test_a_fresh_request_for_an_id_this_router_runs_is_refused_as_a_duplicate() -> None:
     """Sent again without `resume` while its first stream runs, it ran a second time beside the first on another
     node (only the node running it refused it), on one admission slot, past its tenant's limits (helper-108 ran three
