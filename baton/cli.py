@@ -385,10 +385,25 @@ def generate_fields(args: argparse.Namespace) -> dict[str, object]:
     return fields
 
 
+async def default_model(client: BatonClient) -> str:
+    """The model `baton generate` runs without --model: the one the cluster serves (a vllm-only cluster's is its
+    model directory's name: the sim model's name got NOT_FOUND there, though `baton up` suggests the bare command);
+    with several, the sim model if among them, else the first by name; with none known (no router answered, say),
+    the sim model's name."""
+    try:
+        served = [m.name for m in await client.list_models()]
+    except grpc.aio.AioRpcError:
+        return _SIM_MODEL
+    if len(served) == 1 or (served and _SIM_MODEL not in served):
+        return sorted(served)[0]
+    return _SIM_MODEL
+
+
 async def _generate(routers: list[str], origin: str, args: argparse.Namespace) -> int:
     async with BatonClient(routers, api_key=_api_key(args), credentials=_credentials(args)) as client:
+        model = args.model or await default_model(client)
         try:
-            async for chunk in client.generate(args.model, args.prompt, **generate_fields(args)):
+            async for chunk in client.generate(model, args.prompt, **generate_fields(args)):
                 if args.json:
                     print(json.dumps(MessageToDict(chunk, preserving_proto_field_name=True)), flush=True)
                     continue
@@ -628,7 +643,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "one running)")
     gen.add_argument("--router", default="", help="router host:port, or several comma-separated to fail over "
                      "between (default: the cluster's routers)")
-    gen.add_argument("--model", default=_SIM_MODEL, help="the model to run")
+    gen.add_argument("--model", default=None, help="the model to run (default: the one the cluster serves; with "
+                     f"several, {_SIM_MODEL} if among them, else the first by name)")
     gen.add_argument("--max-tokens", type=int_in(1, INT32[1]), default=None,
                      help="most tokens to generate (default: the router's)")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")

@@ -201,6 +201,9 @@ class FakeClient:
     async def __aexit__(self, *exc: object) -> None:
         pass
 
+    async def list_models(self) -> list[router_pb2.ServedModel]:
+        return [router_pb2.ServedModel(name="sim-llama-3-8b")]
+
     async def generate(self, model: str, prompt: str, **fields: object) -> AsyncIterator[router_pb2.GenerateChunk]:
         FakeClient.calls.append((self.addresses, model, prompt, fields))
         yield router_pb2.GenerateChunk(request_id="r1", token_ids=[104], text="h", node_id="node-0")
