@@ -228,25 +228,19 @@ class Admission:
         """
         queued = self._queued.get(ticket.request_id)
         if queued is not None and (not ticket.resumed or _other_prompt(ticket, queued.prompt_digest)):
-            return Outcome(Verdict.REJECT, f"request_id={ticket.request_id!r}: is already waiting for admission; a new "
-                                           "request needs another request_id", kind="request id in use",
-                           duplicate=True)
+            return _duplicate(ticket, "is already waiting for admission; a new request needs another request_id")
         hold = self._held.get(ticket.request_id)
         if hold is not None:
             if ticket.resumed and _other_prompt(ticket, hold.prompt_digest):
                 # Another prompt under a running id, sent as a "resume": placed away from the node running the id
                 # (only that node could tell), it ran beside that stream on its slot, one stream per node past the
                 # tenant's concurrency limit (helper-118).
-                return Outcome(Verdict.REJECT, f"request_id={ticket.request_id!r}: is already running as another "
-                                               "request: this one's prompt (or cache salt) is not the running one's; "
-                                               "a new request needs another request_id", kind="request id in use",
-                               duplicate=True)
+                return _duplicate(ticket, "is already running as another request: this one's prompt (or cache "
+                                          "salt) is not the running one's; a new request needs another request_id")
             if ticket.resumed or not hold.held_elsewhere(ticket.holder, now, self.lease_s, self._is_registered):
                 return Outcome(Verdict.ADMIT)
-            return Outcome(Verdict.REJECT, f"request_id={ticket.request_id!r}: is already running, through another "
-                                           "router; a new request needs another request_id (a gRPC client takes "
-                                           "the stream over by sending it with `resume`)", kind="request id in use",
-                           duplicate=True)
+            return _duplicate(ticket, "is already running, through another router; a new request needs another "
+                                      "request_id (a gRPC client takes the stream over by sending it with `resume`)")
         if queued is not None:
             del self._queued[ticket.request_id]
             return dataclasses.replace(self._judge(ticket, now, is_saturated, predicted_ttft_s), replaced=queued)
@@ -433,6 +427,11 @@ class Admission:
         for name in idle:
             del self._tenants[name]
         return len(idle)
+
+
+def _duplicate(ticket: Ticket, why: str) -> Outcome:
+    """The refusal of ticket as a duplicate of its id's queued or running request (ALREADY_EXISTS)."""
+    return Outcome(Verdict.REJECT, f"request_id={ticket.request_id!r}: {why}", kind="request id in use", duplicate=True)
 
 
 def _other_prompt(ticket: Ticket, digest: int) -> bool:
