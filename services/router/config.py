@@ -23,7 +23,10 @@ class RouterConfig(ServiceConfig):
     default_max_tokens: int = doc("max_tokens when a request leaves it unset", 256)
     placement_timeout_s: float = doc("longest a placement may take, admission queueing included, when the "
                                      "client set no deadline", 60.0)
-    leader_wait_s: float = doc("how long a placement waits for a scheduler leader through a failover", 10.0)
+    # A dead leader's election key stands until etcd expires its lease, which etcd stretches: to at least 1.5 of
+    # its election timeouts, and to a whole TTL plus an election timeout again whenever etcd's own leader changes
+    # (docs/etcd.md). 10 s, the old default, was outlasted that way in CI's compose failover test.
+    leader_wait_s: float = doc("how long a placement waits for a scheduler leader through a failover", 30.0)
     max_migrations: int = doc("how often one generation may move to another node after failures", 3)
     stall_floor_s: float = doc("shortest silence after which a node stream counts as stalled", 1.0)
     suspect_s: float = doc("after a node fails a stream, new placements avoid it this long", 5.0)

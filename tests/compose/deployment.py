@@ -44,6 +44,15 @@ class Deployment:
     def etcdctl(self, *args: str) -> str:
         return self("exec", "-T", "etcd-1", "/usr/local/bin/etcdctl", *args).stdout
 
+    def failover_log(self) -> str:
+        """What a failed failover test shows (CI keeps no compose log): the schedulers' and routers' last
+        lines, and when etcd's own leader changed (which renews every lease, a dead leader's too)."""
+        services = self("logs", "--no-color", "--tail", "40", "scheduler-1", "scheduler-2", "router-1", "router-2",
+                        check=False).stdout
+        etcd = self("logs", "--no-color", "etcd-1", check=False).stdout
+        raft = [line for line in etcd.splitlines() if "elected leader" in line]
+        return f"{services}\netcd-1's leader elections:\n" + "\n".join(raft)
+
     def scheduler_leader(self) -> str:
         """The instance id holding the scheduler election (the lowest create revision leads)."""
         values = self.etcdctl("get", "--prefix", "--sort-by=CREATE", "--order=ASCEND", "--print-value-only",

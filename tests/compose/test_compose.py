@@ -86,4 +86,4 @@ async def test_requests_keep_succeeding_when_the_leading_scheduler_container_die
     await eventually(lambda: deployment.scheduler_leader() not in ("", leader), 30, "the standby to lead")
     await load.wait_completed(15, timeout_s=90)
     await load.stop()
-    assert load.failures == []
+    assert load.failures == [], await asyncio.to_thread(deployment.failover_log)
