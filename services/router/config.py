@@ -24,8 +24,8 @@ class RouterConfig(ServiceConfig):
     placement_timeout_s: float = doc("longest a placement may take, admission queueing included, when the "
                                      "client set no deadline", 60.0)
     # A dead leader's election key stands until etcd expires its lease, which etcd stretches: to at least 1.5 of
-    # its election timeouts, and to a whole TTL plus an election timeout again whenever etcd's own leader changes
-    # (docs/etcd.md). 10 s, the old default, was outlasted that way in CI's compose failover test.
+    # its election timeouts, to a whole TTL plus an election timeout after etcd's own leader changes, and not at all
+    # while etcd has none (docs/etcd.md). 30 s covers one etcd election during the failover; 10 s did not.
     leader_wait_s: float = doc("how long a placement waits for a scheduler leader through a failover", 30.0)
     max_migrations: int = doc("how often one generation may move to another node after failures", 3)
     stall_floor_s: float = doc("shortest silence after which a node stream counts as stalled", 1.0)

@@ -379,13 +379,15 @@ class Relay:
         loop = asyncio.get_running_loop()
         end = math.inf if remaining_s is None else loop.time() + remaining_s
 
-        # Once a leader fails, the time left to find one that answers.
+        # Once a leader fails (or none is shown), the time left to find one that answers, and the whole of it.
         wait_end: float | None = None
+        window_s = 0.0
 
         def wait_s() -> float:
-            nonlocal wait_end
+            nonlocal wait_end, window_s
             if wait_end is None:
                 wait_end = min(loop.time() + self._config.leader_wait_s, end)
+                window_s = max(0.0, wait_end - loop.time())
             return max(0.0, wait_end - loop.time())
 
         backoff_s = 0.025
@@ -399,7 +401,9 @@ class Relay:
             return (other or tried) if other is not None or wait_s() > 0 else None
 
         leader = self._leader.leader() or await self._leader.wait_for_other(None, wait_s())
-        address = leader.address if leader is not None else ""
+        if leader is None:
+            raise Unavailable(f"no scheduler leader is elected: etcd showed none for {window_s:.1f} s")
+        address = leader.address
         num_hints = 0
         timed_out: str | None = None
         while leader is not None:
@@ -453,8 +457,9 @@ class Relay:
             address = leader.address if leader is not None else ""
         if timed_out is not None:  # a leader that holds a placement that long is queueing it or loading a model
             raise Unavailable(f"{timed_out} (admission queueing or a model load), and no other leader took over")
-        raise Unavailable(f"no scheduler leader took the {_what(request)} within {self._config.leader_wait_s:.1f} "
-                          "s of the first one failing")
+        # (window_s: --leader-wait-s, or less when the request's own time ran out first)
+        raise Unavailable(f"no scheduler leader took the {_what(request)} within {window_s:.1f} s of the first one "
+                          "failing")
 
     async def _call_at(self, address: str, is_current: Callable[[LeaderRecord | None], bool],
                        request: _LeaderRequest, timeout_s: float) -> _LeaderAnswer:

@@ -84,6 +84,37 @@ async def test_with_no_leader_answering_the_router_gives_up_after_the_leader_wai
         await relay._call_scheduler(scheduler_pb2.PlaceRequest(request_id="r"), remaining_s=30.0)
 
 
+async def test_the_refusal_names_the_wait_the_request_had_not_the_configured_one() -> None:
+    # The request's own time (0.3 s) ended the wait before --leader-wait-s (30 s): the message said 30.
+    relay = Relay(RouterConfig(leader_wait_s=30.0), ElectionAsEtcdShowsIt(NEW),  # type: ignore[arg-type]
+                  None, None, Telemetry("router/test", "none").meter, lambda _: None)  # type: ignore[arg-type]
+
+    async def place_at(address: str, is_current: object, place: object, timeout_s: float) -> scheduler_pb2.Placement:
+        raise _error(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+
+    relay._call_at = place_at  # type: ignore[method-assign]
+    with pytest.raises(Unavailable, match=r"took the placement within 0\.3 s of the first one failing"):
+        await relay._call_scheduler(scheduler_pb2.PlaceRequest(request_id="r"), remaining_s=0.3)
+
+
+class NoneElected(ElectionAsEtcdShowsIt):
+    """etcd shows no leader at all, throughout."""
+
+    def leader(self) -> None:  # type: ignore[override]
+        return None
+
+    async def wait_for_other(self, leader: LeaderRecord | None, timeout_s: float) -> LeaderRecord | None:
+        await asyncio.sleep(timeout_s)
+        return None
+
+
+async def test_with_no_leader_elected_the_refusal_says_so() -> None:
+    relay = Relay(RouterConfig(leader_wait_s=0.2), NoneElected(OLD),  # type: ignore[arg-type]
+                  None, None, Telemetry("router/test", "none").meter, lambda _: None)  # type: ignore[arg-type]
+    with pytest.raises(Unavailable, match=r"no scheduler leader is elected: etcd showed none for 0\.2 s"):
+        await relay._call_scheduler(scheduler_pb2.PlaceRequest(request_id="r"), remaining_s=30.0)
+
+
 class LeaderKilled(ElectionAsEtcdShowsIt):
     """etcd shows OLD until a call to it fails, then NEW (OLD's lease lapsed, the standby won the election)."""
 
