@@ -336,7 +336,8 @@ class Relay:
             try:
                 placement = await self._call_scheduler(place, remaining_s)
             except BatonError as error:
-                if error.code != grpc.StatusCode.UNAVAILABLE or not set(self._suspects) - excluded:
+                if (error.code != grpc.StatusCode.UNAVAILABLE or isinstance(error, _NoLeader)
+                        or not set(self._suspects) - excluded):
                     raise
                 # Every node this router avoids may be all there is; try them again. (Only when that
                 # adds a node: asking again for the same set would fail again, and charge again.)
@@ -402,7 +403,7 @@ class Relay:
 
         leader = self._leader.leader() or await self._leader.wait_for_other(None, wait_s())
         if leader is None:
-            raise Unavailable(f"no scheduler leader is elected: etcd showed none for {window_s:.1f} s")
+            raise _NoLeader(f"no scheduler leader is elected: etcd showed none for {window_s:.1f} s")
         address = leader.address
         num_hints = 0
         timed_out: str | None = None
@@ -456,9 +457,9 @@ class Relay:
             leader = await self._leader.wait_for_other(tried, wait_s())
             address = leader.address if leader is not None else ""
         if timed_out is not None:  # a leader that holds a placement that long is queueing it or loading a model
-            raise Unavailable(f"{timed_out} (admission queueing or a model load), and no other leader took over")
+            raise _NoLeader(f"{timed_out} (admission queueing or a model load), and no other leader took over")
         # (window_s: --leader-wait-s, or less when the request's own time ran out first)
-        raise Unavailable(f"no scheduler leader took the {_what(request)} within {window_s:.1f} s of the first one "
+        raise _NoLeader(f"no scheduler leader took the {_what(request)} within {window_s:.1f} s of the first one "
                           "failing")
 
     async def _call_at(self, address: str, is_current: Callable[[LeaderRecord | None], bool],
@@ -492,6 +493,11 @@ def _still_called(leader: LeaderRecord, address: str) -> Callable[[LeaderRecord 
     """Whether the leader etcd shows is still the one a call went to: that leader, or (after a
     standby's redirect to address) one at that address."""
     return lambda shown: shown == leader or (shown is not None and shown.address == address != leader.address)
+
+
+class _NoLeader(Unavailable):
+    """No scheduler leader answered within the leader wait, or the leader held the call to its end: asking again
+    without the suspect nodes would wait that long again."""
 
 
 class _LeaderReplaced(Exception):

@@ -148,3 +148,23 @@ async def test_a_finished_notice_sent_to_a_leader_that_just_died_reaches_the_nex
     relay.tell_finished(Ending(generation, router_pb2.GenerateRequest(), 5, scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED))
     await relay.close()  # waits for the notices under way
     assert told == [(NEW.address, "r1")]
+
+
+async def test_with_no_leader_answering_a_router_avoiding_a_node_waits_once_not_twice() -> None:
+    # With a node suspect, an UNAVAILABLE placement is asked again without it (every node avoided may be all there
+    # is): after a leader wait that ran out, that waited as long again for the same leader.
+    relay = Relay(RouterConfig(leader_wait_s=0.2), ElectionAsEtcdShowsIt(NEW),  # type: ignore[arg-type]
+                  None, None, Telemetry("router/test", "none").meter, lambda _: None)  # type: ignore[arg-type]
+    calls: list[list[str]] = []
+
+    async def place_at(address: str, is_current: object, place: scheduler_pb2.PlaceRequest,
+                       timeout_s: float) -> scheduler_pb2.Placement:
+        calls.append(list(place.exclude_node_ids))
+        raise _error(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+
+    relay._call_at = place_at  # type: ignore[method-assign]
+    relay._suspects["n-suspect"] = asyncio.get_running_loop().time() + 60
+    generation = Generation(request_id="r", model="m", prompt_token_ids=[1], sampling=common_pb2.SamplingParams())
+    with pytest.raises(Unavailable, match="no scheduler leader took the placement within 0.2 s"):
+        await relay._place(generation, router_pb2.GenerateRequest(), None, 30.0)
+    assert calls and all(excluded == ["n-suspect"] for excluded in calls), calls
