@@ -172,8 +172,13 @@ class Election:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - etcd down: the deadline decides
-            log.warning("election keep-alive failed (%s); %s", exc,
-                        "leading until the lease deadline" if self._leadership else "campaigning")
+            if self._leadership is None:
+                state = "campaigning"
+            elif self.is_leading():
+                state = "leading until the lease deadline"
+            else:  # (it said 'leading until the lease deadline' every time, long past it: helper-120)
+                state = "not acting as leader: the lease deadline has passed"
+            log.warning("election keep-alive failed (%s); %s", exc, state)
             return
         if self._candidate is not candidate:
             return  # resigned or lost meanwhile

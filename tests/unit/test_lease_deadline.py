@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -116,3 +117,23 @@ async def test_a_candidate_whose_key_was_deleted_is_never_elected() -> None:
     with pytest.raises(NotLeader):
         await election.campaign(b"me")
     assert election.leadership is None and not election.is_leading()
+
+
+async def test_a_leader_cut_off_from_etcd_says_it_stopped_acting_once_its_lease_deadline_passed(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # It said "leading until the lease deadline" on every failed keep-alive, long after that deadline (helper-120).
+    clock, etcd = FakeClock(100.0), FakeEtcd()
+    election = Election(etcd, "/e/", ttl_s=3, margin_s=0.5, clock=clock)  # type: ignore[arg-type]
+    await election.campaign(b"me")
+
+    async def unreachable(lease_id: int) -> SimpleNamespace:
+        raise ConnectionError("etcd unreachable")
+
+    etcd.refresh_lease = unreachable  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="services.common.election"):
+        clock.now = 101.0
+        await election.refresh()
+        clock.now = 103.0
+        await election.refresh()
+    assert [r.getMessage().rpartition("; ")[2] for r in caplog.records] == [
+        "leading until the lease deadline", "not acting as leader: the lease deadline has passed"]
