@@ -332,9 +332,13 @@ class Relay:
             router_id=self._config.instance_id,
             prompt_digest=generation.prompt_digest,
         )
+        def waiting(since: float) -> None:
+            if generation.leader_wait_since is None:
+                generation.leader_wait_since = since
+
         try:
             try:
-                placement = await self._call_scheduler(place, remaining_s)
+                placement = await self._call_scheduler(place, remaining_s, waiting)
             except BatonError as error:
                 if (error.code != grpc.StatusCode.UNAVAILABLE or isinstance(error, _NoLeader)
                         or not set(self._suspects) - excluded):
@@ -343,7 +347,7 @@ class Relay:
                 # adds a node: asking again for the same set would fail again, and charge again.)
                 del place.exclude_node_ids[:]
                 place.exclude_node_ids.extend(sorted(excluded))
-                placement = await self._call_scheduler(place, remaining_s)
+                placement = await self._call_scheduler(place, remaining_s, waiting)
         except BatonError as error:
             # (NOT_FOUND for a move: every node that had the model has died or gone from etcd; an outage, not a
             # model the client got wrong.)
@@ -358,24 +362,27 @@ class Relay:
                 raise StreamHeld(f"{refusal.detail}; no other node could take it: {error}",
                                  refusal.node_id) from None
             raise
+        generation.leader_wait_since = None
         generation.settle_model(placement.model)
         return placement
 
     @overload
-    async def _call_scheduler(self, request: scheduler_pb2.PlaceRequest,
-                              remaining_s: float | None) -> scheduler_pb2.Placement: ...
+    async def _call_scheduler(self, request: scheduler_pb2.PlaceRequest, remaining_s: float | None,
+                              on_wait: Callable[[float], None] | None = None) -> scheduler_pb2.Placement: ...
 
     @overload
-    async def _call_scheduler(self, request: scheduler_pb2.FinishedRequest,
-                              remaining_s: float | None) -> scheduler_pb2.FinishedAck: ...
+    async def _call_scheduler(self, request: scheduler_pb2.FinishedRequest, remaining_s: float | None,
+                              on_wait: Callable[[float], None] | None = None) -> scheduler_pb2.FinishedAck: ...
 
-    async def _call_scheduler(self, request: _LeaderRequest, remaining_s: float | None) -> _LeaderAnswer:
+    async def _call_scheduler(self, request: _LeaderRequest, remaining_s: float | None,
+                              on_wait: Callable[[float], None] | None = None) -> _LeaderAnswer:
         """Place on the elected scheduler, or tell it a request finished; through a failover, move to the next
         leader and retry there.
 
         A leader is its election key and revision, not its address. A call in flight is abandoned
         the moment etcd shows another leader (a frozen or cut-off leader is not waited out), and
-        when no leader answers, the router waits at most --leader-wait-s for etcd to show a new one.
+        when no leader answers, the router waits at most --leader-wait-s for etcd to show a new one
+        (on_wait is told when that wait starts).
         """
         loop = asyncio.get_running_loop()
         end = math.inf if remaining_s is None else loop.time() + remaining_s
@@ -389,6 +396,8 @@ class Relay:
             if wait_end is None:
                 wait_end = min(loop.time() + self._config.leader_wait_s, end)
                 window_s = max(0.0, wait_end - loop.time())
+                if on_wait is not None:
+                    on_wait(loop.time())
             return max(0.0, wait_end - loop.time())
 
         backoff_s = 0.025

@@ -326,7 +326,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             # (Not "the tokens sent so far stand": an HTTP client that asked for a whole answer was sent none.)
             passed = until(chunks, deadline_at, lambda: DeadlineExceeded(
                 f"deadline_ms={request.deadline_ms}: passed after {len(generation.generated)} generated "
-                f"tokens of request {client_id}"),
+                f"tokens of request {client_id}{_waiting_for_leader(generation)}"),
                 last=lambda chunk: bool(chunk.finish_reason))
             async with aclosing(passed) as relayed:
                 async for chunk in relayed:
@@ -384,6 +384,16 @@ class RouterService(router_pb2_grpc.RouterServicer):
         ending.another_stream_live = (other_stream_elsewhere or bool(ending.generation.refusals)
                                       or self._live.get(ending.generation.request_id, 0) > 0)
         self._relay.tell_finished(ending)
+
+
+def _waiting_for_leader(generation: Generation) -> str:
+    """Why a deadline passed, when the placement was waiting for a scheduler leader then (a control-plane outage,
+    not a slow node); "" otherwise."""
+    since = generation.leader_wait_since
+    if since is None:
+        return ""
+    waited_s = asyncio.get_running_loop().time() - since
+    return f", its placement waiting {waited_s:.1f} s for a scheduler leader that answers"
 
 
 def _authorization(context: grpc.aio.ServicerContext) -> str | None:

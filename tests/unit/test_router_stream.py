@@ -296,6 +296,27 @@ class _DecidingScheduler(_FakeScheduler):
         raise AssertionError("unreachable: the wait never ends")
 
 
+@pytest.mark.timeout(30)
+async def test_a_deadline_that_passes_while_no_scheduler_leader_answers_says_so() -> None:
+    """It said only that the deadline passed after 0 tokens, as if a node were slow, through a control-plane outage
+    (helper-120: every scheduler killed, requests with deadline_ms 8,000)."""
+
+    class Standby(_FakeScheduler):
+        async def Place(self, request, context):  # noqa: N802
+            self.places.append(request)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a standby; no leader is elected yet")
+
+    async with _router(lambda request: _never(), Standby(), leader_wait_s=30.0) as (router, scheduler):
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            async for _ in router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=4,
+                                                                      request_id="r", deadline_ms=400)):
+                pass
+    assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    details = failed.value.details() or ""
+    assert "deadline_ms=400: passed after 0 generated tokens of request r, its placement waiting" in details
+    assert details.endswith("s for a scheduler leader that answers") and len(scheduler.places) >= 2
+
+
 async def test_a_deadline_below_the_floor_is_refused_naming_it_before_its_timer_or_the_leader_can_answer() -> None:
     # Before, deadline_ms=1 got DEADLINE_EXCEEDED when the router's timer fired first (here: the leader is slow) and
     # INVALID_ARGUMENT when the leader's floor answered first. A resent request's remainder is still timed.
