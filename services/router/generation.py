@@ -62,8 +62,9 @@ class Generation:
     resent: bool = False
     # Its stop strings, looked for in its text as it comes (None: it has none): the relay ends it at the first.
     stop_text: StopText | None = None
-    # Since when (the event loop's clock) its placement has waited for a scheduler leader that answers; None when
-    # it is not waiting. A deadline that passes meanwhile names the wait (it cancels the placement, so this stays).
+    # Since when (the event loop's clock) its placement has waited for a scheduler leader that answers, while it
+    # waits between calls; None otherwise. A deadline that passes meanwhile names the wait (it cancels the
+    # placement, so this stays).
     leader_wait_since: float | None = None
 
     def settle_model(self, model: str) -> None:

@@ -332,9 +332,8 @@ class Relay:
             router_id=self._config.instance_id,
             prompt_digest=generation.prompt_digest,
         )
-        def waiting(since: float) -> None:
-            if generation.leader_wait_since is None:
-                generation.leader_wait_since = since
+        def waiting(since: float | None) -> None:
+            generation.leader_wait_since = since
 
         try:
             try:
@@ -362,27 +361,27 @@ class Relay:
                 raise StreamHeld(f"{refusal.detail}; no other node could take it: {error}",
                                  refusal.node_id) from None
             raise
-        generation.leader_wait_since = None
         generation.settle_model(placement.model)
         return placement
 
     @overload
     async def _call_scheduler(self, request: scheduler_pb2.PlaceRequest, remaining_s: float | None,
-                              on_wait: Callable[[float], None] | None = None) -> scheduler_pb2.Placement: ...
+                              on_wait: Callable[[float | None], None] | None = None) -> scheduler_pb2.Placement: ...
 
     @overload
     async def _call_scheduler(self, request: scheduler_pb2.FinishedRequest, remaining_s: float | None,
-                              on_wait: Callable[[float], None] | None = None) -> scheduler_pb2.FinishedAck: ...
+                              on_wait: Callable[[float | None], None] | None = None) -> scheduler_pb2.FinishedAck: ...
 
     async def _call_scheduler(self, request: _LeaderRequest, remaining_s: float | None,
-                              on_wait: Callable[[float], None] | None = None) -> _LeaderAnswer:
+                              on_wait: Callable[[float | None], None] | None = None) -> _LeaderAnswer:
         """Place on the elected scheduler, or tell it a request finished; through a failover, move to the next
         leader and retry there.
 
         A leader is its election key and revision, not its address. A call in flight is abandoned
         the moment etcd shows another leader (a frozen or cut-off leader is not waited out), and
         when no leader answers, the router waits at most --leader-wait-s for etcd to show a new one
-        (on_wait is told when that wait starts).
+        (on_wait is told, with the time the wait began, while it waits between calls, and None as each call goes
+        out: a call a leader holds may be admission queueing as well as a leader that will never answer).
         """
         loop = asyncio.get_running_loop()
         end = math.inf if remaining_s is None else loop.time() + remaining_s
@@ -390,14 +389,17 @@ class Relay:
         # Once a leader fails (or none is shown), the time left to find one that answers, and the whole of it.
         wait_end: float | None = None
         window_s = 0.0
+        wait_began = 0.0
 
         def wait_s() -> float:
-            nonlocal wait_end, window_s
+            """The wait left, as a wait between calls begins."""
+            nonlocal wait_end, window_s, wait_began
             if wait_end is None:
-                wait_end = min(loop.time() + self._config.leader_wait_s, end)
-                window_s = max(0.0, wait_end - loop.time())
-                if on_wait is not None:
-                    on_wait(loop.time())
+                wait_began = loop.time()
+                wait_end = min(wait_began + self._config.leader_wait_s, end)
+                window_s = max(0.0, wait_end - wait_began)
+            if on_wait is not None:
+                on_wait(wait_began)
             return max(0.0, wait_end - loop.time())
 
         backoff_s = 0.025
@@ -421,6 +423,8 @@ class Relay:
             timeout_s = self._config.placement_timeout_s if remaining_s is None else max(0.0, end - loop.time())
             tried, at = leader, address
             try:
+                if on_wait is not None:
+                    on_wait(None)
                 return await self._call_at(at, _still_called(tried, at), request, timeout_s)
             except _LeaderReplaced:
                 log.log(_log_level(request), "scheduler %s is no longer the elected leader; moving the %s", at,
