@@ -33,3 +33,15 @@ CLIENT_KEEPALIVE_OPTIONS = (
 SERVER_KEEPALIVE_OPTIONS = (
     ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
 )
+
+# A node agent pings its callers too, while a call is open: a router frozen or cut off without a reset kept its
+# streams' generations running on the GPU (its client resumed through another router within about 6 s, and when
+# the resume landed on another node both ran, until the frozen router woke or the generation ended). Within about
+# KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS of the freeze the node now drops the connection, which cancels them.
+SERVER_PINGS_CALLERS_OPTIONS = (
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),  # a stream quiet in a long prefill is pinged too
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+)

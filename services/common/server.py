@@ -132,15 +132,17 @@ async def serve(
     grace_s: float = 10.0,
     started: asyncio.Event | None = None,
     credentials: grpc.ServerCredentials | None = None,
+    options: Sequence[tuple[str, int]] = (),
 ) -> int:
     """Serve until SIGTERM/SIGINT, then shut down in order; returns the process exit code.
 
-    With credentials the port speaks TLS only (ServiceConfig.server_credentials), else plaintext."""
+    With credentials the port speaks TLS only (ServiceConfig.server_credentials), else plaintext; options are the
+    gRPC server's own, beside Baton's keepalive policy."""
     # Decoding innermost: the trace records the INVALID_ARGUMENT an undecodable request gets.
     # No SO_REUSEPORT (gRPC's default): a second process on a port in use must fail, not silently
     # take half of the first one's connections.
     server = grpc.aio.server(interceptors=[*telemetry.server_interceptors(), RequestDecodingInterceptor()],
-                             options=[("grpc.so_reuseport", 0), *SERVER_KEEPALIVE_OPTIONS])
+                             options=[("grpc.so_reuseport", 0), *SERVER_KEEPALIVE_OPTIONS, *options])
     service.register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

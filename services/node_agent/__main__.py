@@ -4,6 +4,7 @@ import asyncio
 import sys
 
 from services.common.config import parse_config
+from services.common.reconnect import SERVER_PINGS_CALLERS_OPTIONS
 from services.common.server import serve, setup_logging
 from services.common.telemetry import Telemetry
 from services.node_agent.config import NodeAgentConfig
@@ -18,7 +19,7 @@ async def main() -> int:
                           config.metrics_listen, config.node_id)
     host = build_host(config)
     return await serve(NodeAgentService(config, host, telemetry), config.listen, telemetry,
-                       credentials=config.server_credentials())
+                       credentials=config.server_credentials(), options=SERVER_PINGS_CALLERS_OPTIONS)
 
 
 if __name__ == "__main__":

@@ -148,6 +148,46 @@ async def test_the_sdk_resumes_through_another_router_when_its_router_freezes(cl
     assert result.finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
+async def test_a_frozen_routers_stream_stops_running_on_its_node(cluster: LocalCluster) -> None:
+    """A router frozen mid-stream kept its node generating for it: the client resumed through the other router,
+    and when the resume landed on another node both ran to the end (helper-114 saw it 4 times in 4 on equal
+    nodes). A node agent pings its callers and drops a frozen one's connection, which cancels its stream."""
+    async def num_running() -> int:
+        total = 0
+        for node in cluster.nodes:
+            async with grpc.aio.insecure_channel(node.address) as channel:
+                load = await node_agent_pb2_grpc.NodeAgentStub(channel).GetLoad(node_agent_pb2.GetLoadRequest())
+            total += load.num_running
+        return total
+
+    frozen = cluster.routers[0]
+    nodes: list[str] = []
+    frozen_at: list[int] = []
+    alone_at: list[int] = []  # the token at which the resumed stream ran alone, the first router still frozen
+    checked_at = 0.0
+    try:
+        async with BatonClient([router.address for router in cluster.routers]) as client:
+            stream = client.generate(MODEL, "a long generation whose router freezes", max_tokens=6000,
+                                     ignore_eos=True, timeout_s=110)
+            async for chunk in stream:
+                if not nodes or nodes[-1] != chunk.node_id:
+                    nodes.append(chunk.node_id)
+                if chunk.index >= 20 and not frozen_at:
+                    frozen.signal(signal.SIGSTOP)
+                    frozen_at.append(chunk.index)
+                elif (frozen_at and client.current_address == cluster.routers[1].address
+                      and time.monotonic() - checked_at > 0.25):
+                    checked_at = time.monotonic()
+                    if await num_running() == 1:
+                        alone_at.append(chunk.index)
+                        break
+            await stream.aclose()
+    finally:
+        frozen.signal(signal.SIGCONT)
+    # Both streams run at one pace: had the first run to its end, the resume would be near its own end by then.
+    assert frozen_at and alone_at and alone_at[0] < 3000, f"frozen at {frozen_at}, alone at {alone_at}, on {nodes}"
+
+
 async def test_a_cancelled_stream_frees_its_kv_blocks_on_the_node(cluster: LocalCluster) -> None:
     async def kv_used(node: ManagedProcess) -> tuple[int, int]:
         async with grpc.aio.insecure_channel(node.address) as channel:
