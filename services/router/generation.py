@@ -17,13 +17,17 @@ from services.router.stop_text import StopText
 class NodeFailure(Exception):
     """A node stopped serving this generation; it may continue elsewhere."""
 
-    def __init__(self, node_id: str, cause: FailureCause, detail: str = "", heard: bool = True) -> None:
+    def __init__(self, node_id: str, cause: FailureCause, detail: str = "", heard: bool = True,
+                 node_is_well: bool = False) -> None:
         super().__init__(f"node {node_id}: {cause.value}{': ' + detail if detail else ''}")
         self.node_id = node_id
         self.cause = cause
         # Whether the node said anything on the stream (it had the request): if not, the next node's prefill
         # computes nothing again.
         self.heard = heard
+        # The node dropped the stream because this router did not answer its pings (frozen, or cut off): the
+        # generation moves, but no placement need avoid the node.
+        self.node_is_well = node_is_well
 
 
 class TakeoverRefused(Exception):
@@ -94,7 +98,8 @@ class Generation:
         return len(self.failures)
 
     def excluded_nodes(self) -> list[str]:
-        return sorted({failure.node_id for failure in self.failures} | {refusal.node_id for refusal in self.refusals})
+        failed = {failure.node_id for failure in self.failures if not failure.node_is_well}
+        return sorted(failed | {refusal.node_id for refusal in self.refusals})
 
     def context_block_hashes(self) -> list[int]:
         return block_hashes(self.context, parent_hash=salted_root(self.cache_salt))

@@ -19,6 +19,12 @@ _NODE_FAILURE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, g
                        grpc.StatusCode.INTERNAL)
 
 
+def _router_went_unanswered(exc: grpc.aio.AioRpcError) -> bool:
+    """The node closed the connection because its pings went unanswered: this router was frozen or cut off (its
+    channels to nodes send no pings of their own, so a ping timeout on them is the node's)."""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and "ping timeout" in (exc.details() or "")
+
+
 class NodeLiveness:
     """Nodes as etcd lists them, with callbacks for the moment one leaves."""
 
@@ -112,7 +118,8 @@ async def watched_stream(
             raise TakeoverRefused(node_id, exc.details() or "") from None
         if exc.code() in _NODE_FAILURE_CODES:
             cause = FailureCause.STREAM_BROKEN if received_any else FailureCause.CONNECT_FAILED
-            raise NodeFailure(node_id, cause, exc.details() or exc.code().name, received_any) from None
+            raise NodeFailure(node_id, cause, exc.details() or exc.code().name, received_any,
+                              node_is_well=_router_went_unanswered(exc)) from None
         raise from_rpc_error(exc) from None
     finally:
         timer.cancel()

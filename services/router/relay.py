@@ -225,7 +225,8 @@ class Relay:
                     log.info("request %s: %s; placing it elsewhere", generation.request_id, refusal)
                     generation.refusals.append(refusal)
                 except NodeFailure as failure:
-                    self._suspects[failure.node_id] = loop.time() + self._config.suspect_s
+                    if not failure.node_is_well:
+                        self._suspects[failure.node_id] = loop.time() + self._config.suspect_s
                     if generation.num_remaining == 0:  # every token arrived: nothing moves, the stream ends
                         log.warning("request %s: %s after its last token; ending it", generation.request_id, failure)
                         continue

@@ -522,6 +522,29 @@ class _MovingScheduler(_FakeScheduler):
         return scheduler_pb2.Placement(node_id=f"node-{len(self.places)}", address=self.node_address)
 
 
+@pytest.mark.parametrize("dropped_for_unanswered_pings", [True, False])
+async def test_a_node_that_dropped_this_router_for_unanswered_pings_is_not_avoided(
+        dropped_for_unanswered_pings: bool) -> None:
+    """A node drops a caller whose pings go unanswered (a router frozen or cut off): the router, awake again, took
+    that for the node's failure, and its placements, this stream's move included, avoided a healthy node (for
+    --suspect-s; helper-122). The stream still moves; the node is not avoided."""
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        yield _started()
+        if request.num_resumed_tokens == 0:
+            yield Chunk(node_id=NODE, index=0, token_ids=[97])
+            if dropped_for_unanswered_pings:
+                raise Unavailable("ping timeout")  # what gRPC tells the caller of a node that dropped it so
+            raise RuntimeError("the node died")
+        yield Chunk(node_id=NODE, index=0, token_ids=[98], finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+    async with _router(generate, _MovingScheduler()) as (router, scheduler):
+        messages = [m async for m in router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi",
+                                                                                max_tokens=2))]
+    assert [t for m in messages for t in m.token_ids] == [97, 98]
+    assert [p.retry_cause for p in scheduler.places] == ["", "stream_broken"]
+    assert ("node-1" in scheduler.places[1].exclude_node_ids) is not dropped_for_unanswered_pings
+
+
 async def test_a_stream_that_moves_twice_reports_what_both_moves_prefilled_again() -> None:
     """recomputed_tokens counted only the last move's prefill: the node that took the first move and then died too had
     prefilled the context again as well, and that was lost from usage and from baton.router.recomputed_tokens."""
