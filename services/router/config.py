@@ -21,8 +21,9 @@ class RouterConfig(ServiceConfig):
     instance_id: str = doc("this router's id in etcd (1 to 128 of letters, digits and . _ : @ -)", "router-0")
     http_listen: str = doc("host:port to serve the OpenAI-compatible HTTP API on (empty: no HTTP API)", "")
     default_max_tokens: int = doc("max_tokens when a request leaves it unset", 256)
-    placement_timeout_s: float = doc("longest a placement may take, admission queueing included, when the "
-                                     "client set no deadline", 60.0)
+    placement_timeout_s: float = doc("longest one leader may hold a placement, admission queueing included, when "
+                                     "the client set no deadline (a failover to another leader may add "
+                                     "--leader-wait-s)", 60.0)
     # A dead leader's election key stands until etcd expires its lease, which etcd stretches: to at least 1.5 of
     # its election timeouts, to a whole TTL plus an election timeout after etcd's own leader changes, and not at all
     # while etcd has none (docs/etcd.md). 30 s covers one etcd election during the failover; 10 s did not.
