@@ -387,21 +387,23 @@ class Relay:
         loop = asyncio.get_running_loop()
         end = math.inf if remaining_s is None else loop.time() + remaining_s
 
-        # Once a leader fails (or none is shown), the time left to find one that answers, and the whole of it.
+        # Once a leader fails (or none is shown), when the wait for one that answers began, and when it ends.
         wait_end: float | None = None
-        window_s = 0.0
         wait_began = 0.0
 
         def wait_s() -> float:
             """The wait left, as a wait between calls begins."""
-            nonlocal wait_end, window_s, wait_began
+            nonlocal wait_end, wait_began
             if wait_end is None:
                 wait_began = loop.time()
                 wait_end = min(wait_began + self._config.leader_wait_s, end)
-                window_s = max(0.0, wait_end - wait_began)
             if on_wait is not None:
                 on_wait(wait_began)
             return max(0.0, wait_end - loop.time())
+
+        def whole_wait_s() -> float:
+            """The wait a refusal names: --leader-wait-s, or less when the request's own time ran out first."""
+            return 0.0 if wait_end is None else wait_end - wait_began
 
         backoff_s = 0.025
 
@@ -415,7 +417,7 @@ class Relay:
 
         leader = self._leader.leader() or await self._leader.wait_for_other(None, wait_s())
         if leader is None:
-            raise _NoLeader(f"no scheduler leader is elected: etcd showed none for {window_s:.1f} s")
+            raise _NoLeader(f"no scheduler leader is elected: etcd showed none for {whole_wait_s():.1f} s")
         address = leader.address
         num_hints = 0
         timed_out: str | None = None
@@ -472,9 +474,8 @@ class Relay:
             address = leader.address if leader is not None else ""
         if timed_out is not None:  # a leader that holds a placement that long is queueing it or loading a model
             raise _NoLeader(f"{timed_out} (admission queueing or a model load), and no other leader took over")
-        # (window_s: --leader-wait-s, or less when the request's own time ran out first)
-        raise _NoLeader(f"no scheduler leader took the {_what(request)} within {window_s:.1f} s of the first one "
-                          "failing")
+        raise _NoLeader(f"no scheduler leader took the {_what(request)} within {whole_wait_s():.1f} s of the first "
+                        "one failing")
 
     async def _call_at(self, address: str, is_current: Callable[[LeaderRecord | None], bool],
                        request: _LeaderRequest, timeout_s: float) -> _LeaderAnswer:
