@@ -230,8 +230,9 @@ class Relay:
                     if generation.num_remaining == 0:  # every token arrived: nothing moves, the stream ends
                         log.warning("request %s: %s after its last token; ending it", generation.request_id, failure)
                         continue
-                    log.warning("request %s: %s after %d tokens; resuming elsewhere", generation.request_id,
-                                failure, len(generation.generated))
+                    # A well node (its ping timed out: this router froze) is not avoided: the resume may land there.
+                    log.warning("request %s: %s after %d tokens; resuming it%s", generation.request_id, failure,
+                                len(generation.generated), "" if failure.node_is_well else " on another node")
                     moving = failure.cause
                     generation.record_failure(failure, self._config.max_migrations)
                     retry_cause = failure.cause
