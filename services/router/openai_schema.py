@@ -605,6 +605,8 @@ def error_response(error: BatonError, names: Mapping[str, str] | None = None
             message = spelled + message[len(param):]
             param = spelled
     headers = retry_headers(status, error.retry_after_ms if isinstance(error, ResourceExhausted) else None)
+    if status == 401:  # as RFC 7235 asks of every 401 (and docs/security.md said it did; helper-125)
+        headers["WWW-Authenticate"] = 'Bearer realm="baton"'
     return status, error_json(status, message, param, error.code.name.lower()), headers
 
 

@@ -46,6 +46,10 @@ class TenantLimits:
     max_concurrency: int | None = None
     tokens_per_minute: int | None = None
 
+    @property
+    def is_limited(self) -> bool:
+        return self.max_concurrency is not None or self.tokens_per_minute is not None
+
 
 @dataclass
 class Ticket:
@@ -57,6 +61,8 @@ class Ticket:
     arrived_at: float
     # When it must have its first token by (inf: no budget).
     deadline_at: float = math.inf
+    # When it must have ended by (deadline_ms; inf: none).
+    ends_by: float = math.inf
     # How much of its workflow is done ((step - 1) / total steps; 0 for a lone request): among equal
     # deadlines, a late step of a task goes before a fresh one, whose failure would waste less.
     progress: float = 0.0
@@ -68,6 +74,12 @@ class Ticket:
     resumed: bool = False
     # Its prompt's and cache salt's digest (0: not said): a resend must have the held id's to share its slot.
     prompt_digest: int = 0
+
+    @property
+    def due_at(self) -> float:
+        """What earliest-deadline-first orders by: the earlier of its two deadlines (a request with only deadline_ms
+        queued behind those with none, helper-125)."""
+        return min(self.deadline_at, self.ends_by)
 
 
 class Verdict(enum.Enum):
@@ -224,10 +236,18 @@ class Admission:
         request (not resumed) for an id that is queued, or that another live router runs, is refused as a duplicate:
         it would run a second time beside the first, on its slot, past its tenant's limits. A resumed one for an id
         that is queued takes its place (Outcome.replaced: its first ask is refused; its client resent it through
-        another router, the first one frozen, say).
+        another router, the first one frozen, say), as does one its own router sent again (a router refuses its own
+        clients' duplicates itself).
         """
         queued = self._queued.get(ticket.request_id)
-        if queued is not None and (not ticket.resumed or _other_prompt(ticket, queued.prompt_digest)):
+        if (queued is not None and ticket.holder and ticket.holder == queued.holder and not ticket.resumed
+                and not _other_prompt(ticket, queued.prompt_digest)):
+            # Sent again by the router that queued it: it abandoned its first call when etcd showed a new leader
+            # (this replica, elected again after losing its lease), and its cancellation had not reached the queue
+            # yet. Refused as a duplicate, a fresh request failed for good, and its first ask ran later with no
+            # router behind it (helper-125). It keeps its place in the queue.
+            ticket = dataclasses.replace(ticket, arrived_at=queued.arrived_at)
+        elif queued is not None and (not ticket.resumed or _other_prompt(ticket, queued.prompt_digest)):
             return _duplicate(ticket, "is already waiting for admission; a new request needs another request_id")
         hold = self._held.get(ticket.request_id)
         if hold is not None:
@@ -251,19 +271,28 @@ class Admission:
         limits = self.limits(ticket.tenant)
         tenant = self._tenants[ticket.tenant]
         tenant.expire(now)
-        if limits.max_concurrency is not None and tenant.in_flight >= limits.max_concurrency:
+        # Its requests waiting for admission count against its limits as those admitted do: each takes a slot and
+        # its tokens once dispatched, and nothing checks the limits again then (a tenant at max_concurrency 2 ran
+        # six streams once the fleet was saturated, helper-125).
+        waiting = [t for t in self._queued.values() if t.tenant == ticket.tenant] if limits.is_limited else []
+        if limits.max_concurrency is not None and tenant.in_flight + len(waiting) >= limits.max_concurrency:
             return Outcome(Verdict.REJECT, f"tenant {ticket.tenant!r} is at its concurrency limit of "
-                                           f"{limits.max_concurrency}", retry_after_s=tenant.slot_free_in_s(now),
-                           kind="tenant concurrency limit")
+                                           f"{limits.max_concurrency}"
+                                           + (f" ({len(waiting)} of them waiting for admission)" if waiting else ""),
+                           retry_after_s=tenant.slot_free_in_s(now), kind="tenant concurrency limit")
         if limits.tokens_per_minute is not None and ticket.num_tokens > limits.tokens_per_minute:
             return Outcome(Verdict.REJECT, f"with its prompt, {ticket.num_tokens} tokens, more than the whole limit "
                                            f"of tenant {ticket.tenant!r}, {limits.tokens_per_minute} tokens per "
                                            "minute: no wait would let it in", kind="tenant tokens per minute limit",
                            never=True)
-        if limits.tokens_per_minute is not None and tenant.served_tokens + ticket.num_tokens > limits.tokens_per_minute:
+        waiting_tokens = sum(t.num_tokens for t in waiting)
+        if (limits.tokens_per_minute is not None
+                and tenant.served_tokens + waiting_tokens + ticket.num_tokens > limits.tokens_per_minute):
             wait = tenant.served[0][0] + WINDOW_S - now if tenant.served else WINDOW_S
             return Outcome(Verdict.REJECT, f"tenant {ticket.tenant!r} is over its limit of "
-                                           f"{limits.tokens_per_minute} tokens per minute", retry_after_s=wait,
+                                           f"{limits.tokens_per_minute} tokens per minute"
+                                           + (f" ({waiting_tokens} of them in requests waiting for admission)"
+                                              if waiting_tokens else ""), retry_after_s=wait,
                            kind="tenant tokens per minute limit")
         ahead = self._wait_ahead_s(ticket, predicted_ttft_s)
         if self._check_deadlines and now + predicted_ttft_s + ahead > ticket.deadline_at:
@@ -273,7 +302,9 @@ class Admission:
                                            f"{(predicted_ttft_s + ahead) * 1000:.0f} ms to the first token (of which "
                                            f"{ahead * 1000:.0f} ms behind those queued ahead), has "
                                            f"{max(0.0, ticket.deadline_at - now) * 1000:.0f} ms",
-                           retry_after_s=max(1.0, ahead), kind="TTFT budget cannot be met")
+                           # At least the excess: what a model's load, counted in the prediction, has yet to take.
+                           retry_after_s=max(1.0, ahead, now + predicted_ttft_s + ahead - ticket.deadline_at),
+                           kind="TTFT budget cannot be met")
         if is_saturated and ticket.priority < 0:
             return Outcome(Verdict.REJECT, f"fleet saturated: sheddable request (priority {ticket.priority}) "
                                            "refused", retry_after_s=1.0, kind="fleet saturated")
@@ -287,7 +318,7 @@ class Admission:
             for queued in self._queued.values():
                 waiting[queued.tenant] += 1
             victim = min(self._queued.values(),
-                         key=lambda t: (t.priority, -waiting[t.tenant], -t.deadline_at, -t.arrived_at))
+                         key=lambda t: (t.priority, -waiting[t.tenant], -t.due_at, -t.arrived_at))
             outranks = victim.priority < ticket.priority or (
                 victim.priority == ticket.priority and waiting[victim.tenant] > waiting[ticket.tenant] + 1)
             if not outranks:
@@ -301,7 +332,7 @@ class Admission:
     def _wait_ahead_s(self, ticket: Ticket, predicted_ttft_s: float) -> float:
         """A rough wait behind the queued requests that would go first (each about as long as this one)."""
         ahead = sum(1 for t in self._queued.values() if t.priority > ticket.priority
-                    or (t.priority == ticket.priority and t.deadline_at <= ticket.deadline_at))
+                    or (t.priority == ticket.priority and t.due_at <= ticket.due_at))
         return ahead * predicted_ttft_s
 
     def pop_next(self, now: float) -> Ticket | None:
@@ -324,7 +355,7 @@ class Admission:
             tenant = min(tenants, key=lambda name: (share(name), name))
         self._last_served[band] = tenant
         ticket = min((t for t in in_band if t.tenant == tenant),
-                     key=lambda t: (t.deadline_at, -t.progress, t.arrived_at))
+                     key=lambda t: (t.due_at, -t.progress, t.arrived_at))
         del self._queued[ticket.request_id]
         return ticket
 

@@ -64,9 +64,12 @@ class NodeStatus:
     # as of its last report (Load.num_received; None before the first report).
     unreceived: deque[tuple[float, int]] = field(default_factory=deque)
     num_received: int | None = None
-    # When its models last changed (warm set or loading set) and when it was last given a request.
+    # When its models last changed (warm set or loading set), when it was last given a request, and when a load
+    # report last showed it running or queueing one (a standby hears the reports, not the placements: taking over,
+    # it counted a node served a second ago as idle since it first saw it, and swapped out a model's only warm copy).
     models_since: float = 0.0
     last_placed_at: float | None = None
+    last_busy_at: float | None = None
     # Its registration is gone from etcd but held for a grace period (PrefixView.lapsed).
     is_lapsed: bool = False
 
@@ -93,7 +96,8 @@ class NodeStatus:
         """How long the node has had nothing in flight and nothing placed (0 while it has)."""
         if self.load.num_running or self.load.num_waiting or self.placed_requests:
             return 0.0
-        return now - max(self.models_since, self.last_placed_at or self.models_since)
+        return now - max(self.models_since, self.last_placed_at or self.models_since,
+                         self.last_busy_at or self.models_since)
 
 
 def saturation(nodes: Iterable[NodeStatus]) -> float:
@@ -155,6 +159,8 @@ class ClusterView:
                and max(status.unreceived[0][0], status.models_since) < now - PLACEMENT_TRANSIT_S):
             status.unreceived.popleft()
         status.num_received = load.num_received
+        if load.num_running or load.num_waiting:
+            status.last_busy_at = now
         status.load = load
         status.reported_at = now
         status.placed_requests = len(status.unreceived)

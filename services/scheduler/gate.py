@@ -80,8 +80,9 @@ class AdmissionGate:
             self._depth.add(-1, {"band": band_label(outcome.replaced.priority)})
             first = self._waiting.pop(ticket.request_id, None)
             if first is not None and not first.done():
-                first.set_exception(Aborted(f"request_id={ticket.request_id!r}: its client sent it again, through "
-                                            "another router, which took its place in the admission queue"))
+                first.set_exception(Aborted(f"request_id={ticket.request_id!r}: it was sent again (by its client, "
+                                            "through another router, or by its router after a leader change), "
+                                            "and the resend took its place in the admission queue"))
         if outcome.verdict == Verdict.REJECT:
             # A tenant's limit is counted per tenant, by a label of its own (its limit is in no label).
             tenant = {"tenant": self._tenant(ticket.tenant)} if outcome.kind.startswith("tenant") else {}

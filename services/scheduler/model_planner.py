@@ -19,6 +19,7 @@ idle GPUs are free for the models that need them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from services.scheduler.fleet import ClusterView, NodeStatus, saturation
@@ -50,6 +51,17 @@ class ModelPlanner:
     def note_demand(self, model: str, now: float) -> None:
         """A request asked for model (placed or not)."""
         self._last_demand[model] = now
+
+    def demand_state(self, now: float) -> dict[str, float]:
+        """What a successor leader needs: how long ago each model still wanted was last asked for (clocks differ
+        between hosts). Without it a successor took every model for unwanted and swapped out the only warm copy of
+        one in use (helper-126)."""
+        return {model: now - last for model, last in self._last_demand.items() if self._wanted(model, now)}
+
+    def restore_demand(self, ages_s: dict[str, float], now: float) -> None:
+        """A predecessor's demand_state; a later demand noted here already wins."""
+        for model, age_s in ages_s.items():
+            self._last_demand[model] = max(self._last_demand.get(model, -math.inf), now - age_s)
 
     def _wanted(self, model: str, now: float) -> bool:
         last = self._last_demand.get(model)

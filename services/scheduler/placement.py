@@ -143,8 +143,12 @@ class Placer:
         needed = math.ceil((request.num_prompt_tokens + request.max_tokens) / DEFAULT_BLOCK_SIZE)
         plan = Plan(ask, models, needed, charged_at=charged_at, started_at=now)
         self.refresh(plan, now, changing)
-        if not plan.has_candidates and not plan.is_retry:
-            self.planner.note_demand(models[0], now)  # the models are only on busy nodes' disks: make room
+        if not plan.is_retry and not any(m in s.spec.warm_models for m, nodes in plan.candidates.items()
+                                         for s in nodes):
+            # No node has it warm (a free GPU may load it) or every copy is on busy nodes' disks: make room and load
+            # it, even if this request is then refused for its budget (one with a TTFT budget shorter than the load
+            # was refused before anything noted it, and no load ever began: helper-126).
+            self.planner.note_demand(models[0], now)
         return plan
 
     def refresh(self, plan: Plan, now: float, changing: Changing = _none_changing) -> None:
@@ -172,11 +176,14 @@ class Placer:
         return saturation(s for s in self.cluster.nodes() if s.reported_at is not None
                           and s.spec.node_id not in draining and self.cluster.is_live(s, now)) >= 1.0
 
-    def no_candidates(self, plan: Plan) -> Unavailable:
+    def no_candidates(self, plan: Plan, waited_s: float = 0.0) -> Unavailable:
+        """waited_s: how long the request waited for the model planner to make room for its model."""
         excluded = plan.ask.exclude
         return Unavailable(f"model={plan.ask.request.model!r}: no live node has it warm, or a free GPU to load it, "
                            f"with KV cache for {plan.needed_blocks * DEFAULT_BLOCK_SIZE} tokens"
-                           + (f" (excluded: {', '.join(sorted(excluded))})" if excluded else ""))
+                           + (f" (excluded: {', '.join(sorted(excluded))})" if excluded else "")
+                           + (f"; waited {waited_s:.1f} s for the model planner to load it, which freed no GPU for "
+                              "it in that time" if waited_s >= 0.05 else ""))
 
     def abandon(self, plan: Plan) -> None:
         """A placement that placed nothing: a retry gets its unit of the budget back, since the budget
@@ -206,6 +213,7 @@ class Placer:
                         arrived_at=now,
                         deadline_at=now + request.ttft_budget_ms / 1000
                         if request.ttft_budget_ms and not plan.ask.resumed else math.inf,
+                        ends_by=now + request.deadline_ms / 1000 if request.deadline_ms else math.inf,
                         # A step of a workflow only: a lone request claiming step 3 of 3 jumped its tenant's queue.
                         progress=(request.step - 1) / request.total_steps
                         if request.total_steps and request.workflow_id else 0.0,

@@ -237,6 +237,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             "workflow_spent": dict(list(spent.items())[-_WORKFLOWS_HANDED_OVER:]),
             "tasks": self._tasks.to_state(_WORKFLOWS_HANDED_OVER, now),
             "fleet": {"counted_until_unix": self._fleet_counted_unix, "price_per_hour": self.fleet_price_per_hour()},
+            "model_demand_age_s": self._planner.demand_state(now),
         }
 
     def _take_over_state(self, state: dict[str, Any]) -> None:
@@ -251,6 +252,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         budget = state["retry_budget"]
         self._retry_budget.restore(int(budget["requests"]), int(budget["retries"]), self._clock())
         self._policy.restore_workflow_state({k: float(v) for k, v in state.get("workflow_spent", {}).items()})
+        self._planner.restore_demand({k: float(v) for k, v in state.get("model_demand_age_s", {}).items()},
+                                     self._clock())
         if "tasks" in state:
             self._tasks.restore(state["tasks"], self._clock())
             self._count_leaderless_gap(state.get("fleet"))
@@ -334,11 +337,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await self._confirm_leadership(context)
             changing = self._loader.changing_nodes
             plan = self._placer.start(ask, self._clock(), changing)
+            waited_s = 0.0
             if not plan.has_candidates and not plan.is_retry:
                 # The models are only on busy nodes' disks: the planner makes room; wait for it.
-                await self._wait_for_candidates(plan, context.time_remaining())
+                waited_s = await self._wait_for_candidates(plan, context.time_remaining())
             if not plan.has_candidates:
-                raise self._placer.no_candidates(plan)
+                raise self._placer.no_candidates(plan, waited_s)
             overlaps = {m: await self._overlap(m, request.block_hashes)
                         for m, nodes in plan.candidates.items() if nodes}
             options = self._placer.options(plan, overlaps.__getitem__)
@@ -402,32 +406,37 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                   f"{remaining_s:.1f} s left; the load goes on") from None
             raise
 
-    async def _wait_for_candidates(self, plan: Plan, time_remaining: float | None) -> None:
-        """Until a node has plan's first model warm or loading, within the request's time and the load
-        timeout; at once if no live node even has it on disk."""
+    async def _wait_for_candidates(self, plan: Plan, time_remaining: float | None) -> float:
+        """Until a node has plan's first model warm or loading, within the request's time (less what the refusal
+        needs to reach its caller: waited to the end, the caller saw its own timeout and took this leader for lost,
+        waiting --leader-wait-s more for another, helper-126) and the load timeout; at once if no live node even has
+        it on disk. The seconds it waited."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(time_remaining or math.inf, self._config.model_load_timeout_s)
+        began = loop.time()
+        room_s = math.inf if time_remaining is None else time_remaining - _REPLY_RESERVE_S
+        deadline = began + min(room_s, self._config.model_load_timeout_s)
         model = plan.models[0]
         while not plan.has_candidates:
             now = self._clock()
             live = [s for s in self._cluster.nodes() if self._cluster.is_live(s, now)]
             if not any(model in s.spec.cold_models for s in live):
-                return
+                break
             # Warm where the request will not go (its router avoids those nodes) and still reporting: the planner
             # loads for demand the warm nodes cannot take, not for this, so waiting held it to its deadline, and its
             # router had no time left to ask again without its exclusions. One that went silent may have died: its
             # lease ends, and the planner loads the model elsewhere for the request, as before.
             if any(model in s.spec.warm_models and s.spec.node_id in plan.ask.exclude
                    and s.reported_at is not None and now - s.reported_at <= _REPORTING_S for s in live):
-                return
+                break
             # Woken by a change of the fleet, and each _REPORTING_S (load reports do not signal it): an excluded warm
             # node that reports again is found so.
             changed = self._nodes_changed.since_now()
             left_s = deadline - loop.time()
             if left_s <= 0:
-                return
+                break
             await wait_or_timeout(changed, min(left_s, _REPORTING_S))
             self._placer.refresh(plan, self._clock(), self._loader.changing_nodes)
+        return loop.time() - began
 
     async def _plan_models(self) -> None:
         """While leading: load models short of warm capacity, unload idle ones; end silent tasks; count the

@@ -25,6 +25,13 @@ def test_an_impossible_deadline_is_refused_at_once_with_a_hint() -> None:
                               "behind those queued ahead), has 500 ms") and outcome.retry_after_s > 0
 
 
+def test_a_ttft_refusal_hints_no_sooner_than_its_excess() -> None:
+    """Its prediction counted a model's 124 s load on a free GPU: asked again a second later (the hint was the 1 s
+    floor), it was refused again, every time until the load was nearly done (helper-126)."""
+    outcome = Admission().offer(ticket("a", deadline=20.0), 0.0, is_saturated=False, predicted_ttft_s=124.5)
+    assert outcome.verdict == Verdict.REJECT and outcome.retry_after_s == 104.5
+
+
 def test_a_saturated_fleet_queues_and_sheds_the_sheddable() -> None:
     admission = Admission()
     assert admission.offer(ticket("a"), 0.0, True, 0.1).verdict == Verdict.QUEUE
@@ -44,6 +51,57 @@ def test_tenant_limits_name_the_limit() -> None:
     assert over.verdict == Verdict.REJECT and "150 tokens per minute" in over.reason
     assert over.retry_after_s == 58.0
     assert admission.offer(ticket("d"), 61.0, False, 0.1).verdict == Verdict.ADMIT  # the window moved on
+
+
+def test_a_queued_request_its_own_router_sends_again_takes_its_own_place() -> None:
+    """A router abandons a Place when etcd shows a new leader, and sends it again: when the new leader was the same
+    replica, elected again, the first call could still be queued there. Refused as a duplicate, the request failed
+    for good (409, not retried), and the first ask ran later with no router behind it (helper-125). From another
+    router, unresumed, it is still a duplicate."""
+    admission = Admission()
+    first = dataclasses.replace(ticket("a", at=0.0), holder="r1")
+    assert admission.offer(first, 0.0, True, 0.1).verdict == Verdict.QUEUE
+    assert admission.offer(dataclasses.replace(ticket("b", at=0.5), holder="r1"), 0.5, True, 0.1).verdict == \
+        Verdict.QUEUE
+    again = admission.offer(dataclasses.replace(ticket("a", at=1.0), holder="r1"), 1.0, True, 0.1)
+    assert again.verdict == Verdict.QUEUE and again.replaced is first
+    other = admission.offer(dataclasses.replace(ticket("a", at=2.0), holder="r2"), 2.0, True, 0.1)
+    assert other.verdict == Verdict.REJECT and other.duplicate
+    popped = admission.pop_next(3.0)
+    assert popped is not None and (popped.request_id, popped.arrived_at) == ("a", 0.0)  # its place kept
+    assert admission.pop_next(3.0).request_id == "b" and admission.pop_next(3.0) is None
+
+
+def test_earliest_deadline_first_counts_deadline_ms_as_well_as_the_ttft_budget() -> None:
+    """Within a tenant, a request with only an end-to-end deadline went after its tenant's requests with none
+    (helper-125); it goes by the earlier of its deadlines."""
+    admission = Admission()
+    for queued in (ticket("none", at=0.0), dataclasses.replace(ticket("ends", at=1.0), ends_by=20.0),
+                   ticket("first_token", at=2.0, deadline=30.0)):
+        assert admission.offer(queued, queued.arrived_at, True, 0.1).verdict == Verdict.QUEUE
+    assert [admission.pop_next(3.0).request_id for _ in range(3)] == ["ends", "first_token", "none"]
+
+
+def test_a_tenants_limits_count_its_requests_waiting_for_admission() -> None:
+    """On a saturated fleet requests queue, and each takes a slot and its tokens when dispatched: counted only once
+    admitted, a tenant at max_concurrency 1 had all three of its requests queued and then run (helper-125)."""
+    admission = Admission(limits={"z": TenantLimits(max_concurrency=1), "y": TenantLimits(tokens_per_minute=1000)})
+    assert admission.offer(ticket("z1", tenant="z"), 0.0, True, 0.1).verdict == Verdict.QUEUE
+    over = admission.offer(ticket("z2", tenant="z"), 0.0, True, 0.1)
+    assert over.verdict == Verdict.REJECT
+    assert over.reason == "tenant 'z' is at its concurrency limit of 1 (1 of them waiting for admission)"
+    assert admission.offer(ticket("y1", tenant="y", tokens=400), 0.0, True, 0.1).verdict == Verdict.QUEUE
+    assert admission.offer(ticket("y2", tenant="y", tokens=400), 0.0, True, 0.1).verdict == Verdict.QUEUE
+    over = admission.offer(ticket("y3", tenant="y", tokens=400), 0.0, True, 0.1)
+    assert over.verdict == Verdict.REJECT
+    assert over.reason == ("tenant 'y' is over its limit of 1000 tokens per minute (800 of them in requests waiting "
+                           "for admission)")
+    dispatched = []
+    while (next_ticket := admission.pop_next(1.0)) is not None:
+        admission.on_admitted(next_ticket, 1.0)
+        dispatched.append(next_ticket.request_id)
+    assert sorted(dispatched) == ["y1", "y2", "z1"]
+    assert admission.in_flight("z") == 1
 
 
 def test_a_tenant_at_its_concurrency_limit_is_told_when_its_oldest_request_should_end() -> None:

@@ -252,7 +252,7 @@ async def test_a_resend_takes_its_queued_asks_place_and_the_first_ask_ends_abort
     gate, admission, fleet = gate_and_fleet
     first = await queued(gate, admission, ticket("same", fleet.now))
     resend = asyncio.create_task(gate.enter(dataclasses.replace(ticket("same", fleet.now), resumed=True), 0.1))
-    with pytest.raises(Aborted, match="'same': its client sent it again, through another router"):
+    with pytest.raises(Aborted, match=r"'same': it was sent again \(by its client, through another router"):
         await asyncio.wait_for(first, 5)
     assert not resend.done() and admission.num_queued == 1
     fleet.saturated = False

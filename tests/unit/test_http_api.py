@@ -126,6 +126,9 @@ async def test_a_refusal_before_the_first_token_has_its_own_status(code: grpc.St
         with pytest.raises(error_class) as caught:
             await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
         assert "refused for a reason" in str(caught.value)
+        # RFC 7235: a 401 names the scheme it wants (helper-125: it had none).
+        assert caught.value.response.headers.get("WWW-Authenticate") == (  # type: ignore[attr-defined]
+            'Bearer realm="baton"' if code == grpc.StatusCode.UNAUTHENTICATED else None)
     finally:
         await client.close()
         await http.close()

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import re
+import time
+
+import grpc
+import pytest
+
+from baton.v1 import scheduler_pb2
 from services.common.load import Load
+from services.common.telemetry import Telemetry
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.fleet import ClusterView, NodeSpec
 from services.scheduler.model_planner import ModelAction, ModelPlanner
+from services.scheduler.servicer import SchedulerService
+from tests.unit.leading import fake_leadership
+from tests.unit.test_place_during_election import FakeContext, Refused
 
 A, B = "sim-llama-3-8b", "sim-llama-2-7b"
 
@@ -180,3 +193,70 @@ def test_a_reservation_holds_while_its_model_loads_elsewhere_and_goes_when_leade
     assert planner.plan(busy, now=101.0, loading=frozenset({A})) == [] and planner.reserved_nodes() == {"n2"}
     planner.release()
     assert planner.reserved_nodes() == frozenset()
+
+
+def test_a_successor_keeps_its_predecessors_demand_and_the_idleness_the_load_reports_showed() -> None:
+    """A leader died a second after a request for B ran on n0, B's only warm node, while A waited for a GPU. Its
+    successor, a standby that saw the load reports but placed nothing, took B for unwanted and n0 for idle since it
+    first saw it, and swapped B out at once (helper-126). Handed the demand, it keeps B; and a node shown busy by a
+    report of a second ago is not idle for idle_swap_s either."""
+    leader = ModelPlanner(idle_swap_s=10.0)
+    leader.note_demand(A, 1_000.0)
+    leader.note_demand(B, 1_000.0)
+    state = leader.demand_state(now=1_001.0)
+    assert state == {A: 1.0, B: 1.0}
+
+    only_copy = view(spec("n0", warm={B}, cold={A}))
+    forgetful = ModelPlanner(idle_swap_s=10.0)
+    forgetful.note_demand(A, 50.0)
+    assert [a.kind for a in forgetful.plan(only_copy, now=50.0)] == ["unload", "load"]  # as it was
+    successor = ModelPlanner(idle_swap_s=10.0)
+    successor.restore_demand(state, now=50.0)  # another host's clock
+    assert successor.plan(only_copy, now=50.0) == []  # B is wanted and n0 is its only warm copy
+
+    # B warm on another node too, so n0 may go once idle: idle since the report that last showed it busy.
+    reported = view(spec("n0", warm={B}, cold={A}), spec("n1", warm={B}), loads={"n0": CALM}, now=49.0)
+    reported.report_load("n0", Load(kv_blocks_total=1000), 49.5)
+    assert successor.plan(reported, now=50.0) == []
+    assert successor.plan(reported, now=59.2) == [ModelAction("unload", "n0", B, f"make room for {A}"),
+                                                  ModelAction("load", "n0", A, "no node has it warm")]
+
+
+async def test_the_leaders_hand_over_state_carries_its_models_demand() -> None:
+    """What the scheduler writes for its successor (every second, while it leads) and what that successor restores:
+    the models asked for lately, by age, so the successor's planner sees them wanted."""
+    leader = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"), clock=lambda: 1_000.0)
+    leader._planner.note_demand(B, 998.0)
+    state = leader._hand_over_state()
+    successor = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"), clock=lambda: 7.0)
+    successor._take_over_state(state)
+    assert successor._planner.demand_state(now=7.0) == {B: 2.0}
+    for service in (leader, successor):
+        await service.close()
+
+
+class _ShortCall(FakeContext):
+    def time_remaining(self) -> float:
+        return 0.5
+
+
+async def test_a_request_waiting_for_a_gpu_no_one_frees_is_refused_before_its_call_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its model only on the disk of a node serving another model in use, so the planner frees no GPU: the leader
+    answered nothing until the router's call timed out, and the router, taking the leader for lost, waited 30 s more
+    for another, then blamed the leader (helper-126). Now the leader refuses it within the call, saying why."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    service._role.elected.set()
+    service._cluster.set_nodes([spec("n0", warm={B}, cold={A})])
+    service._cluster.report_load("n0", CALM, time.monotonic())
+    request = scheduler_pb2.PlaceRequest(request_id="r1", model=A, num_prompt_tokens=16, max_tokens=8)
+    try:
+        with pytest.raises(Refused) as refused:
+            await asyncio.wait_for(service.Place(request, _ShortCall()), 5)  # type: ignore[arg-type]
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "no live node has it warm, or a free GPU to load it" in str(refused.value)
+        waited = re.search(r"; waited (\S+) s for the model planner to load it", str(refused.value))
+        assert waited is not None and 0.3 <= float(waited[1]) < 0.5  # within the call's 0.5 s, its reply's room left
+    finally:
+        await service.close()

@@ -193,7 +193,10 @@ def _with_code(code: grpc.StatusCode, message: str) -> BatonError:
 def test_grpc_codes_become_http_statuses_that_say_whether_to_retry(error: BatonError, status: int,
                                                                    param: str | None, should_retry: str) -> None:
     got_status, body, headers = schema.error_response(error)
-    assert (got_status, body["error"]["param"], headers) == (status, param, {"x-should-retry": should_retry})
+    expected = {"x-should-retry": should_retry}
+    if status == 401:
+        expected["WWW-Authenticate"] = 'Bearer realm="baton"'
+    assert (got_status, body["error"]["param"], headers) == (status, param, expected)
     assert body["error"]["message"] == str(error)
 
 

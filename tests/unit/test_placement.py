@@ -103,12 +103,27 @@ def test_a_cold_node_is_offered_only_to_a_policy_that_weighs_load_time_and_is_re
     assert (placed.decision.node_id, placed.is_cold) == ("free", True)
 
 
+def test_a_model_only_a_free_gpu_could_serve_is_wanted_before_its_request_is_judged() -> None:
+    """A request for a model no node has warm, refused for its TTFT budget (the load counts in its prediction), still
+    tells the planner the model is wanted: it loads it, and the client's next try finds it warm. Before, only a
+    placement noted it, so with a free GPU among the candidates a client with a budget never saw it loaded
+    (helper-126). A model warm somewhere is left to the placements, as before."""
+    placer = _placer(_spec("busy", warm=("other",), cold=(M,)), _spec("free", warm=(), cold=(M,)), policy="baton")
+    placer.start(_ask(), 1.0)  # refused at admission, say: nothing decided
+    assert [(a.kind, a.node_id, a.model) for a in placer.planner.plan(placer.cluster, 2.0)] == [("load", "free", M)]
+    warm = _placer(_spec("a"), _spec("free", warm=(), cold=(M,)), policy="baton")
+    warm.start(_ask(), 1.0)
+    assert warm.planner.demand_state(2.0) == {}
+
+
 def test_a_fresh_request_gets_an_admission_ticket_a_retry_does_not() -> None:
     placer = _placer(_spec("a"))
-    ask = _ask(ttft_budget_ms=2000, tenant="t", priority=2, workflow_id="w", step=3, total_steps=5)
+    ask = _ask(ttft_budget_ms=2000, tenant="t", priority=2, workflow_id="w", step=3, total_steps=5,
+               deadline_ms=60_000)
     plan = placer.start(ask, 1.0)
     ticket, predicted_ttft_s = placer.ticket(plan, placer.options(plan, lambda _: {}), 1.0)
     assert (ticket.tenant, ticket.priority, ticket.num_tokens, ticket.deadline_at) == ("t", 2, 176, 3.0)
+    assert ticket.ends_by == 61.0
     assert ticket.progress == pytest.approx(2 / 5)  # two of five steps done
     assert predicted_ttft_s == 0.0  # the model "m" has no timing model
     retry = placer.start(_ask(retry_cause="stream_broken"), 1.0)
