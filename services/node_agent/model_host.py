@@ -119,8 +119,12 @@ class ModelHost:
         if self.state[model] is ModelState.COLD:
             other = next((n for n, s in self.state.items() if s is not ModelState.COLD), None)
             if other is not None:
+                # A load under way cannot be unloaded (UnloadModel refuses it): telling the caller to would send it
+                # round in a circle (helper-126).
+                then = "unload it first" if self.state[other] is ModelState.WARM else \
+                    "wait for its load to end, then unload it"
                 raise FailedPrecondition(
-                    f"node {self._node_id} has model {other!r} {self.state[other].value}; unload it first "
+                    f"node {self._node_id} has model {other!r} {self.state[other].value}; {then} "
                     f"(a GPU holds one model at a time)")
             self.state[model] = ModelState.LOADING
             self.models_changed.notify()
@@ -177,7 +181,8 @@ class ModelHost:
         if state is ModelState.COLD:
             return
         if state is ModelState.LOADING or self._engine is None:
-            raise FailedPrecondition(f"model={model!r} is still loading on node {self._node_id}")
+            raise FailedPrecondition(f"model={model!r} is still loading on node {self._node_id}; unload it once "
+                                     "its load has ended")
         load = self._engine.load()
         if load.num_running or load.num_waiting:
             raise FailedPrecondition(f"model={model!r} has {load.num_running + load.num_waiting} requests in flight "

@@ -74,6 +74,11 @@ async def test_a_load_takes_the_modelled_time_and_a_second_caller_joins_it() -> 
         assert host.state[A] is ModelState.LOADING
         with pytest.raises(Unavailable, match="loading"):
             host.engine_for(A)
+        # Neither refusal sends the caller to the other (each said to do what the other refuses, helper-126).
+        with pytest.raises(FailedPrecondition, match=f"has model '{A}' loading; wait for its load to end, then unload"):
+            await host.load_model(B)
+        with pytest.raises(FailedPrecondition, match="is still loading on node .*; unload it once its load has ended"):
+            host.unload_model(A)
         waited = await host.load_model(A)
         assert await first == pytest.approx(waited, abs=0.02)
         assert waited >= local(A).load_time_s / 1000 * 0.9
