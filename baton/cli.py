@@ -494,6 +494,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{info.node_id:<10} {info.gpu:<6} {info.engine or 'sim':<6} {info.address:<22} {models:<18} "
               f"{load.num_running:>4} {load.num_waiting:>4} {f'{load.kv_blocks_used}/{load.kv_blocks_total}':>16} "
               f"{pct:>5.1f} {step:>7} {info.price_per_hour:>6.2f} {seen:>7}")
+        if node.reserved_for_model:
+            print(f"{'':<10} draining: reserved to be swapped to {node.reserved_for_model} once its requests end "
+                  "(placement sends it nothing new)")
         for model in info.models:  # what placement reads of this node (docs/placement.md, "Engine profiles")
             profile = profile_from_proto(model)
             described = profile.describe() if profile else "none registered (placed by the policy's fallback)"

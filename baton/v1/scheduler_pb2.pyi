@@ -238,14 +238,16 @@ class GetClusterStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeState(_message.Message):
-    __slots__ = ("info", "load", "load_age_ms")
+    __slots__ = ("info", "load", "load_age_ms", "reserved_for_model")
     INFO_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     LOAD_AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FOR_MODEL_FIELD_NUMBER: _ClassVar[int]
     info: _common_pb2.NodeInfo
     load: _common_pb2.NodeLoad
     load_age_ms: int
-    def __init__(self, info: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.NodeLoad, _Mapping]] = ..., load_age_ms: _Optional[int] = ...) -> None: ...
+    reserved_for_model: str
+    def __init__(self, info: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.NodeLoad, _Mapping]] = ..., load_age_ms: _Optional[int] = ..., reserved_for_model: _Optional[str] = ...) -> None: ...
 
 class ClusterState(_message.Message):
     __slots__ = ("scheduler_id", "nodes", "leader_id", "leader_address", "tasks", "model_actions", "leading_revision", "queued_by_tenant")

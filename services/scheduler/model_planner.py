@@ -48,6 +48,10 @@ class ModelPlanner:
         """Nodes draining for a swap: placement sends them nothing new."""
         return frozenset(self._reserved)
 
+    def reservations(self) -> dict[str, str]:
+        """Node id → the model it drains to be swapped to."""
+        return dict(self._reserved)
+
     def note_demand(self, model: str, now: float) -> None:
         """A request asked for model (placed or not)."""
         self._last_demand[model] = now

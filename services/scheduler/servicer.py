@@ -452,7 +452,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             # Only while leading: no live report touches a standby's tasks, and one elected again keeps its own ledger.
             self._tasks.expire(now)
             self._count_fleet_time()
+            reserved = self._planner.reservations()
             actions = self._planner.plan(self._cluster, now, self._loader.busy_nodes(), self._loader.loading_models())
+            for node_id, model in self._planner.reservations().items() - reserved.items():
+                log.info("node %s reserved to be swapped to %s: it gets nothing new until its requests end", node_id,
+                         model)
+            for node_id, model in reserved.items() - self._planner.reservations().items():
+                log.info("node %s no longer reserved for %s", node_id, model)
             by_node: dict[str, list[ModelAction]] = {}
             for action in actions:
                 by_node.setdefault(action.node_id, []).append(action)
@@ -678,6 +684,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             state.tasks.CopyFrom(self._task_stats())
             state.model_actions.extend(reversed(self._loader.log))
             state.queued_by_tenant.update(self._admission.queued_by_tenant())
+        # A node draining for a swap sat unused with nothing saying why (helper-126).
+        reserved = self._planner.reservations() if state.leading_revision else {}
         for status in self._cluster.nodes():
             if not self._cluster.is_listed(status, now):
                 continue  # lapsed and silent: gone, though its grace has not ended
@@ -687,6 +695,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     info=info,
                     load=load_to_proto(status.spec.node_id, status.load),
                     load_age_ms=int((now - status.reported_at) * 1000) if status.reported_at is not None else -1,
+                    reserved_for_model=reserved.get(status.spec.node_id, ""),
                 )
             )
         return state

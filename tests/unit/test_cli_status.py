@@ -119,3 +119,26 @@ def test_status_shows_a_clients_control_characters_escaped_never_raw(capsys: pyt
     out = capsys.readouterr().out
     assert "\x1b" not in out
     assert "('t\\x1b[2J' 1)" in out and "'r\\x1b[2J\\nx'" in out and "fallback: 'f\\x1b[0m'" in out
+
+
+class _Draining(_Standby):
+    """A leader with a node reserved for a model swap."""
+
+    def __init__(self) -> None:
+        super().__init__("scheduler-1", "")
+
+    def GetClusterState(self, request, context):  # noqa: N802 - the generated servicer's name
+        node = scheduler_pb2.NodeState(reserved_for_model="sim-llama-2-7b", load_age_ms=5)
+        node.info.node_id = "node-2"
+        return scheduler_pb2.ClusterState(scheduler_id="scheduler-1", leader_id="scheduler-1", leading_revision=7,
+                                          nodes=[node])
+
+    def GetRecentDecisions(self, request, context):  # noqa: N802 - the generated servicer's name
+        return scheduler_pb2.RecentDecisions(policy="baton")
+
+
+def test_status_says_which_node_drains_for_a_model_swap(capsys: pytest.CaptureFixture[str]) -> None:
+    with _serve(_Draining()) as address:
+        assert main(["status", "--scheduler", address]) == 0
+    assert ("draining: reserved to be swapped to sim-llama-2-7b once its requests end (placement sends it nothing "
+            "new)") in capsys.readouterr().out

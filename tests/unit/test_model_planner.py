@@ -260,3 +260,21 @@ async def test_a_request_waiting_for_a_gpu_no_one_frees_is_refused_before_its_ca
         assert waited is not None and 0.3 <= float(waited[1]) < 0.5  # within the call's 0.5 s, its reply's room left
     finally:
         await service.close()
+
+
+async def test_the_cluster_state_names_a_node_drained_for_a_swap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reserved node gets nothing new while its requests end: it sat unused with nothing saying why (helper-126).
+    The leader's GetClusterState names the model it is reserved for (`baton status` prints it:
+    tests/unit/test_cli_status.py)."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"), clock=lambda: 100.0)
+    try:
+        service._cluster = b_busy()
+        service._planner.note_demand(A, 99.0)
+        service._planner.note_demand(B, 99.0)
+        service._planner.plan(service._cluster, now=100.0)
+        asked = scheduler_pb2.GetClusterStateRequest()
+        state = await service.GetClusterState(asked, FakeContext())  # type: ignore[arg-type]
+        assert [n.reserved_for_model for n in state.nodes] == ["", "", A]  # n0, n1, n2
+    finally:
+        await service.close()
