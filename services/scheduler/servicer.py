@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -62,6 +63,8 @@ _REPORTING_S = 1.0
 # Of a call's time, what its waits for leadership leave for the reply: a refusal that names the leader after the
 # caller's deadline is a DEADLINE_EXCEEDED to it, and a Finished notice refused so is lost.
 _REPLY_RESERVE_S = 0.2
+# How many cold nodes one placement may see fail to load its model before it is refused.
+_MAX_FAILED_LOADS = 2
 # Of what is left of it, what a wait for an unconfirmed lease leaves for etcd to show a successor (a quarter
 # at most).
 _SUCCESSOR_WINDOW_S = 0.5
@@ -336,39 +339,54 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await self._wait_for_election(context.time_remaining())
             await self._confirm_leadership(context)
             changing = self._loader.changing_nodes
-            plan = self._placer.start(ask, self._clock(), changing)
-            waited_s = 0.0
-            if not plan.has_candidates and not plan.is_retry:
-                # The models are only on busy nodes' disks: the planner makes room; wait for it.
-                waited_s = await self._wait_for_candidates(plan, context.time_remaining())
-            if not plan.has_candidates:
-                raise self._placer.no_candidates(plan, waited_s)
-            overlaps = {m: await self._overlap(m, request.block_hashes)
-                        for m, nodes in plan.candidates.items() if nodes}
-            options = self._placer.options(plan, overlaps.__getitem__)
-            admission = self._placer.ticket(plan, options, self._clock())
-            admitted = waited = False
-            if admission is not None:
-                waited = await self._gate.enter(*admission)
-                admitted = True
-            try:
-                # Leadership is checked last, with no await between the check and the decision.
-                while not (revision := self._role.leading_revision()):
-                    await self._confirm_leadership(context)
-                    waited = True
-                if waited:
-                    # It waited: place it on the fleet as it is now, with no await from here on.
-                    options = self._placer.after_queueing(plan, options, self._clock(), changing)
-            except BaseException:
-                if admitted:
-                    self._gate.finished(request.request_id, holder=request.router_id)
-                raise
-            placed = self._placer.decide(options, self._clock())
-            decision, model = placed.decision, placed.request.model
-            self._record_decision(placed.request, decision, revision, plan.unpredicted)
-            if placed.is_cold:
-                await self._load_for(request, decision, model, context.time_remaining())
-            is_placed = True
+            failed_loads: set[str] = set()
+            while True:
+                plan = self._placer.start(ask, self._clock(), changing)
+                waited_s = 0.0
+                if not plan.has_candidates and not plan.is_retry:
+                    # The models are only on busy nodes' disks: the planner makes room; wait for it.
+                    waited_s = await self._wait_for_candidates(plan, context.time_remaining())
+                if not plan.has_candidates:
+                    raise self._placer.no_candidates(plan, waited_s)
+                overlaps = {m: await self._overlap(m, request.block_hashes)
+                            for m, nodes in plan.candidates.items() if nodes}
+                options = self._placer.options(plan, overlaps.__getitem__)
+                admission = self._placer.ticket(plan, options, self._clock())
+                admitted = waited = False
+                if admission is not None:
+                    waited = await self._gate.enter(*admission)
+                    admitted = True
+                try:
+                    # Leadership is checked last, with no await between the check and the decision.
+                    while not (revision := self._role.leading_revision()):
+                        await self._confirm_leadership(context)
+                        waited = True
+                    if waited:
+                        # It waited: place it on the fleet as it is now, with no await from here on.
+                        options = self._placer.after_queueing(plan, options, self._clock(), changing)
+                except BaseException:
+                    if admitted:
+                        self._gate.finished(request.request_id, holder=request.router_id)
+                    raise
+                placed = self._placer.decide(options, self._clock())
+                decision, model = placed.decision, placed.request.model
+                self._record_decision(placed.request, decision, revision, plan.unpredicted)
+                if placed.is_cold:
+                    try:
+                        await self._load_for(request, decision, model, context.time_remaining())
+                    except _LoadFailed as failure:
+                        # The node could not load it (it died mid-load, say): the request ran nowhere, so it is
+                        # placed again without that node while its call has time. Refused, its client's retries
+                        # went back to the dead node, a candidate until its lease ended (helper-126).
+                        if len(failed_loads) >= _MAX_FAILED_LOADS:
+                            raise
+                        log.warning("request %s: %s; placing it again without that node", request.request_id,
+                                    failure)
+                        failed_loads.add(failure.node_id)
+                        ask = dataclasses.replace(ask, exclude=ask.exclude | {failure.node_id})
+                        continue
+                is_placed = True
+                break
         except BatonError as error:
             self._placements.add(1, {"outcome": error.code.name, "retry": retry})
             # Budgets refused by the placement core, before the gate or after its queue: counted as the gate's are.
@@ -404,6 +422,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if isinstance(exc, TimeoutError):
                 raise Unavailable(f"loading {model} on node {decision.node_id} takes longer than the request's "
                                   f"{remaining_s:.1f} s left; the load goes on") from None
+            if isinstance(exc, Unavailable):
+                raise _LoadFailed(str(exc), decision.node_id) from None
             raise
 
     async def _wait_for_candidates(self, plan: Plan, time_remaining: float | None) -> float:
@@ -699,6 +719,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 )
             )
         return state
+
+
+class _LoadFailed(Unavailable):
+    """A cold node chosen for a request did not load its model (it failed, or was busy with another)."""
+
+    def __init__(self, message: str, node_id: str) -> None:
+        super().__init__(message)
+        self.node_id = node_id
 
 
 def _usable(remaining_s: float | None) -> float | None:

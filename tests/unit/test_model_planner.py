@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from baton.v1 import scheduler_pb2
+from services.common.errors import Unavailable
 from services.common.load import Load
 from services.common.telemetry import Telemetry
 from services.scheduler.config import SchedulerConfig
@@ -276,5 +277,32 @@ async def test_the_cluster_state_names_a_node_drained_for_a_swap(monkeypatch: py
         asked = scheduler_pb2.GetClusterStateRequest()
         state = await service.GetClusterState(asked, FakeContext())  # type: ignore[arg-type]
         assert [n.reserved_for_model for n in state.nodes] == ["", "", A]  # n0, n1, n2
+    finally:
+        await service.close()
+
+
+async def test_a_request_whose_cold_node_fails_to_load_it_is_placed_on_another(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node chosen to load the request's model died mid-load: the request, which ran nowhere, was refused, and
+    the openai client's retries were placed on the dead node again, still a candidate until its lease ended
+    (helper-126). The leader places it again without that node."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    service._role.elected.set()
+    service._cluster.set_nodes([spec("n0", cold={A}), spec("n1", cold={A})])
+    for node_id in ("n0", "n1"):
+        service._cluster.report_load(node_id, Load(kv_blocks_total=1000), time.monotonic())
+    tried: list[str] = []
+
+    async def ensure_warm(node_id: str, address: str, model: str, reason: str) -> None:
+        tried.append(node_id)
+        if len(tried) == 1:
+            raise Unavailable(f"loading {model} on node {node_id} failed: UNAVAILABLE: Stream removed")
+
+    monkeypatch.setattr(service._loader, "ensure_warm", ensure_warm)
+    request = scheduler_pb2.PlaceRequest(request_id="r1", model=A, num_prompt_tokens=16, max_tokens=8)
+    try:
+        placement = await asyncio.wait_for(service.Place(request, FakeContext()), 5)  # type: ignore[arg-type]
+        assert len(tried) == 2 and tried[0] != tried[1] and placement.node_id == tried[1]
     finally:
         await service.close()
