@@ -316,19 +316,22 @@ class RouterService(router_pb2_grpc.RouterServicer):
             # A stream that passes its end-to-end deadline ends there: the tokens sent so far stay sent.
             deadline_at = (asyncio.get_running_loop().time() + request.deadline_ms / 1000
                            if request.deadline_ms else None)
+            # The relay is cut off at the deadline, and what it generated before then still goes out, then the error:
+            # cut off after the merging below, the tokens waiting out the stream interval were dropped (the client
+            # had 57 of the 64 the error named, helper-125). Once the finishing chunk came, the deadline is met,
+            # however slow its client is to take it. (Not "the tokens sent so far stand": an HTTP client that asked
+            # for a whole answer was sent none.)
+            passed = until(self._relay.stream(generation, request, time_remaining, deadline_at, held), deadline_at,
+                           lambda: DeadlineExceeded(
+                               f"deadline_ms={request.deadline_ms}: passed after {len(generation.generated)} "
+                               f"generated tokens of request {client_id}{_waiting_for_leader(generation)}"),
+                           last=lambda chunk: bool(chunk.finish_reason))
             # Tokens that come faster than one message per stream interval, or while the client is
-            # behind, go out merged; a migration never shares a message (node_id names one node).
-            chunks = coalesce(self._relay.stream(generation, request, time_remaining, deadline_at, held), merge_chunks,
-                              min_interval_s=self._config.stream_interval_s,
+            # behind, go out merged; a migration never shares a message (node_id names one node). Closed at once,
+            # whoever stops reading (a client gone): the relay stops its node stream.
+            chunks = coalesce(passed, merge_chunks, min_interval_s=self._config.stream_interval_s,
                               max_pending=self._config.max_pending_chunks, key=lambda chunk: chunk.node_id)
-            # Closed at once, whoever stops reading (a client gone): the relay stops its node stream. A deadline that
-            # passes after the finished answer was handed out (its client slow to take it) does not cut off its end.
-            # (Not "the tokens sent so far stand": an HTTP client that asked for a whole answer was sent none.)
-            passed = until(chunks, deadline_at, lambda: DeadlineExceeded(
-                f"deadline_ms={request.deadline_ms}: passed after {len(generation.generated)} generated "
-                f"tokens of request {client_id}{_waiting_for_leader(generation)}"),
-                last=lambda chunk: bool(chunk.finish_reason))
-            async with aclosing(passed) as relayed:
+            async with aclosing(chunks) as relayed:
                 async for chunk in relayed:
                     self._relayed_tokens.add(len(chunk.token_ids), {"model": generation.model})
                     text = decoder.decode(list(chunk.token_ids), final=bool(chunk.finish_reason))

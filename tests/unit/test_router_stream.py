@@ -285,6 +285,33 @@ async def test_a_stream_that_passes_its_deadline_ends_with_deadline_exceeded_kee
     assert notice.outcome == scheduler_pb2.REQUEST_OUTCOME_FAILED
 
 
+async def test_tokens_held_back_for_the_stream_interval_still_reach_the_client_when_the_deadline_passes() -> None:
+    """Tokens that came after the client's last message wait up to --stream-interval-s to go out merged; the
+    deadline passing dropped them, so the client had fewer tokens than the error said were generated (57 of 64,
+    helper-125). They go out, then the error."""
+    never, more = asyncio.Event(), asyncio.Event()
+
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        yield _started()
+        yield Chunk(node_id=NODE, index=0, token_ids=[97])
+        await more.wait()  # the client has the first token: the next ones wait out the stream interval
+        for i in range(1, 5):
+            yield Chunk(node_id=NODE, index=i, token_ids=[97 + i])
+        await never.wait()
+
+    async with _router(generate, stall_floor_s=60.0, stream_interval_s=30.0) as (router, _):
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2000,
+                                                          deadline_ms=1000))
+        received = []
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            async for message in call:
+                received.extend(message.token_ids)
+                more.set()
+    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert (raised.value.details() or "").startswith("deadline_ms=1000: passed after 5 generated tokens")
+    assert received == [97, 98, 99, 100, 101]
+
+
 class _DecidingScheduler(_FakeScheduler):
     """A leader that has yet to answer any Place (its own floor would refuse a deadline of 1 ms, once it answered)."""
 
