@@ -456,6 +456,14 @@ class Relay:
                         continue
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     timed_out = f"scheduler {at} did not take the {_what(request)} within {timeout_s:.1f} s"
+                    if (isinstance(request, scheduler_pb2.PlaceRequest) and at == tried.address
+                            and self._leader.leader() == tried):
+                        # etcd shows it leading still, its lease kept alive all along: it is alive and held the
+                        # placement (admission queueing, a model load), not frozen or dead. Waiting for another
+                        # leader only added --leader-wait-s before the refusal, which then blamed the leader
+                        # (helper-126, helper-127).
+                        raise _NoLeader(f"{timed_out} (admission queueing or a model load); etcd still shows it "
+                                        "leading, so no other leader would take it")
                 log.log(_log_level(request), "scheduler %s did not take the %s (%s); waiting for a leader", at,
                         _what(request), exc.code().name)
                 if is_transport_failure(exc) and at == tried.address:

@@ -245,8 +245,10 @@ class Admission:
             # Sent again by the router that queued it: it abandoned its first call when etcd showed a new leader
             # (this replica, elected again after losing its lease), and its cancellation had not reached the queue
             # yet. Refused as a duplicate, a fresh request failed for good, and its first ask ran later with no
-            # router behind it (helper-125). It keeps its place in the queue.
-            ticket = dataclasses.replace(ticket, arrived_at=queued.arrived_at)
+            # router behind it (helper-125). It keeps its place in the queue, and its deadlines.
+            ticket = dataclasses.replace(ticket, arrived_at=queued.arrived_at,
+                                         deadline_at=min(ticket.deadline_at, queued.deadline_at),
+                                         ends_by=min(ticket.ends_by, queued.ends_by))
         elif queued is not None and (not ticket.resumed or _other_prompt(ticket, queued.prompt_digest)):
             return _duplicate(ticket, "is already waiting for admission; a new request needs another request_id")
         hold = self._held.get(ticket.request_id)
@@ -302,8 +304,10 @@ class Admission:
                                            f"{(predicted_ttft_s + ahead) * 1000:.0f} ms to the first token (of which "
                                            f"{ahead * 1000:.0f} ms behind those queued ahead), has "
                                            f"{max(0.0, ticket.deadline_at - now) * 1000:.0f} ms",
-                           # At least the excess: what a model's load, counted in the prediction, has yet to take.
-                           retry_after_s=max(1.0, ahead, now + predicted_ttft_s + ahead - ticket.deadline_at),
+                           # At least the excess (what a model's load, counted in the prediction, has yet to
+                           # take), at most the longest Retry-After the openai client waits out.
+                           retry_after_s=min(SLOT_HINT_MAX_S, max(
+                               1.0, ahead, now + predicted_ttft_s + ahead - ticket.deadline_at)),
                            kind="TTFT budget cannot be met")
         if is_saturated and ticket.priority < 0:
             return Outcome(Verdict.REJECT, f"fleet saturated: sheddable request (priority {ticket.priority}) "

@@ -182,8 +182,8 @@ class Placer:
         return Unavailable(f"model={plan.ask.request.model!r}: no live node has it warm, or a free GPU to load it, "
                            f"with KV cache for {plan.needed_blocks * DEFAULT_BLOCK_SIZE} tokens"
                            + (f" (excluded: {', '.join(sorted(excluded))})" if excluded else "")
-                           + (f"; waited {waited_s:.1f} s for the model planner to load it, which freed no GPU for "
-                              "it in that time" if waited_s >= 0.05 else ""))
+                           + (f"; waited {waited_s:.1f} s for the model planner to load it on a node, and none was "
+                              "given it" if waited_s >= 0.05 else ""))
 
     def abandon(self, plan: Plan) -> None:
         """A placement that placed nothing: a retry gets its unit of the budget back, since the budget

@@ -414,9 +414,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         """A cold node serves nothing until warm: load model there and wait for it, within the
         request's time. If that fails, the admitted request will not run: its slot is freed (as far as its
         router held it)."""
+        # Its answer must reach the router within the call: after it, the router took the leader for lost.
+        usable_s = _usable(remaining_s)
         try:
             await within(self._loader.ensure_warm(decision.node_id, decision.address, model,
-                                                  f"placed {request.request_id} there"), remaining_s)
+                                                  f"placed {request.request_id} there"), usable_s)
         except BaseException as exc:
             self._gate.finished(request.request_id, holder=request.router_id)
             if isinstance(exc, TimeoutError):
@@ -433,8 +435,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         it on disk. The seconds it waited."""
         loop = asyncio.get_running_loop()
         began = loop.time()
-        room_s = math.inf if time_remaining is None else time_remaining - _REPLY_RESERVE_S
-        deadline = began + min(room_s, self._config.model_load_timeout_s)
+        usable_s = _usable(time_remaining)
+        deadline = began + min(math.inf if usable_s is None else usable_s, self._config.model_load_timeout_s)
         model = plan.models[0]
         while not plan.has_candidates:
             now = self._clock()
@@ -730,5 +732,5 @@ class _LoadFailed(Unavailable):
 
 
 def _usable(remaining_s: float | None) -> float | None:
-    """Of a call's remaining time (None: no deadline), what a wait for leadership may use."""
+    """Of a call's remaining time (None: no deadline), what a wait (for leadership, a model, room for one) may use."""
     return None if remaining_s is None else max(0.0, remaining_s - _REPLY_RESERVE_S)

@@ -28,8 +28,11 @@ def test_an_impossible_deadline_is_refused_at_once_with_a_hint() -> None:
 def test_a_ttft_refusal_hints_no_sooner_than_its_excess() -> None:
     """Its prediction counted a model's 124 s load on a free GPU: asked again a second later (the hint was the 1 s
     floor), it was refused again, every time until the load was nearly done (helper-126)."""
-    outcome = Admission().offer(ticket("a", deadline=20.0), 0.0, is_saturated=False, predicted_ttft_s=124.5)
-    assert outcome.verdict == Verdict.REJECT and outcome.retry_after_s == 104.5
+    outcome = Admission().offer(ticket("a", deadline=20.0), 0.0, is_saturated=False, predicted_ttft_s=64.5)
+    assert outcome.verdict == Verdict.REJECT and outcome.retry_after_s == 44.5
+    # Never past the longest Retry-After the openai client waits out (longer, it does not retry at all).
+    longer = Admission().offer(ticket("a", deadline=20.0), 0.0, is_saturated=False, predicted_ttft_s=124.5)
+    assert longer.retry_after_s == 60.0
 
 
 def test_a_saturated_fleet_queues_and_sheds_the_sheddable() -> None:
@@ -59,16 +62,17 @@ def test_a_queued_request_its_own_router_sends_again_takes_its_own_place() -> No
     for good (409, not retried), and the first ask ran later with no router behind it (helper-125). From another
     router, unresumed, it is still a duplicate."""
     admission = Admission()
-    first = dataclasses.replace(ticket("a", at=0.0), holder="r1")
+    first = dataclasses.replace(ticket("a", at=0.0, deadline=10.0), holder="r1")
     assert admission.offer(first, 0.0, True, 0.1).verdict == Verdict.QUEUE
-    assert admission.offer(dataclasses.replace(ticket("b", at=0.5), holder="r1"), 0.5, True, 0.1).verdict == \
-        Verdict.QUEUE
-    again = admission.offer(dataclasses.replace(ticket("a", at=1.0), holder="r1"), 1.0, True, 0.1)
+    later = dataclasses.replace(ticket("b", at=0.5, deadline=10.4), holder="r1")
+    assert admission.offer(later, 0.5, True, 0.1).verdict == Verdict.QUEUE
+    # Its TTFT budget counted again from the resend (its router's clock) would end later than the first call's.
+    again = admission.offer(dataclasses.replace(ticket("a", at=1.0, deadline=11.0), holder="r1"), 1.0, True, 0.1)
     assert again.verdict == Verdict.QUEUE and again.replaced is first
     other = admission.offer(dataclasses.replace(ticket("a", at=2.0), holder="r2"), 2.0, True, 0.1)
     assert other.verdict == Verdict.REJECT and other.duplicate
     popped = admission.pop_next(3.0)
-    assert popped is not None and (popped.request_id, popped.arrived_at) == ("a", 0.0)  # its place kept
+    assert popped is not None and (popped.request_id, popped.arrived_at, popped.deadline_at) == ("a", 0.0, 10.0)
     assert admission.pop_next(3.0).request_id == "b" and admission.pop_next(3.0) is None
 
 
@@ -80,6 +84,10 @@ def test_earliest_deadline_first_counts_deadline_ms_as_well_as_the_ttft_budget()
                    ticket("first_token", at=2.0, deadline=30.0)):
         assert admission.offer(queued, queued.arrived_at, True, 0.1).verdict == Verdict.QUEUE
     assert [admission.pop_next(3.0).request_id for _ in range(3)] == ["ends", "first_token", "none"]
+    # And a request judged on its TTFT budget counts those that will go before it, by that order.
+    admission.offer(dataclasses.replace(ticket("ends", at=0.0), ends_by=1.0), 0.0, True, 1.0)
+    behind = admission.offer(ticket("budget", at=0.0, deadline=1.5), 0.0, True, 1.0)
+    assert behind.verdict == Verdict.REJECT and "(of which 1000 ms behind those queued ahead)" in behind.reason
 
 
 def test_a_tenants_limits_count_its_requests_waiting_for_admission() -> None:

@@ -159,3 +159,21 @@ async def test_with_no_leader_answering_a_router_avoiding_a_node_waits_once_not_
     with pytest.raises(Unavailable, match="no scheduler leader took the placement within 0.2 s"):
         await relay._place(generation, router_pb2.GenerateRequest(), None, 30.0)
     assert calls and all(excluded == ["n-suspect"] for excluded in calls), calls
+
+
+async def test_a_placement_the_live_leader_held_to_the_calls_end_is_refused_without_waiting_for_another() -> None:
+    """The leader etcd still shows held the placement until the call timed out (queued on a saturated fleet, or
+    waiting for a model load): it is alive, so no other leader will take over. The router waited --leader-wait-s
+    (30 s) more for one, then blamed the leader (helper-126)."""
+    relay = _relay(30.0, ElectionAsEtcdShowsIt(NEW))
+
+    async def place_at(address: str, is_current: object, place: object, timeout_s: float) -> scheduler_pb2.Placement:
+        raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+    relay._call_at = place_at  # type: ignore[method-assign]
+    with pytest.raises(Unavailable) as refused:
+        await asyncio.wait_for(relay._call_scheduler(scheduler_pb2.PlaceRequest(request_id="r"), remaining_s=None),
+                               5)
+    assert str(refused.value) == (f"scheduler {NEW.address} did not take the placement within 60.0 s (admission "
+                                  "queueing or a model load); etcd still shows it leading, so no other leader would "
+                                  "take it")
