@@ -116,13 +116,14 @@ class _Tenant:
     admitted: dict[str, float] = field(default_factory=dict)
     held_s: float | None = None
 
-    def slot_free_in_s(self, now: float) -> float:
+    def slot_free_in_s(self, now: float, num_waiting: int = 0) -> float:
         """About when a slot frees: the oldest holder's expected end by the mean hold, within [1, SLOT_HINT_MAX_S] s
-        (1 s before any has ended)."""
-        if self.held_s is None or not self.admitted:
+        (1 s before any has ended). With num_waiting of the tenant's requests queued, which take the slots that free
+        first, a whole mean hold later (the hint was 1 s with every slot taken by queued requests, helper-127)."""
+        if self.held_s is None or not (self.admitted or num_waiting):
             return 1.0
-        oldest = next(iter(self.admitted.values()))
-        return min(SLOT_HINT_MAX_S, max(1.0, self.held_s - (now - oldest)))
+        first = max(0.0, self.held_s - (now - next(iter(self.admitted.values())))) if self.admitted else 0.0
+        return min(SLOT_HINT_MAX_S, max(1.0, first + (self.held_s if num_waiting else 0.0)))
 
     def expire(self, now: float) -> None:
         while self.served and self.served[0][0] <= now - WINDOW_S:
@@ -281,7 +282,7 @@ class Admission:
             return Outcome(Verdict.REJECT, f"tenant {ticket.tenant!r} is at its concurrency limit of "
                                            f"{limits.max_concurrency}"
                                            + (f" ({len(waiting)} of them waiting for admission)" if waiting else ""),
-                           retry_after_s=tenant.slot_free_in_s(now), kind="tenant concurrency limit")
+                           retry_after_s=tenant.slot_free_in_s(now, len(waiting)), kind="tenant concurrency limit")
         if limits.tokens_per_minute is not None and ticket.num_tokens > limits.tokens_per_minute:
             return Outcome(Verdict.REJECT, f"with its prompt, {ticket.num_tokens} tokens, more than the whole limit "
                                            f"of tenant {ticket.tenant!r}, {limits.tokens_per_minute} tokens per "

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import pytest
+
 from services.scheduler.admission import Admission, TenantLimits, Ticket, Verdict, pool_saturation
 
 
@@ -129,6 +131,11 @@ def test_a_tenant_at_its_concurrency_limit_is_told_when_its_oldest_request_shoul
     assert admission.expire_holds(96.0) == ["third"]  # a lapsed lease is no end: the mean stays
     admission.on_admitted(ticket("fourth"), 100.0)
     assert admission.offer(ticket("e"), 100.0, False, 0.1).retry_after_s == 32.0
+    # Its slot taken by a request of its own waiting in the queue (the fleet saturated), which gets the next slot
+    # first: a whole mean hold after that one frees (it was 1 s, helper-127).
+    assert admission.end("fourth", 110.0)  # held 10 s: the mean, to 27.6 s
+    assert admission.offer(ticket("queued"), 110.0, True, 0.1).verdict == Verdict.QUEUE
+    assert admission.offer(ticket("f"), 111.0, True, 0.1).retry_after_s == pytest.approx(27.6)
 
 
 def test_a_concurrency_hint_is_at_most_a_minute() -> None:
