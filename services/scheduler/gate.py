@@ -109,7 +109,10 @@ class AdmissionGate:
                     del self._waiting[ticket.request_id]
                 if future.done() and not future.cancelled() and future.exception() is None:
                     # Its place came in the same turn as the cancellation: the dispatcher waits for it
-                    # to be placed; it never will be, so let the dispatcher go on (else it stalls 1 s).
+                    # to be placed; it never will be, so let the dispatcher go on (else it stalls 1 s), and the slot
+                    # it was given is free again.
+                    if self._admission.release(ticket.request_id):
+                        self.capacity_changed()
                     future.result().set()
                 raise
             self._queue_wait.record((self._clock() - ticket.arrived_at) * 1000,
@@ -171,6 +174,9 @@ class AdmissionGate:
                 future = self._waiting.pop(ticket.request_id, None)
                 if future is None or future.done():
                     continue
+                # It takes its slot now, not when its waiter runs: in between it was neither queued nor admitted,
+                # and its tenant's limits counted one fewer (helper-127). (Its waiter's admission renews it.)
+                self._admit(ticket)
                 placed = asyncio.Event()
                 future.set_result(placed)
                 # Let its placement register before judging saturation again.

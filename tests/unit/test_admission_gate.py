@@ -144,6 +144,22 @@ async def test_a_request_cancelled_as_its_place_comes_does_not_hold_up_the_next(
             break
         await asyncio.sleep(0)
     assert staying.done() and staying.result() is True
+    assert admission.num_held == 1  # the slot "leaving" was handed with its place is free again
+
+
+async def test_a_request_handed_its_place_holds_its_tenants_slot_before_its_waiter_runs(gate_and_fleet) -> None:
+    """Between the dispatcher handing a queued request its place and the request's own task running, it was neither
+    queued nor admitted: another request of its tenant judged then was let past the tenant's limit (helper-127)."""
+    gate, admission, fleet = gate_and_fleet
+    admission.set_limits({"t": TenantLimits(max_concurrency=1)})
+    first = await queued(gate, admission, ticket("first", fleet.now))
+    fleet.saturated = False
+    gate.capacity_changed()
+    await asyncio.sleep(0)  # one turn: the dispatcher hands "first" its place; "first" has not run since
+    assert admission.num_queued == 0 and not first.done()
+    with pytest.raises(ResourceExhausted, match="concurrency limit of 1"):
+        await gate.enter(ticket("second", fleet.now), 0.1)
+    assert await asyncio.wait_for(first, 5) is True and admission.num_held == 1
 
 
 async def test_refusals_are_counted_by_kind_with_no_tenants_limit_in_a_label() -> None:
