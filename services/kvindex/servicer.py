@@ -35,6 +35,9 @@ class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
         # Nodes whose registration ended, and those back since, waiting for a re-sync.
         self._departed: set[str] = set()
         self._rejoined: asyncio.Queue[str] = asyncio.Queue()
+        # Set once every node registered when this replica started has been caught up from its snapshot (or failed
+        # to be): before, its answers lack those nodes' blocks.
+        self.caught_up = asyncio.Event()
         self._member = Membership(config.etcd, config.lease_ttl_s, config.etcd_credentials())
         self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed)
         self._node_channels = ChannelPool(telemetry)
@@ -52,7 +55,21 @@ class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
             *self._member.hold_service("kvindex", config.instance_id, config.address),
             self._nodes.run(),
             self._resync_rejoined(),
+            self._catch_up_at_start(),
         ]
+
+    async def _catch_up_at_start(self) -> None:
+        """Take a snapshot of every registered node at once, rather than as each node's event stream reconnects (a
+        node's channel may be in reconnect backoff for a second): until then QueryOverlap refuses, so the scheduler
+        asks another replica. A replica restarted beside a live one answered "nothing cached" for a second and
+        conversations of 6,000 cached tokens moved to another node (helper-129)."""
+        await self._nodes.synced.wait()
+        pending = sorted(set(self._node_addresses) - set(self._last_seq))
+        results = await asyncio.gather(*(self._catch_up(node_id) for node_id in pending), return_exceptions=True)
+        for node_id, result in zip(pending, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("could not catch up on node %s at start: %s; its event stream will", node_id, result)
+        self.caught_up.set()
 
     def _on_nodes_changed(self, items: dict[str, bytes]) -> None:
         addresses = {}
@@ -134,6 +151,9 @@ class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
     async def QueryOverlap(
         self, request: kvindex_pb2.OverlapRequest, context: grpc.aio.ServicerContext
     ) -> kvindex_pb2.OverlapResponse:
+        if not self.caught_up.is_set():
+            await abort(context, Unavailable(f"kvindex {self._config.instance_id} is still catching up on the nodes' "
+                                             "KV blocks; ask another replica"))
         if len(request.block_hashes) > self._config.max_overlap_blocks:
             await abort(context, InvalidArgument("block_hashes", f"{len(request.block_hashes)} hashes",
                                                  f"more than --max-overlap-blocks ({self._config.max_overlap_blocks})"))

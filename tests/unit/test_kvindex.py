@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -9,6 +10,7 @@ import pytest
 
 from baton.v1 import kvindex_pb2, scheduler_pb2
 from services.common.block_hash import DEFAULT_BLOCK_SIZE, MAX_OVERLAP_BLOCKS, block_hashes
+from services.common.errors import Unavailable
 from services.common.kv_event_proto import event_from_proto, event_to_proto
 from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from services.common.load import Load
@@ -116,6 +118,7 @@ def test_events_round_trip_through_protobuf(event: KVEvent) -> None:
 async def test_an_overlap_query_longer_than_max_overlap_blocks_is_refused_naming_its_length() -> None:
     """A million-token prompt's blocks are asked about; 400,000 hashes in one query were taken and walked."""
     service = KVIndexService(KVIndexConfig(), Telemetry("kvindex/test", "none"))
+    service.caught_up.set()  # (no etcd here: no node to catch up on)
     service._index.apply("a", M, _stored(*PROMPT))
     try:
         with pytest.raises(Refused) as refused:
@@ -131,6 +134,43 @@ async def test_an_overlap_query_longer_than_max_overlap_blocks_is_refused_naming
         await service.close()
 
 
+@pytest.mark.timeout(10)
+async def test_a_replica_answers_only_once_it_has_caught_up_on_every_registered_node(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Restarted beside a live replica, it answered at once from an empty index ("nothing cached") until each node's
+    event stream reconnected, and the scheduler, which asks replicas in order, moved conversations off the nodes
+    caching them (helper-129). It refuses, so the scheduler asks another, until it has a snapshot of every node
+    registered when it started; one whose snapshot fails does not hold it up (its event stream catches up later)."""
+    service = KVIndexService(KVIndexConfig(), Telemetry("kvindex/test", "none"))
+    snapshots: dict[str, asyncio.Event] = {"a": asyncio.Event(), "b": asyncio.Event()}
+
+    async def catch_up(node_id: str) -> int:
+        await snapshots[node_id].wait()
+        if node_id == "b":
+            raise Unavailable("KV snapshot of node b failed: UNAVAILABLE")
+        service._index.apply(node_id, M, _stored(*PROMPT))
+        service._last_seq[node_id] = 1
+        return 1
+
+    monkeypatch.setattr(service, "_catch_up", catch_up)
+    service._node_addresses = {"a": "a:1", "b": "b:1"}
+    service._nodes.synced.set()
+    starting = asyncio.create_task(service._catch_up_at_start())
+    query = kvindex_pb2.OverlapRequest(model=M, block_hashes=list(PROMPT))
+    try:
+        with pytest.raises(Refused) as refused:
+            await service.QueryOverlap(query, FakeContext())  # type: ignore[arg-type]
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE and "still catching up" in str(refused.value)
+        snapshots["a"].set()
+        snapshots["b"].set()
+        await asyncio.wait_for(starting, 5)
+        reply = await service.QueryOverlap(query, FakeContext())  # type: ignore[arg-type]
+        assert dict(reply.matched_blocks) == {"a": 4}
+    finally:
+        starting.cancel()
+        await service.close()
+
+
 @pytest.mark.timeout(20)
 async def test_a_place_of_a_prompt_longer_than_an_overlap_query_holds_still_finds_its_cache(
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -138,6 +178,7 @@ async def test_a_place_of_a_prompt_longer_than_an_overlap_query_holds_still_find
     no context may take 2^20 blocks), not all of them, which the kvindex would refuse: no cache match at all."""
     fake_leadership(monkeypatch, lambda: True)
     kvindex = KVIndexService(KVIndexConfig(), Telemetry("kvindex/test", "none"))
+    kvindex.caught_up.set()  # (no etcd here: no node to catch up on)
     kvindex._index.apply("n0", M, _stored(*PROMPT))
     server = grpc.aio.server()
     kvindex.register(server)
