@@ -63,6 +63,8 @@ _REPORTING_S = 1.0
 # Of a call's time, what its waits for leadership leave for the reply: a refusal that names the leader after the
 # caller's deadline is a DEADLINE_EXCEEDED to it, and a Finished notice refused so is lost.
 _REPLY_RESERVE_S = 0.2
+# How long a kvindex replica that failed an overlap query is asked after the others.
+_KVINDEX_AVOID_S = 5.0
 # How many cold nodes one placement may see fail to load its model before it is refused.
 _MAX_FAILED_LOADS = 2
 # Of what is left of it, what a wait for an unconfirmed lease leaves for etcd to show a successor (a quarter
@@ -158,6 +160,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         # what this scheduler tells about tenants.
         self._tenants = TenantDirectory(self._member.client, self._on_tenants_changed)
         self._kvindexes = ServiceDirectory(self._member.client, "kvindex", telemetry, grace_s=config.lease_ttl_s)
+        # When each kvindex replica last failed an overlap query (this scheduler's clock).
+        self._kvindex_failed_at: dict[str, float] = {}
         # The routers registered: one gone holds no stream of a request id (its node streams ended with it).
         self._routers = PrefixView(self._member.client, etcd_keys.service_prefix("router"))
         # This process's mark on the hand-over states it writes (its instance id may outlive it, in a restart).
@@ -316,12 +320,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             return {}
         # A match is a run of leading blocks: a longer prompt's is cut short there, not refused by the kvindex.
         request = kvindex_pb2.OverlapRequest(model=model, block_hashes=block_hashes[:self._config.max_overlap_blocks])
-        for address in self._kvindexes.addresses():
+        now = self._clock()
+        # A replica that failed lately is asked last: a frozen one cost every placement --kvindex-timeout-s for as
+        # long as it stayed registered (helper-129).
+        for address in sorted(self._kvindexes.addresses(), key=lambda a: self._kvindex_failed_at.get(a, -math.inf)
+                              > now - _KVINDEX_AVOID_S):
             stub = kvindex_pb2_grpc.KVIndexStub(self._kvindexes.channel(address))
             try:
                 reply = await stub.QueryOverlap(request, timeout=self._config.kvindex_timeout_s)
+                self._kvindex_failed_at.pop(address, None)
                 return dict(reply.matched_blocks)
             except grpc.aio.AioRpcError as exc:
+                self._kvindex_failed_at[address] = self._clock()
                 log.warning("kvindex %s overlap query failed: %s", address, exc.code().name)
         return {}
 

@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from baton.v1 import kvindex_pb2, scheduler_pb2
+from baton.v1 import kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2
 from services.common.block_hash import DEFAULT_BLOCK_SIZE, MAX_OVERLAP_BLOCKS, block_hashes
 from services.common.errors import Unavailable
 from services.common.kv_event_proto import event_from_proto, event_to_proto
@@ -200,3 +200,50 @@ async def test_a_place_of_a_prompt_longer_than_an_overlap_query_holds_still_find
         await scheduler.close()
         await server.stop(None)
         await kvindex.close()
+
+
+class _FrozenKVIndex(kvindex_pb2_grpc.KVIndexServicer):
+    """A replica that takes every query and answers none (SIGSTOPped, still registered)."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    async def QueryOverlap(self, request, context):  # noqa: N802 - the generated servicer's name
+        self.asked += 1
+        await asyncio.Event().wait()
+
+
+@pytest.mark.timeout(20)
+async def test_a_kvindex_replica_that_failed_is_asked_after_the_others_for_a_while(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frozen replica first in the order cost every placement the query's whole timeout while it stayed
+    registered (helper-129): after it fails once, the next placements ask the other replica first."""
+    fake_leadership(monkeypatch, lambda: True)
+    frozen, live = _FrozenKVIndex(), KVIndexService(KVIndexConfig(), Telemetry("kvindex/test", "none"))
+    live.caught_up.set()  # (no etcd here: no node to catch up on)
+    live._index.apply("n0", M, _stored(*PROMPT))
+    servers, addresses = [], []
+    for servicer in (frozen, live):
+        server = grpc.aio.server()
+        kvindex_pb2_grpc.add_KVIndexServicer_to_server(servicer, server)
+        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        await server.start()
+        servers.append(server)
+    scheduler = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    scheduler._role.elected.set()
+    scheduler._kvindexes.addresses = lambda: list(addresses)  # type: ignore[method-assign]
+    scheduler._cluster.set_nodes([NodeSpec(node_id="n0", address="n0:1", gpu="h100", price_per_hour=1.0,
+                                           warm_models=frozenset({M}))])
+    scheduler._cluster.report_load("n0", Load(kv_blocks_total=1_000_000), time.monotonic())
+    try:
+        for request_id in ("first", "second", "third"):
+            placement = await scheduler.Place(scheduler_pb2.PlaceRequest(
+                request_id=request_id, model=M, num_prompt_tokens=len(PROMPT) * DEFAULT_BLOCK_SIZE, max_tokens=8,
+                block_hashes=list(PROMPT)), FakeContext())  # type: ignore[arg-type]
+            assert placement.matched_blocks == len(PROMPT)  # the live replica's answer
+        assert frozen.asked == 1
+    finally:
+        await scheduler.close()
+        for server in servers:
+            await server.stop(None)
+        await live.close()
