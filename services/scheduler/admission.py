@@ -149,6 +149,8 @@ class _Hold:
     # Routers that ended their stream of the id while another held it: a live report of theirs that was under way
     # (sent before the notice) does not make them holders again; their next placement of the id does.
     ended: set[str] = field(default_factory=set)
+    # What admitting it charged its tenant's tokens per minute: (when, tokens).
+    charged: tuple[float, int] = (0.0, 0)
 
     def claim(self, holder: str, now: float, placed: bool = False) -> None:
         """holder placed the id (a stream of it begins there: its claim starts now, a router restarted under the
@@ -386,7 +388,8 @@ class Admission:
         tenant.admitted[ticket.request_id] = now
         tenant.served.append((now, ticket.num_tokens))
         tenant.served_tokens += ticket.num_tokens
-        self._held[ticket.request_id] = hold = _Hold(ticket.tenant, now + self.lease_s, ticket.prompt_digest)
+        self._held[ticket.request_id] = hold = _Hold(ticket.tenant, now + self.lease_s, ticket.prompt_digest,
+                                                     charged=(now, ticket.num_tokens))
         hold.claim(ticket.holder, now, placed=True)
 
     def renew(self, request_ids: Iterable[str], now: float, holder: str = "") -> int:
@@ -402,12 +405,14 @@ class Admission:
                 renewed += 1
         return renewed
 
-    def end(self, request_id: str, now: float, holder: str = "", another_stream_live: bool = False) -> bool:
+    def end(self, request_id: str, now: float, holder: str = "", another_stream_live: bool = False,
+            ran: bool = True) -> bool:
         """A stream of request_id ended through holder (its router; "": not said). Its slot is freed unless another
         stream of the id is said to run (another_stream_live) or another router placed or reported the id live
         within the lease and since holder first did: then it is left to those (leave_to_others). (A router whose
         last word came before holder's first, one that died and whose client resumed through holder, holds
-        nothing.) True if the slot was freed."""
+        nothing.) True if the slot was freed. Not ran: admitted but never placed (its model's load failed, its
+        caller went away): its tokens are given back too."""
         hold = self._held.get(request_id)
         if hold is None:
             return False
@@ -419,10 +424,10 @@ class Admission:
             return False
         state = self._tenants.get(hold.tenant)
         admitted_at = state.admitted.get(request_id) if state is not None else None
-        if admitted_at is not None:  # an end reported, not a lease run out: how long a slot is held
+        if admitted_at is not None and ran:  # an end reported, not a lease run out: how long a slot is held
             held = now - admitted_at
             state.held_s = held if state.held_s is None else state.held_s + SLOT_SMOOTHING * (held - state.held_s)
-        return self.release(request_id)
+        return self.release(request_id, refund=not ran)
 
     def leave_to_others(self, request_id: str, now: float) -> None:
         """A stream of request_id ended while another of its id is said to run: the slot stays held, but only for a
@@ -432,8 +437,11 @@ class Admission:
         if hold is not None:
             hold.expires_at = min(hold.expires_at, now + self.lease_s / 3)
 
-    def release(self, request_id: str) -> bool:
-        """The request ended: its slot is free. False if it held none (already released, or expired)."""
+    def release(self, request_id: str, refund: bool = False) -> bool:
+        """The request ended: its slot is free. False if it held none (already released, or expired). refund: it
+        never ran, and the tokens admitting it charged its tenant are given back (kept, a tenant with a token limit
+        was refused for a minute after a leader's stall or a node dying mid-load, for tokens it never used:
+        helper-128)."""
         hold = self._held.pop(request_id, None)
         if hold is None:
             return False
@@ -441,6 +449,9 @@ class Admission:
         if state is not None:
             state.in_flight = max(0, state.in_flight - 1)
             state.admitted.pop(request_id, None)
+            if refund and hold.charged in state.served:
+                state.served.remove(hold.charged)
+                state.served_tokens -= hold.charged[1]
         return True
 
     def expire_holds(self, now: float) -> list[str]:

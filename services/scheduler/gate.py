@@ -111,7 +111,7 @@ class AdmissionGate:
                     # Its place came in the same turn as the cancellation: the dispatcher waits for it
                     # to be placed; it never will be, so let the dispatcher go on (else it stalls 1 s), and the slot
                     # it was given is free again.
-                    if self._admission.release(ticket.request_id):
+                    if self._admission.release(ticket.request_id, refund=True):
                         self.capacity_changed()
                     future.result().set()
                 raise
@@ -127,10 +127,11 @@ class AdmissionGate:
     def _admit(self, ticket: Ticket) -> None:
         self._admission.on_admitted(ticket, self._clock())
 
-    def finished(self, request_id: str, another_stream_live: bool = False, holder: str = "") -> None:
+    def finished(self, request_id: str, another_stream_live: bool = False, holder: str = "", ran: bool = True) -> None:
         """A request ended through holder (its router): its slot is free, unless another stream of its id is said to
-        run or another router holds the id (then held as long as a router reports it live)."""
-        if self._admission.end(request_id, self._clock(), holder, another_stream_live):
+        run or another router holds the id (then held as long as a router reports it live). Not ran: admitted but
+        never placed, its tokens given back."""
+        if self._admission.end(request_id, self._clock(), holder, another_stream_live, ran):
             self.capacity_changed()
 
     def renew(self, request_ids: Iterable[str], holder: str = "") -> int:

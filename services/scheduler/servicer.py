@@ -376,7 +376,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                         options = self._placer.after_queueing(plan, options, self._clock(), changing)
                 except BaseException:
                     if admitted:
-                        self._gate.finished(request.request_id, holder=request.router_id)
+                        self._gate.finished(request.request_id, holder=request.router_id, ran=request.resumed)
                     raise
                 placed = self._placer.decide(options, self._clock())
                 decision, model = placed.decision, placed.request.model
@@ -430,7 +430,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await within(self._loader.ensure_warm(decision.node_id, decision.address, model,
                                                   f"placed {request.request_id} there"), usable_s)
         except BaseException as exc:
-            self._gate.finished(request.request_id, holder=request.router_id)
+            # It never ran: its tokens are given back (a resumed one's were its earlier stream's).
+            self._gate.finished(request.request_id, holder=request.router_id, ran=request.resumed)
             if isinstance(exc, TimeoutError):
                 raise Unavailable(f"loading {model} on node {decision.node_id} takes longer than the request's "
                                   f"{remaining_s:.1f} s left; the load goes on") from None

@@ -114,6 +114,21 @@ def test_a_tenants_limits_count_its_requests_waiting_for_admission() -> None:
     assert admission.in_flight("z") == 1
 
 
+def test_an_admitted_request_that_never_ran_gives_its_tokens_back() -> None:
+    """Admitted, then never placed (its model's load failed; its router abandoned the call after a leader's stall):
+    its tokens stayed charged, and the tenant was refused for a minute for tokens it never used (helper-128)."""
+    admission = Admission(limits={"t": TenantLimits(tokens_per_minute=1000)})
+    first = ticket("first", tokens=700)
+    admission.on_admitted(first, 0.0)
+    assert admission.offer(ticket("again", tokens=700), 1.0, False, 0.1).verdict == Verdict.REJECT
+    assert admission.end("first", 1.0, ran=False)
+    assert admission.offer(ticket("again", tokens=700), 1.0, False, 0.1).verdict == Verdict.ADMIT
+    ran = ticket("ran", tokens=600)
+    admission.on_admitted(ran, 2.0)
+    assert admission.end("ran", 3.0)  # it ran: its tokens stay charged for the minute
+    assert admission.offer(ticket("more", tokens=600), 3.0, False, 0.1).verdict == Verdict.REJECT
+
+
 def test_a_tenant_at_its_concurrency_limit_is_told_when_its_oldest_request_should_end() -> None:
     """The openai client retries a 429 after its Retry-After (up to 60 s): told 1 s while the one holding the slot
     runs 30 s, it asked twice in vain and gave up. The hint is the tenant's mean hold less the oldest one's age."""

@@ -144,7 +144,8 @@ async def test_a_request_cancelled_as_its_place_comes_does_not_hold_up_the_next(
             break
         await asyncio.sleep(0)
     assert staying.done() and staying.result() is True
-    assert admission.num_held == 1  # the slot "leaving" was handed with its place is free again
+    assert admission.num_held == 1  # the slot "leaving" was handed with its place is free again, and its tokens
+    assert admission._tenants["t"].served_tokens == 100  # (those of "staying" alone)
 
 
 async def test_a_request_handed_its_place_holds_its_tenants_slot_before_its_waiter_runs(gate_and_fleet) -> None:

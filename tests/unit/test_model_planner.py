@@ -9,10 +9,11 @@ import time
 import grpc
 import pytest
 
-from baton.v1 import scheduler_pb2
+from baton.v1 import common_pb2, scheduler_pb2
 from services.common.errors import Unavailable
 from services.common.load import Load
 from services.common.telemetry import Telemetry
+from services.scheduler.admission import TenantLimits
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.fleet import ClusterView, NodeSpec
 from services.scheduler.model_planner import ModelAction, ModelPlanner
@@ -300,7 +301,10 @@ async def test_a_request_whose_cold_node_fails_to_load_it_is_placed_on_another(
             raise Unavailable(f"loading {model} on node {node_id} failed: UNAVAILABLE: Stream removed")
 
     monkeypatch.setattr(service._loader, "ensure_warm", ensure_warm)
-    request = scheduler_pb2.PlaceRequest(request_id="r1", model=A, num_prompt_tokens=16, max_tokens=8)
+    # Admitted again, it is not charged twice: the failed attempt gives its tokens back (helper-128).
+    service._admission.set_limits({"t": TenantLimits(tokens_per_minute=40)})
+    request = scheduler_pb2.PlaceRequest(request_id="r1", model=A, num_prompt_tokens=16, max_tokens=8,
+                                         context=common_pb2.RequestContext(tenant="t"))
     try:
         placement = await asyncio.wait_for(service.Place(request, FakeContext()), 5)  # type: ignore[arg-type]
         assert len(tried) == 2 and tried[0] != tried[1] and placement.node_id == tried[1]
