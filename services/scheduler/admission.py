@@ -118,12 +118,13 @@ class _Tenant:
 
     def slot_free_in_s(self, now: float, num_waiting: int = 0) -> float:
         """About when a slot frees: the oldest holder's expected end by the mean hold, within [1, SLOT_HINT_MAX_S] s
-        (1 s before any has ended). With num_waiting of the tenant's requests queued, which take the slots that free
-        first, a whole mean hold later (the hint was 1 s with every slot taken by queued requests, helper-127)."""
+        (1 s before any has ended). With none admitted and num_waiting of the tenant's requests queued, a whole mean
+        hold: only an admitted request's end lowers the count, so the first queued one must be dispatched and run
+        (the hint was 1 s, helper-127)."""
         if self.held_s is None or not (self.admitted or num_waiting):
             return 1.0
-        first = max(0.0, self.held_s - (now - next(iter(self.admitted.values())))) if self.admitted else 0.0
-        return min(SLOT_HINT_MAX_S, max(1.0, first + (self.held_s if num_waiting else 0.0)))
+        first = max(0.0, self.held_s - (now - next(iter(self.admitted.values())))) if self.admitted else self.held_s
+        return min(SLOT_HINT_MAX_S, max(1.0, first))
 
     def expire(self, now: float) -> None:
         while self.served and self.served[0][0] <= now - WINDOW_S:

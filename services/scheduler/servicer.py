@@ -340,6 +340,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     ) -> scheduler_pb2.Placement:
         plan: Plan | None = None
         is_placed = False
+        failed_loads: set[str] = set()  # cold nodes that failed to load its model
         # The metric's label: a cause check_place refuses is counted as one "unknown", not under its own value.
         retry = request.retry_cause if not request.retry_cause or request.retry_cause in RETRY_CAUSES else "unknown"
         try:
@@ -349,7 +350,6 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await self._wait_for_election(context.time_remaining())
             await self._confirm_leadership(context)
             changing = self._loader.changing_nodes
-            failed_loads: set[str] = set()
             while True:
                 plan = self._placer.start(ask, self._clock(), changing)
                 waited_s = 0.0
@@ -408,6 +408,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             if plan is not None and not is_placed:  # refused, failed or cancelled once the budget was charged
                 self._placer.abandon(plan)
+            if failed_loads and not is_placed:  # the slot its first admission took, kept for the next attempt
+                self._gate.finished(request.request_id, holder=request.router_id, ran=request.resumed)
         self._placements.add(1, {"outcome": "OK", "retry": retry})
         log.debug("placed %s on %s (cost %.1f, %d cached blocks)", request.request_id, decision.node_id,
                   decision.cost, decision.matched_blocks)
@@ -430,13 +432,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await within(self._loader.ensure_warm(decision.node_id, decision.address, model,
                                                   f"placed {request.request_id} there"), usable_s)
         except BaseException as exc:
+            if isinstance(exc, Unavailable) and not isinstance(exc, TimeoutError):
+                # Its caller places it again elsewhere, on the slot it holds (released and admitted again, it was
+                # charged twice, and another request of its tenant could take the slot meanwhile, helper-131), or
+                # frees the slot if it gives up.
+                raise _LoadFailed(str(exc), decision.node_id) from None
             # It never ran: its tokens are given back (a resumed one's were its earlier stream's).
             self._gate.finished(request.request_id, holder=request.router_id, ran=request.resumed)
             if isinstance(exc, TimeoutError):
                 raise Unavailable(f"loading {model} on node {decision.node_id} takes longer than the request's "
                                   f"{remaining_s:.1f} s left; the load goes on") from None
-            if isinstance(exc, Unavailable):
-                raise _LoadFailed(str(exc), decision.node_id) from None
             raise
 
     async def _wait_for_candidates(self, plan: Plan, time_remaining: float | None) -> float:

@@ -282,8 +282,9 @@ async def test_the_cluster_state_names_a_node_drained_for_a_swap(monkeypatch: py
         await service.close()
 
 
+@pytest.mark.parametrize("resumed", [False, True])
 async def test_a_request_whose_cold_node_fails_to_load_it_is_placed_on_another(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, resumed: bool) -> None:
     """The node chosen to load the request's model died mid-load: the request, which ran nowhere, was refused, and
     the openai client's retries were placed on the dead node again, still a candidate until its lease ended
     (helper-126). The leader places it again without that node."""
@@ -303,10 +304,13 @@ async def test_a_request_whose_cold_node_fails_to_load_it_is_placed_on_another(
     monkeypatch.setattr(service._loader, "ensure_warm", ensure_warm)
     # Admitted again, it is not charged twice: the failed attempt gives its tokens back (helper-128).
     service._admission.set_limits({"t": TenantLimits(tokens_per_minute=40)})
+    # (A resumed one keeps its slot too: released and admitted again, it was charged twice, helper-131.)
     request = scheduler_pb2.PlaceRequest(request_id="r1", model=A, num_prompt_tokens=16, max_tokens=8,
-                                         context=common_pb2.RequestContext(tenant="t"))
+                                         context=common_pb2.RequestContext(tenant="t"), resumed=resumed,
+                                         router_id="router-0")
     try:
         placement = await asyncio.wait_for(service.Place(request, FakeContext()), 5)  # type: ignore[arg-type]
         assert len(tried) == 2 and tried[0] != tried[1] and placement.node_id == tried[1]
+        assert service._admission.in_flight("t") == 1 and service._admission._tenants["t"].served_tokens == 24
     finally:
         await service.close()
