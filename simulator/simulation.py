@@ -540,7 +540,7 @@ class Simulation:
             try:
                 options = self._placer.after_queueing(pending.plan, options, self._now)
             except BatonError as error:
-                self._admission.release(ticket.request_id)
+                self._admission.end(ticket.request_id, self._now, ran=False)  # never placed: as the leader does
                 self._fail(pending.record, str(error))
                 continue
             self._commit(pending, options)

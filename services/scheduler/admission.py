@@ -74,6 +74,9 @@ class Ticket:
     resumed: bool = False
     # Its prompt's and cache salt's digest (0: not said): a resend must have the held id's to share its slot.
     prompt_digest: int = 0
+    # Which Place call asked for it (0: not said): a call that ends without placing it gives back only a slot no
+    # later call of its id took over.
+    attempt: int = 0
 
     @property
     def due_at(self) -> float:
@@ -152,6 +155,9 @@ class _Hold:
     ended: set[str] = field(default_factory=set)
     # What admitting it charged its tenant's tokens per minute: (when, tokens).
     charged: tuple[float, int] = (0.0, 0)
+    # The Place call admitted on it last (Ticket.attempt), and whether any call placed it (then it may have run).
+    attempt: int = 0
+    placed: bool = False
 
     def claim(self, holder: str, now: float, placed: bool = False) -> None:
         """holder placed the id (a stream of it begins there: its claim starts now, a router restarted under the
@@ -383,6 +389,7 @@ class Admission:
         if hold is not None:
             hold.expires_at = max(hold.expires_at, now + self.lease_s)
             hold.claim(ticket.holder, now, placed=True)
+            hold.attempt = ticket.attempt or hold.attempt
             return
         tenant = self._tenants[ticket.tenant]
         tenant.in_flight += 1
@@ -390,8 +397,15 @@ class Admission:
         tenant.served.append((now, ticket.num_tokens))
         tenant.served_tokens += ticket.num_tokens
         self._held[ticket.request_id] = hold = _Hold(ticket.tenant, now + self.lease_s, ticket.prompt_digest,
-                                                     charged=(now, ticket.num_tokens))
+                                                     charged=(now, ticket.num_tokens), attempt=ticket.attempt)
         hold.claim(ticket.holder, now, placed=True)
+
+    def on_placed(self, request_id: str) -> None:
+        """A node was chosen for request_id (and was warm or loaded it): it may run, so its tokens are never given
+        back."""
+        hold = self._held.get(request_id)
+        if hold is not None:
+            hold.placed = True
 
     def renew(self, request_ids: Iterable[str], now: float, holder: str = "") -> int:
         """Those of request_ids holding a slot are alive (through holder, the router that says so): their leases
@@ -407,15 +421,20 @@ class Admission:
         return renewed
 
     def end(self, request_id: str, now: float, holder: str = "", another_stream_live: bool = False,
-            ran: bool = True) -> bool:
+            ran: bool = True, attempt: int = 0) -> bool:
         """A stream of request_id ended through holder (its router; "": not said). Its slot is freed unless another
         stream of the id is said to run (another_stream_live) or another router placed or reported the id live
         within the lease and since holder first did: then it is left to those (leave_to_others). (A router whose
         last word came before holder's first, one that died and whose client resumed through holder, holds
-        nothing.) True if the slot was freed. Not ran: admitted but never placed (its model's load failed, its
-        caller went away): its tokens are given back too."""
+        nothing.) True if the slot was freed.
+
+        Not ran: the Place call attempt (Ticket.attempt) admitted it but placed nothing (its model's load failed,
+        its caller went away, leadership was lost). If a later call of its id was admitted on the slot since (its
+        router sent it again after a leader change, and this replica was elected again), the slot is that call's
+        and nothing changes: freed and refunded, the id ran on unheld, its tokens uncounted (helper-130). Else the
+        tokens are given back too, unless a call placed it (it may have run)."""
         hold = self._held.get(request_id)
-        if hold is None:
+        if hold is None or (not ran and attempt and hold.attempt != attempt):
             return False
         since, _ = hold.holders.pop(holder, (-math.inf, -math.inf))
         if another_stream_live or any(last > since and now - last < self.lease_s for _, last in hold.holders.values()):
@@ -428,7 +447,7 @@ class Admission:
         if admitted_at is not None and ran:  # an end reported, not a lease run out: how long a slot is held
             held = now - admitted_at
             state.held_s = held if state.held_s is None else state.held_s + SLOT_SMOOTHING * (held - state.held_s)
-        return self.release(request_id, refund=not ran)
+        return self.release(request_id, refund=not ran and not hold.placed)
 
     def leave_to_others(self, request_id: str, now: float) -> None:
         """A stream of request_id ended while another of its id is said to run: the slot stays held, but only for a

@@ -111,7 +111,8 @@ class AdmissionGate:
                     # Its place came in the same turn as the cancellation: the dispatcher waits for it
                     # to be placed; it never will be, so let the dispatcher go on (else it stalls 1 s), and the slot
                     # it was given is free again.
-                    if self._admission.release(ticket.request_id, refund=True):
+                    if self._admission.end(ticket.request_id, self._clock(), ticket.holder, ran=False,
+                                           attempt=ticket.attempt):
                         self.capacity_changed()
                     future.result().set()
                 raise
@@ -127,12 +128,17 @@ class AdmissionGate:
     def _admit(self, ticket: Ticket) -> None:
         self._admission.on_admitted(ticket, self._clock())
 
-    def finished(self, request_id: str, another_stream_live: bool = False, holder: str = "", ran: bool = True) -> None:
+    def finished(self, request_id: str, another_stream_live: bool = False, holder: str = "", ran: bool = True,
+                 attempt: int = 0) -> None:
         """A request ended through holder (its router): its slot is free, unless another stream of its id is said to
-        run or another router holds the id (then held as long as a router reports it live). Not ran: admitted but
-        never placed, its tokens given back."""
-        if self._admission.end(request_id, self._clock(), holder, another_stream_live, ran):
+        run or another router holds the id (then held as long as a router reports it live). Not ran: the Place call
+        attempt admitted it but placed nothing (Admission.end)."""
+        if self._admission.end(request_id, self._clock(), holder, another_stream_live, ran, attempt):
             self.capacity_changed()
+
+    def placed(self, request_id: str) -> None:
+        """request_id was placed: it may run, and its tokens stay charged."""
+        self._admission.on_placed(request_id)
 
     def renew(self, request_ids: Iterable[str], holder: str = "") -> int:
         """These requests are still being served, through holder (a router): their slots' leases start again. How

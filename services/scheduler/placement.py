@@ -197,9 +197,9 @@ class Placer:
         return [Option(dataclasses.replace(plan.ask.request, model=m), nodes, overlap(m))
                 for m, nodes in plan.candidates.items() if nodes]
 
-    def ticket(self, plan: Plan, options: list[Option], now: float) -> tuple[Ticket, float] | None:
-        """The admission ticket of a fresh request and its best predicted time to first token; None
-        for a retry (a migrating stream is already admitted: never shed it)."""
+    def ticket(self, plan: Plan, options: list[Option], now: float, attempt: int = 0) -> tuple[Ticket, float] | None:
+        """The admission ticket of a fresh request (asked for by Place call attempt) and its best predicted time to
+        first token; None for a retry (a migrating stream is already admitted: never shed it)."""
         if plan.is_retry:
             return None
         request = plan.ask.request
@@ -218,7 +218,7 @@ class Placer:
                         progress=(request.step - 1) / request.total_steps
                         if request.total_steps and request.workflow_id else 0.0,
                         max_tokens=request.max_tokens, holder=plan.ask.router_id, resumed=plan.ask.resumed,
-                        prompt_digest=plan.ask.prompt_digest)
+                        prompt_digest=plan.ask.prompt_digest, attempt=attempt)
         best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now)
                           for o in options)
         return ticket, best_ttft_s

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -162,6 +163,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._kvindexes = ServiceDirectory(self._member.client, "kvindex", telemetry, grace_s=config.lease_ttl_s)
         # When each kvindex replica last failed an overlap query (this scheduler's clock).
         self._kvindex_failed_at: dict[str, float] = {}
+        self._attempts = itertools.count(1)  # numbers this replica's Place calls
         # The routers registered: one gone holds no stream of a request id (its node streams ended with it).
         self._routers = PrefixView(self._member.client, etcd_keys.service_prefix("router"))
         # This process's mark on the hand-over states it writes (its instance id may outlive it, in a restart).
@@ -339,7 +341,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.PlaceRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.Placement:
         plan: Plan | None = None
-        is_placed = False
+        is_placed = admitted = False
+        attempt = next(self._attempts)  # which call admitted it, if one later call of its id shares its slot
         failed_loads: set[str] = set()  # cold nodes that failed to load its model
         # The metric's label: a cause check_place refuses is counted as one "unknown", not under its own value.
         retry = request.retry_cause if not request.retry_cause or request.retry_cause in RETRY_CAUSES else "unknown"
@@ -361,23 +364,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 overlaps = {m: await self._overlap(m, request.block_hashes)
                             for m, nodes in plan.candidates.items() if nodes}
                 options = self._placer.options(plan, overlaps.__getitem__)
-                admission = self._placer.ticket(plan, options, self._clock())
-                admitted = waited = False
+                admission = self._placer.ticket(plan, options, self._clock(), attempt)
+                waited = False
                 if admission is not None:
                     waited = await self._gate.enter(*admission)
                     admitted = True
-                try:
-                    # Leadership is checked last, with no await between the check and the decision.
-                    while not (revision := self._role.leading_revision()):
-                        await self._confirm_leadership(context)
-                        waited = True
-                    if waited:
-                        # It waited: place it on the fleet as it is now, with no await from here on.
-                        options = self._placer.after_queueing(plan, options, self._clock(), changing)
-                except BaseException:
-                    if admitted:
-                        self._gate.finished(request.request_id, holder=request.router_id, ran=request.resumed)
-                    raise
+                # Leadership is checked last, with no await between the check and the decision.
+                while not (revision := self._role.leading_revision()):
+                    await self._confirm_leadership(context)
+                    waited = True
+                if waited:
+                    # It waited: place it on the fleet as it is now, with no await from here on.
+                    options = self._placer.after_queueing(plan, options, self._clock(), changing)
                 placed = self._placer.decide(options, self._clock())
                 decision, model = placed.decision, placed.request.model
                 self._record_decision(placed.request, decision, revision, plan.unpredicted)
@@ -395,6 +393,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                         failed_loads.add(failure.node_id)
                         ask = dataclasses.replace(ask, exclude=ask.exclude | {failure.node_id})
                         continue
+                self._gate.placed(request.request_id)
                 is_placed = True
                 break
         except BatonError as error:
@@ -408,8 +407,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             if plan is not None and not is_placed:  # refused, failed or cancelled once the budget was charged
                 self._placer.abandon(plan)
-            if failed_loads and not is_placed:  # the slot its first admission took, kept for the next attempt
-                self._gate.finished(request.request_id, holder=request.router_id, ran=request.resumed)
+            if admitted and not is_placed:
+                # It never ran (its model's load failed, its caller went away, leadership was lost): its slot is
+                # freed and its tokens given back, as far as this call holds them (Admission.end). A resumed one's
+                # tokens were charged for its earlier stream. (A cold node's failed load kept the slot for the next
+                # try, helper-131.)
+                self._gate.finished(request.request_id, holder=request.router_id, ran=request.resumed,
+                                    attempt=attempt)
         self._placements.add(1, {"outcome": "OK", "retry": retry})
         log.debug("placed %s on %s (cost %.1f, %d cached blocks)", request.request_id, decision.node_id,
                   decision.cost, decision.matched_blocks)
@@ -423,26 +427,20 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def _load_for(self, request: scheduler_pb2.PlaceRequest, decision: Decision, model: str,
                         remaining_s: float | None) -> None:
-        """A cold node serves nothing until warm: load model there and wait for it, within the
-        request's time. If that fails, the admitted request will not run: its slot is freed (as far as its
-        router held it)."""
+        """A cold node serves nothing until warm: load model there and wait for it, within the request's time.
+        _LoadFailed if the node could not load it (Place tries another); Unavailable if it takes longer."""
         # Its answer must reach the router within the call: after it, the router took the leader for lost.
         usable_s = _usable(remaining_s)
         try:
             await within(self._loader.ensure_warm(decision.node_id, decision.address, model,
                                                   f"placed {request.request_id} there"), usable_s)
-        except BaseException as exc:
-            if isinstance(exc, Unavailable) and not isinstance(exc, TimeoutError):
-                # Its caller places it again elsewhere, on the slot it holds (released and admitted again, it was
-                # charged twice, and another request of its tenant could take the slot meanwhile, helper-131), or
-                # frees the slot if it gives up.
-                raise _LoadFailed(str(exc), decision.node_id) from None
-            # It never ran: its tokens are given back (a resumed one's were its earlier stream's).
-            self._gate.finished(request.request_id, holder=request.router_id, ran=request.resumed)
-            if isinstance(exc, TimeoutError):
-                raise Unavailable(f"loading {model} on node {decision.node_id} takes longer than the request's "
-                                  f"{remaining_s:.1f} s left; the load goes on") from None
-            raise
+        except TimeoutError:
+            raise Unavailable(f"loading {model} on node {decision.node_id} takes longer than the request's "
+                              f"{remaining_s:.1f} s left; the load goes on") from None
+        except Unavailable as exc:
+            # Its caller places it again elsewhere, on the slot it holds (released and admitted again, it was charged
+            # twice, and another request of its tenant could take the slot meanwhile, helper-131).
+            raise _LoadFailed(str(exc), decision.node_id) from None
 
     async def _wait_for_candidates(self, plan: Plan, time_remaining: float | None) -> float:
         """Until a node has plan's first model warm or loading, within the request's time (less what the refusal

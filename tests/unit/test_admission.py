@@ -129,6 +129,23 @@ def test_an_admitted_request_that_never_ran_gives_its_tokens_back() -> None:
     assert admission.offer(ticket("more", tokens=600), 3.0, False, 0.1).verdict == Verdict.REJECT
 
 
+def test_a_call_that_never_placed_its_id_leaves_the_slot_to_a_later_call_that_took_it_over() -> None:
+    """A router abandons its Place when etcd shows a new leader, and sends it again: to this replica, elected again.
+    The resend is admitted on the first call's slot. The first call's cleanup (it never placed the id) freed that
+    slot and gave its tokens back while the resend ran: the tenant ran past its limits (helper-130)."""
+    admission = Admission(limits={"t": TenantLimits(tokens_per_minute=2000)})
+    first, resend = (dataclasses.replace(ticket("d0", tokens=700), holder="router-0", attempt=n) for n in (1, 2))
+    admission.on_admitted(first, 0.0)
+    assert admission.offer(resend, 5.0, False, 0.1).verdict == Verdict.ADMIT
+    admission.on_admitted(resend, 5.0)
+    assert not admission.end("d0", 5.1, holder="router-0", ran=False, attempt=1)  # the first call's late cleanup
+    assert admission.in_flight("t") == 1 and admission._tenants["t"].served_tokens == 700
+    admission.on_placed("d0")
+    # The resend's own end frees the slot; once placed (it may have run) its tokens stay charged.
+    assert admission.end("d0", 6.0, holder="router-0", ran=False, attempt=2)
+    assert admission.in_flight("t") == 0 and admission._tenants["t"].served_tokens == 700
+
+
 def test_a_tenant_at_its_concurrency_limit_is_told_when_its_oldest_request_should_end() -> None:
     """The openai client retries a 429 after its Retry-After (up to 60 s): told 1 s while the one holding the slot
     runs 30 s, it asked twice in vain and gave up. The hint is the tenant's mean hold less the oldest one's age."""

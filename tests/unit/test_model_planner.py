@@ -16,6 +16,7 @@ from services.common.telemetry import Telemetry
 from services.scheduler.admission import TenantLimits
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.fleet import ClusterView, NodeSpec
+from services.scheduler.leadership import LeaderRole
 from services.scheduler.model_planner import ModelAction, ModelPlanner
 from services.scheduler.servicer import SchedulerService
 from tests.unit.leading import fake_leadership
@@ -312,5 +313,74 @@ async def test_a_request_whose_cold_node_fails_to_load_it_is_placed_on_another(
         placement = await asyncio.wait_for(service.Place(request, FakeContext()), 5)  # type: ignore[arg-type]
         assert len(tried) == 2 and tried[0] != tried[1] and placement.node_id == tried[1]
         assert service._admission.in_flight("t") == 1 and service._admission._tenants["t"].served_tokens == 24
+    finally:
+        await service.close()
+
+
+async def test_a_call_abandoned_mid_load_leaves_the_slot_to_its_resend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router abandons its Place when etcd shows a new leader and sends it again, here to the same replica (elected
+    again). The resend is admitted on the first call's slot and placed; the first call, cancelled while its node
+    loaded the model, freed that slot and gave its tokens back while the resend ran (helper-130)."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    service._role.elected.set()
+    service._cluster.set_nodes([spec("n0", cold={A}), spec("n1", cold={A})])
+    for node_id in ("n0", "n1"):
+        service._cluster.report_load(node_id, Load(kv_blocks_total=1000), time.monotonic())
+    loading, never = asyncio.Event(), asyncio.Event()
+
+    async def ensure_warm(node_id: str, address: str, model: str, reason: str) -> None:
+        if not loading.is_set():  # the first call's load hangs
+            loading.set()
+            await never.wait()
+
+    monkeypatch.setattr(service._loader, "ensure_warm", ensure_warm)
+    service._admission.set_limits({"t": TenantLimits(tokens_per_minute=40)})
+    request = scheduler_pb2.PlaceRequest(request_id="r1", model=A, num_prompt_tokens=16, max_tokens=8,
+                                         context=common_pb2.RequestContext(tenant="t"), router_id="router-0")
+    try:
+        first = asyncio.create_task(service.Place(request, FakeContext()))  # type: ignore[arg-type]
+        await asyncio.wait_for(loading.wait(), 5)
+        await asyncio.wait_for(service.Place(request, FakeContext()), 5)  # type: ignore[arg-type]
+        first.cancel()  # its router gave it up
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert service._admission.in_flight("t") == 1 and service._admission._tenants["t"].served_tokens == 24
+    finally:
+        await service.close()
+
+
+async def test_a_request_admitted_as_its_leader_lost_the_lease_gives_its_slot_and_tokens_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Admitted, then refused because the replica lost its lease before deciding: the request ran nowhere, and its
+    router sends it to the successor. Kept, its slot and tokens counted against its tenant here until the lease
+    ran out (helper-128), should this replica lead again."""
+    leading = [True]
+    fake_leadership(monkeypatch, lambda: leading[0])
+
+    async def shown(self: LeaderRole, timeout_s: float) -> None:
+        return None
+
+    monkeypatch.setattr(LeaderRole, "wait_successor_shown", shown)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    service._role.elected.set()
+    service._cluster.set_nodes([spec("n0", warm={A})])
+    service._cluster.report_load("n0", Load(kv_blocks_total=1000), time.monotonic())
+    enter = service._gate.enter
+
+    async def enter_then_lose_the_lease(*args: object) -> bool:
+        waited = await enter(*args)  # type: ignore[arg-type]
+        leading[0] = False
+        return waited
+
+    monkeypatch.setattr(service._gate, "enter", enter_then_lose_the_lease)
+    service._admission.set_limits({"t": TenantLimits(tokens_per_minute=40)})
+    request = scheduler_pb2.PlaceRequest(request_id="r1", model=A, num_prompt_tokens=16, max_tokens=8,
+                                         context=common_pb2.RequestContext(tenant="t"), router_id="router-0")
+    try:
+        with pytest.raises(Refused) as refused:
+            await asyncio.wait_for(service.Place(request, FakeContext()), 5)  # type: ignore[arg-type]
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert service._admission.in_flight("t") == 0 and service._admission._tenants["t"].served_tokens == 0
     finally:
         await service.close()
