@@ -374,8 +374,10 @@ class Admission:
         return ticket
 
     def expired(self, now: float) -> list[Ticket]:
-        """Queued tickets whose deadline has passed: they are refused, not served late."""
-        late = [t for t in self._queued.values() if t.deadline_at < now]
+        """Queued tickets whose TTFT budget or deadline (deadline_ms) has passed: they are refused, not served late (one
+        whose deadline_ms passed in the queue was dispatched, and its stream ended at once with DEADLINE_EXCEEDED
+        after its prefill had taken a node's time)."""
+        late = [t for t in self._queued.values() if t.due_at < now]
         for ticket in late:
             del self._queued[ticket.request_id]
         return late

@@ -170,8 +170,10 @@ class AdmissionGate:
             await wait_or_timeout(self._capacity.since_now(), _TICK_S)
             if self._clock() - self._swept_at >= _SWEEP_S:
                 self.sweep()
-            for ticket in self._admission.expired(self._clock()):
-                self._refuse_queued(ticket, "its deadline passed while it waited for admission",
+            now = self._clock()
+            for ticket in self._admission.expired(now):
+                which = "deadline (deadline_ms)" if ticket.ends_by < now else "TTFT budget (ttft_budget_ms)"
+                self._refuse_queued(ticket, f"its {which} passed while it waited for admission",
                                     "deadline passed in queue")
             while self._admission.num_queued and not self._is_saturated():
                 ticket = self._admission.pop_next(self._clock())

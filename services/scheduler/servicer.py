@@ -323,9 +323,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         # A match is a run of leading blocks: a longer prompt's is cut short there, not refused by the kvindex.
         request = kvindex_pb2.OverlapRequest(model=model, block_hashes=block_hashes[:self._config.max_overlap_blocks])
         now = self._clock()
+        addresses = self._kvindexes.addresses()
+        for gone in self._kvindex_failed_at.keys() - set(addresses):  # (replicas come and go on fresh ports)
+            del self._kvindex_failed_at[gone]
         # A replica that failed lately is asked last: a frozen one cost every placement --kvindex-timeout-s for as
         # long as it stayed registered (helper-129).
-        for address in sorted(self._kvindexes.addresses(), key=lambda a: self._kvindex_failed_at.get(a, -math.inf)
+        for address in sorted(addresses, key=lambda a: self._kvindex_failed_at.get(a, -math.inf)
                               > now - _KVINDEX_AVOID_S):
             stub = kvindex_pb2_grpc.KVIndexStub(self._kvindexes.channel(address))
             try:

@@ -69,12 +69,18 @@ async def test_a_request_waits_while_the_fleet_is_saturated_and_goes_when_it_fre
     assert admission.num_queued == 0 and admission.num_held == 1
 
 
-async def test_a_request_whose_deadline_passes_in_the_queue_is_refused_not_served_late(gate_and_fleet) -> None:
+@pytest.mark.parametrize("which", ["ttft_budget_ms", "deadline_ms"])
+async def test_a_request_whose_deadline_passes_in_the_queue_is_refused_not_served_late(gate_and_fleet,
+                                                                                      which: str) -> None:
+    """Either of its deadlines: one whose deadline_ms passed in the queue was dispatched, and its stream ended at
+    once with DEADLINE_EXCEEDED after its prefill had taken a node's time."""
     gate, admission, fleet = gate_and_fleet
-    entering = await queued(gate, admission, ticket("late", fleet.now, deadline_at=fleet.now + 1.0))
+    late = ticket("late", fleet.now)
+    late = dataclasses.replace(late, **{"deadline_at" if which == "ttft_budget_ms" else "ends_by": fleet.now + 1.0})
+    entering = await queued(gate, admission, late)
     fleet.now += 2.0
     gate.capacity_changed()
-    with pytest.raises(ResourceExhausted, match="deadline passed while it waited"):
+    with pytest.raises(ResourceExhausted, match=rf"its .*\({which}\) passed while it waited for admission"):
         await asyncio.wait_for(entering, 5)
     assert admission.num_queued == 0 and admission.num_held == 0
 
@@ -182,7 +188,7 @@ async def test_refusals_are_counted_by_kind_with_no_tenants_limit_in_a_label() -
             await asyncio.wait_for(low, 5)
         fleet.now += 2.0
         gate.capacity_changed()
-        with pytest.raises(ResourceExhausted, match="deadline passed"):
+        with pytest.raises(ResourceExhausted, match="passed while it waited for admission"):
             await asyncio.wait_for(late, 5)
     finally:
         dispatcher.cancel()
