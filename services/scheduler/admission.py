@@ -85,6 +85,12 @@ class Ticket:
         return min(self.deadline_at, self.ends_by)
 
 
+def _dispatch_order(ticket: Ticket) -> tuple[float, float, float]:
+    """Within its tenant's share of a band, earliest deadline first, then the furthest into its workflow, then the
+    first to come."""
+    return ticket.due_at, -ticket.progress, ticket.arrived_at
+
+
 class Verdict(enum.Enum):
     ADMIT = "admit"
     QUEUE = "queue"
@@ -232,8 +238,29 @@ class Admission:
         return state.in_flight if state is not None else 0
 
     def set_limits(self, limits: dict[str, TenantLimits]) -> None:
-        """Replace the per-tenant limits (tenant records changed); requests already admitted keep their slots."""
+        """Replace the per-tenant limits (tenant records changed); requests already admitted keep their slots. Those
+        queued: refuse_over_limits."""
         self._limits = dict(limits)
+
+    def refuse_over_limits(self, now: float) -> list[tuple[Ticket, Outcome]]:
+        """The queued requests that their tenants' limits, lowered while they waited, no longer let in, taken out of
+        the queue with their refusals: dispatched, they ran past the new limits (nothing checks them at dispatch).
+        Each tenant's requests are let in the order they would be dispatched."""
+        by_tenant: dict[str, list[Ticket]] = defaultdict(list)
+        for queued in self._queued.values():
+            by_tenant[queued.tenant].append(queued)
+        refused = []
+        for tickets in by_tenant.values():
+            kept: list[Ticket] = []
+            for queued in sorted(tickets, key=_dispatch_order):
+                outcome = self._over_limits(queued, now, kept)
+                if outcome is None:
+                    kept.append(queued)
+                else:
+                    refused.append((queued, outcome))
+        for queued, _ in refused:
+            del self._queued[queued.request_id]
+        return refused
 
     def limits(self, tenant: str) -> TenantLimits:
         return self._limits.get(tenant, self._default)
@@ -278,15 +305,14 @@ class Admission:
             return dataclasses.replace(self._judge(ticket, now, is_saturated, predicted_ttft_s), replaced=queued)
         return self._judge(ticket, now, is_saturated, predicted_ttft_s)
 
-    def _judge(self, ticket: Ticket, now: float, is_saturated: bool, predicted_ttft_s: float) -> Outcome:
-        """offer's verdict on a request that holds no slot: its tenant's limits, its deadline, the fleet's load."""
+    def _over_limits(self, ticket: Ticket, now: float, waiting: list[Ticket]) -> Outcome | None:
+        """The refusal of ticket by its tenant's limits, with waiting (its tenant's requests queued ahead of it)
+        counted as admitted; None if they let it in."""
         limits = self.limits(ticket.tenant)
         tenant = self._tenants[ticket.tenant]
         tenant.expire(now)
-        # Its requests waiting for admission count against its limits as those admitted do: each takes a slot and
-        # its tokens once dispatched, and nothing checks the limits again then (a tenant at max_concurrency 2 ran
-        # six streams once the fleet was saturated, helper-125).
-        waiting = [t for t in self._queued.values() if t.tenant == ticket.tenant] if limits.is_limited else []
+        if not limits.is_limited:
+            return None
         if limits.max_concurrency is not None and tenant.in_flight + len(waiting) >= limits.max_concurrency:
             return Outcome(Verdict.REJECT, f"tenant {ticket.tenant!r} is at its concurrency limit of "
                                            f"{limits.max_concurrency}"
@@ -306,6 +332,16 @@ class Admission:
                                            + (f" ({waiting_tokens} of them in requests waiting for admission)"
                                               if waiting_tokens else ""), retry_after_s=wait,
                            kind="tenant tokens per minute limit")
+        return None
+
+    def _judge(self, ticket: Ticket, now: float, is_saturated: bool, predicted_ttft_s: float) -> Outcome:
+        """offer's verdict on a request that holds no slot: its tenant's limits, its deadline, the fleet's load."""
+        # Its requests waiting for admission count against its limits as those admitted do: each takes a slot and
+        # its tokens once dispatched, and nothing checks the limits again then (a tenant at max_concurrency 2 ran
+        # six streams once the fleet was saturated, helper-125).
+        refusal = self._over_limits(ticket, now, [t for t in self._queued.values() if t.tenant == ticket.tenant])
+        if refusal is not None:
+            return refusal
         ahead = self._wait_ahead_s(ticket, predicted_ttft_s)
         if self._check_deadlines and now + predicted_ttft_s + ahead > ticket.deadline_at:
             # In ms, as the budget is given: in seconds to two decimals a 7 ms budget read "needs about 0.01 s, has
@@ -369,7 +405,7 @@ class Admission:
             tenant = min(tenants, key=lambda name: (share(name), name))
         self._last_served[band] = tenant
         ticket = min((t for t in in_band if t.tenant == tenant),
-                     key=lambda t: (t.due_at, -t.progress, t.arrived_at))
+                     key=_dispatch_order)
         del self._queued[ticket.request_id]
         return ticket
 

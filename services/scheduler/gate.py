@@ -13,7 +13,7 @@ from opentelemetry.metrics import Meter
 from services.common.change_signal import ChangeSignal, wait_or_timeout
 from services.common.errors import Aborted, AlreadyExists, InvalidArgument, ResourceExhausted
 from services.common.telemetry import MAX_LABEL_VALUES, BoundedLabel
-from services.scheduler.admission import Admission, Ticket, Verdict
+from services.scheduler.admission import Admission, Outcome, Ticket, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -155,14 +155,29 @@ class AdmissionGate:
             self._lapsed.add(len(lapsed))
             self.capacity_changed()
 
-    def _refuse_queued(self, ticket: Ticket, reason: str, kind: str) -> None:
-        """Refuse a queued request (counted as queued when it came, and now as refused)."""
+    def limits_changed(self) -> None:
+        """Tenants' limits changed: queued requests that lowered ones no longer let in are refused as a new request
+        would be (dispatched, they ran past the new limits)."""
+        for ticket, outcome in self._admission.refuse_over_limits(self._clock()):
+            self._refuse_queued(ticket, f"its tenant's limits were lowered while it waited for admission: "
+                                        f"{outcome.reason}", outcome.kind, outcome)
+
+    def _refuse_queued(self, ticket: Ticket, reason: str, kind: str, outcome: Outcome | None = None) -> None:
+        """Refuse a queued request (counted as queued when it came, and now as refused); with outcome, its retry hint
+        and whether any wait could help are outcome's (else a second)."""
         band = band_label(ticket.priority)
         self._depth.add(-1, {"band": band})
-        self._decisions.add(1, {"verdict": "reject", "reason": kind, "band": band})
+        tenant = {"tenant": self._tenant(ticket.tenant)} if kind.startswith("tenant") else {}
+        self._decisions.add(1, {"verdict": "reject", "reason": kind, "band": band, **tenant})
         future = self._waiting.pop(ticket.request_id, None)
-        if future is not None and not future.done():
-            future.set_exception(ResourceExhausted(f"request {ticket.request_id}: {reason}", retry_after_ms=1000))
+        if future is None or future.done():
+            return
+        if outcome is not None and outcome.never:
+            future.set_exception(InvalidArgument("max_tokens", ticket.max_tokens, reason))
+        else:
+            retry_after_s = outcome.retry_after_s if outcome is not None else 1.0
+            future.set_exception(ResourceExhausted(f"request {ticket.request_id}: {reason}",
+                                                   retry_after_ms=int(retry_after_s * 1000)))
 
     async def run(self) -> None:
         """Dispatch queued requests while the fleet has room; refuse those whose deadline passed."""

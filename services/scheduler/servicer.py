@@ -218,6 +218,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             limits[name] = TenantLimits(weight=record.weight, max_concurrency=record.max_concurrency,
                                         tokens_per_minute=record.tokens_per_minute)
         self._admission.set_limits(limits)
+        self._gate.limits_changed()
 
     async def _caller_tenant(self, context: grpc.aio.ServicerContext, needs_admin: bool) -> str | None:
         """With --auth, the tenant whose key made this call (None: an administrator); PermissionDenied when

@@ -154,6 +154,25 @@ async def test_a_request_cancelled_as_its_place_comes_does_not_hold_up_the_next(
     assert admission._tenants["t"].served_tokens == 100  # (those of "staying" alone)
 
 
+async def test_queued_requests_a_lowered_limit_leaves_out_are_refused_not_dispatched_past_it(gate_and_fleet) -> None:
+    """An operator lowered a tenant's limits while its requests waited on a saturated fleet: all of them were
+    dispatched, past the new limit (nothing checks the limits at dispatch). Those the first to go leave out are
+    refused as a new request would be."""
+    gate, admission, fleet = gate_and_fleet
+    admission.max_queued = 3
+    admission.set_limits({"t": TenantLimits(max_concurrency=3)})
+    waiting = [await queued(gate, admission, ticket(f"q{n}", fleet.now + n)) for n in range(3)]
+    admission.set_limits({"t": TenantLimits(max_concurrency=1)})
+    gate.limits_changed()
+    for refused in waiting[1:]:
+        with pytest.raises(ResourceExhausted, match="tenant's limits were lowered while it waited for admission: "
+                                                    "tenant 't' is at its concurrency limit of 1"):
+            await asyncio.wait_for(refused, 5)
+    fleet.saturated = False
+    gate.capacity_changed()
+    assert await asyncio.wait_for(waiting[0], 5) is True and admission.in_flight("t") == 1
+
+
 async def test_a_request_handed_its_place_holds_its_tenants_slot_before_its_waiter_runs(gate_and_fleet) -> None:
     """Between the dispatcher handing a queued request its place and the request's own task running, it was neither
     queued nor admitted: another request of its tenant judged then was let past the tenant's limit (helper-127)."""
