@@ -161,9 +161,11 @@ class _Hold:
     ended: set[str] = field(default_factory=set)
     # What admitting it charged its tenant's tokens per minute: (when, tokens).
     charged: tuple[float, int] = (0.0, 0)
-    # The Place call admitted on it last (Ticket.attempt), and whether any call placed it (then it may have run).
+    # The latest Place call admitted on it (Ticket.attempt: they are numbered in order).
     attempt: int = 0
-    placed: bool = False
+    # Its charge stands whatever becomes of a call that never placed it: a call placed it (it may have run), or it
+    # was admitted as a resume (the charge is its earlier stream's).
+    spent: bool = False
 
     def claim(self, holder: str, now: float, placed: bool = False) -> None:
         """holder placed the id (a stream of it begins there: its claim starts now, a router restarted under the
@@ -427,7 +429,10 @@ class Admission:
         if hold is not None:
             hold.expires_at = max(hold.expires_at, now + self.lease_s)
             hold.claim(ticket.holder, now, placed=True)
-            hold.attempt = ticket.attempt or hold.attempt
+            # The newest call keeps it: the first call's waiter, run after its resend was admitted, or its late
+            # second try, does not take it back (helper-132).
+            hold.attempt = max(hold.attempt, ticket.attempt)
+            hold.spent |= ticket.resumed
             return
         tenant = self._tenants[ticket.tenant]
         tenant.in_flight += 1
@@ -435,7 +440,8 @@ class Admission:
         tenant.served.append((now, ticket.num_tokens))
         tenant.served_tokens += ticket.num_tokens
         self._held[ticket.request_id] = hold = _Hold(ticket.tenant, now + self.lease_s, ticket.prompt_digest,
-                                                     charged=(now, ticket.num_tokens), attempt=ticket.attempt)
+                                                     charged=(now, ticket.num_tokens), attempt=ticket.attempt,
+                                                     spent=ticket.resumed)
         hold.claim(ticket.holder, now, placed=True)
 
     def on_placed(self, request_id: str) -> None:
@@ -443,7 +449,7 @@ class Admission:
         back."""
         hold = self._held.get(request_id)
         if hold is not None:
-            hold.placed = True
+            hold.spent = True
 
     def renew(self, request_ids: Iterable[str], now: float, holder: str = "") -> int:
         """Those of request_ids holding a slot are alive (through holder, the router that says so): their leases
@@ -466,13 +472,14 @@ class Admission:
         last word came before holder's first, one that died and whose client resumed through holder, holds
         nothing.) True if the slot was freed.
 
-        Not ran: the Place call attempt (Ticket.attempt) admitted it but placed nothing (its model's load failed,
-        its caller went away, leadership was lost). If a later call of its id was admitted on the slot since (its
-        router sent it again after a leader change, and this replica was elected again), the slot is that call's
-        and nothing changes: freed and refunded, the id ran on unheld, its tokens uncounted (helper-130). Else the
-        tokens are given back too, unless a call placed it (it may have run)."""
+        attempt: the Place call (Ticket.attempt) that admitted it ended without placing it (its model's load
+        failed, its caller went away, leadership was lost; ran is then False). If a later call of its id was
+        admitted on the slot since (its router sent it again after a leader change, and this replica was elected
+        again), the slot is that call's and nothing changes: freed and refunded, the id ran on unheld, its tokens
+        uncounted (helper-130, helper-132). Else, not ran, its tokens are given back too, unless a call placed it
+        (it may have run) or it came as a resume (its charge stands for its earlier stream)."""
         hold = self._held.get(request_id)
-        if hold is None or (not ran and attempt and hold.attempt != attempt):
+        if hold is None or (attempt and hold.attempt != attempt):
             return False
         since, _ = hold.holders.pop(holder, (-math.inf, -math.inf))
         if another_stream_live or any(last > since and now - last < self.lease_s for _, last in hold.holders.values()):
@@ -485,7 +492,7 @@ class Admission:
         if admitted_at is not None and ran:  # an end reported, not a lease run out: how long a slot is held
             held = now - admitted_at
             state.held_s = held if state.held_s is None else state.held_s + SLOT_SMOOTHING * (held - state.held_s)
-        return self.release(request_id, refund=not ran and not hold.placed)
+        return self.release(request_id, refund=not ran and not hold.spent)
 
     def leave_to_others(self, request_id: str, now: float) -> None:
         """A stream of request_id ended while another of its id is said to run: the slot stays held, but only for a

@@ -413,11 +413,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 self._placer.abandon(plan)
             if admitted and not is_placed:
                 # It never ran (its model's load failed, its caller went away, leadership was lost): its slot is
-                # freed and its tokens given back, as far as this call holds them (Admission.end). A resumed one's
-                # tokens were charged for its earlier stream. (A cold node's failed load kept the slot for the next
-                # try, helper-131.)
-                self._gate.finished(request.request_id, holder=request.router_id, ran=request.resumed,
-                                    attempt=attempt)
+                # freed and its tokens given back, as far as this call holds them (Admission.end). (A cold node's
+                # failed load kept the slot for the next try, helper-131.)
+                self._gate.finished(request.request_id, holder=request.router_id, ran=False, attempt=attempt)
         self._placements.add(1, {"outcome": "OK", "retry": retry})
         log.debug("placed %s on %s (cost %.1f, %d cached blocks)", request.request_id, decision.node_id,
                   decision.cost, decision.matched_blocks)

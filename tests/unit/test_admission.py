@@ -146,6 +146,24 @@ def test_a_call_that_never_placed_its_id_leaves_the_slot_to_a_later_call_that_to
     assert admission.in_flight("t") == 0 and admission._tenants["t"].served_tokens == 700
 
 
+@pytest.mark.parametrize("resumed", [False, True])
+def test_the_first_call_admitted_again_after_its_resend_does_not_take_the_slot_back(resumed: bool) -> None:
+    """The abandoned first call went through admission again after its router's resend (its queue waiter ran late,
+    or a cold node failed and it tried another): the slot went back to it, and its cleanup freed it while the resend
+    ran. A resumed resend's slot was freed whatever the order (helper-132)."""
+    admission = Admission(limits={"t": TenantLimits(tokens_per_minute=2000)})
+    first, resend = (dataclasses.replace(ticket("d0", tokens=700), holder="router-0", attempt=n, resumed=resumed)
+                     for n in (1, 2))
+    admission.on_admitted(first, 0.0)
+    admission.on_admitted(resend, 5.0)
+    admission.on_admitted(first, 5.1)
+    assert not admission.end("d0", 5.2, holder="router-0", ran=False, attempt=1)
+    assert admission.in_flight("t") == 1 and admission._tenants["t"].served_tokens == 700
+    # A resumed one never placed frees its slot but keeps its charge: it stands for its earlier stream.
+    assert admission.end("d0", 6.0, holder="router-0", ran=False, attempt=2)
+    assert admission._tenants["t"].served_tokens == (700 if resumed else 0)
+
+
 def test_a_tenant_at_its_concurrency_limit_is_told_when_its_oldest_request_should_end() -> None:
     """The openai client retries a 429 after its Retry-After (up to 60 s): told 1 s while the one holding the slot
     runs 30 s, it asked twice in vain and gave up. The hint is the tenant's mean hold less the oldest one's age."""

@@ -173,6 +173,34 @@ async def test_queued_requests_a_lowered_limit_leaves_out_are_refused_not_dispat
     assert await asyncio.wait_for(waiting[0], 5) is True and admission.in_flight("t") == 1
 
 
+def _call(attempt: int, at: float) -> Ticket:
+    """Place call number attempt of request r1 through router-0 (its router sends it again after a leader change)."""
+    return dataclasses.replace(ticket("r1", at), holder="router-0", attempt=attempt)
+
+
+@pytest.mark.parametrize("then", ["cancelled", "ends unplaced"])
+async def test_a_resend_admitted_as_its_first_call_is_handed_its_place_keeps_the_slot(gate_and_fleet,
+                                                                                    then: str) -> None:
+    """The dispatcher hands the first call its place; before that call's waiter runs, its router's resend is
+    admitted on the same slot. The first call, abandoned, is then cancelled (its slot was freed and refunded while
+    the resend ran) or its waiter runs and it ends unplaced (its waiter took the slot back first, helper-132)."""
+    gate, admission, fleet = gate_and_fleet
+    admission.set_limits({"t": TenantLimits(tokens_per_minute=1000)})
+    first = await queued(gate, admission, _call(1, fleet.now))
+    fleet.saturated = False
+    gate.capacity_changed()
+    await asyncio.sleep(0)  # one turn: the dispatcher hands the first call its place; its waiter has not run
+    assert await gate.enter(_call(2, fleet.now), 0.1) is False
+    if then == "cancelled":
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+    else:
+        assert await first is True
+        gate.finished("r1", holder="router-0", ran=False, attempt=1)
+    assert admission.num_held == 1 and admission._tenants["t"].served_tokens == 100
+
+
 async def test_a_request_handed_its_place_holds_its_tenants_slot_before_its_waiter_runs(gate_and_fleet) -> None:
     """Between the dispatcher handing a queued request its place and the request's own task running, it was neither
     queued nor admitted: another request of its tenant judged then was let past the tenant's limit (helper-127)."""

@@ -317,7 +317,9 @@ async def test_a_request_whose_cold_node_fails_to_load_it_is_placed_on_another(
         await service.close()
 
 
-async def test_a_call_abandoned_mid_load_leaves_the_slot_to_its_resend(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("resumed", [False, True])
+async def test_a_call_abandoned_mid_load_leaves_the_slot_to_its_resend(monkeypatch: pytest.MonkeyPatch,
+                                                                      resumed: bool) -> None:
     """A router abandons its Place when etcd shows a new leader and sends it again, here to the same replica (elected
     again). The resend is admitted on the first call's slot and placed; the first call, cancelled while its node
     loaded the model, freed that slot and gave its tokens back while the resend ran (helper-130)."""
@@ -337,7 +339,8 @@ async def test_a_call_abandoned_mid_load_leaves_the_slot_to_its_resend(monkeypat
     monkeypatch.setattr(service._loader, "ensure_warm", ensure_warm)
     service._admission.set_limits({"t": TenantLimits(tokens_per_minute=40)})
     request = scheduler_pb2.PlaceRequest(request_id="r1", model=A, num_prompt_tokens=16, max_tokens=8,
-                                         context=common_pb2.RequestContext(tenant="t"), router_id="router-0")
+                                         context=common_pb2.RequestContext(tenant="t"), router_id="router-0",
+                                         resumed=resumed)
     try:
         first = asyncio.create_task(service.Place(request, FakeContext()))  # type: ignore[arg-type]
         await asyncio.wait_for(loading.wait(), 5)
