@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import heapq
 import math
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 WINDOW_S = 60.0
 # A tenant at its concurrency limit is told to retry when its oldest request should end: the mean time its requests
@@ -531,6 +533,55 @@ class Admission:
             self._pruned_at = now
             self.prune(now)
         return lapsed
+
+    def to_state(self, now: float, max_holds: int) -> dict[str, Any]:
+        """What a successor needs to hold tenants to their limits across a failover (JSON): the slots held (at most
+        max_holds: limited tenants' first, then the newest), by age, with the routers holding each; and, for tenants
+        with a token limit, the tokens charged within the minute, per second of age. Without them a new leader
+        started from nothing: each tenant could run its whole max_concurrency again beside its running requests, and
+        a whole minute's tokens again."""
+        held = []
+        for request_id, hold in self._held.items():
+            state = self._tenants.get(hold.tenant)
+            admitted_at = state.admitted.get(request_id, now) if state is not None else now
+            held.append((admitted_at, request_id, hold))
+        # Those of tenants with limits first: a slot of an unlimited one only marks its id in use.
+        held = heapq.nlargest(max_holds, held, key=lambda item: (self.limits(item[2].tenant).is_limited, item[0]))
+        served: dict[str, list[list[float]]] = {}
+        for name, state in self._tenants.items():
+            if self.limits(name).tokens_per_minute is None:
+                continue
+            state.expire(now)
+            by_age: dict[int, int] = defaultdict(int)
+            for at, tokens in state.served:
+                by_age[math.floor(now - at)] += tokens  # (counted a little younger: held no shorter)
+            if by_age:
+                served[name] = [[age, tokens] for age, tokens in sorted(by_age.items())]
+        return {"holds": [[request_id, hold.tenant, round(now - admitted_at, 3), hold.prompt_digest,
+                           sorted(r for r in hold.holders if r not in hold.ended)]
+                          for admitted_at, request_id, hold in held],
+                "served": served}
+
+    def restore(self, state: dict[str, Any], now: float) -> None:
+        """Take over a predecessor's to_state: its slots, each leased lease_s from now (the routers running them
+        renew them; one that ended while no leader heard is freed then), and its tenants' tokens of the minute. What
+        this replica held itself, from an earlier term, is dropped; its queue is kept. The slots' tokens are never
+        given back (they may have run)."""
+        self._held.clear()
+        self._tenants.clear()
+        for name, entries in state.get("served", {}).items():
+            tenant = self._tenants[str(name)]
+            for age, tokens in sorted(entries, key=lambda entry: -float(entry[0])):  # oldest first
+                tenant.served.append((now - float(age), int(tokens)))
+                tenant.served_tokens += int(tokens)
+        for request_id, tenant_name, age, digest, holders in sorted(state.get("holds", []), key=lambda h: -h[2]):
+            tenant = self._tenants[str(tenant_name)]
+            tenant.in_flight += 1
+            tenant.admitted[str(request_id)] = now - float(age)
+            hold = _Hold(str(tenant_name), now + self.lease_s, int(digest), spent=True)
+            for holder in holders:
+                hold.claim(str(holder), now)
+            self._held[str(request_id)] = hold
 
     def prune(self, now: float) -> int:
         """Drop the state of tenants with nothing in flight, queued or served within the window. How many."""

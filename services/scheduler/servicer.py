@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 
 _DECISIONS_KEPT = 200
 _WORKFLOWS_HANDED_OVER = 10_000
+# The admission slots a leader hands over at most (its newest): as many as a router's live report may name.
+_HOLDS_HANDED_OVER = 10_000
 # A successor adds the whole fleet's cost from where its predecessor stopped counting to its own takeover,
 # at the fleet's price then, up to this long: a longer gap is a control plane restarted on an old etcd,
 # not a failover, and is left out (logged).
@@ -248,6 +250,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             "tasks": self._tasks.to_state(_WORKFLOWS_HANDED_OVER, now),
             "fleet": {"counted_until_unix": self._fleet_counted_unix, "price_per_hour": self.fleet_price_per_hour()},
             "model_demand_age_s": self._planner.demand_state(now),
+            "admission": self._admission.to_state(now, _HOLDS_HANDED_OVER),
         }
 
     def _take_over_state(self, state: dict[str, Any]) -> None:
@@ -264,6 +267,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._policy.restore_workflow_state({k: float(v) for k, v in state.get("workflow_spent", {}).items()})
         self._planner.restore_demand({k: float(v) for k, v in state.get("model_demand_age_s", {}).items()},
                                      self._clock())
+        if "admission" in state:
+            self._admission.restore(state["admission"], self._clock())
         if "tasks" in state:
             self._tasks.restore(state["tasks"], self._clock())
             self._count_leaderless_gap(state.get("fleet"))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import grpc
 import pytest
 from opentelemetry.metrics import get_meter
@@ -288,3 +291,45 @@ async def test_a_live_report_longer_than_a_router_sends_is_refused_naming_its_le
 def test_the_live_report_bound_cannot_be_set_below_what_a_router_sends() -> None:
     with pytest.raises(ValueError, match=f"--max-live-ids: must be at least {LIVE_IDS_PER_REPORT}"):
         SchedulerConfig(max_live_ids=LIVE_IDS_PER_REPORT - 1)
+
+
+def test_a_successor_holds_tenants_to_the_slots_and_tokens_its_predecessor_admitted() -> None:
+    """A new leader started with no slots and no minute of tokens: after a failover each tenant could run its whole
+    max_concurrency again beside its running requests, and spend its tokens per minute twice. The leader hands them
+    over; the routers running a slot renew it at the successor, and one that ended unheard lapses after a lease."""
+    limits = {"t": TenantLimits(max_concurrency=2, tokens_per_minute=1000)}
+    leader = Admission(limits=limits, lease_s=10.0)
+    for rid, at in (("running", 0.0), ("ended-unheard", 1.0)):
+        leader.on_admitted(dataclasses.replace(ticket(rid, at=at), num_tokens=300, holder="router-0"), at)
+    state = json.loads(json.dumps(leader.to_state(20.0, max_holds=100)))  # as written to etcd
+    successor = Admission(limits=limits, lease_s=10.0)
+    successor.restore(state, 500.0)  # another host's clock
+    assert successor.in_flight("t") == 2 and verdict(successor, "more", 500.0) == Verdict.REJECT
+    # The same id, fresh, through another router: it is running.
+    moved = dataclasses.replace(ticket("running", at=500.0), holder="router-1")
+    assert successor.offer(moved, 500.0, False, 0.1).duplicate
+    assert successor.renew(["running"], 505.0, holder="router-0") == 1
+    assert successor.expire_holds(510.0) == ["ended-unheard"]
+    # A slot free, but 600 of its 1,000 tokens spent within the minute (until those charges are a minute old).
+    big = dataclasses.replace(ticket("big", at=510.0), num_tokens=500)
+    assert "tokens per minute" in successor.offer(big, 510.0, False, 0.1).reason
+    assert successor.offer(big, 541.0, False, 0.1).verdict == Verdict.ADMIT
+
+
+def test_the_hand_over_keeps_limited_tenants_slots_first() -> None:
+    admission = Admission(limits={"capped": TenantLimits(max_concurrency=5)})
+    admission.on_admitted(ticket("capped-old", tenant="capped"), 0.0)
+    admission.on_admitted(ticket("free-new", tenant="free"), 1.0)
+    assert [hold[0] for hold in admission.to_state(2.0, max_holds=1)["holds"]] == ["capped-old"]
+
+
+async def test_the_leaders_hand_over_state_carries_its_admission_slots() -> None:
+    leader = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"), clock=lambda: 100.0)
+    leader._admission.set_limits(CAPPED)
+    leader._admission.on_admitted(ticket("running"), 99.0)
+    successor = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"), clock=lambda: 7.0)
+    successor._admission.set_limits(CAPPED)
+    successor._take_over_state(json.loads(json.dumps(leader._hand_over_state())))
+    assert successor._admission.in_flight("t") == 1 and verdict(successor._admission, "next", 7.0) == Verdict.REJECT
+    for service in (leader, successor):
+        await service.close()
