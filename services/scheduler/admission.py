@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import heapq
+import json
 import math
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
@@ -249,14 +249,14 @@ class Admission:
     def refuse_over_limits(self, now: float) -> list[tuple[Ticket, Outcome]]:
         """The queued requests that their tenants' limits, lowered while they waited, no longer let in, taken out of
         the queue with their refusals: dispatched, they ran past the new limits (nothing checks them at dispatch).
-        Each tenant's requests are let in the order they would be dispatched."""
+        Each tenant's requests are let in the order they would be dispatched: by band, then _dispatch_order."""
         by_tenant: dict[str, list[Ticket]] = defaultdict(list)
         for queued in self._queued.values():
             by_tenant[queued.tenant].append(queued)
         refused = []
         for tickets in by_tenant.values():
             kept: list[Ticket] = []
-            for queued in sorted(tickets, key=_dispatch_order):
+            for queued in sorted(tickets, key=lambda t: (-t.priority, *_dispatch_order(t))):
                 outcome = self._over_limits(queued, now, kept)
                 if outcome is None:
                     kept.append(queued)
@@ -534,20 +534,15 @@ class Admission:
             self.prune(now)
         return lapsed
 
-    def to_state(self, now: float, max_holds: int) -> dict[str, Any]:
-        """What a successor needs to hold tenants to their limits across a failover (JSON): the slots held (at most
-        max_holds: limited tenants' first, then the newest), by age, with the routers holding each; and, for tenants
-        with a token limit, the tokens charged within the minute, per second of age. Without them a new leader
+    def to_state(self, now: float, max_bytes: int) -> dict[str, Any]:
+        """What a successor needs to hold tenants to their limits across a failover (JSON, about max_bytes at most):
+        for tenants with a token limit, the tokens charged within the minute, per second of age; for tenants with a
+        concurrency limit, the ids holding their slots, newest first, with their ages. Without them a new leader
         started from nothing: each tenant could run its whole max_concurrency again beside its running requests, and
-        a whole minute's tokens again."""
-        held = []
-        for request_id, hold in self._held.items():
-            state = self._tenants.get(hold.tenant)
-            admitted_at = state.admitted.get(request_id, now) if state is not None else now
-            held.append((admitted_at, request_id, hold))
-        # Those of tenants with limits first: a slot of an unlimited one only marks its id in use.
-        held = heapq.nlargest(max_holds, held, key=lambda item: (self.limits(item[2].tenant).is_limited, item[0]))
-        served: dict[str, list[list[float]]] = {}
+        a whole minute's tokens again. Bounded in bytes: the state is one etcd value, rewritten every second (etcd
+        refuses one over 1.5 MiB, and keeps thousands of past writes in memory, helper-133)."""
+        room = max_bytes
+        served: dict[str, list[list[int]]] = {}
         for name, state in self._tenants.items():
             if self.limits(name).tokens_per_minute is None:
                 continue
@@ -555,33 +550,54 @@ class Admission:
             by_age: dict[int, int] = defaultdict(int)
             for at, tokens in state.served:
                 by_age[math.floor(now - at)] += tokens  # (counted a little younger: held no shorter)
-            if by_age:
-                served[name] = [[age, tokens] for age, tokens in sorted(by_age.items())]
-        return {"holds": [[request_id, hold.tenant, round(now - admitted_at, 3), hold.prompt_digest,
-                           sorted(r for r in hold.holders if r not in hold.ended)]
-                          for admitted_at, request_id, hold in held],
-                "served": served}
+            entries = [[age, tokens] for age, tokens in sorted(by_age.items())]
+            room -= len(json.dumps({name: entries}))
+            if room < 0:
+                return {"served": served, "slots": {}}
+            served[name] = entries
+        held = sorted(((state.admitted.get(request_id, now), request_id, hold.tenant)
+                       for request_id, hold in self._held.items()
+                       if self.limits(hold.tenant).max_concurrency is not None
+                       and (state := self._tenants.get(hold.tenant)) is not None), reverse=True)
+        slots: dict[str, list[list[Any]]] = defaultdict(list)
+        for admitted_at, request_id, tenant in held:
+            entry = [request_id, round(now - admitted_at, 1)]
+            room -= len(json.dumps(entry)) + 2 + (0 if tenant in slots else len(json.dumps(tenant)) + 4)
+            if room < 0:
+                break
+            slots[tenant].append(entry)
+        return {"served": served, "slots": slots}
 
-    def restore(self, state: dict[str, Any], now: float) -> None:
-        """Take over a predecessor's to_state: its slots, each leased lease_s from now (the routers running them
-        renew them; one that ended while no leader heard is freed then), and its tenants' tokens of the minute. What
-        this replica held itself, from an earlier term, is dropped; its queue is kept. The slots' tokens are never
-        given back (they may have run)."""
-        self._held.clear()
-        self._tenants.clear()
-        for name, entries in state.get("served", {}).items():
-            tenant = self._tenants[str(name)]
-            for age, tokens in sorted(entries, key=lambda entry: -float(entry[0])):  # oldest first
-                tenant.served.append((now - float(age), int(tokens)))
-                tenant.served_tokens += int(tokens)
-        for request_id, tenant_name, age, digest, holders in sorted(state.get("holds", []), key=lambda h: -h[2]):
-            tenant = self._tenants[str(tenant_name)]
-            tenant.in_flight += 1
-            tenant.admitted[str(request_id)] = now - float(age)
-            hold = _Hold(str(tenant_name), now + self.lease_s, int(digest), spent=True)
-            for holder in holders:
-                hold.claim(str(holder), now)
-            self._held[str(request_id)] = hold
+    def restore(self, state: dict[str, Any], now: float, gap_s: float) -> int:
+        """Take over a predecessor's to_state, written gap_s ago (by the wall clocks; the time no replica led):
+        its tenants' tokens of the minute, aged by the gap, and its slots, each leased lease_s from now (the
+        routers running them renew them; one that ended while no leader heard is freed then). A state older than a
+        lease gives no slots: each would have lapsed by now unless renewed, and which were cannot be known (a
+        state hours old, left by a control plane that stopped, held tenants at their limits for a lease,
+        helper-133). What this replica held itself, from an earlier term, is dropped; its queue is kept. The slots'
+        tokens are never given back (they may have run). How many slots it took; ValueError if state is not a
+        to_state's (nothing is changed then)."""
+        gap_s = max(0.0, gap_s)
+        tenants: defaultdict[str, _Tenant] = defaultdict(_Tenant)
+        held: dict[str, _Hold] = {}
+        try:
+            for name, entries in state.get("served", {}).items():
+                tenant = tenants[str(name)]
+                for age, tokens in sorted(((float(a) + gap_s, int(t)) for a, t in entries), reverse=True):
+                    if age < WINDOW_S:  # oldest first
+                        tenant.served.append((now - age, tokens))
+                        tenant.served_tokens += tokens
+            slots = state.get("slots", {}) if gap_s <= self.lease_s else {}
+            for name, entries in slots.items():
+                tenant = tenants[str(name)]
+                for request_id, age in sorted(entries, key=lambda entry: -float(entry[1])):  # oldest first
+                    tenant.in_flight += 1
+                    tenant.admitted[str(request_id)] = now - float(age) - gap_s
+                    held[str(request_id)] = _Hold(str(name), now + self.lease_s, spent=True)
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            raise ValueError(f"admission state: {exc!r}") from None
+        self._tenants, self._held = tenants, held
+        return len(held)
 
     def prune(self, now: float) -> int:
         """Drop the state of tenants with nothing in flight, queued or served within the window. How many."""

@@ -50,8 +50,9 @@ log = logging.getLogger(__name__)
 
 _DECISIONS_KEPT = 200
 _WORKFLOWS_HANDED_OVER = 10_000
-# The admission slots a leader hands over at most (its newest): as many as a router's live report may name.
-_HOLDS_HANDED_OVER = 10_000
+# The admission state a leader hands over, in bytes at most (about 400 slots of 36-character ids): the whole state
+# is one etcd value, rewritten every second, and etcd keeps thousands of past writes in memory (helper-133).
+_ADMISSION_STATE_BYTES = 16 * 1024
 # A successor adds the whole fleet's cost from where its predecessor stopped counting to its own takeover,
 # at the fleet's price then, up to this long: a longer gap is a control plane restarted on an old etcd,
 # not a failover, and is left out (logged).
@@ -250,7 +251,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             "tasks": self._tasks.to_state(_WORKFLOWS_HANDED_OVER, now),
             "fleet": {"counted_until_unix": self._fleet_counted_unix, "price_per_hour": self.fleet_price_per_hour()},
             "model_demand_age_s": self._planner.demand_state(now),
-            "admission": self._admission.to_state(now, _HOLDS_HANDED_OVER),
+            "admission": {**self._admission.to_state(now, _ADMISSION_STATE_BYTES), "written_unix": self._wall_clock()},
         }
 
     def _take_over_state(self, state: dict[str, Any]) -> None:
@@ -268,12 +269,28 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._planner.restore_demand({k: float(v) for k, v in state.get("model_demand_age_s", {}).items()},
                                      self._clock())
         if "admission" in state:
-            self._admission.restore(state["admission"], self._clock())
+            self._take_over_admission(state["admission"])
         if "tasks" in state:
             self._tasks.restore(state["tasks"], self._clock())
             self._count_leaderless_gap(state.get("fleet"))
         log.info("took over from %s: %s, %d workflows", state.get("leader"), budget,
                  len(state.get("workflow_spent", {})))
+
+    def _take_over_admission(self, state: dict[str, Any]) -> None:
+        """The predecessor's admission slots and tenants' tokens of the minute (Admission.restore); then this
+        replica's own queue is held to them, as to lowered limits."""
+        gap_s = self._wall_clock() - float(state.get("written_unix", 0.0))
+        try:
+            taken = self._admission.restore(state, self._clock(), gap_s)
+        except ValueError as exc:
+            log.warning("not taking over the predecessor's admission state: %s", exc)
+            return
+        if gap_s > self._admission.lease_s:
+            log.warning("took over no admission slots: the predecessor's state was written %.0f s ago, more than "
+                        "a lease (%.0f s)", gap_s, self._admission.lease_s)
+        elif taken:
+            log.info("took over %d admission slots", taken)
+        self._gate.limits_changed()
 
     def _on_nodes_changed(self, items: dict[str, bytes]) -> None:
         specs, infos, lapsed, draining_price = [], {}, set(), 0.0

@@ -301,26 +301,43 @@ def test_a_successor_holds_tenants_to_the_slots_and_tokens_its_predecessor_admit
     leader = Admission(limits=limits, lease_s=10.0)
     for rid, at in (("running", 0.0), ("ended-unheard", 1.0)):
         leader.on_admitted(dataclasses.replace(ticket(rid, at=at), num_tokens=300, holder="router-0"), at)
-    state = json.loads(json.dumps(leader.to_state(20.0, max_holds=100)))  # as written to etcd
+    state = json.loads(json.dumps(leader.to_state(20.0, max_bytes=10_000)))  # as written to etcd
     successor = Admission(limits=limits, lease_s=10.0)
-    successor.restore(state, 500.0)  # another host's clock
+    assert successor.restore(state, 500.0, gap_s=2.0) == 2  # another host's clock; no leader for 2 s
     assert successor.in_flight("t") == 2 and verdict(successor, "more", 500.0) == Verdict.REJECT
-    # The same id, fresh, through another router: it is running.
-    moved = dataclasses.replace(ticket("running", at=500.0), holder="router-1")
-    assert successor.offer(moved, 500.0, False, 0.1).duplicate
     assert successor.renew(["running"], 505.0, holder="router-0") == 1
     assert successor.expire_holds(510.0) == ["ended-unheard"]
-    # A slot free, but 600 of its 1,000 tokens spent within the minute (until those charges are a minute old).
+    # A slot free, but 600 of its 1,000 tokens spent within the minute: charged 20 and 19 s before the last write,
+    # 22 and 21 s before the takeover.
     big = dataclasses.replace(ticket("big", at=510.0), num_tokens=500)
     assert "tokens per minute" in successor.offer(big, 510.0, False, 0.1).reason
-    assert successor.offer(big, 541.0, False, 0.1).verdict == Verdict.ADMIT
+    assert successor.offer(big, 537.5, False, 0.1).verdict == Verdict.REJECT
+    assert successor.offer(big, 538.5, False, 0.1).verdict == Verdict.ADMIT  # the first 300 a minute old
 
 
-def test_the_hand_over_keeps_limited_tenants_slots_first() -> None:
-    admission = Admission(limits={"capped": TenantLimits(max_concurrency=5)})
-    admission.on_admitted(ticket("capped-old", tenant="capped"), 0.0)
-    admission.on_admitted(ticket("free-new", tenant="free"), 1.0)
-    assert [hold[0] for hold in admission.to_state(2.0, max_holds=1)["holds"]] == ["capped-old"]
+def test_a_state_older_than_a_lease_gives_no_slots() -> None:
+    """A state hours old (a control plane stopped and started again on the same etcd) held tenants at their limits
+    for a lease with slots long gone (helper-133). Its tokens are aged by the gap, so they are gone too."""
+    limits = {"t": TenantLimits(max_concurrency=1, tokens_per_minute=1000)}
+    leader = Admission(limits=limits, lease_s=10.0)
+    leader.on_admitted(dataclasses.replace(ticket("long-gone"), num_tokens=900), 0.0)
+    successor = Admission(limits=limits, lease_s=10.0)
+    assert successor.restore(leader.to_state(1.0, max_bytes=10_000), 0.0, gap_s=3600.0) == 0
+    assert verdict(successor, "new", 0.0) == Verdict.ADMIT
+
+
+def test_the_hand_over_state_is_bounded_in_bytes_keeping_the_newest_slots() -> None:
+    """Bounded by entries (10,000 slots of 128-character ids: 2.2 MB), every write of the state was refused by etcd
+    (1.5 MiB at most) and the successor restored one written long before (helper-133)."""
+    admission = Admission(limits={"t": TenantLimits(max_concurrency=20_000)})
+    for n in range(10_000):
+        admission.on_admitted(ticket(f"{n:0>128}"), float(n))
+    state = admission.to_state(10_000.0, max_bytes=64 * 1024)
+    assert len(json.dumps(state)) <= 64 * 1024
+    kept = [request_id for request_id, _ in state["slots"]["t"]]
+    assert len(kept) > 400 and kept[0] == f"{9_999:0>128}"  # the newest first
+    with pytest.raises(ValueError, match="admission state"):
+        Admission().restore({"slots": {"t": [[None]]}}, 0.0, 0.0)
 
 
 async def test_the_leaders_hand_over_state_carries_its_admission_slots() -> None:
@@ -333,3 +350,19 @@ async def test_the_leaders_hand_over_state_carries_its_admission_slots() -> None
     assert successor._admission.in_flight("t") == 1 and verdict(successor._admission, "next", 7.0) == Verdict.REJECT
     for service in (leader, successor):
         await service.close()
+
+
+def test_requests_queued_at_a_successor_are_held_to_the_slots_it_took_over() -> None:
+    """Queued here before the takeover (counted against no slot), they were dispatched past the limit once the
+    predecessor's slots were restored (helper-133): refuse_over_limits, which the scheduler calls then, refuses
+    them; the more urgent band is kept."""
+    limits = {"t": TenantLimits(max_concurrency=2)}
+    leader = Admission(limits=limits)
+    leader.on_admitted(ticket("running"), 0.0)
+    successor = Admission(limits=limits)
+    for rid, priority in (("batch", 0), ("urgent", 5)):
+        waiting = dataclasses.replace(ticket(rid), priority=priority)
+        assert successor.offer(waiting, 0.0, True, 0.1).verdict == Verdict.QUEUE
+    successor.restore(leader.to_state(1.0, max_bytes=10_000), 1.0, gap_s=0.0)
+    assert [t.request_id for t, _ in successor.refuse_over_limits(1.0)] == ["batch"]
+    assert successor.num_queued == 1

@@ -1,5 +1,6 @@
-"""The etcd `baton up` starts compacts its history: the leader rewrites its hand-over state every second, and
-uncompacted etcd grows to its 2 GB quota and then refuses every write (`python -m bench.etcd_growth` measures it)."""
+"""The etcd `baton up` starts compacts its history and snapshots often: the leader rewrites its hand-over state every
+second; uncompacted, etcd grows to its 2 GB quota and then refuses every write, and its memory grows until a snapshot
+(`python -m bench.etcd_growth` measures both)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ def test_the_local_etcd_runs_with_auto_compaction(monkeypatch: pytest.MonkeyPatc
     args = started[0]
     assert args[args.index("--auto-compaction-mode") + 1] == "periodic"
     assert args[args.index("--auto-compaction-retention") + 1] == "1m"
+    assert args[args.index("--snapshot-count") + 1] == "5000"
 
 
 def test_the_compose_etcd_members_run_with_auto_compaction() -> None:
     compose = (Path(__file__).parents[2] / "deploy/compose/docker-compose.yml").read_text()
     assert "ETCD_AUTO_COMPACTION_MODE: periodic" in compose and "ETCD_AUTO_COMPACTION_RETENTION: 1m" in compose
+    assert 'ETCD_SNAPSHOT_COUNT: "5000"' in compose
