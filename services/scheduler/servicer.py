@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 
 _DECISIONS_KEPT = 200
 _WORKFLOWS_HANDED_OVER = 10_000
+# The tasks ended lately that a leader hands over (a late or repeated notice of one, a router's after a leader
+# change, must not open it again at the successor): those ended within this many seconds.
+_ENDED_HANDED_OVER_S = 60.0
 # The admission state a leader hands over, in bytes at most (about 400 slots of 36-character ids): the whole state
 # is one etcd value, rewritten every second, and etcd keeps thousands of past writes in memory (helper-133).
 _ADMISSION_STATE_BYTES = 16 * 1024
@@ -246,9 +249,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             "incarnation": self._incarnation,
             "retry_budget": {"requests": self._retry_budget.num_requests(now),
                              "retries": self._retry_budget.num_retries(now)},
-            # The most recent workflows' GPU spend (dicts keep insertion order).
-            "workflow_spent": dict(list(spent.items())[-_WORKFLOWS_HANDED_OVER:]),
-            "tasks": self._tasks.to_state(_WORKFLOWS_HANDED_OVER, now),
+            # The most recent workflows' GPU spend (dicts keep insertion order), but for those whose task has ended
+            # (no step of theirs is to come): with them, the state grew with the traffic (helper-134).
+            "workflow_spent": dict([(workflow, spend) for workflow, spend in spent.items()
+                                    if not self._tasks.has_ended(workflow_task(workflow))][-_WORKFLOWS_HANDED_OVER:]),
+            "tasks": self._tasks.to_state(_WORKFLOWS_HANDED_OVER, now, _ENDED_HANDED_OVER_S),
             "fleet": {"counted_until_unix": self._fleet_counted_unix, "price_per_hour": self.fleet_price_per_hour()},
             "model_demand_age_s": self._planner.demand_state(now),
             "admission": {**self._admission.to_state(now, _ADMISSION_STATE_BYTES), "written_unix": self._wall_clock()},

@@ -16,6 +16,7 @@ as the ledger has run (the leader adds each interval's fleet cost) ÷ tasks succ
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -96,8 +97,8 @@ class TaskLedger:
         self.ended_cost_usd = 0.0
         self.overhead_usd = 0.0
         self.fleet_cost_usd = 0.0
-        # Ids of the tasks ended most recently, so that a late notice does not open them again.
-        self._ended: OrderedDict[str, None] = OrderedDict()
+        # Ids of the tasks ended most recently, with when, so that a late notice does not open them again.
+        self._ended: OrderedDict[str, float] = OrderedDict()
 
     def record(self, task_id: str, step: int, total_steps: int, cost_usd: float, ok: bool,
                now: float) -> bool | None:
@@ -121,11 +122,11 @@ class TaskLedger:
         # Every step it has, and nothing failed (a step past total_steps, numbered by a request that did not say
         # total_steps, counted towards it: a workflow whose step 1 failed succeeded on steps 2 and 3 of 2).
         if task.total_steps and not task.failed and task.succeeded >= set(range(1, task.total_steps + 1)):
-            self._end(task_id, task, True)
+            self._end(task_id, task, True, now)
             return True
         self._open[task_id] = task
         if len(self._open) > self._max_open:  # the least recently active gives way: it failed
-            self._end(*self._open.popitem(last=False), False)
+            self._end(*self._open.popitem(last=False), False, now)
         return None
 
     def touch(self, task_ids: Iterable[str], now: float) -> None:
@@ -148,12 +149,12 @@ class TaskLedger:
             if now - task.last_at < self.timeout_s:
                 break
             del self._open[task_id]
-            self._end(task_id, task, not task.total_steps and task.all_ok())
+            self._end(task_id, task, not task.total_steps and task.all_ok(), now)
             ended += 1
         return ended
 
-    def _end(self, task_id: str, task: _Task, succeeded: bool) -> None:
-        self._ended[task_id] = None
+    def _end(self, task_id: str, task: _Task, succeeded: bool, now: float) -> None:
+        self._ended[task_id] = now
         if len(self._ended) > self._max_open:
             self._ended.popitem(last=False)
         if succeeded:
@@ -176,9 +177,16 @@ class TaskLedger:
 
     # -- hand-over to the next leader -------------------------------------------------------------
 
-    def to_state(self, max_open: int, now: float) -> dict[str, Any]:
+    def has_ended(self, task_id: str) -> bool:
+        """Whether task_id ended lately (among the last max_open to end)."""
+        return task_id in self._ended
+
+    def to_state(self, max_open: int, now: float, ended_within_s: float = math.inf) -> dict[str, Any]:
         """Totals, and the most recently active open tasks with their age (clocks differ between hosts); the
-        open tasks beyond max_open are handed over as failed, their cost kept (as the ledger's own overflow is)."""
+        open tasks beyond max_open are handed over as failed, their cost kept (as the ledger's own overflow is). The
+        tasks ended within ended_within_s, whose late notices the successor must not take for new tasks: all of the
+        last max_open, at one write a second, made the state grow with the traffic to hundreds of KB, and etcd
+        keeps thousands of past writes in memory (helper-134)."""
         open_tasks = list(self._open.items())
         split = max(0, len(open_tasks) - max_open)
         dropped, recent = open_tasks[:split], open_tasks[split:]
@@ -192,7 +200,8 @@ class TaskLedger:
             "open_failed_steps": {k: sorted(t.failed) for k, t in recent if t.failed},
             # The dropped ones ended here: a late notice of one must not open it again at the successor.
             # (the most recently ended kept first, then the dropped ones, within the cap)
-            "ended": ([k for k, _ in dropped] + list(self._ended))[-max_open:],
+            "ended": ([k for k, _ in dropped] + [k for k, at in self._ended.items()
+                                                  if now - at <= ended_within_s])[-max_open:],
         }
 
     def restore(self, state: dict[str, Any], now: float) -> None:
@@ -209,5 +218,6 @@ class TaskLedger:
             # A state written by the versions that put failed steps in a sixth field.
             for k, (total, spent, steps, ok, age, *legacy) in state["open"].items())
         # An ended task's key from a version with one key space may be either kind.
-        self._ended = OrderedDict.fromkeys(key for k in state.get("ended", ())
-                                           for key in ((k,) if _is_keyed(k) else (request_task(k), workflow_task(k))))
+        self._ended = OrderedDict.fromkeys((key for k in state.get("ended", ())
+                                            for key in ((k,) if _is_keyed(k) else (request_task(k), workflow_task(k)))),
+                                           now)

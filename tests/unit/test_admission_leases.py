@@ -17,6 +17,7 @@ from services.scheduler.admission import Admission, TenantLimits, Ticket, Verdic
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.gate import AdmissionGate
 from services.scheduler.servicer import SchedulerService
+from services.scheduler.tasks import workflow_task
 from tests.unit.leading import fake_leadership
 from tests.unit.test_place_during_election import FakeContext, Refused
 
@@ -366,3 +367,12 @@ def test_requests_queued_at_a_successor_are_held_to_the_slots_it_took_over() -> 
     successor.restore(leader.to_state(1.0, max_bytes=10_000), 1.0, gap_s=0.0)
     assert [t.request_id for t, _ in successor.refuse_over_limits(1.0)] == ["batch"]
     assert successor.num_queued == 1
+
+
+async def test_the_hand_over_leaves_out_the_spend_of_workflows_that_ended() -> None:
+    """No step of theirs is to come: with them the state grew with the traffic (helper-134)."""
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"), clock=lambda: 100.0)
+    service._policy.restore_workflow_state({"done": 1.0, "going": 2.0})
+    service._tasks.record(workflow_task("done"), 1, 1, 0.1, True, 100.0)
+    assert service._hand_over_state()["workflow_spent"] == {"going": 2.0}
+    await service.close()
