@@ -16,6 +16,8 @@ STREAM_HELD_KEY = "baton-stream-held"
 # under gRPC's 4 MiB message limit at 257 characters each (a tenant's name and its request id, each at most the
 # routers' --max-id-len of 128). The scheduler's --max-live-ids is at least this.
 LIVE_IDS_PER_REPORT = 10_000
+# The tenant of a request that names none, as admission counts it and the routers report it.
+DEFAULT_TENANT = "default"
 # Most models a request may accept instead of its own (GenerateRequest and PlaceRequest alternative_models).
 MAX_ALTERNATIVE_MODELS = 16
 

@@ -64,6 +64,8 @@ class Generation:
     cache_salt: str = ""
     # Its client sent it again (the request carries `resume`): a node still running it gives it that stream's place.
     resent: bool = False
+    # A node has taken it (the scheduler placed it at least once): the router's live reports name its tenant.
+    placed: bool = False
     # Its stop strings, looked for in its text as it comes (None: it has none): the relay ends it at the first.
     stop_text: StopText | None = None
     # Since when (the event loop's clock) its placement has waited for a scheduler leader that answers, while it

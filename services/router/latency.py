@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from opentelemetry.metrics import Meter
 
+from baton.protocol import DEFAULT_TENANT
 from services.common.telemetry import MAX_LABEL_VALUES, BoundedLabel
 
 # Bucket bounds in ms: TTFT spans a cached prefix on an H100 to a long queue; inter-token gaps are
@@ -40,5 +41,5 @@ class StreamLatency:
             self._itl.record(per_token_ms, labels)
 
     def _labels(self, gpu: str, tenant: str, model: str) -> dict[str, str]:
-        # "default": the scheduler's name for the tenant a request leaves unset (admission.md).
-        return {"gpu": gpu or "unknown", "tenant": self._tenant(tenant or "default"), "model": model}
+        # The scheduler's name for the tenant a request leaves unset (admission.md).
+        return {"gpu": gpu or "unknown", "tenant": self._tenant(tenant or DEFAULT_TENANT), "model": model}

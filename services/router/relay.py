@@ -159,6 +159,7 @@ class Relay:
                     return
                 try:
                     placement = await self._place(generation, request, retry_cause, time_remaining())
+                    generation.placed = True
                 except BatonError as error:
                     # Refused as bad input before any node ran it (a move's GPU time is a task's, whatever comes), and
                     # no workflow's step (its workflow failed: unreported, one without total_steps counted as

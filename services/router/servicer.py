@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 from opentelemetry.metrics import Observation
 
-from baton.protocol import LIVE_IDS_PER_REPORT
+from baton.protocol import DEFAULT_TENANT, LIVE_IDS_PER_REPORT
 from baton.v1 import (
     common_pb2,
     node_agent_pb2,
@@ -87,6 +87,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._live: Counter[str] = Counter()
         # The workflow of each live request that is a step of one.
         self._live_workflows: dict[str, str] = {}
+        # The tenant of each live request as the leader counts it, and its generation (once placed, the reports
+        # name its tenant: a leader with no slot for it gives it one).
+        self._live_tenants: dict[str, tuple[str, Generation]] = {}
         # Streams begun and not yet settled (valid or not), and an event set whenever that count reaches 0.
         self._open_streams = 0
         self._streams_ended = asyncio.Event()
@@ -140,13 +143,19 @@ class RouterService(router_pb2_grpc.RouterServicer):
             for start in range(0, len(live), LIVE_IDS_PER_REPORT):
                 ids = live[start:start + LIVE_IDS_PER_REPORT]
                 workflows = sorted({self._live_workflows[i] for i in ids if i in self._live_workflows})
+                tenants = [self._reported_tenant(i) for i in ids]
                 report = scheduler_pb2.LiveRequests(router_id=self._config.instance_id, request_ids=ids,
-                                                    workflow_ids=workflows)
+                                                    workflow_ids=workflows, tenants=tenants)
                 try:
                     await stub.ReportLiveRequests(report, timeout=interval_s)
                 except grpc.aio.AioRpcError as exc:
                     log.debug("live-request report to %s failed: %s", address, exc.code().name)
                     break
+
+    def _reported_tenant(self, request_id: str) -> str:
+        """The tenant a live report gives request_id: its own once a node has taken it, else ""."""
+        live = self._live_tenants.get(request_id)
+        return live[0] if live is not None and live[1].placed else ""
 
     def _on_nodes_changed(self, items: dict[str, bytes]) -> None:
         self._models = models_from_registrations(items, self._nodes.lapsed)
@@ -313,6 +322,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             self._live[live_id] += 1
             if request.workflow_id:
                 self._live_workflows[live_id] = request.workflow_id
+            self._live_tenants[live_id] = (request.tenant or DEFAULT_TENANT, generation)
             # A stream that passes its end-to-end deadline ends there: the tokens sent so far stay sent.
             deadline_at = (asyncio.get_running_loop().time() + request.deadline_ms / 1000
                            if request.deadline_ms else None)
@@ -369,6 +379,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 if self._live[live_id] <= 0:
                     del self._live[live_id]
                     self._live_workflows.pop(live_id, None)
+                    self._live_tenants.pop(live_id, None)
             # The relay has ended, unless this stream was cancelled again while it closed: then its ending is told
             # when it comes.
             held.settle(delivered)

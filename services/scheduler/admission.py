@@ -26,7 +26,7 @@ import enum
 import json
 import math
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,6 +212,9 @@ class Admission:
         self._limits = dict(limits or {})
         self._default = default_limits
         self._tenants: dict[str, _Tenant] = defaultdict(_Tenant)
+        # When the ends of requests were reported (oldest first, a lease's worth): a live report under way as one
+        # ended does not give it a slot again (adopt).
+        self._ended_at: dict[str, float] = {}
         self._queued: dict[str, Ticket] = {}
         self._held: dict[str, _Hold] = {}
         self._pruned_at = -math.inf
@@ -453,18 +456,39 @@ class Admission:
         if hold is not None:
             hold.spent = True
 
-    def renew(self, request_ids: Iterable[str], now: float, holder: str = "") -> int:
+    def renew(self, request_ids: Sequence[str], now: float, holder: str = "", tenants: Sequence[str] = ()) -> int:
         """Those of request_ids holding a slot are alive (through holder, the router that says so): their leases
         run lease_s from now. How many. Not from a router that has ended its stream of one (a report under way as
-        it did)."""
+        it did).
+
+        tenants (one to an id, "" for an id no node has taken yet): an id a node runs that holds no slot here, of a
+        tenant with a concurrency limit, is given one (adopt): it runs, whatever this leader knew of it. A leader
+        that took over within a second of its admission, or from a state older than a lease, held none, and its
+        tenant ran its whole max_concurrency again beside it (live: nine more, one at a time, helper-134)."""
         renewed = 0
-        for request_id in request_ids:
+        for i, request_id in enumerate(request_ids):
             hold = self._held.get(request_id)
+            if hold is None and tenants and tenants[i]:
+                hold = self._adopt(request_id, tenants[i], now)
             if hold is not None and holder not in hold.ended:
                 hold.expires_at = max(hold.expires_at, now + self.lease_s)
                 hold.claim(holder, now)
                 renewed += 1
         return renewed
+
+    def _adopt(self, request_id: str, tenant_name: str, now: float) -> _Hold | None:
+        """A slot for request_id, which a router says a node runs, if its tenant has a concurrency limit; None if
+        not, or if the id waits in the queue (its slot comes with its dispatch), or its end was reported within a
+        lease (the report was under way as it ended: adopted, its slot was held a lease after it ended). Its tokens
+        are not charged: their charge, if any, was another leader's."""
+        if (self.limits(tenant_name).max_concurrency is None or request_id in self._queued
+                or now - self._ended_at.get(request_id, -math.inf) < self.lease_s):
+            return None
+        tenant = self._tenants[tenant_name]
+        tenant.in_flight += 1
+        tenant.admitted[request_id] = now
+        self._held[request_id] = hold = _Hold(tenant_name, now + self.lease_s, spent=True)
+        return hold
 
     def end(self, request_id: str, now: float, holder: str = "", another_stream_live: bool = False,
             ran: bool = True, attempt: int = 0) -> bool:
@@ -494,6 +518,8 @@ class Admission:
         if admitted_at is not None and ran:  # an end reported, not a lease run out: how long a slot is held
             held = now - admitted_at
             state.held_s = held if state.held_s is None else state.held_s + SLOT_SMOOTHING * (held - state.held_s)
+        self._ended_at.pop(request_id, None)  # (kept in order of their ends)
+        self._ended_at[request_id] = now
         return self.release(request_id, refund=not ran and not hold.spent)
 
     def leave_to_others(self, request_id: str, now: float) -> None:
@@ -529,6 +555,8 @@ class Admission:
         lapsed = [request_id for request_id, hold in self._held.items() if hold.expires_at <= now]
         for request_id in lapsed:
             self.release(request_id)
+        while self._ended_at and next(iter(self._ended_at.values())) <= now - self.lease_s:
+            self._ended_at.pop(next(iter(self._ended_at)))
         if now - self._pruned_at >= _PRUNE_EVERY_S:
             self._pruned_at = now
             self.prune(now)

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 
 from opentelemetry.metrics import Meter
 
@@ -140,10 +140,10 @@ class AdmissionGate:
         """request_id was placed: it may run, and its tokens stay charged."""
         self._admission.on_placed(request_id)
 
-    def renew(self, request_ids: Iterable[str], holder: str = "") -> int:
-        """These requests are still being served, through holder (a router): their slots' leases start again. How
-        many were held."""
-        return self._admission.renew(request_ids, self._clock(), holder)
+    def renew(self, request_ids: Sequence[str], holder: str = "", tenants: Sequence[str] = ()) -> int:
+        """These requests are still being served, through holder (a router): their slots' leases start again; those
+        a node runs with no slot here get one (Admission.renew). How many are held."""
+        return self._admission.renew(request_ids, self._clock(), holder, tenants)
 
     def sweep(self) -> None:
         """Free the slots whose lease ran out: their requests' end was never reported."""

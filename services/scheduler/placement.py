@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from baton.protocol import DEFAULT_TENANT
 from services.common.block_hash import DEFAULT_BLOCK_SIZE
 from services.common.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from services.common.load import Load
@@ -208,7 +209,7 @@ class Placer:
                                 + (" and deadline were" if request.deadline_ms else " was")
                                 + " not predicted and nothing was refused on them")
         self._check_deadline(request, options, now, resumed=plan.ask.resumed, models=plan.models)
-        ticket = Ticket(request_id=request.request_id, tenant=request.tenant or "default",
+        ticket = Ticket(request_id=request.request_id, tenant=request.tenant or DEFAULT_TENANT,
                         priority=request.priority, num_tokens=request.num_prompt_tokens + request.max_tokens,
                         arrived_at=now,
                         deadline_at=now + request.ttft_budget_ms / 1000

@@ -597,13 +597,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.LiveRequests, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.LiveRequestsAck:
         try:
-            check_live_requests(request, self._config.max_live_ids)
+            check_live_requests(request, self._config.max_live_ids, self._config.max_id_len)
         except BatonError as error:
             await abort(context, error)
         await self._role.wait_if_taking_over(self._config.lease_ttl_s)
         num_held = 0
         if self._role.is_leader:
-            num_held = self._gate.renew(request.request_ids, request.router_id)
+            num_held = self._gate.renew(request.request_ids, request.router_id, request.tenants)
             # A long step (or a retry of a lone request, whose task is its id) does not time its task out.
             self._tasks.touch([*map(workflow_task, request.workflow_ids), *map(request_task, request.request_ids)],
                               self._clock())

@@ -376,3 +376,37 @@ async def test_the_hand_over_leaves_out_the_spend_of_workflows_that_ended() -> N
     service._tasks.record(workflow_task("done"), 1, 1, 0.1, True, 100.0)
     assert service._hand_over_state()["workflow_spent"] == {"going": 2.0}
     await service.close()
+
+
+def test_a_request_a_node_runs_with_no_slot_here_is_given_one_by_its_routers_report() -> None:
+    """A leader killed half a second after admitting two streams of a tenant at max_concurrency 2 had not yet
+    written them to etcd: its successor, holding no slot for them, let that tenant run nine more, one at a time,
+    while they streamed (helper-134). The routers' live reports name the tenant of each request a node runs."""
+    admission = Admission(limits={"t": TenantLimits(max_concurrency=2)}, lease_s=10.0)
+    assert admission.offer(ticket("queued"), 0.0, True, 0.1).verdict == Verdict.QUEUE
+    reported = ["a", "b", "asked", "queued", "free-tenant"]
+    assert admission.renew(reported, 1.0, "router-0", tenants=["t", "t", "", "t", "free"]) == 2
+    assert admission.in_flight("t") == 2 and admission.num_held == 2
+    assert admission.end("a", 2.0, holder="router-0")
+    # A report sent as "a" ended reaches the leader after its Finished: it does not take the slot again.
+    assert admission.renew(["a", "b"], 2.1, "router-0", tenants=["t", "t"]) == 1
+    assert admission.in_flight("t") == 1
+
+
+async def test_the_leader_gives_a_slot_to_a_placed_request_its_router_reports_and_checks_the_tenants(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    try:
+        service._admission.set_limits(CAPPED)
+        report = scheduler_pb2.LiveRequests(router_id="router-0", request_ids=["r"], tenants=["t"])
+        ack = await service.ReportLiveRequests(report, FakeContext())  # type: ignore[arg-type]
+        assert ack.num_held == 1 and verdict(service._admission, "next", service._clock()) == Verdict.REJECT
+        for tenants, named in ((["t", "t"], "tenants='2 tenants': one for each of the 1 request_ids, or none"),
+                               (["x" * 129], "tenants[0]=")):
+            with pytest.raises(Refused) as refused:
+                await service.ReportLiveRequests(scheduler_pb2.LiveRequests(request_ids=["r"], tenants=tenants),
+                                                 FakeContext())  # type: ignore[arg-type]
+            assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and named in str(refused.value)
+    finally:
+        await service.close()

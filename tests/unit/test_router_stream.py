@@ -19,7 +19,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from baton.protocol import LEADER_KEY, LIVE_IDS_PER_REPORT
+from baton.protocol import DEFAULT_TENANT, LEADER_KEY, LIVE_IDS_PER_REPORT
 from baton.v1 import (
     common_pb2,
     node_agent_pb2,
@@ -755,6 +755,9 @@ async def test_the_router_reports_the_workflows_of_the_steps_it_serves() -> None
             reporting.cancel()
             call.cancel()
     assert list(report.request_ids) == ["s2"] and list(report.workflow_ids) == ["wf-1"]
+    # Placed, it is named with its tenant: a leader that holds no slot for it (it took over within a second of its
+    # admission) gives it one (helper-134).
+    assert list(report.tenants) == [DEFAULT_TENANT]
 
 
 async def test_a_router_serving_more_requests_than_one_report_holds_splits_its_report() -> None:
@@ -770,8 +773,9 @@ async def test_a_router_serving_more_requests_than_one_report_holds_splits_its_r
         finally:
             reporting.cancel()
     for report in reports:
-        check_live_requests(report, SchedulerConfig().max_live_ids)
+        check_live_requests(report, SchedulerConfig().max_live_ids, SchedulerConfig().max_id_len)
     assert [len(r.request_ids) for r in reports] == [LIVE_IDS_PER_REPORT, LIVE_IDS_PER_REPORT, 1]
+    assert all(list(r.tenants) == [""] * len(r.request_ids) for r in reports)  # none of them placed yet
     assert sum(len(r.workflow_ids) for r in reports) == num_live
 
 
