@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 WINDOW_S = 60.0
+# The age step of the tokens a leader hands over (Admission.to_state): a minute in 12 entries per tenant.
+TOKEN_STATE_S = 5
 # A tenant at its concurrency limit is told to retry when its oldest request should end: the mean time its requests
 # have held a slot (an exponential average over those ended, SLOT_SMOOTHING per end) less that one's age, at least
 # 1 s and at most SLOT_HINT_MAX_S (the openai client waits out a Retry-After of up to 60 s; longer, its own backoff).
@@ -505,6 +507,11 @@ class Admission:
         uncounted (helper-130, helper-132). Else, not ran, its tokens are given back too, unless a call placed it
         (it may have run) or it came as a resume (its charge stands for its earlier stream)."""
         hold = self._held.get(request_id)
+        if hold is None and ran:
+            # Its end is known: a live report sent before it, arriving after, gives it no slot (adopt; on a
+            # successor that holds none, helper-135).
+            self._ended_at.pop(request_id, None)
+            self._ended_at[request_id] = now
         if hold is None or (attempt and hold.attempt != attempt):
             return False
         since, _ = hold.holders.pop(holder, (-math.inf, -math.inf))
@@ -564,64 +571,77 @@ class Admission:
 
     def to_state(self, now: float, max_bytes: int) -> dict[str, Any]:
         """What a successor needs to hold tenants to their limits across a failover (JSON, about max_bytes at most):
-        for tenants with a token limit, the tokens charged within the minute, per second of age; for tenants with a
-        concurrency limit, the ids holding their slots, newest first, with their ages. Without them a new leader
-        started from nothing: each tenant could run its whole max_concurrency again beside its running requests, and
-        a whole minute's tokens again. Bounded in bytes: the state is one etcd value, rewritten every second (etcd
-        refuses one over 1.5 MiB, and keeps thousands of past writes in memory, helper-133)."""
-        room = max_bytes
+        for tenants with a concurrency limit, the ids holding their slots, newest first, each with its age, its
+        prompt's digest and its routers (with how long ago each first and last placed or reported it), within half
+        of max_bytes; then, for tenants with a token limit, the tokens charged within the minute, per
+        TOKEN_STATE_S of age, within the rest. Without them a new leader started from nothing: each tenant could run
+        its whole max_concurrency again beside its running requests, and a whole minute's tokens again. Bounded in
+        bytes: the state is one etcd value, rewritten every second (etcd refuses one over 1.5 MiB, and keeps
+        thousands of past writes in memory, helper-133). "left_out": the slots and tenants' windows that did not
+        fit."""
+        room, left_out = max_bytes // 2, 0
+        slots: dict[str, list[list[Any]]] = defaultdict(list)
+        held = sorted(((state.admitted.get(request_id, now), request_id, hold)
+                       for request_id, hold in self._held.items()
+                       if self.limits(hold.tenant).max_concurrency is not None
+                       and (state := self._tenants.get(hold.tenant)) is not None), key=lambda h: h[:2], reverse=True)
+        for admitted_at, request_id, hold in held:
+            entry = [request_id, round(now - admitted_at, 1), hold.prompt_digest,
+                     [[router, round(now - since, 1), round(now - last, 1)]
+                      for router, (since, last) in sorted(hold.holders.items()) if router not in hold.ended]]
+            size = len(json.dumps(entry)) + 2 + (0 if hold.tenant in slots else len(json.dumps(hold.tenant)) + 4)
+            if size > room:
+                left_out += 1
+                continue
+            room -= size
+            slots[hold.tenant].append(entry)
+        room += max_bytes - max_bytes // 2
         served: dict[str, list[list[int]]] = {}
         for name, state in self._tenants.items():
             if self.limits(name).tokens_per_minute is None:
                 continue
             state.expire(now)
             by_age: dict[int, int] = defaultdict(int)
-            for at, tokens in state.served:
-                by_age[math.floor(now - at)] += tokens  # (counted a little younger: held no shorter)
+            for at, tokens in state.served:  # (counted a little younger: held no shorter)
+                by_age[math.floor((now - at) / TOKEN_STATE_S) * TOKEN_STATE_S] += tokens
             entries = [[age, tokens] for age, tokens in sorted(by_age.items())]
-            room -= len(json.dumps({name: entries}))
-            if room < 0:
-                return {"served": served, "slots": {}}
+            size = len(json.dumps({name: entries}))
+            if size > room:
+                left_out += 1
+                continue
+            room -= size
             served[name] = entries
-        held = sorted(((state.admitted.get(request_id, now), request_id, hold.tenant)
-                       for request_id, hold in self._held.items()
-                       if self.limits(hold.tenant).max_concurrency is not None
-                       and (state := self._tenants.get(hold.tenant)) is not None), reverse=True)
-        slots: dict[str, list[list[Any]]] = defaultdict(list)
-        for admitted_at, request_id, tenant in held:
-            entry = [request_id, round(now - admitted_at, 1)]
-            room -= len(json.dumps(entry)) + 2 + (0 if tenant in slots else len(json.dumps(tenant)) + 4)
-            if room < 0:
-                break
-            slots[tenant].append(entry)
-        return {"served": served, "slots": slots}
+        return {"slots": slots, "served": served, "left_out": left_out}
 
-    def restore(self, state: dict[str, Any], now: float, gap_s: float) -> int:
-        """Take over a predecessor's to_state, written gap_s ago (by the wall clocks; the time no replica led):
-        its tenants' tokens of the minute, aged by the gap, and its slots, each leased lease_s from now (the
-        routers running them renew them; one that ended while no leader heard is freed then). A state older than a
-        lease gives no slots: each would have lapsed by now unless renewed, and which were cannot be known (a
-        state hours old, left by a control plane that stopped, held tenants at their limits for a lease,
-        helper-133). What this replica held itself, from an earlier term, is dropped; its queue is kept. The slots'
-        tokens are never given back (they may have run). How many slots it took; ValueError if state is not a
-        to_state's (nothing is changed then)."""
-        gap_s = max(0.0, gap_s)
+    def restore(self, state: dict[str, Any], now: float, gap_s: float | None) -> int:
+        """Take over a predecessor's to_state, written gap_s ago (by the wall clocks; the time no replica led; None:
+        not known): its tenants' tokens of the minute, aged by the gap, and its slots, each leased lease_s from now
+        (the routers running them renew them; one that ended while no leader heard is freed then). A state older than
+        a lease, or of unknown age, gives no slots: each would have lapsed by now unless renewed, and which were
+        cannot be known (a state hours old, left by a control plane that stopped, held tenants at their limits for a
+        lease, helper-133). What this replica held itself, from an earlier term, is dropped; its queue is kept. The
+        slots' tokens are never given back (they may have run). How many slots it took; ValueError if state is not
+        a to_state's (nothing is changed then)."""
         tenants: defaultdict[str, _Tenant] = defaultdict(_Tenant)
         held: dict[str, _Hold] = {}
+        gap = max(0.0, gap_s or 0.0)
         try:
             for name, entries in state.get("served", {}).items():
                 tenant = tenants[str(name)]
-                for age, tokens in sorted(((float(a) + gap_s, int(t)) for a, t in entries), reverse=True):
+                for age, tokens in sorted(((float(a) + gap, int(t)) for a, t in entries), reverse=True):
                     if age < WINDOW_S:  # oldest first
                         tenant.served.append((now - age, tokens))
                         tenant.served_tokens += tokens
-            slots = state.get("slots", {}) if gap_s <= self.lease_s else {}
+            slots = state.get("slots", {}) if gap_s is not None and gap <= self.lease_s else {}
             for name, entries in slots.items():
                 tenant = tenants[str(name)]
-                for request_id, age in sorted(entries, key=lambda entry: -float(entry[1])):  # oldest first
-                    tenant.in_flight += 1
-                    tenant.admitted[str(request_id)] = now - float(age) - gap_s
-                    held[str(request_id)] = _Hold(str(name), now + self.lease_s, spent=True)
+                for request_id, age, digest, holders in sorted(entries, key=lambda entry: -float(entry[1])):
+                    tenant.in_flight += 1  # (oldest first)
+                    tenant.admitted[str(request_id)] = now - float(age) - gap
+                    hold = _Hold(str(name), now + self.lease_s, int(digest), spent=True)
+                    for router, since, last in holders:
+                        hold.holders[str(router)] = (now - float(since) - gap, now - float(last) - gap)
+                    held[str(request_id)] = hold
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             raise ValueError(f"admission state: {exc!r}") from None
         self._tenants, self._held = tenants, held

@@ -51,8 +51,11 @@ log = logging.getLogger(__name__)
 _DECISIONS_KEPT = 200
 _WORKFLOWS_HANDED_OVER = 10_000
 # The tasks ended lately that a leader hands over (a late or repeated notice of one, a router's after a leader
-# change, must not open it again at the successor): those ended within this many seconds.
-_ENDED_HANDED_OVER_S = 60.0
+# change, must not open it again at the successor): those ended within this many seconds, as long as a router
+# tries to deliver a notice (services/router/relay.py _NOTICE_WITHIN_S).
+_ENDED_HANDED_OVER_S = 30.0
+# The workflows placed last whose spend a leader hands over though their task is not open yet (their first step runs).
+_NEW_WORKFLOWS_HANDED_OVER = 1_000
 # The admission state a leader hands over, in bytes at most (about 400 slots of 36-character ids): the whole state
 # is one etcd value, rewritten every second, and etcd keeps thousands of past writes in memory (helper-133).
 _ADMISSION_STATE_BYTES = 16 * 1024
@@ -243,21 +246,27 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _hand_over_state(self) -> dict[str, Any]:
         """What a successor needs that it cannot rebuild from etcd and node reports."""
         now = self._clock()
-        spent = self._policy.workflow_state()
         return {
             "leader": self._config.instance_id,
             "incarnation": self._incarnation,
             "retry_budget": {"requests": self._retry_budget.num_requests(now),
                              "retries": self._retry_budget.num_retries(now)},
-            # The most recent workflows' GPU spend (dicts keep insertion order), but for those whose task has ended
-            # (no step of theirs is to come): with them, the state grew with the traffic (helper-134).
-            "workflow_spent": dict([(workflow, spend) for workflow, spend in spent.items()
-                                    if not self._tasks.has_ended(workflow_task(workflow))][-_WORKFLOWS_HANDED_OVER:]),
+            "workflow_spent": self._workflows_handed_over(),
             "tasks": self._tasks.to_state(_WORKFLOWS_HANDED_OVER, now, _ENDED_HANDED_OVER_S),
             "fleet": {"counted_until_unix": self._fleet_counted_unix, "price_per_hour": self.fleet_price_per_hour()},
             "model_demand_age_s": self._planner.demand_state(now),
             "admission": {**self._admission.to_state(now, _ADMISSION_STATE_BYTES), "written_unix": self._wall_clock()},
         }
+
+    def _workflows_handed_over(self) -> dict[str, float]:
+        """The GPU spend of the workflows whose task is open, and of the last to be placed whose task has not ended
+        (a first step still running opens none): those a step may yet come to. Not every recent one's: a workflow
+        whose task ended has no step to come, and with them the state grew with the traffic (helper-134, 135)."""
+        spent = self._policy.workflow_state()
+        recent = list(spent)[-_NEW_WORKFLOWS_HANDED_OVER:]
+        handed = {w: s for w, s in spent.items() if self._tasks.is_open(workflow_task(w))}
+        handed.update((w, spent[w]) for w in recent if not self._tasks.has_ended(workflow_task(w)))
+        return dict(list(handed.items())[-_WORKFLOWS_HANDED_OVER:])
 
     def _take_over_state(self, state: dict[str, Any]) -> None:
         if state.get("incarnation") == self._incarnation:
@@ -284,17 +293,22 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _take_over_admission(self, state: dict[str, Any]) -> None:
         """The predecessor's admission slots and tenants' tokens of the minute (Admission.restore); then this
         replica's own queue is held to them, as to lowered limits."""
-        gap_s = self._wall_clock() - float(state.get("written_unix", 0.0))
+        written = state.get("written_unix")
+        gap_s = self._wall_clock() - float(written) if isinstance(written, int | float) else None
         try:
             taken = self._admission.restore(state, self._clock(), gap_s)
         except ValueError as exc:
             log.warning("not taking over the predecessor's admission state: %s", exc)
             return
-        if gap_s > self._admission.lease_s:
-            log.warning("took over no admission slots: the predecessor's state was written %.0f s ago, more than "
-                        "a lease (%.0f s)", gap_s, self._admission.lease_s)
+        if gap_s is None or gap_s > self._admission.lease_s:
+            log.warning("took over no admission slots: the predecessor's state was written %s ago, more than a lease "
+                        "(%.0f s)", "an unknown time" if gap_s is None else f"{gap_s:.0f} s", self._admission.lease_s)
         elif taken:
             log.info("took over %d admission slots", taken)
+        if state.get("left_out"):
+            log.warning("the predecessor's admission state left out %s slots or tenants' token windows (over its %d "
+                        "bytes): their routers' live reports give the slots back", state["left_out"],
+                        _ADMISSION_STATE_BYTES)
         self._gate.limits_changed()
 
     def _on_nodes_changed(self, items: dict[str, bytes]) -> None:

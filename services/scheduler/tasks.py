@@ -16,6 +16,7 @@ as the ledger has run (the leader adds each interval's fleet cost) ÷ tasks succ
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -27,6 +28,11 @@ def workflow_task(workflow_id: str) -> str:
     """The ledger's key of a workflow's task: its own key space, so that no request id names it (a lone request
     reusing an ended workflow's id was taken for a late notice of it, and its success went uncounted)."""
     return "workflow:" + workflow_id
+
+
+def task_digest(task_id: str) -> str:
+    """A short digest of a task's key, as a leader hands its ended tasks over."""
+    return hashlib.blake2b(task_id.encode(), digest_size=8).hexdigest()
 
 
 def request_task(request_id: str) -> str:
@@ -97,8 +103,10 @@ class TaskLedger:
         self.ended_cost_usd = 0.0
         self.overhead_usd = 0.0
         self.fleet_cost_usd = 0.0
-        # Ids of the tasks ended most recently, with when, so that a late notice does not open them again.
+        # Ids of the tasks ended most recently, with when, so that a late notice does not open them again; and the
+        # digests (task_digest) of those a predecessor had ended lately.
         self._ended: OrderedDict[str, float] = OrderedDict()
+        self._ended_digests: set[str] = set()
 
     def record(self, task_id: str, step: int, total_steps: int, cost_usd: float, ok: bool,
                now: float) -> bool | None:
@@ -106,7 +114,8 @@ class TaskLedger:
 
         Returns the task's outcome if this ended it (True: succeeded), None while it stays open.
         """
-        if task_id in self._ended:  # a late notice for a task already counted: its cost still counts
+        if task_id in self._ended or (self._ended_digests and task_digest(task_id) in self._ended_digests):
+            # A late notice for a task already counted: its cost still counts.
             self.ended_cost_usd += cost_usd
             return None
         task = self._open.pop(task_id, None) or _Task(total_steps=max(total_steps, 0))
@@ -177,6 +186,9 @@ class TaskLedger:
 
     # -- hand-over to the next leader -------------------------------------------------------------
 
+    def is_open(self, task_id: str) -> bool:
+        return task_id in self._open
+
     def has_ended(self, task_id: str) -> bool:
         """Whether task_id ended lately (among the last max_open to end)."""
         return task_id in self._ended
@@ -198,10 +210,11 @@ class TaskLedger:
             "open": {k: [t.total_steps, t.spent_usd, sorted(t.succeeded), t.last_ok, now - t.last_at]
                      for k, t in recent},
             "open_failed_steps": {k: sorted(t.failed) for k, t in recent if t.failed},
-            # The dropped ones ended here: a late notice of one must not open it again at the successor.
-            # (the most recently ended kept first, then the dropped ones, within the cap)
-            "ended": ([k for k, _ in dropped] + [k for k, at in self._ended.items()
-                                                  if now - at <= ended_within_s])[-max_open:],
+            # The dropped ones ended here: a late notice of one must not open it again at the successor (the most
+            # recently ended kept first, then the dropped ones, within the cap). As digests: 16 characters, where a
+            # tenant-scoped id may have 257.
+            "ended_digests": [task_digest(k) for k in ([k for k, _ in dropped] + [
+                k for k, at in self._ended.items() if now - at <= ended_within_s])[-max_open:]],
         }
 
     def restore(self, state: dict[str, Any], now: float) -> None:
@@ -218,6 +231,8 @@ class TaskLedger:
             # A state written by the versions that put failed steps in a sixth field.
             for k, (total, spent, steps, ok, age, *legacy) in state["open"].items())
         # An ended task's key from a version with one key space may be either kind.
+        # (A state from a version that handed the ids themselves over.)
         self._ended = OrderedDict.fromkeys((key for k in state.get("ended", ())
                                             for key in ((k,) if _is_keyed(k) else (request_task(k), workflow_task(k)))),
                                            now)
+        self._ended_digests = {str(d) for d in state.get("ended_digests", ())}

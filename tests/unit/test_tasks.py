@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.tasks import TaskLedger, request_task, workflow_task
+from services.scheduler.tasks import TaskLedger, request_task, task_digest, workflow_task
 
 
 def test_a_request_without_a_workflow_is_a_task_of_one_step() -> None:
@@ -199,7 +199,8 @@ def test_the_hand_over_keeps_only_the_tasks_ended_lately() -> None:
     for n in range(1000):
         ledger.record(request_task(f"r{n}"), 1, 1, 0.01, True, float(n))
     state = ledger.to_state(10_000, 1000.0, ended_within_s=60.0)
-    assert state["ended"] == [request_task(f"r{n}") for n in range(940, 1000)]
+    assert state["ended_digests"] == [task_digest(request_task(f"r{n}")) for n in range(940, 1000)]
+    assert all(len(d) == 16 for d in state["ended_digests"])  # whatever the id's length
     successor = TaskLedger()
     successor.restore(state, 5.0)
     successor.record(request_task("r999"), 1, 1, 0.01, True, 6.0)  # a late notice: not a task of its own
