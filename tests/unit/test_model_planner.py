@@ -283,18 +283,24 @@ async def test_the_cluster_state_names_a_node_drained_for_a_swap(monkeypatch: py
         await service.close()
 
 
-@pytest.mark.parametrize("resumed", [False, True])
-async def test_a_request_whose_cold_node_fails_to_load_it_is_placed_on_another(
-        monkeypatch: pytest.MonkeyPatch, resumed: bool) -> None:
-    """The node chosen to load the request's model died mid-load: the request, which ran nowhere, was refused, and
-    the openai client's retries were placed on the dead node again, still a candidate until its lease ended
-    (helper-126). The leader places it again without that node."""
+def _leader_with_two_cold_nodes(monkeypatch: pytest.MonkeyPatch) -> SchedulerService:
+    """A leading scheduler whose nodes n0 and n1 both have model A cold, on free GPUs."""
     fake_leadership(monkeypatch, lambda: True)
     service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
     service._role.elected.set()
     service._cluster.set_nodes([spec("n0", cold={A}), spec("n1", cold={A})])
     for node_id in ("n0", "n1"):
         service._cluster.report_load(node_id, Load(kv_blocks_total=1000), time.monotonic())
+    return service
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+async def test_a_request_whose_cold_node_fails_to_load_it_is_placed_on_another(
+        monkeypatch: pytest.MonkeyPatch, resumed: bool) -> None:
+    """The node chosen to load the request's model died mid-load: the request, which ran nowhere, was refused, and
+    the openai client's retries were placed on the dead node again, still a candidate until its lease ended
+    (helper-126). The leader places it again without that node."""
+    service = _leader_with_two_cold_nodes(monkeypatch)
     tried: list[str] = []
 
     async def ensure_warm(node_id: str, address: str, model: str, reason: str) -> None:
@@ -323,12 +329,7 @@ async def test_a_call_abandoned_mid_load_leaves_the_slot_to_its_resend(monkeypat
     """A router abandons its Place when etcd shows a new leader and sends it again, here to the same replica (elected
     again). The resend is admitted on the first call's slot and placed; the first call, cancelled while its node
     loaded the model, freed that slot and gave its tokens back while the resend ran (helper-130)."""
-    fake_leadership(monkeypatch, lambda: True)
-    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
-    service._role.elected.set()
-    service._cluster.set_nodes([spec("n0", cold={A}), spec("n1", cold={A})])
-    for node_id in ("n0", "n1"):
-        service._cluster.report_load(node_id, Load(kv_blocks_total=1000), time.monotonic())
+    service = _leader_with_two_cold_nodes(monkeypatch)
     loading, never = asyncio.Event(), asyncio.Event()
 
     async def ensure_warm(node_id: str, address: str, model: str, reason: str) -> None:
