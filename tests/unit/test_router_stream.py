@@ -760,6 +760,30 @@ async def test_the_router_reports_the_workflows_of_the_steps_it_serves() -> None
     assert list(report.tenants) == [DEFAULT_TENANT]
 
 
+async def test_the_router_reports_its_live_requests_to_a_new_leader_at_once() -> None:
+    # A successor that took over holding no slot for a running request gives it one from the router's report; until
+    # then a request of its tenant is let past the tenant's limit (helper-135). The report does not wait its interval.
+    async with _router(_one_token_then_silent, live_report_interval_s=3600.0) as (_, scheduler):
+        assert scheduler.router is not None
+        service = scheduler.router
+        service._live.update(["r"])
+        shown = asyncio.Event()
+
+        async def wait_for_other(leader: LeaderRecord | None, timeout_s: float) -> LeaderRecord | None:
+            await shown.wait()  # etcd shows a new leader (here: the same address, another key)
+            shown.clear()
+            return service._leader.leader()
+
+        service._leader.wait_for_other = wait_for_other  # type: ignore[method-assign]
+        reporting = asyncio.create_task(service._report_live())
+        try:
+            shown.set()
+            report = await asyncio.wait_for(scheduler.live_reports.get(), 10)
+        finally:
+            reporting.cancel()
+    assert list(report.request_ids) == ["r"]
+
+
 async def test_a_router_serving_more_requests_than_one_report_holds_splits_its_report() -> None:
     # The leader refuses a report longer than its --max-live-ids: each part the router sends is within its default.
     async with _router(_one_token_then_silent, live_report_interval_s=0.05) as (_, scheduler):
