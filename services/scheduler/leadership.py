@@ -76,6 +76,10 @@ class LeaderRole:
         elif self._key_seen == key:
             self._election.key_deleted(key)
 
+    def has_taken_over(self) -> bool:
+        """Whether this replica leads and has restored its predecessor's hand-over state."""
+        return self.elected.is_set()
+
     async def wait_if_taking_over(self, timeout_s: float) -> None:
         """If etcd already shows this replica as the leader but it has not finished taking over
         (its campaign has yet to see its predecessor's key go, or it is restoring the hand-over

@@ -615,11 +615,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         except BatonError as error:
             await abort(context, error)
         await self._role.wait_if_taking_over(self._config.lease_ttl_s)
-        if not self._role.is_leader:
+        if not self._role.has_taken_over():
             # etcd showed this replica the leader to the router before its own campaign returned (its predecessor's
             # key had just gone): dropped then, the report gave no slot to the requests running with none here, and
             # their tenant went past its limit until the next report (helper-136: five more, in 1 of 19 failovers).
-            # A standby's stray report waits as long, within the call.
+            # Nor while it restores its predecessor's state, which would replace the slots the report gave
+            # (helper-137). A standby's stray report waits as long, within the call.
             remaining_s = _usable(context.time_remaining())
             await wait_or_timeout(self._role.elected, self._config.lease_ttl_s if remaining_s is None
                                   else min(self._config.lease_ttl_s, remaining_s))

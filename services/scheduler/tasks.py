@@ -106,7 +106,7 @@ class TaskLedger:
         # Ids of the tasks ended most recently, with when, so that a late notice does not open them again; and the
         # digests (task_digest) of those a predecessor had ended lately.
         self._ended: OrderedDict[str, float] = OrderedDict()
-        self._ended_digests: set[str] = set()
+        self._ended_digests: dict[str, float] = {}
 
     def record(self, task_id: str, step: int, total_steps: int, cost_usd: float, ok: bool,
                now: float) -> bool | None:
@@ -213,8 +213,10 @@ class TaskLedger:
             # The dropped ones ended here: a late notice of one must not open it again at the successor (the most
             # recently ended kept first, then the dropped ones, within the cap). As digests: 16 characters, where a
             # tenant-scoped id may have 257.
-            "ended_digests": [task_digest(k) for k in ([k for k, _ in dropped] + [
-                k for k, at in self._ended.items() if now - at <= ended_within_s])[-max_open:]],
+            # Those a predecessor handed over too: a third leader within the window must know them (helper-137).
+            "ended_digests": ([digest for digest, at in self._ended_digests.items() if now - at <= ended_within_s]
+                              + [task_digest(k) for k in [k for k, _ in dropped] + [
+                                  k for k, at in self._ended.items() if now - at <= ended_within_s]])[-max_open:],
         }
 
     def restore(self, state: dict[str, Any], now: float) -> None:
@@ -235,4 +237,4 @@ class TaskLedger:
         self._ended = OrderedDict.fromkeys((key for k in state.get("ended", ())
                                             for key in ((k,) if _is_keyed(k) else (request_task(k), workflow_task(k)))),
                                            now)
-        self._ended_digests = {str(d) for d in state.get("ended_digests", ())}
+        self._ended_digests = dict.fromkeys(map(str, state.get("ended_digests", ())), now)

@@ -19,3 +19,4 @@ def fake_leadership(monkeypatch: pytest.MonkeyPatch, is_leading: Callable[[], bo
     monkeypatch.setattr(LeaderRole, "is_leader", property(lambda self: is_leading()))
     monkeypatch.setattr(LeaderRole, "leading_revision", lambda self: revision if is_leading() else 0)
     monkeypatch.setattr(LeaderRole, "wait_confirmed", wait_confirmed)
+    monkeypatch.setattr(LeaderRole, "has_taken_over", lambda self: is_leading())

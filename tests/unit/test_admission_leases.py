@@ -479,3 +479,10 @@ async def test_a_live_report_that_comes_as_the_replica_is_elected_is_taken(monke
         assert (await asyncio.wait_for(reporting, 5)).num_held == 1
     finally:
         await service.close()
+
+
+def test_a_state_whose_slots_name_only_id_and_age_is_taken_over() -> None:
+    """The form an earlier version wrote: one entry it could not read lost the whole admission state (helper-137)."""
+    state = {"slots": {"t": [["r", 1.0]]}, "served": {"t": [[0, 100]]}}
+    admission = Admission(limits=CAPPED)
+    assert admission.restore(state, 10.0, gap_s=0.0) == 1 and admission.in_flight("t") == 1

@@ -205,3 +205,16 @@ def test_the_hand_over_keeps_only_the_tasks_ended_lately() -> None:
     successor.restore(state, 5.0)
     successor.record(request_task("r999"), 1, 1, 0.01, True, 6.0)  # a late notice: not a task of its own
     assert successor.stats().succeeded == 1000
+
+
+def test_tasks_ended_at_a_predecessor_are_handed_on_at_the_next_failover() -> None:
+    """A ended a task and failed over to B, and B to C within the window: a router's repeated notice opened the task
+    again at C and counted it twice (helper-137)."""
+    a = TaskLedger()
+    a.record(request_task("r"), 1, 1, 0.01, True, 0.0)
+    b = TaskLedger()
+    b.restore(a.to_state(100, 1.0, ended_within_s=30.0), 50.0)
+    c = TaskLedger()
+    c.restore(b.to_state(100, 60.0, ended_within_s=30.0), 7.0)
+    assert c.record(request_task("r"), 1, 1, 0.01, True, 8.0) is None and c.stats().succeeded == 1
+    assert b.to_state(100, 81.0, ended_within_s=30.0)["ended_digests"] == []  # past the window
