@@ -422,9 +422,9 @@ class Admission:
         return ticket
 
     def expired(self, now: float) -> list[Ticket]:
-        """Queued tickets whose TTFT budget or deadline (deadline_ms) has passed: they are refused, not served late (one
-        whose deadline_ms passed in the queue was dispatched, and its stream ended at once with DEADLINE_EXCEEDED
-        after its prefill had taken a node's time)."""
+        """Queued tickets whose TTFT budget or deadline (deadline_ms) has passed: they are refused, not served late. (A
+        deadline_ms is timed from the router, which ends the request at it and so cancels its Place first; this
+        drops one whose cancellation never comes, its router frozen, which was dispatched with no one to stream to.)"""
         late = [t for t in self._queued.values() if t.due_at < now]
         for ticket in late:
             del self._queued[ticket.request_id]

@@ -72,8 +72,8 @@ async def test_a_request_waits_while_the_fleet_is_saturated_and_goes_when_it_fre
 @pytest.mark.parametrize("which", ["ttft_budget_ms", "deadline_ms"])
 async def test_a_request_whose_deadline_passes_in_the_queue_is_refused_not_served_late(gate_and_fleet,
                                                                                       which: str) -> None:
-    """Either of its deadlines: one whose deadline_ms passed in the queue was dispatched, and its stream ended at
-    once with DEADLINE_EXCEEDED after its prefill had taken a node's time."""
+    """Either of its deadlines. (A deadline_ms passes at the router first, which cancels the Place; one whose
+    cancellation never came, its router frozen, was dispatched with no one to stream to.)"""
     gate, admission, fleet = gate_and_fleet
     late = ticket("late", fleet.now)
     late = dataclasses.replace(late, **{"deadline_at" if which == "ttft_budget_ms" else "ends_by": fleet.now + 1.0})
