@@ -510,11 +510,8 @@ class Admission:
         uncounted (helper-130, helper-132). Else, not ran, its tokens are given back too, unless a call placed it
         (it may have run) or it came as a resume (its charge stands for its earlier stream)."""
         hold = self._held.get(request_id)
-        if hold is None and ran:
-            # Its end is known: a live report sent before it, arriving after, gives it no slot (adopt; on a
-            # successor that holds none, helper-135).
-            self._ended_at.pop(request_id, None)
-            self._ended_at[request_id] = now
+        if hold is None and ran:  # (on a successor that holds none, helper-135)
+            self._note_end(request_id, now)
         if hold is None or (attempt and hold.attempt != attempt):
             return False
         since, _ = hold.holders.pop(holder, (-math.inf, -math.inf))
@@ -528,9 +525,13 @@ class Admission:
         if admitted_at is not None and ran:  # an end reported, not a lease run out: how long a slot is held
             held = now - admitted_at
             state.held_s = held if state.held_s is None else state.held_s + SLOT_SMOOTHING * (held - state.held_s)
+        self._note_end(request_id, now)
+        return self.release(request_id, refund=not ran and not hold.spent)
+
+    def _note_end(self, request_id: str, now: float) -> None:
+        """request_id's end is known: a live report sent before it, arriving after, gives it no slot (_adopt)."""
         self._ended_at.pop(request_id, None)  # (kept in order of their ends)
         self._ended_at[request_id] = now
-        return self.release(request_id, refund=not ran and not hold.spent)
 
     def leave_to_others(self, request_id: str, now: float) -> None:
         """A stream of request_id ended while another of its id is said to run: the slot stays held, but only for a

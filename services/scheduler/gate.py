@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from opentelemetry.metrics import Meter
 
 from services.common.change_signal import ChangeSignal, wait_or_timeout
-from services.common.errors import Aborted, AlreadyExists, InvalidArgument, ResourceExhausted
+from services.common.errors import Aborted, AlreadyExists, BatonError, InvalidArgument, ResourceExhausted
 from services.common.telemetry import MAX_LABEL_VALUES, BoundedLabel
 from services.scheduler.admission import Admission, Outcome, Ticket, Verdict
 
@@ -33,6 +33,16 @@ def band_label(priority: int) -> str:
     if priority < -MAX_LABELLED_BAND:
         return f"<-{MAX_LABELLED_BAND}"
     return str(priority)
+
+
+def _refusal(ticket: Ticket, outcome: Outcome, message: str) -> BatonError:
+    """The error refusing ticket for outcome, told as message: bad input if no wait would let it in (a 429 with a
+    retry hint would send it again in vain), a duplicate, or a wait with outcome's retry hint."""
+    if outcome.never:
+        return InvalidArgument("max_tokens", ticket.max_tokens, message)
+    if outcome.duplicate:
+        return AlreadyExists(message)
+    return ResourceExhausted(message, retry_after_ms=int(outcome.retry_after_s * 1000))
 
 
 class AdmissionGate:
@@ -87,11 +97,7 @@ class AdmissionGate:
             # A tenant's limit is counted per tenant, by a label of its own (its limit is in no label).
             tenant = {"tenant": self._tenant(ticket.tenant)} if outcome.kind.startswith("tenant") else {}
             self._decisions.add(1, {"verdict": "reject", "reason": outcome.kind, **band, **tenant})
-            if outcome.never:  # a 429 with a retry hint would send it again in vain
-                raise InvalidArgument("max_tokens", ticket.max_tokens, outcome.reason)
-            if outcome.duplicate:
-                raise AlreadyExists(outcome.reason)
-            raise ResourceExhausted(outcome.reason, retry_after_ms=int(outcome.retry_after_s * 1000))
+            raise _refusal(ticket, outcome, outcome.reason)
         if outcome.verdict == Verdict.QUEUE:
             self._decisions.add(1, {"verdict": "queue", **band})
             self._depth.add(1, band)
@@ -170,14 +176,10 @@ class AdmissionGate:
         tenant = {"tenant": self._tenant(ticket.tenant)} if kind.startswith("tenant") else {}
         self._decisions.add(1, {"verdict": "reject", "reason": kind, "band": band, **tenant})
         future = self._waiting.pop(ticket.request_id, None)
-        if future is None or future.done():
-            return
-        if outcome is not None and outcome.never:
-            future.set_exception(InvalidArgument("max_tokens", ticket.max_tokens, reason))
-        else:
-            retry_after_s = outcome.retry_after_s if outcome is not None else 1.0
-            future.set_exception(ResourceExhausted(f"request {ticket.request_id}: {reason}",
-                                                   retry_after_ms=int(retry_after_s * 1000)))
+        if future is not None and not future.done():
+            outcome = outcome or Outcome(Verdict.REJECT, retry_after_s=1.0)
+            future.set_exception(_refusal(ticket, outcome, reason if outcome.never
+                                          else f"request {ticket.request_id}: {reason}"))
 
     async def run(self) -> None:
         """Dispatch queued requests while the fleet has room; refuse those whose deadline passed."""

@@ -56,7 +56,7 @@ _WORKFLOWS_HANDED_OVER = 10_000
 _ENDED_HANDED_OVER_S = 30.0
 # The workflows placed last whose spend a leader hands over though their task is not open yet (their first step runs).
 _NEW_WORKFLOWS_HANDED_OVER = 1_000
-# The admission state a leader hands over, in bytes at most (about 400 slots of 36-character ids): the whole state
+# The admission state a leader hands over, in bytes at most (half for slots, about 85 of 36-character ids): the state
 # is one etcd value, rewritten every second, and etcd keeps thousands of past writes in memory (helper-133).
 _ADMISSION_STATE_BYTES = 16 * 1024
 # A successor adds the whole fleet's cost from where its predecessor stopped counting to its own takeover,
