@@ -75,6 +75,8 @@ class GenerateService(Protocol):
 
     async def authorize(self, authorization: str | None) -> str: ...
 
+    async def nodes_read(self) -> None: ...
+
     def generate(self, request: router_pb2.GenerateRequest, time_remaining: Callable[[], float | None],
                  authorization: str | None = None) -> AsyncIterator[router_pb2.GenerateChunk]: ...
 
@@ -263,6 +265,7 @@ class HttpApi:
     async def _list_models(self, request: web.Request) -> web.Response:
         try:
             await self._service.authorize(request.headers.get("Authorization"))
+            await self._service.nodes_read()
         except BatonError as error:
             return _error(error)
         return _json_response(200, schema.models_json(self._service.served_models()))
@@ -270,6 +273,7 @@ class HttpApi:
     async def _get_model(self, request: web.Request) -> web.Response:
         try:
             await self._service.authorize(request.headers.get("Authorization"))
+            await self._service.nodes_read()
         except BatonError as error:
             return _error(error)
         name = request.match_info["model"]
@@ -311,6 +315,7 @@ class HttpApi:
 
     async def _generate_in_span(self, request: web.Request, kind: str) -> web.StreamResponse:
         body = await _read_json(request)
+        await self._service.nodes_read()  # the model's context and template come from the nodes' registrations
         parsed = schema.parse_request(kind, body, request.headers, self._template_for_model,
                                       self._context_for_model, self._limits)
         parsed.request.tenant = tenant_for(request, body)

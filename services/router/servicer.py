@@ -27,10 +27,11 @@ from services.common import etcd_keys
 from services.common.coalesce import coalesce
 from services.common.deadline import until
 from services.common.directory import ChannelPool, LeaderDirectory
-from services.common.errors import AlreadyExists, BatonError, DeadlineExceeded, ResourceExhausted, abort
+from services.common.errors import AlreadyExists, BatonError, DeadlineExceeded, ResourceExhausted, Unavailable, abort
 from services.common.etcd_session import Membership, PrefixView
 from services.common.telemetry import Telemetry
 from services.common.tenant_directory import TenantDirectory
+from services.common.timeouts import within
 from services.common.tls import server_ssl_context
 from services.router.catalogue import models_from_registrations, registrations
 from services.router.config import RouterConfig
@@ -69,6 +70,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._config = config
         self._rng = random.Random()
         self._models: dict[str, ModelEntry] = {}
+        # Set once the nodes have been read from etcd: before then every model would be "not served" (NOT_FOUND,
+        # which a client does not retry) on a router that had just started.
+        self._nodes_read = asyncio.Event()
         self._member = Membership(config.etcd, config.lease_ttl_s, config.etcd_credentials())
         # A node whose lease lapsed stays for a TTL: an etcd freeze expires every lease at once.
         self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed,
@@ -167,6 +171,22 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._models = models_from_registrations(items, self._nodes.lapsed)
         self._node_infos.update(registrations(items))
         self._liveness.update({key.removeprefix(etcd_keys.NODES) for key in items})
+        self._nodes_read.set()
+
+    async def nodes_read(self, time_remaining: Callable[[], float | None] = lambda: None) -> None:
+        """Return once this router has read the cluster's nodes from etcd, waiting for that within the call's time and
+        --leader-wait-s; Unavailable after. A router that had just started answered every model NOT_FOUND, "not
+        served by this cluster (served: none)", for as long as its first listing took (a CI run under load)."""
+        if self._nodes_read.is_set():
+            return
+        remaining_s = time_remaining()
+        timeout_s = self._config.leader_wait_s if remaining_s is None else min(remaining_s,
+                                                                              self._config.leader_wait_s)
+        try:
+            await within(self._nodes_read.wait(), max(0.0, timeout_s))
+        except TimeoutError:
+            raise Unavailable(f"this router has not read the cluster's nodes from etcd (is etcd reachable?) within "
+                              f"{timeout_s:.1f} s; retry") from None
 
     async def open_http(self) -> bool:
         """Serve the OpenAI-compatible HTTP API when --http-listen asks for it; False when its
@@ -253,6 +273,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         try:
             self.check_connection_rate(context.peer())
             await self.authorize(_authorization(context))
+            await self.nodes_read(context.time_remaining)
         except BatonError as error:
             await abort(context, error)
         return router_pb2.ListModelsResponse(models=self.served_models())
@@ -293,6 +314,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._open_streams += 1
         try:
             cache_salt = await self._authenticate(request, authorization)
+            await self.nodes_read(time_remaining)
             valid = validate(request, self._models, self._config.default_max_tokens, self._rng,
                              self._config.input_limits)
             client_id = cluster_id = valid.request_id

@@ -39,9 +39,11 @@ MODEL = ModelEntry(name="m", max_context_tokens=64, tokenizer="byte", vocab_size
 class _FakeRouter:
     """Answers every request with `texts`, then `failure` (if any) or a finish."""
 
-    def __init__(self, texts: list[str], failure: BatonError | None = None) -> None:
+    def __init__(self, texts: list[str], failure: BatonError | None = None,
+                 unread: BatonError | None = None) -> None:
         self.texts = texts
         self.failure = failure
+        self.unread = unread  # what waiting for the nodes' registrations ends in (None: they are read)
         self.requests: list[router_pb2.GenerateRequest] = []
 
     @property
@@ -53,6 +55,10 @@ class _FakeRouter:
 
     async def authorize(self, authorization: str | None) -> str:
         return ""
+
+    async def nodes_read(self) -> None:
+        if self.unread is not None:
+            raise self.unread
 
     async def generate(self, request: router_pb2.GenerateRequest, time_remaining: Callable[[], float | None],
                        authorization: str | None = None) -> AsyncIterator[router_pb2.GenerateChunk]:
@@ -80,6 +86,24 @@ async def test_a_refusal_to_retry_later_is_a_429_the_client_sees_with_its_retry_
         assert caught.value.response.headers["Retry-After"] == "3"
         assert caught.value.response.headers["retry-after-ms"] == "2500"
         assert caught.value.body["type"] == "rate_limit_error"  # type: ignore[index]
+    finally:
+        await client.close()
+        await http.close()
+
+
+async def test_a_router_that_has_not_read_the_nodes_is_a_503_not_a_404_for_the_model() -> None:
+    """Before its nodes were read from etcd the router knew no model, and a served one was a 404, which the openai
+    client does not retry (its models listing was empty)."""
+    unread = Unavailable("this router has not read the cluster's nodes from etcd (is etcd reachable?) within 30.0 s")
+    router = _FakeRouter(["a"], unread=unread)
+    http, client = await _client(router)
+    try:
+        for call in (client.completions.create(model="m", prompt="x"), client.models.list(),
+                     client.models.retrieve("m")):
+            with pytest.raises(openai.InternalServerError) as caught:
+                await call
+            assert caught.value.status_code == 503 and "has not read the cluster's nodes" in caught.value.message
+        assert not router.requests
     finally:
         await client.close()
         await http.close()

@@ -87,6 +87,8 @@ class _FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     router: RouterService | None = None
     # How long the leader takes to answer a Finished notice.
     finished_delay_s: float = 0.0
+    # Has the router read the node's registration, as from etcd (set by _router).
+    read_nodes: Callable[[], None] = lambda: None
 
     async def Place(  # noqa: N802
         self, request: scheduler_pb2.PlaceRequest, context: grpc.aio.ServicerContext
@@ -124,10 +126,11 @@ async def _server(add: Callable[[grpc.aio.Server], None]) -> AsyncIterator[str]:
 
 @contextlib.asynccontextmanager
 async def _router(handler: NodeHandler, scheduler: _FakeScheduler | None = None, telemetry: Telemetry | None = None,
-                  tokenizer: str = "byte", vocab_size: int = 257,
+                  tokenizer: str = "byte", vocab_size: int = 257, nodes_read: bool = True,
                   **config: object) -> AsyncIterator[tuple[router_pb2_grpc.RouterStub, _FakeScheduler]]:
     """A router serving on 127.0.0.1 that sees one scheduler leader (scheduler, or a _FakeScheduler) and one
-    node (no etcd) serving MODEL with tokenizer; its metrics go to telemetry's meter when given."""
+    node (no etcd) serving MODEL with tokenizer; its metrics go to telemetry's meter when given. Unless nodes_read,
+    the router has not read the nodes yet: scheduler.read_nodes() has it read them."""
     scheduler = scheduler or _FakeScheduler()
     async with contextlib.AsyncExitStack() as stack:
         node_address = await stack.enter_async_context(
@@ -144,7 +147,10 @@ async def _router(handler: NodeHandler, scheduler: _FakeScheduler | None = None,
                                    models=[common_pb2.ModelInfo(name=MODEL, max_context_tokens=4096,
                                                                 tokenizer=tokenizer, vocab_size=vocab_size,
                                                                 is_warm=True)])
-        service._on_nodes_changed({etcd_keys.node_key(NODE): json_format.MessageToJson(info).encode()})
+        scheduler.read_nodes = lambda: service._on_nodes_changed(
+            {etcd_keys.node_key(NODE): json_format.MessageToJson(info).encode()})
+        if nodes_read:
+            scheduler.read_nodes()
         stack.push_async_callback(service.close)
         router_address = await stack.enter_async_context(_server(service.register))
         channel = await stack.enter_async_context(grpc.aio.insecure_channel(router_address))
@@ -301,6 +307,40 @@ class _DecidingScheduler(_FakeScheduler):
         self.places.append(request)
         await asyncio.Event().wait()
         raise AssertionError("unreachable: the wait never ends")
+
+
+async def _collect(call: grpc.aio.UnaryStreamCall) -> list[router_pb2.GenerateChunk]:
+    return [message async for message in call]
+
+
+@pytest.mark.timeout(30)
+async def test_a_request_to_a_router_that_has_not_read_the_nodes_yet_waits_for_them_not_refused_as_unknown() -> None:
+    """A router just started answered NOT_FOUND, "not served by this cluster (served: none)", until its first listing
+    of the nodes came from etcd (a CI run under load): a code the client does not retry, for a model that is served.
+    The request waits for the listing; so does a ListModels."""
+    async with _router(_token_stream(3, pace_s=0.001), nodes_read=False) as (router, scheduler):
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=3))
+        reading = asyncio.ensure_future(_collect(call))
+        listed = asyncio.ensure_future(router.ListModels(router_pb2.ListModelsRequest()))
+        done, _ = await asyncio.wait([reading, listed], timeout=0.3)  # both wait while the nodes are unread
+        assert not done
+        scheduler.read_nodes()
+        messages = await reading
+        models = await listed
+    assert [t for m in messages for t in m.token_ids] == [97, 98, 99]
+    assert [m.name for m in models.models] == [MODEL]
+
+
+@pytest.mark.timeout(30)
+async def test_a_router_that_cannot_read_the_nodes_is_unavailable_saying_so_within_the_call() -> None:
+    async with _router(_token_stream(3, pace_s=0.001), nodes_read=False) as (router, scheduler):
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            async for _ in router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=3),
+                                           timeout=0.5):
+                pass
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "has not read the cluster's nodes from etcd" in (failed.value.details() or "")
+    assert not scheduler.places
 
 
 @pytest.mark.timeout(30)
