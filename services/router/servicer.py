@@ -63,6 +63,10 @@ def merge_chunks(chunks: list[node_agent_pb2.NodeGenerateChunk]) -> node_agent_p
     return merged
 
 
+# Of a call's time, what a wait for the nodes' listing leaves for the refusal to reach the caller.
+_REPLY_RESERVE_S = 0.2
+
+
 class RouterService(router_pb2_grpc.RouterServicer):
     service_names = ("baton.v1.Router",)
 
@@ -180,10 +184,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         if self._nodes_read.is_set():
             return
         remaining_s = time_remaining()
-        timeout_s = self._config.leader_wait_s if remaining_s is None else min(remaining_s,
-                                                                              self._config.leader_wait_s)
+        # The refusal is sent before the caller's deadline, which would otherwise say only that it passed.
+        timeout_s = self._config.leader_wait_s if remaining_s is None else max(
+            0.0, min(remaining_s - _REPLY_RESERVE_S, self._config.leader_wait_s))
         try:
-            await within(self._nodes_read.wait(), max(0.0, timeout_s))
+            await within(self._nodes_read.wait(), timeout_s)
         except TimeoutError:
             raise Unavailable(f"this router has not read the cluster's nodes from etcd (is etcd reachable?) within "
                               f"{timeout_s:.1f} s; retry") from None

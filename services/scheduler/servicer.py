@@ -166,6 +166,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._member = Membership(config.etcd, config.lease_ttl_s, config.etcd_credentials())
         self._nodes = PrefixView(self._member.client, etcd_keys.NODES, self._on_nodes_changed,
                                  grace_s=config.lease_ttl_s)
+        # Set once the nodes have been read from etcd: before then a leader knows no model.
+        self._nodes_read = asyncio.Event()
         # Tenant records (`baton tenants`): their limits feed admission; with --auth, their keys guard
         # what this scheduler tells about tenants.
         self._tenants = TenantDirectory(self._member.client, self._on_tenants_changed)
@@ -332,6 +334,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._cluster.set_nodes(specs, self._clock(), frozenset(lapsed))
         self._prices.update((spec.node_id, spec.price_per_hour) for spec in specs)
         self._gate.capacity_changed()  # a model may have turned warm
+        self._nodes_read.set()
         self._nodes_changed.notify()
 
     def _max_context_tokens(self, model: str) -> int | None:
@@ -397,6 +400,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await self._role.wait_if_taking_over(self._config.lease_ttl_s)
             await self._wait_for_election(context.time_remaining())
             await self._confirm_leadership(context)
+            await self._wait_for_nodes(context.time_remaining())
             changing = self._loader.changing_nodes
             while True:
                 plan = self._placer.start(ask, self._clock(), changing)
@@ -735,6 +739,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         remaining_s = _usable(remaining_s)
         wait_s = self._config.lease_ttl_s if remaining_s is None else min(self._config.lease_ttl_s, remaining_s)
         await wait_or_timeout(self._role.elected, wait_s)
+
+    async def _wait_for_nodes(self, remaining_s: float | None) -> None:
+        """Until this replica has read the nodes from etcd, within the call and a TTL; Unavailable after. A leader
+        elected before its first listing came refused every model NOT_FOUND, "no registered node has it"."""
+        if self._nodes_read.is_set() or self._cluster.nodes():  # a view with nodes in it was read
+            return
+        remaining_s = _usable(remaining_s)
+        wait_s = self._config.lease_ttl_s if remaining_s is None else min(self._config.lease_ttl_s, remaining_s)
+        if not await wait_or_timeout(self._nodes_read, wait_s):
+            raise Unavailable(f"{self._config.instance_id} has not read the nodes from etcd within {wait_s:.1f} s "
+                              "(is etcd reachable?); retry")
 
     def _not_leader(self) -> FailedPrecondition:
         leader = self._role.leader()

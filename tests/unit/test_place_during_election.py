@@ -8,8 +8,10 @@ import time
 
 import grpc
 import pytest
+from google.protobuf import json_format
 
-from baton.v1 import scheduler_pb2
+from baton.v1 import common_pb2, scheduler_pb2
+from services.common import etcd_keys
 from services.common.load import Load
 from services.common.telemetry import Telemetry
 from services.scheduler.config import SchedulerConfig
@@ -121,3 +123,42 @@ async def test_a_standby_does_not_end_the_tasks_no_one_reports_to_it(monkeypatch
         with contextlib.suppress(asyncio.CancelledError):
             await planning
         await service.close()
+
+
+async def test_a_place_that_reaches_a_leader_before_it_has_read_the_nodes_waits_for_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leader elected before its first listing of the nodes came from etcd refused every model NOT_FOUND, "no
+    registered node has it", a code a router passes on and a client does not retry."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    service._role.elected.set()
+    request = scheduler_pb2.PlaceRequest(request_id="r1", model=MODEL, num_prompt_tokens=16, max_tokens=8)
+    info = common_pb2.NodeInfo(node_id="n0", address="n0:1", gpu="h100", price_per_hour=1.0,
+                               models=[common_pb2.ModelInfo(name=MODEL, max_context_tokens=4096, is_warm=True)])
+    try:
+        placing = asyncio.create_task(service.Place(request, FakeContext()))  # type: ignore[arg-type]
+        await asyncio.sleep(0)  # one turn of the loop: Place runs until it waits, or is refused
+        assert not placing.done(), "refused before the nodes were read"
+        service._on_nodes_changed({etcd_keys.node_key("n0"): json_format.MessageToJson(info).encode()})
+        service._cluster.report_load("n0", Load(kv_blocks_total=1000), time.monotonic())
+        placement = await asyncio.wait_for(placing, 5)
+        assert placement.node_id == "n0"
+    finally:
+        await service.close()
+
+
+async def test_a_leader_that_cannot_read_the_nodes_refuses_unavailable_within_the_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    service._role.elected.set()
+    context = FakeContext()
+    context.time_remaining = lambda: 0.3  # type: ignore[method-assign]
+    request = scheduler_pb2.PlaceRequest(request_id="r1", model=MODEL, num_prompt_tokens=16, max_tokens=8)
+    try:
+        with pytest.raises(Refused) as refused:
+            await asyncio.wait_for(service.Place(request, context), 5)  # type: ignore[arg-type]
+    finally:
+        await service.close()
+    assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "has not read the nodes from etcd" in str(refused.value)
