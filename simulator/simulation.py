@@ -444,7 +444,8 @@ class Simulation:
         # The scheduler sees each node's load as of now (the live one, as of its last report).
         self._refresh_loads()
         try:
-            plan = self._placer.start(ask, self._now)
+            plan = self._placer.start(ask, self._now, refused_by_limits=self._admission.limits_refusal
+                                      if self._admission is not None else None)
         except Unmeetable as error:  # a budget no node could meet: refused at once, as Place does
             self._refuse(record, error)
             return

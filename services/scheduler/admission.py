@@ -317,6 +317,14 @@ class Admission:
             return dataclasses.replace(self._judge(ticket, now, is_saturated, predicted_ttft_s), replaced=queued)
         return self._judge(ticket, now, is_saturated, predicted_ttft_s)
 
+    def limits_refusal(self, ticket: Ticket, now: float) -> Outcome | None:
+        """offer's refusal of ticket by its tenant's limits now, if they refuse it (an id neither running nor
+        queued): a question, which admits and queues nothing."""
+        if (not self.limits(ticket.tenant).is_limited or ticket.request_id in self._held
+                or ticket.request_id in self._queued):
+            return None
+        return self._over_limits(ticket, now, [t for t in self._queued.values() if t.tenant == ticket.tenant])
+
     def _over_limits(self, ticket: Ticket, now: float, waiting: list[Ticket]) -> Outcome | None:
         """The refusal of ticket by its tenant's limits, with waiting (its tenant's requests queued ahead of it)
         counted as admitted; None if they let it in."""

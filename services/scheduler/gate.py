@@ -94,10 +94,7 @@ class AdmissionGate:
                                             "through another router, or by its router after a leader change), "
                                             "and the resend took its place in the admission queue"))
         if outcome.verdict == Verdict.REJECT:
-            # A tenant's limit is counted per tenant, by a label of its own (its limit is in no label).
-            tenant = {"tenant": self._tenant(ticket.tenant)} if outcome.kind.startswith("tenant") else {}
-            self._decisions.add(1, {"verdict": "reject", "reason": outcome.kind, **band, **tenant})
-            raise _refusal(ticket, outcome, outcome.reason)
+            raise self._refused(ticket, outcome)
         if outcome.verdict == Verdict.QUEUE:
             self._decisions.add(1, {"verdict": "queue", **band})
             self._depth.add(1, band)
@@ -130,6 +127,21 @@ class AdmissionGate:
         self._decisions.add(1, {"verdict": "admit", **band})
         self._admit(ticket)
         return False
+
+    def check_limits(self, ticket: Ticket) -> None:
+        """Refuse ticket now, as enter would, if its tenant's limits refuse it: a request about to wait for its
+        model's load is told at once, not after the wait (it asks for no load: Placer.start)."""
+        outcome = self._admission.limits_refusal(ticket, self._clock())
+        if outcome is not None:
+            raise self._refused(ticket, outcome)
+
+    def _refused(self, ticket: Ticket, outcome: Outcome) -> BatonError:
+        """Count the refusal of ticket for outcome; the error to raise."""
+        # A tenant's limit is counted per tenant, by a label of its own (its limit is in no label).
+        tenant = {"tenant": self._tenant(ticket.tenant)} if outcome.kind.startswith("tenant") else {}
+        self._decisions.add(1, {"verdict": "reject", "reason": outcome.kind, "band": band_label(ticket.priority),
+                                **tenant})
+        return _refusal(ticket, outcome, outcome.reason)
 
     def _admit(self, ticket: Ticket) -> None:
         self._admission.on_admitted(ticket, self._clock())

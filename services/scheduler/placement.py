@@ -18,7 +18,7 @@ from baton.protocol import DEFAULT_TENANT
 from services.common.block_hash import DEFAULT_BLOCK_SIZE
 from services.common.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from services.common.load import Load
-from services.scheduler.admission import Ticket
+from services.scheduler.admission import Outcome, Ticket
 from services.scheduler.fleet import ClusterView, NodeStatus, saturation
 from services.scheduler.model_planner import ModelPlanner
 from services.scheduler.policies import Decision, Option, PlacementRequest, Policy
@@ -26,6 +26,8 @@ from services.scheduler.policies.baton import BatonPolicy
 from services.scheduler.retry_budget import RetryBudget
 
 Changing = Callable[[str], frozenset[str]]
+# (a fresh request's ticket, now) -> its tenant's limits' refusal of it, if they refuse it (Admission.limits_refusal).
+RefusedByLimits = Callable[[Ticket, float], Outcome | None]
 
 # A budget is refused as one no node could meet only below this share of its floor (BatonPolicy.floor_s): a node may
 # run up to 30 % faster than the profile it registered (the simulator's timing error; a calibrated vLLM profile's
@@ -118,9 +120,12 @@ class Placer:
         # Predicts on idle copies of nodes: with no memory of the prompts sent them lately (the load it takes away).
         self._idle_predictor = BatonPolicy()
 
-    def start(self, ask: PlaceAsk, now: float, changing: Changing = _none_changing) -> Plan:
+    def start(self, ask: PlaceAsk, now: float, changing: Changing = _none_changing,
+              refused_by_limits: RefusedByLimits | None = None) -> Plan:
         """Charge the retry budget (or count the request), find the models some node has and their
-        candidates; changing(model) names the nodes busy changing models, which are never candidates."""
+        candidates; changing(model) names the nodes busy changing models, which are never candidates.
+        refused_by_limits: its tenant's limits' refusal of it (Admission.limits_refusal), when its demand for a model
+        no node has warm is not noted."""
         request = ask.request
         models = [m for m in dict.fromkeys([request.model, *ask.alternative_models])
                   if self.cluster.has_model(m, now)]
@@ -148,8 +153,10 @@ class Placer:
                                          for s in nodes):
             # No node has it warm (a free GPU may load it) or every copy is on busy nodes' disks: make room and load
             # it, even if this request is then refused for its budget (one with a TTFT budget shorter than the load
-            # was refused before anything noted it, and no load ever began: helper-126).
-            self.planner.note_demand(models[0], now)
+            # was refused before anything noted it, and no load ever began: helper-126). Not for a request its
+            # tenant's limits refuse: asking again and again, a tenant at its limit swapped a model in for nothing.
+            if refused_by_limits is None or refused_by_limits(ticket_of(ask, now), now) is None:
+                self.planner.note_demand(models[0], now)
         return plan
 
     def refresh(self, plan: Plan, now: float, changing: Changing = _none_changing) -> None:
@@ -209,17 +216,7 @@ class Placer:
                                 + (" and deadline were" if request.deadline_ms else " was")
                                 + " not predicted and nothing was refused on them")
         self._check_deadline(request, options, now, resumed=plan.ask.resumed, models=plan.models)
-        ticket = Ticket(request_id=request.request_id, tenant=request.tenant or DEFAULT_TENANT,
-                        priority=request.priority, num_tokens=request.num_prompt_tokens + request.max_tokens,
-                        arrived_at=now,
-                        deadline_at=now + request.ttft_budget_ms / 1000
-                        if request.ttft_budget_ms and not plan.ask.resumed else math.inf,
-                        ends_by=now + request.deadline_ms / 1000 if request.deadline_ms else math.inf,
-                        # A step of a workflow only: a lone request claiming step 3 of 3 jumped its tenant's queue.
-                        progress=(request.step - 1) / request.total_steps
-                        if request.total_steps and request.workflow_id else 0.0,
-                        max_tokens=request.max_tokens, holder=plan.ask.router_id, resumed=plan.ask.resumed,
-                        prompt_digest=plan.ask.prompt_digest, attempt=attempt)
+        ticket = ticket_of(plan.ask, now, attempt)
         best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now)
                           for o in options)
         return ticket, best_ttft_s
@@ -323,6 +320,21 @@ class Placer:
         self.planner.note_demand(request.model, now)
         chosen = self.cluster.get(decision.node_id)
         return Placed(decision, request, is_cold=chosen is not None and request.model not in chosen.spec.warm_models)
+
+
+def ticket_of(ask: PlaceAsk, now: float, attempt: int = 0) -> Ticket:
+    """The admission ticket of ask, a fresh request asked for at now by Place call attempt."""
+    request = ask.request
+    return Ticket(request_id=request.request_id, tenant=request.tenant or DEFAULT_TENANT, priority=request.priority,
+                  num_tokens=request.num_prompt_tokens + request.max_tokens, arrived_at=now,
+                  deadline_at=now + request.ttft_budget_ms / 1000
+                  if request.ttft_budget_ms and not ask.resumed else math.inf,
+                  ends_by=now + request.deadline_ms / 1000 if request.deadline_ms else math.inf,
+                  # A step of a workflow only: a lone request claiming step 3 of 3 jumped its tenant's queue.
+                  progress=(request.step - 1) / request.total_steps
+                  if request.total_steps and request.workflow_id else 0.0,
+                  max_tokens=request.max_tokens, holder=ask.router_id, resumed=ask.resumed,
+                  prompt_digest=ask.prompt_digest, attempt=attempt)
 
 
 def _idle(status: NodeStatus) -> NodeStatus:

@@ -40,7 +40,8 @@ from services.scheduler.gate import AdmissionGate
 from services.scheduler.leadership import LeaderRole
 from services.scheduler.model_loader import ModelLoader
 from services.scheduler.model_planner import ModelAction, ModelPlanner
-from services.scheduler.placement import DeadlineOutOfReach, LeftOutOfReach, PlaceAsk, Placer, Plan, Unmeetable
+from services.scheduler.placement import (DeadlineOutOfReach, LeftOutOfReach, PlaceAsk, Placer, Plan, Unmeetable,
+                                         ticket_of)
 from services.scheduler.policies import Decision, PlacementRequest, make_policy
 from services.scheduler.retry_budget import RetryBudget
 from services.scheduler.tasks import TaskLedger, request_task, workflow_task
@@ -403,10 +404,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await self._wait_for_nodes(context.time_remaining())
             changing = self._loader.changing_nodes
             while True:
-                plan = self._placer.start(ask, self._clock(), changing)
+                plan = self._placer.start(ask, self._clock(), changing, self._admission.limits_refusal)
                 waited_s = 0.0
                 if not plan.has_candidates and not plan.is_retry:
-                    # The models are only on busy nodes' disks: the planner makes room; wait for it.
+                    # The models are only on busy nodes' disks: the planner makes room; wait for it, unless its
+                    # tenant's limits refuse it (it asked for no room then: a 503 after the wait, it had said so).
+                    self._gate.check_limits(ticket_of(ask, self._clock(), attempt))
                     waited_s = await self._wait_for_candidates(plan, context.time_remaining())
                 if not plan.has_candidates:
                     raise self._placer.no_candidates(plan, waited_s)

@@ -13,7 +13,7 @@ from baton.v1 import common_pb2, scheduler_pb2
 from services.common.errors import Unavailable
 from services.common.load import Load
 from services.common.telemetry import Telemetry
-from services.scheduler.admission import TenantLimits
+from services.scheduler.admission import TenantLimits, Ticket
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.fleet import ClusterView, NodeSpec
 from services.scheduler.leadership import LeaderRole
@@ -261,6 +261,36 @@ async def test_a_request_waiting_for_a_gpu_no_one_frees_is_refused_before_its_ca
         assert "no live node has it warm, or a free GPU to load it" in str(refused.value)
         waited = re.search(r"; waited (\S+) s for the model planner to load it", str(refused.value))
         assert waited is not None and 0.3 <= float(waited[1]) < 0.5  # within the call's 0.5 s, its reply's room left
+    finally:
+        await service.close()
+
+
+@pytest.mark.parametrize("at_limit", [True, False])
+async def test_a_request_its_tenants_limits_refuse_asks_for_no_load_of_its_model(
+        monkeypatch: pytest.MonkeyPatch, at_limit: bool) -> None:
+    """Its model only on the disk of a busy node: the demand was noted before admission, so a tenant at its limit,
+    asking again and again, had the planner swap the model in for requests that were every one refused. A request
+    its tenant's limits let in still asks for the load (then waits for it), as before."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    service._role.elected.set()
+    service._cluster.set_nodes([spec("n0", warm={B}, cold={A})])
+    service._cluster.report_load("n0", CALM, time.monotonic())
+    service._admission.set_limits({"t": TenantLimits(max_concurrency=1)})
+    if at_limit:  # its one slot is taken by a request that runs
+        service._admission.on_admitted(Ticket(request_id="r0", tenant="t", priority=0, num_tokens=48,
+                                              arrived_at=time.monotonic()), time.monotonic())
+    request = scheduler_pb2.PlaceRequest(request_id="r1", model=A, num_prompt_tokens=16, max_tokens=32,
+                                         context=common_pb2.RequestContext(tenant="t"))
+    try:
+        with pytest.raises(Refused) as refused:
+            await asyncio.wait_for(service.Place(request, _ShortCall()), 5)  # type: ignore[arg-type]
+        if at_limit:
+            assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "tenant 't' is at its concurrency limit of 1" in str(refused.value)
+        else:  # no GPU is freed for it within the call (n0's model is in use)
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+        assert (A in service._planner.demand_state(time.monotonic())) is not at_limit
     finally:
         await service.close()
 
