@@ -15,6 +15,7 @@ from google.protobuf.descriptor import FileDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
+from services.common.change_signal import ChangeSignal
 from services.common.reconnect import SERVER_KEEPALIVE_OPTIONS
 from services.common.request_decoding import RequestDecodingInterceptor
 from services.common.telemetry import Telemetry
@@ -86,11 +87,30 @@ def enable_reflection(server: grpc.aio.Server, service_names: Sequence[str]) -> 
     }),))
 
 
+class ServingNames:
+    """Which of a service's gRPC names serve now, beyond its process being up (what the name "" says): `serve`
+    publishes them on gRPC health, SERVING or NOT_SERVING, as they change. A name never set serves."""
+
+    def __init__(self, not_serving: Sequence[str] = ()) -> None:
+        self._not_serving = set(not_serving)
+        self.changed = ChangeSignal()
+
+    def serving(self, name: str) -> bool:
+        return name not in self._not_serving
+
+    def set(self, name: str, serving: bool) -> None:
+        if serving != self.serving(name):
+            (self._not_serving.discard if serving else self._not_serving.add)(name)
+            self.changed.notify()
+
+
 class Service(Protocol):
     """What a process plugs into `serve`."""
 
     #: Full gRPC service names, for health and reflection, e.g. "baton.v1.Router".
     service_names: Sequence[str]
+    #: Which of service_names serve now (a scheduler's, only while it leads).
+    health: ServingNames
 
     def register(self, server: grpc.aio.Server) -> None:
         """Add the servicers to server."""
@@ -123,6 +143,20 @@ def setup_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("opentelemetry.context").addFilter(_CrossContextDetach())
+
+
+async def _publish_health(health_servicer: health.aio.HealthServicer, service: Service) -> None:
+    for name in service.service_names:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING if service.health.serving(name)
+                                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+async def _keep_health(health_servicer: health.aio.HealthServicer, service: Service, changed: asyncio.Event) -> None:
+    """Publish service's names again at each change, from changed (taken before the last publishing) on."""
+    while True:
+        await changed.wait()
+        changed = service.health.changed.since_now()
+        await _publish_health(health_servicer, service)
 
 
 async def serve(
@@ -174,8 +208,10 @@ async def serve(
     try:
         async with asyncio.TaskGroup() as tasks:
             loops = [tasks.create_task(coro) for coro in service.background()]
-            for name in ("", *service.service_names):
-                await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+            await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+            changed = service.health.changed.since_now()
+            await _publish_health(health_servicer, service)
+            loops.append(tasks.create_task(_keep_health(health_servicer, service, changed)))
             log.info("serving %s on %s", ", ".join(service.service_names), listen)
             if telemetry.metrics_listen:
                 log.info("Prometheus metrics on http://%s/metrics", telemetry.metrics_listen)

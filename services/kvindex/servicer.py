@@ -16,6 +16,7 @@ from services.common.directory import ChannelPool
 from services.common.errors import BatonError, InvalidArgument, Unavailable, abort
 from services.common.etcd_session import Membership, PrefixView
 from services.common.kv_event_proto import event_from_proto
+from services.common.server import ServingNames
 from services.common.telemetry import Telemetry
 from services.kvindex.config import KVIndexConfig
 from services.kvindex.index import KVIndex
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 
 class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
     service_names = ("baton.v1.KVIndex",)
+    health = ServingNames()  # serves while its process does
 
     def __init__(self, config: KVIndexConfig, telemetry: Telemetry) -> None:
         self._config = config

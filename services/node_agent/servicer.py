@@ -17,6 +17,7 @@ from services.common.directory import ServiceDirectory
 from services.common.errors import Aborted, AlreadyExists, BatonError, InvalidArgument, StreamHeld, abort
 from services.common.etcd_session import Membership
 from services.common.sampling_checks import check_node_sampling
+from services.common.server import ServingNames
 from services.common.telemetry import Telemetry
 from services.node_agent.config import NodeAgentConfig
 from services.node_agent.engines.base import Engine, EngineInputError
@@ -97,6 +98,7 @@ class _Serving:
 
 class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     service_names = ("baton.v1.NodeAgent",)
+    health = ServingNames()  # serves while its process does
 
     def __init__(self, config: NodeAgentConfig, host: ModelHost, telemetry: Telemetry) -> None:
         self._config = config

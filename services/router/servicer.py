@@ -29,6 +29,7 @@ from services.common.deadline import until
 from services.common.directory import ChannelPool, LeaderDirectory
 from services.common.errors import AlreadyExists, BatonError, DeadlineExceeded, ResourceExhausted, Unavailable, abort
 from services.common.etcd_session import Membership, PrefixView
+from services.common.server import ServingNames
 from services.common.telemetry import Telemetry
 from services.common.tenant_directory import TenantDirectory
 from services.common.timeouts import within
@@ -69,6 +70,7 @@ _REPLY_RESERVE_S = 0.2
 
 class RouterService(router_pb2_grpc.RouterServicer):
     service_names = ("baton.v1.Router",)
+    health = ServingNames()  # serves while its process does
 
     def __init__(self, config: RouterConfig, telemetry: Telemetry) -> None:
         self._config = config

@@ -36,8 +36,12 @@ class LeaderRole:
         save_state: Callable[[], dict[str, Any]],
         restore_state: Callable[[dict[str, Any]], None],
         persist_interval_s: float = 1.0,
+        on_leading: Callable[[bool], None] = lambda leading: None,
     ) -> None:
+        """on_leading(True) once this replica leads (its predecessor's state restored), on_leading(False) when it no
+        longer does."""
         self._client = client
+        self._on_leading = on_leading
         self._instance_id = instance_id
         self._value = json.dumps({"instance_id": instance_id, "address": address}).encode()
         self._election = Election(client, etcd_keys.SCHEDULER_ELECTION, ttl_s)
@@ -132,9 +136,13 @@ class LeaderRole:
                 continue
             await self._take_over()
             self.elected.set()
+            self._on_leading(True)
             log.info("leading as %s (revision %d)", leadership.key, leadership.revision)
-            await self._lead()
-            self.elected.clear()
+            try:
+                await self._lead()
+            finally:
+                self.elected.clear()
+                self._on_leading(False)
             log.warning("no longer the leader; campaigning again")
 
     async def _take_over(self) -> None:

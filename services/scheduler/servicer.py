@@ -30,6 +30,7 @@ from services.common.load import load_from_proto, load_to_proto
 from services.common.node_registration import parse_node_info
 from services.common.profile_proto import profile_from_proto
 from services.common.request_context import context_fields, context_of
+from services.common.server import ServingNames
 from services.common.telemetry import Telemetry
 from services.common.tenant_directory import TenantDirectory
 from services.common.timeouts import within
@@ -180,8 +181,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._routers = PrefixView(self._member.client, etcd_keys.service_prefix("router"))
         # This process's mark on the hand-over states it writes (its instance id may outlive it, in a restart).
         self._incarnation = uuid.uuid4().hex
+        # On gRPC health, "baton.v1.Scheduler" serves on the leader only: a standby answers Place only to name the
+        # leader. "" says the process is up, on every replica.
+        self.health = ServingNames(not_serving=self.service_names)
         self._role = LeaderRole(self._member.client, config.instance_id, config.address, config.lease_ttl_s,
-                                self._hand_over_state, self._take_over_state)
+                                self._hand_over_state, self._take_over_state,
+                                on_leading=lambda leading: self.health.set(self.service_names[0], leading))
         self._placements = telemetry.meter.create_counter(
             "baton.scheduler.placements", description="placement decisions, by outcome"
         )

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.client import BatonClient
 from baton.cluster import ClusterSpec, LocalCluster, ManagedProcess, StartError, start_etcd
@@ -82,6 +83,31 @@ async def test_killing_the_scheduler_leader_fails_no_request(three_schedulers: L
     # The successor carried the KPI's ledger on (at least what was handed over) and kept counting.
     await eventually(lambda: leader_tasks(cluster).tasks_succeeded >= handed_over + 20, 10,
                      "the new leader to count on from the handed-over tasks")
+
+
+def scheduler_health(process: ManagedProcess, service: str) -> int:
+    """What process's gRPC health says of service (a health_pb2.HealthCheckResponse status)."""
+    with grpc.insecure_channel(process.address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                         timeout=2).status
+
+
+async def test_grpc_health_tells_the_leading_scheduler_from_a_standby(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A standby was SERVING for baton.v1.Scheduler, like the leader, though it places nothing: a probe (grpcurl,
+    a load balancer's health check) could not tell them apart. "" still says each process is up."""
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    cluster = start(tmp_path_factory, num_nodes=1, num_schedulers=2)
+    try:
+        leader = leader_process(cluster)
+        standby = next(p for p in cluster.schedulers if p is not leader)
+        assert [scheduler_health(p, "baton.v1.Scheduler") for p in (leader, standby)] == [serving, not_serving]
+        assert [scheduler_health(p, "") for p in (leader, standby)] == [serving, serving]
+        leader.signal(signal.SIGKILL)
+        await eventually(lambda: scheduler_health(standby, "baton.v1.Scheduler") == serving, 4 * TTL_S,
+                         "the standby, now leading, to serve baton.v1.Scheduler")
+        assert cluster.cluster_state().leader_id == standby.name
+    finally:
+        cluster.stop()
 
 
 async def test_a_third_scheduler_joins_and_survives_the_other_two(tmp_path_factory: pytest.TempPathFactory) -> None:

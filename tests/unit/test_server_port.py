@@ -12,7 +12,7 @@ import grpc
 import pytest
 from opentelemetry import context
 
-from services.common.server import serve, setup_logging
+from services.common.server import ServingNames, serve, setup_logging
 from services.common.telemetry import Telemetry
 
 pytestmark = pytest.mark.timeout(20)
@@ -20,6 +20,7 @@ pytestmark = pytest.mark.timeout(20)
 
 class _Idle:
     service_names = ("baton.v1.Idle",)
+    health = ServingNames()
     closed = False
 
     def register(self, server: grpc.aio.Server) -> None:
