@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.protocol import AUTHORIZATION_KEY
 from baton.tenants import add_tenant, run_sync
-from baton.v1 import scheduler_pb2, scheduler_pb2_grpc
+from baton.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common.tls import ThrowawayPki, TlsFiles, channel_credentials, generate_throwaway_pki
 
 # Ports handed out by free_port in this process: never handed out twice.
@@ -420,6 +420,7 @@ class LocalCluster:
         for process in services:
             wait_grpc_serving(process, timeout_s, self.client_credentials)
         self.wait_nodes_visible(spec.num_nodes, timeout_s)
+        self.wait_routers_see_nodes(spec.num_nodes, timeout_s)
 
     def _common_flags(self) -> dict[str, object]:
         spec = self.spec
@@ -493,6 +494,27 @@ class LocalCluster:
                 raise StartError(f"scheduler sees {len(state.nodes)} nodes ({len(reporting)} reporting), "
                                  f"expected {num_nodes}; leader {state.leader_id or 'none'}")
             time.sleep(0.05)  # membership arrives through etcd watches; poll the view with a deadline
+
+    def wait_routers_see_nodes(self, num_nodes: int, timeout_s: float) -> None:
+        """Until every router lists models warm on num_nodes nodes in all (each node has one warm at least): a
+        router's view of the nodes comes through its own etcd watch, and a request sent before it came was refused
+        for a model it did not know yet (ci116)."""
+        deadline = time.monotonic() + timeout_s
+        for router in self.routers:
+            with sync_channel(router.address, self.client_credentials) as channel:
+                stub = router_pb2_grpc.RouterStub(channel)
+                while True:
+                    try:
+                        listed = stub.ListModels(router_pb2.ListModelsRequest(), timeout=2.0,
+                                                 metadata=self.admin_metadata).models
+                    except grpc.RpcError:
+                        listed = []
+                    if sum(m.num_warm_nodes for m in listed) >= num_nodes:
+                        break
+                    if time.monotonic() > deadline:
+                        raise StartError(f"{router.name} lists {', '.join(m.name for m in listed) or 'no model'}; "
+                                         f"expected models warm on {num_nodes} nodes")
+                    time.sleep(0.05)  # its view arrives through its etcd watch; poll it with a deadline
 
     @property
     def processes(self) -> list[ManagedProcess]:

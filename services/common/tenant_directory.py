@@ -43,7 +43,7 @@ class TenantDirectory:
         try:
             await within(self._view.synced.wait(), timeout_s)
         except TimeoutError:
-            raise Unavailable(f"tenant keys not read from etcd within {timeout_s:.0f} s; retry") from None
+            raise Unavailable(f"tenant keys not read from etcd within {timeout_s:.1f} s; retry") from None
 
     def tenant_from_key(self, key: str) -> TenantRecord:
         """The tenant of a valid API key; Unauthenticated naming what is wrong (never echoing the key)."""

@@ -26,10 +26,10 @@ log = logging.getLogger(__name__)
 
 class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
     service_names = ("baton.v1.KVIndex",)
-    health = ServingNames()  # serves while its process does
 
     def __init__(self, config: KVIndexConfig, telemetry: Telemetry) -> None:
         self._config = config
+        self.health = ServingNames()  # serves while its process does
         self._index = KVIndex()
         # Per node: the last batch folded into the index.
         self._last_seq: dict[str, int] = {}

@@ -98,10 +98,10 @@ class _Serving:
 
 class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     service_names = ("baton.v1.NodeAgent",)
-    health = ServingNames()  # serves while its process does
 
     def __init__(self, config: NodeAgentConfig, host: ModelHost, telemetry: Telemetry) -> None:
         self._config = config
+        self.health = ServingNames()  # serves while its process does
         self._host = host
         self._member = Membership(config.etcd, config.lease_ttl_s, config.etcd_credentials())
         # Replicas whose lease lapsed are kept a TTL: an etcd freeze must not cut load or KV streams.

@@ -70,10 +70,11 @@ _REPLY_RESERVE_S = 0.2
 
 class RouterService(router_pb2_grpc.RouterServicer):
     service_names = ("baton.v1.Router",)
-    health = ServingNames()  # serves while its process does
 
     def __init__(self, config: RouterConfig, telemetry: Telemetry) -> None:
         self._config = config
+        # On gRPC health, baton.v1.Router serves once the nodes have been read from etcd (nodes_read).
+        self.health = ServingNames(not_serving=self.service_names)
         self._rng = random.Random()
         self._models: dict[str, ModelEntry] = {}
         # Set once the nodes have been read from etcd: before then every model would be "not served" (NOT_FOUND,
@@ -178,17 +179,22 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._node_infos.update(registrations(items))
         self._liveness.update({key.removeprefix(etcd_keys.NODES) for key in items})
         self._nodes_read.set()
+        self.health.set(self.service_names[0], True)
+
+    def _wait_s(self, time_remaining: Callable[[], float | None]) -> float:
+        """How long a wait for etcd's view may take of a call: --leader-wait-s, within the call's time less what its
+        refusal needs to reach the caller before its deadline (which would otherwise say only that it passed)."""
+        remaining_s = time_remaining()
+        return self._config.leader_wait_s if remaining_s is None else max(
+            0.0, min(remaining_s - _REPLY_RESERVE_S, self._config.leader_wait_s))
 
     async def nodes_read(self, time_remaining: Callable[[], float | None] = lambda: None) -> None:
-        """Return once this router has read the cluster's nodes from etcd, waiting for that within the call's time and
-        --leader-wait-s; Unavailable after. A router that had just started answered every model NOT_FOUND, "not
-        served by this cluster (served: none)", for as long as its first listing took (a CI run under load)."""
+        """Return once this router has read the cluster's nodes from etcd, waiting for that within _wait_s;
+        Unavailable after. A router that had just started answered every model NOT_FOUND, "not served by this
+        cluster (served: none)", for as long as its first listing took (a CI run under load)."""
         if self._nodes_read.is_set():
             return
-        remaining_s = time_remaining()
-        # The refusal is sent before the caller's deadline, which would otherwise say only that it passed.
-        timeout_s = self._config.leader_wait_s if remaining_s is None else max(
-            0.0, min(remaining_s - _REPLY_RESERVE_S, self._config.leader_wait_s))
+        timeout_s = self._wait_s(time_remaining)
         try:
             await within(self._nodes_read.wait(), timeout_s)
         except TimeoutError:
@@ -264,12 +270,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
         await self._tenants.ready(self._config.leader_wait_s)
         return self._tenants.tenant_from_authorization(authorization).tenant
 
-    async def _authenticate(self, request: router_pb2.GenerateRequest, authorization: str | None) -> str:
+    async def _authenticate(self, request: router_pb2.GenerateRequest, authorization: str | None,
+                            time_remaining: Callable[[], float | None] = lambda: None) -> str:
         """With --auth, the caller's tenant replaces the request's own, and its prefix-cache namespace is
         returned; Unauthenticated without a valid key. Without --auth, the shared namespace ("")."""
         if self._tenants is None:
             return ""
-        await self._tenants.ready(self._config.leader_wait_s)
+        await self._tenants.ready(self._wait_s(time_remaining))
         record = self._tenants.tenant_from_authorization(authorization)
         request.tenant = record.tenant
         return record.cache_salt
@@ -320,7 +327,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         cluster_id = client_id = request.request_id
         self._open_streams += 1
         try:
-            cache_salt = await self._authenticate(request, authorization)
+            cache_salt = await self._authenticate(request, authorization, time_remaining)
             await self.nodes_read(time_remaining)
             valid = validate(request, self._models, self._config.default_max_tokens, self._rng,
                              self._config.input_limits)

@@ -94,7 +94,7 @@ class AdmissionGate:
                                             "through another router, or by its router after a leader change), "
                                             "and the resend took its place in the admission queue"))
         if outcome.verdict == Verdict.REJECT:
-            raise self._refused(ticket, outcome)
+            raise self.refuse(ticket, outcome)
         if outcome.verdict == Verdict.QUEUE:
             self._decisions.add(1, {"verdict": "queue", **band})
             self._depth.add(1, band)
@@ -128,15 +128,9 @@ class AdmissionGate:
         self._admit(ticket)
         return False
 
-    def check_limits(self, ticket: Ticket) -> None:
-        """Refuse ticket now, as enter would, if its tenant's limits refuse it: a request about to wait for its
-        model's load is told at once, not after the wait (it asks for no load: Placer.start)."""
-        outcome = self._admission.limits_refusal(ticket, self._clock())
-        if outcome is not None:
-            raise self._refused(ticket, outcome)
-
-    def _refused(self, ticket: Ticket, outcome: Outcome) -> BatonError:
-        """Count the refusal of ticket for outcome; the error to raise."""
+    def refuse(self, ticket: Ticket, outcome: Outcome) -> BatonError:
+        """Count the refusal of ticket for outcome (a refusal of Admission's, here or found before the gate:
+        Plan.limits_refusal); the error to raise."""
         # A tenant's limit is counted per tenant, by a label of its own (its limit is in no label).
         tenant = {"tenant": self._tenant(ticket.tenant)} if outcome.kind.startswith("tenant") else {}
         self._decisions.add(1, {"verdict": "reject", "reason": outcome.kind, "band": band_label(ticket.priority),

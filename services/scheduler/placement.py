@@ -88,6 +88,8 @@ class Plan:
     unpredicted: str = ""
     # A resume held to the (node, model) its id was placed on, which may still run its stream (options).
     running_on: tuple[str, str] | None = None
+    # Its tenant's limits' refusal of it, asked for when no node has its model warm (start): it then asks for no load.
+    limits_refusal: Outcome | None = None
 
     @property
     def has_candidates(self) -> bool:
@@ -126,8 +128,8 @@ class Placer:
               refused_by_limits: RefusedByLimits | None = None) -> Plan:
         """Charge the retry budget (or count the request), find the models some node has and their
         candidates; changing(model) names the nodes busy changing models, which are never candidates.
-        refused_by_limits: its tenant's limits' refusal of it (Admission.limits_refusal), when its demand for a model
-        no node has warm is not noted."""
+        refused_by_limits: its tenant's limits' refusal of it (Admission.limits_refusal), asked when no node has its
+        model warm: refused (plan.limits_refusal), it asks for no load."""
         request = ask.request
         models = [m for m in dict.fromkeys([request.model, *ask.alternative_models])
                   if self.cluster.has_model(m, now)]
@@ -157,7 +159,8 @@ class Placer:
             # it, even if this request is then refused for its budget (one with a TTFT budget shorter than the load
             # was refused before anything noted it, and no load ever began: helper-126). Not for a request its
             # tenant's limits refuse: asking again and again, a tenant at its limit swapped a model in for nothing.
-            if refused_by_limits is None or refused_by_limits(ticket_of(ask, now), now) is None:
+            plan.limits_refusal = refused_by_limits(ticket_of(ask, now), now) if refused_by_limits else None
+            if plan.limits_refusal is None:
                 self.planner.note_demand(models[0], now)
         return plan
 

@@ -402,11 +402,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         retry = request.retry_cause if not request.retry_cause or request.retry_cause in RETRY_CAUSES else "unknown"
         try:
             check_place(request, self._max_context_tokens(request.model), self._config.max_id_len)
+            if await self._wait_for_nodes(context.time_remaining()):
+                # Checked again: the model's context, which a request is held to, came with the nodes.
+                check_place(request, self._max_context_tokens(request.model), self._config.max_id_len)
             ask = place_ask(request)
             await self._role.wait_if_taking_over(self._config.lease_ttl_s)
             await self._wait_for_election(context.time_remaining())
             await self._confirm_leadership(context)
-            await self._wait_for_nodes(context.time_remaining())
             changing = self._loader.changing_nodes
             while True:
                 plan = self._placer.start(ask, self._clock(), changing, self._admission.limits_refusal)
@@ -414,7 +416,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 if not plan.has_candidates and not plan.is_retry:
                     # The models are only on busy nodes' disks: the planner makes room; wait for it, unless its
                     # tenant's limits refuse it (it asked for no room then: a 503 after the wait, it had said so).
-                    self._gate.check_limits(ticket_of(ask, self._clock(), attempt))
+                    if plan.limits_refusal is not None:
+                        raise self._gate.refuse(ticket_of(ask, plan.started_at, attempt), plan.limits_refusal)
                     waited_s = await self._wait_for_candidates(plan, context.time_remaining())
                 if not plan.has_candidates:
                     raise self._placer.no_candidates(plan, waited_s)
@@ -749,16 +752,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         wait_s = self._config.lease_ttl_s if remaining_s is None else min(self._config.lease_ttl_s, remaining_s)
         await wait_or_timeout(self._role.elected, wait_s)
 
-    async def _wait_for_nodes(self, remaining_s: float | None) -> None:
-        """Until this replica has read the nodes from etcd, within the call and a TTL; Unavailable after. A leader
-        elected before its first listing came refused every model NOT_FOUND, "no registered node has it"."""
+    async def _wait_for_nodes(self, remaining_s: float | None) -> bool:
+        """Until this replica has read the nodes from etcd, within the call and a TTL; Unavailable after; whether it
+        waited. A leader elected before its first listing came refused every model NOT_FOUND, "no registered node has
+        it"."""
         if self._nodes_read.is_set() or self._cluster.nodes():  # a view with nodes in it was read
-            return
+            return False
         remaining_s = _usable(remaining_s)
         wait_s = self._config.lease_ttl_s if remaining_s is None else min(self._config.lease_ttl_s, remaining_s)
         if not await wait_or_timeout(self._nodes_read, wait_s):
             raise Unavailable(f"{self._config.instance_id} has not read the nodes from etcd within {wait_s:.1f} s "
                               "(is etcd reachable?); retry")
+        return True
 
     def _not_leader(self) -> FailedPrecondition:
         leader = self._role.leader()

@@ -100,7 +100,10 @@ async def test_grpc_health_tells_the_leading_scheduler_from_a_standby(tmp_path_f
     try:
         leader = leader_process(cluster)
         standby = next(p for p in cluster.schedulers if p is not leader)
-        assert [scheduler_health(p, "baton.v1.Scheduler") for p in (leader, standby)] == [serving, not_serving]
+        # etcd shows the leader before it has restored its predecessor's state, when it begins to serve.
+        await eventually(lambda: scheduler_health(leader, "baton.v1.Scheduler") == serving, 4 * TTL_S,
+                         "the leader to serve baton.v1.Scheduler")
+        assert scheduler_health(standby, "baton.v1.Scheduler") == not_serving
         assert [scheduler_health(p, "") for p in (leader, standby)] == [serving, serving]
         leader.signal(signal.SIGKILL)
         await eventually(lambda: scheduler_health(standby, "baton.v1.Scheduler") == serving, 4 * TTL_S,

@@ -125,14 +125,17 @@ async def test_a_standby_does_not_end_the_tasks_no_one_reports_to_it(monkeypatch
         await service.close()
 
 
+@pytest.mark.parametrize("max_tokens", [8, 8000])
 async def test_a_place_that_reaches_a_leader_before_it_has_read_the_nodes_waits_for_them(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, max_tokens: int) -> None:
     """A leader elected before its first listing of the nodes came from etcd refused every model NOT_FOUND, "no
-    registered node has it", a code a router passes on and a client does not retry."""
+    registered node has it", a code a router passes on and a client does not retry. It waits for the listing, and
+    then holds the request to the model's context, which comes with it (helper-139: checked before the wait, a
+    request past it was placed)."""
     fake_leadership(monkeypatch, lambda: True)
     service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
     service._role.elected.set()
-    request = scheduler_pb2.PlaceRequest(request_id="r1", model=MODEL, num_prompt_tokens=16, max_tokens=8)
+    request = scheduler_pb2.PlaceRequest(request_id="r1", model=MODEL, num_prompt_tokens=16, max_tokens=max_tokens)
     info = common_pb2.NodeInfo(node_id="n0", address="n0:1", gpu="h100", price_per_hour=1.0,
                                models=[common_pb2.ModelInfo(name=MODEL, max_context_tokens=4096, is_warm=True)])
     try:
@@ -141,8 +144,13 @@ async def test_a_place_that_reaches_a_leader_before_it_has_read_the_nodes_waits_
         assert not placing.done(), "refused before the nodes were read"
         service._on_nodes_changed({etcd_keys.node_key("n0"): json_format.MessageToJson(info).encode()})
         service._cluster.report_load("n0", Load(kv_blocks_total=1000), time.monotonic())
-        placement = await asyncio.wait_for(placing, 5)
-        assert placement.node_id == "n0"
+        if max_tokens > 4096:
+            with pytest.raises(Refused) as refused:
+                await asyncio.wait_for(placing, 5)
+            assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in str(refused.value)
+        else:
+            placement = await asyncio.wait_for(placing, 5)
+            assert placement.node_id == "n0"
     finally:
         await service.close()
 

@@ -324,7 +324,9 @@ async def test_a_request_to_a_router_that_has_not_read_the_nodes_yet_waits_for_t
         listed = asyncio.ensure_future(router.ListModels(router_pb2.ListModelsRequest()))
         done, _ = await asyncio.wait([reading, listed], timeout=0.3)  # both wait while the nodes are unread
         assert not done
+        assert scheduler.router is not None and not scheduler.router.health.serving("baton.v1.Router")
         scheduler.read_nodes()
+        assert scheduler.router.health.serving("baton.v1.Router")  # on gRPC health too, once they are read
         messages = await reading
         models = await listed
     assert [t for m in messages for t in m.token_ids] == [97, 98, 99]

@@ -20,8 +20,10 @@ pytestmark = pytest.mark.timeout(20)
 
 class _Idle:
     service_names = ("baton.v1.Idle",)
-    health = ServingNames()
     closed = False
+
+    def __init__(self) -> None:
+        self.health = ServingNames()
 
     def register(self, server: grpc.aio.Server) -> None:
         pass
