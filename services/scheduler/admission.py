@@ -173,8 +173,6 @@ class _Hold:
     # Its charge stands whatever becomes of a call that never placed it: a call placed it (it may have run), or it
     # was admitted as a resume (the charge is its earlier stream's).
     spent: bool = False
-    # The (node, model) it was last placed on by this leader (None: not yet, or placed by a predecessor).
-    placed_on: tuple[str, str] | None = None
 
     def claim(self, holder: str, now: float, placed: bool = False) -> None:
         """holder placed the id (a stream of it begins there: its claim starts now, a router restarted under the
@@ -464,19 +462,12 @@ class Admission:
                                                      spent=ticket.resumed)
         hold.claim(ticket.holder, now, placed=True)
 
-    def on_placed(self, request_id: str, node_id: str = "", model: str = "") -> None:
-        """node_id was chosen for request_id under model (and was warm or loaded it): it may run, so its tokens are
-        never given back."""
+    def on_placed(self, request_id: str) -> None:
+        """A node was chosen for request_id (and was warm or loaded it): it may run, so its tokens are never given
+        back."""
         hold = self._held.get(request_id)
         if hold is not None:
             hold.spent = True
-            if node_id:
-                hold.placed_on = (node_id, model)
-
-    def placed_on(self, request_id: str) -> tuple[str, str] | None:
-        """The (node, model) request_id was last placed on while it holds its slot; None if not placed here."""
-        hold = self._held.get(request_id)
-        return hold.placed_on if hold is not None else None
 
     def renew(self, request_ids: Sequence[str], now: float, holder: str = "", tenants: Sequence[str] = ()) -> int:
         """Those of request_ids holding a slot are alive (through holder, the router that says so): their leases

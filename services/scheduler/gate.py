@@ -148,9 +148,9 @@ class AdmissionGate:
         if self._admission.end(request_id, self._clock(), holder, another_stream_live, ran, attempt):
             self.capacity_changed()
 
-    def placed(self, request_id: str, node_id: str = "", model: str = "") -> None:
-        """request_id was placed on node_id under model: it may run, and its tokens stay charged."""
-        self._admission.on_placed(request_id, node_id, model)
+    def placed(self, request_id: str) -> None:
+        """request_id was placed: it may run, and its tokens stay charged."""
+        self._admission.on_placed(request_id)
 
     def renew(self, request_ids: Sequence[str], holder: str = "", tenants: Sequence[str] = ()) -> int:
         """These requests are still being served, through holder (a router): their slots' leases start again; those

@@ -86,8 +86,6 @@ class Plan:
     started_at: float = 0.0
     # What admission could not predict, said in the decision: no candidate registered a profile.
     unpredicted: str = ""
-    # A resume held to the (node, model) its id was placed on, which may still run its stream (options).
-    running_on: tuple[str, str] | None = None
     # Its tenant's limits' refusal of it, asked for when no node has its model warm (start): it then asks for no load.
     limits_refusal: Outcome | None = None
 
@@ -205,20 +203,8 @@ class Placer:
             self.retry_budget.refund(plan.charged_at)
             plan.charged_at = None
 
-    def options(self, plan: Plan, overlap: Callable[[str], dict[str, int]],
-                placed_on: tuple[str, str] | None = None) -> list[Option]:
-        """Each model with candidates, its nodes and their cached prompt blocks (overlap(model)).
-
-        placed_on: the (node, model) the request's id was placed on and holds its slot for. A resume (through another
-        router, its first one frozen or dead) goes back there when that node is a candidate: it takes the place of
-        the stream still running there, or finds its prompt cached. Placed by the policy on another node, it ran
-        beside that stream until the node dropped the frozen router, each computing the same tokens."""
-        if placed_on is not None and plan.ask.resumed and not plan.is_retry:
-            node_id, model = placed_on
-            there = [s for s in plan.candidates.get(model, ()) if s.spec.node_id == node_id]
-            if there:
-                plan.running_on = placed_on
-                return [Option(dataclasses.replace(plan.ask.request, model=model), there, overlap(model))]
+    def options(self, plan: Plan, overlap: Callable[[str], dict[str, int]]) -> list[Option]:
+        """Each model with candidates, its nodes and their cached prompt blocks (overlap(model))."""
         return [Option(dataclasses.replace(plan.ask.request, model=m), nodes, overlap(m))
                 for m, nodes in plan.candidates.items() if nodes]
 
@@ -323,10 +309,6 @@ class Placer:
         """The options of a request that waited for admission, on the fleet as it is now."""
         self.refresh(plan, now, changing)
         fresh = [dataclasses.replace(o, candidates=plan.candidates[o.request.model]) for o in options]
-        if plan.running_on is not None:  # still held to the node its stream may run on, while that one can take it
-            held = [dataclasses.replace(o, candidates=[s for s in o.candidates if s.spec.node_id == plan.running_on[0]])
-                    for o in fresh]
-            fresh = [o for o in held if o.candidates] or fresh
         fresh = [o for o in fresh if o.candidates]
         if not fresh:
             raise Unavailable(f"model={plan.ask.request.model!r}: no live node left for it after queueing")

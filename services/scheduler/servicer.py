@@ -423,8 +423,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     raise self._placer.no_candidates(plan, waited_s)
                 overlaps = {m: await self._overlap(m, request.block_hashes)
                             for m, nodes in plan.candidates.items() if nodes}
-                options = self._placer.options(plan, overlaps.__getitem__,
-                                               self._admission.placed_on(request.request_id))
+                options = self._placer.options(plan, overlaps.__getitem__)
                 admission = self._placer.ticket(plan, options, self._clock(), attempt)
                 waited = False
                 if admission is not None:
@@ -454,7 +453,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                         failed_loads.add(failure.node_id)
                         ask = dataclasses.replace(ask, exclude=ask.exclude | {failure.node_id})
                         continue
-                self._gate.placed(request.request_id, decision.node_id, model)
+                self._gate.placed(request.request_id)
                 is_placed = True
                 break
         except BatonError as error:

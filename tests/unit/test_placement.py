@@ -437,18 +437,3 @@ def test_a_deadline_out_of_reach_for_the_prompts_just_sent_is_told_to_retry_once
     placer.cluster.report_load("a", Load(kv_blocks_total=100_000, num_running=1), 11.0)
     plan = placer.start(ask, 11.0)
     assert placer.ticket(plan, placer.options(plan, lambda _: {}), 11.0) is not None
-
-
-@pytest.mark.parametrize("retry_cause", ["", "stalled"])
-def test_a_resume_stays_held_to_the_node_its_id_runs_on_after_waiting_for_admission(retry_cause: str) -> None:
-    """The node its id was placed on (Admission.placed_on) is the resume's only option, before and after a wait in
-    the queue (which refreshes the candidates from the whole fleet); a move (a retry) is placed by the policy."""
-    placer = _placer(_spec("a"), _spec("b"))
-    ask = dataclasses.replace(_ask(retry_cause=retry_cause), resumed=True)
-    plan = placer.start(ask, 1.0)
-    options = placer.options(plan, lambda _: {"a": 10}, placed_on=("b", M))
-    held = [s.spec.node_id for o in options for s in o.candidates]
-    assert held == (["a", "b"] if retry_cause else ["b"])
-    after = placer.after_queueing(plan, options, 2.0)
-    assert [s.spec.node_id for o in after for s in o.candidates] == held
-    assert placer.decide(after, 2.0).decision.node_id == ("a" if retry_cause else "b")
