@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -419,8 +420,7 @@ class LocalCluster:
             process.start()
         for process in services:
             wait_grpc_serving(process, timeout_s, self.client_credentials)
-        self.wait_nodes_visible(spec.num_nodes, timeout_s)
-        self.wait_routers_see_nodes(spec.num_nodes, timeout_s)
+        self.wait_routers_see_nodes(self.wait_nodes_visible(spec.num_nodes, timeout_s), timeout_s)
 
     def _common_flags(self) -> dict[str, object]:
         spec = self.spec
@@ -495,26 +495,26 @@ class LocalCluster:
                                  f"expected {num_nodes}; leader {state.leader_id or 'none'}")
             time.sleep(0.05)  # membership arrives through etcd watches; poll the view with a deadline
 
-    def wait_routers_see_nodes(self, num_nodes: int, timeout_s: float) -> None:
-        """Until every router lists models warm on num_nodes nodes in all (each node has one warm at least): a
-        router's view of the nodes comes through its own etcd watch, and a request sent before it came was refused
-        for a model it did not know yet (ci116)."""
+    def wait_routers_see_nodes(self, state: scheduler_pb2.ClusterState, timeout_s: float) -> None:
+        """Until every router lists each model on as many warm nodes as state (the leader's view) shows: a router's
+        view of the nodes comes through its own etcd watch, and a request sent before it came was refused for a
+        model it did not know yet (ci116). Each look is a new connection (a router's per-connection request rate,
+        as tests set it, would otherwise refuse the polls)."""
+        expected = Counter(m.name for node in state.nodes for m in node.info.models if m.is_warm)
         deadline = time.monotonic() + timeout_s
         for router in self.routers:
-            with sync_channel(router.address, self.client_credentials) as channel:
-                stub = router_pb2_grpc.RouterStub(channel)
-                while True:
+            while True:
+                with sync_channel(router.address, self.client_credentials) as channel:
                     try:
-                        listed = stub.ListModels(router_pb2.ListModelsRequest(), timeout=2.0,
-                                                 metadata=self.admin_metadata).models
+                        listed = {m.name: m.num_warm_nodes for m in router_pb2_grpc.RouterStub(channel).ListModels(
+                            router_pb2.ListModelsRequest(), timeout=2.0, metadata=self.admin_metadata).models}
                     except grpc.RpcError:
-                        listed = []
-                    if sum(m.num_warm_nodes for m in listed) >= num_nodes:
-                        break
-                    if time.monotonic() > deadline:
-                        raise StartError(f"{router.name} lists {', '.join(m.name for m in listed) or 'no model'}; "
-                                         f"expected models warm on {num_nodes} nodes")
-                    time.sleep(0.05)  # its view arrives through its etcd watch; poll it with a deadline
+                        listed = {}
+                if all(listed.get(model, 0) >= count for model, count in expected.items()):
+                    break
+                if time.monotonic() > deadline:
+                    raise StartError(f"{router.name} lists {listed}; the leader sees {dict(expected)} warm")
+                time.sleep(0.05)  # its view arrives through its etcd watch; poll it with a deadline
 
     @property
     def processes(self) -> list[ManagedProcess]:

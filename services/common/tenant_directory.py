@@ -40,6 +40,8 @@ class TenantDirectory:
     async def ready(self, timeout_s: float) -> None:
         """Return once the records have been read from etcd; Unavailable after timeout_s (a key checked
         against no records would be refused as unknown)."""
+        if self._view.synced.is_set():  # read long ago: no wait, whatever is left of the call
+            return
         try:
             await within(self._view.synced.wait(), timeout_s)
         except TimeoutError:

@@ -262,12 +262,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 f"{config.max_requests_per_connection_per_s:g} after a burst of --connection-request-burst="
                 f"{config.connection_request_burst}", retry_after_ms=max(1, math.ceil(wait_s * 1000)))
 
-    async def authorize(self, authorization: str | None) -> str:
+    async def authorize(self, authorization: str | None,
+                        time_remaining: Callable[[], float | None] = lambda: None) -> str:
         """With --auth, the tenant of the caller's `authorization: Bearer <key>` (gRPC metadata or HTTP
         header); Unauthenticated without a valid key. Without --auth, "" (anyone may call)."""
         if self._tenants is None:
             return ""
-        await self._tenants.ready(self._config.leader_wait_s)
+        await self._tenants.ready(self._wait_s(time_remaining))
         return self._tenants.tenant_from_authorization(authorization).tenant
 
     async def _authenticate(self, request: router_pb2.GenerateRequest, authorization: str | None,
@@ -286,7 +287,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
     ) -> router_pb2.ListModelsResponse:
         try:
             self.check_connection_rate(context.peer())
-            await self.authorize(_authorization(context))
+            await self.authorize(_authorization(context), context.time_remaining)
             await self.nodes_read(context.time_remaining)
         except BatonError as error:
             await abort(context, error)
