@@ -412,12 +412,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             changing = self._loader.changing_nodes
             while True:
                 plan = self._placer.start(ask, self._clock(), changing, self._admission.limits_refusal)
+                if plan.limits_refusal is not None:
+                    # No node has its model warm, and its tenant's limits refuse it: refused now, as the gate would
+                    # after a wait for a load it did not ask for (a 503 then, helper-139).
+                    raise self._gate.refuse(ticket_of(ask, plan.started_at, attempt), plan.limits_refusal)
                 waited_s = 0.0
                 if not plan.has_candidates and not plan.is_retry:
-                    # The models are only on busy nodes' disks: the planner makes room; wait for it, unless its
-                    # tenant's limits refuse it (it asked for no room then: a 503 after the wait, it had said so).
-                    if plan.limits_refusal is not None:
-                        raise self._gate.refuse(ticket_of(ask, plan.started_at, attempt), plan.limits_refusal)
+                    # The models are only on busy nodes' disks: the planner makes room; wait for it.
                     waited_s = await self._wait_for_candidates(plan, context.time_remaining())
                 if not plan.has_candidates:
                     raise self._placer.no_candidates(plan, waited_s)
