@@ -45,7 +45,7 @@ from services.scheduler.placement import (DeadlineOutOfReach, LeftOutOfReach, Pl
                                          ticket_of)
 from services.scheduler.policies import Decision, PlacementRequest, make_policy
 from services.scheduler.retry_budget import RetryBudget
-from services.scheduler.tasks import TaskLedger, request_task, workflow_task
+from services.scheduler.tasks import TaskLedger, json_str_bytes, request_task, workflow_task
 from services.scheduler.validation import check_finished, check_live_requests, check_place
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,10 @@ _NEW_WORKFLOWS_HANDED_OVER = 1_000
 # The admission state a leader hands over, in bytes at most (half for slots, about 85 of 36-character ids): the state
 # is one etcd value, rewritten every second, and etcd keeps thousands of past writes in memory (helper-133).
 _ADMISSION_STATE_BYTES = 16 * 1024
+# The hand-over state's open tasks and workflows' spend, about, in bytes of JSON: with the rest, well under etcd's
+# 1.5 MiB for a request (10,000 of each with 257-character ids passed it, and every write was refused).
+_OPEN_TASKS_STATE_BYTES = 640 * 1024
+_WORKFLOW_SPEND_STATE_BYTES = 384 * 1024
 # A successor adds the whole fleet's cost from where its predecessor stopped counting to its own takeover,
 # at the fleet's price then, up to this long: a longer gap is a control plane restarted on an old etcd,
 # not a failover, and is left out (logged).
@@ -260,7 +264,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             "retry_budget": {"requests": self._retry_budget.num_requests(now),
                              "retries": self._retry_budget.num_retries(now)},
             "workflow_spent": self._workflows_handed_over(),
-            "tasks": self._tasks.to_state(_WORKFLOWS_HANDED_OVER, now, _ENDED_HANDED_OVER_S),
+            "tasks": self._tasks.to_state(_WORKFLOWS_HANDED_OVER, now, _ENDED_HANDED_OVER_S, _OPEN_TASKS_STATE_BYTES),
             "fleet": {"counted_until_unix": self._fleet_counted_unix, "price_per_hour": self.fleet_price_per_hour()},
             "model_demand_age_s": self._planner.demand_state(now),
             "admission": {**self._admission.to_state(now, _ADMISSION_STATE_BYTES), "written_unix": self._wall_clock()},
@@ -274,7 +278,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         recent = list(spent)[-_NEW_WORKFLOWS_HANDED_OVER:]
         handed = {w: s for w, s in spent.items() if self._tasks.is_open(workflow_task(w))}
         handed.update((w, spent[w]) for w in recent if not self._tasks.has_ended(workflow_task(w)))
-        return dict(list(handed.items())[-_WORKFLOWS_HANDED_OVER:])
+        kept, size = [], 0
+        for workflow, amount in reversed(list(handed.items())[-_WORKFLOWS_HANDED_OVER:]):  # newest first, as fit
+            size += json_str_bytes(workflow) + 28  # its key, its spend (a float's repr) and the separators
+            if size > _WORKFLOW_SPEND_STATE_BYTES:
+                break
+            kept.append((workflow, amount))
+        return dict(reversed(kept))
 
     def _take_over_state(self, state: dict[str, Any]) -> None:
         if state.get("incarnation") == self._incarnation:

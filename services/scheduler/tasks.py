@@ -17,6 +17,7 @@ as the ledger has run (the leader adds each interval's fleet cost) ÷ tasks succ
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -68,6 +69,20 @@ class _Task:
         if self.succeeded or self.failed:
             return not self.failed
         return self.last_ok
+
+
+def json_str_bytes(text: str) -> int:
+    """The bytes of text as a JSON string (json.dumps's), without encoding it in the common case."""
+    if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
+        return len(text) + 2
+    return len(json.dumps(text))
+
+
+def _open_entry_bytes(task_id: str, task: _Task) -> int:
+    """About the most an open task takes in the hand-over state's JSON: its key (in open, and in open_failed_steps
+    when it has failed steps), its five fields, its steps."""
+    return (json_str_bytes(task_id) * (2 if task.failed else 1) + 96
+            + sum(len(str(step)) + 2 for step in (*task.succeeded, *task.failed)))
 
 
 @dataclass(frozen=True)
@@ -193,14 +208,24 @@ class TaskLedger:
         """Whether task_id ended lately (among the last max_open to end)."""
         return task_id in self._ended
 
-    def to_state(self, max_open: int, now: float, ended_within_s: float = math.inf) -> dict[str, Any]:
+    def to_state(self, max_open: int, now: float, ended_within_s: float = math.inf,
+                 max_open_bytes: int | None = None) -> dict[str, Any]:
         """Totals, and the most recently active open tasks with their age (clocks differ between hosts); the
-        open tasks beyond max_open are handed over as failed, their cost kept (as the ledger's own overflow is). The
-        tasks ended within ended_within_s, whose late notices the successor must not take for new tasks: all of the
-        last max_open, at one write a second, made the state grow with the traffic to hundreds of KB, and etcd
-        keeps thousands of past writes in memory (helper-134)."""
+        open tasks beyond max_open, or past about max_open_bytes of JSON, are handed over as failed, their cost kept
+        (as the ledger's own overflow is). The tasks ended within ended_within_s, whose late notices the successor
+        must not take for new tasks: all of the last max_open, at one write a second, made the state grow with the
+        traffic to hundreds of KB, and etcd keeps thousands of past writes in memory (helper-134)."""
         open_tasks = list(self._open.items())
         split = max(0, len(open_tasks) - max_open)
+        if max_open_bytes is not None:
+            # Newest first, while they fit: 10,000 open tasks of 257-character ids passed etcd's 1.5 MiB for a
+            # request, and every write of the state was refused (a successor took over an old one).
+            size = 0
+            for i in range(len(open_tasks) - 1, split - 1, -1):
+                size += _open_entry_bytes(*open_tasks[i])
+                if size > max_open_bytes:
+                    split = i + 1
+                    break
         dropped, recent = open_tasks[:split], open_tasks[split:]
         return {
             "succeeded": self.succeeded, "failed": self.failed + len(dropped),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from services.scheduler.tasks import TaskLedger, request_task, task_digest, workflow_task
@@ -218,3 +220,22 @@ def test_tasks_ended_at_a_predecessor_are_handed_on_at_the_next_failover() -> No
     c.restore(b.to_state(100, 60.0, ended_within_s=30.0), 7.0)
     assert c.record(request_task("r"), 1, 1, 0.01, True, 8.0) is None and c.stats().succeeded == 1
     assert b.to_state(100, 81.0, ended_within_s=30.0)["ended_digests"] == []  # past the window
+
+
+def test_open_tasks_past_the_byte_bound_are_handed_over_as_failed_the_newest_kept() -> None:
+    """10,000 open tasks of 257-character ids passed etcd's 1.5 MiB for a request, and every write of the hand-over
+    state was refused. The newest that fit the bound are handed over; the rest end as failed, their cost kept."""
+    ledger = TaskLedger()
+    ids = [request_task(f"{n:05d}" + "x" * 252) for n in range(10_000)]  # 257 characters, then the key's prefix
+    for n, task_id in enumerate(ids):
+        ledger.record(task_id, 1, 1, 0.01, False, float(n))  # refused or failed: open until they time out
+    state = ledger.to_state(10_000, 10_000.0, max_open_bytes=640 * 1024)
+    assert len(json.dumps(state["open"])) + len(json.dumps(state["open_failed_steps"])) <= 640 * 1024
+    kept = list(state["open"])
+    assert kept == ids[-len(kept):] and 1_000 < len(kept) < 10_000  # the newest, in order
+    assert state["failed"] == 10_000 - len(kept)
+    assert state["ended_cost_usd"] == pytest.approx(0.01 * (10_000 - len(kept)))
+    successor = TaskLedger()
+    successor.restore(json.loads(json.dumps(state)), 0.0)
+    assert successor.stats().open == len(kept)
+    assert successor.record(ids[0], 1, 1, 0.01, True, 1.0) is None  # a dropped one is ended there: not opened again
