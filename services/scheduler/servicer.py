@@ -61,10 +61,13 @@ _NEW_WORKFLOWS_HANDED_OVER = 1_000
 # The admission state a leader hands over, in bytes at most (half for slots, about 85 of 36-character ids): the state
 # is one etcd value, rewritten every second, and etcd keeps thousands of past writes in memory (helper-133).
 _ADMISSION_STATE_BYTES = 16 * 1024
-# The hand-over state's open tasks and workflows' spend, about, in bytes of JSON: with the rest, well under etcd's
-# 1.5 MiB for a request (10,000 of each with 257-character ids passed it, and every write was refused).
-_OPEN_TASKS_STATE_BYTES = 640 * 1024
-_WORKFLOW_SPEND_STATE_BYTES = 384 * 1024
+# The hand-over state's open tasks and workflows' spend, about, in bytes of JSON, and the digests of ended tasks, by
+# count (19 bytes each): 10,000 of each with 257-character ids made 5.7 MB, past etcd's 1.5 MiB for a request, and
+# every write was refused. Well under it: the whole state is at most about 270 KB, and etcd keeps up to about 10,000
+# past writes in memory (docs/etcd.md).
+_OPEN_TASKS_STATE_BYTES = 128 * 1024
+_WORKFLOW_SPEND_STATE_BYTES = 64 * 1024
+_ENDED_DIGESTS_HANDED_OVER = 3_000
 # A successor adds the whole fleet's cost from where its predecessor stopped counting to its own takeover,
 # at the fleet's price then, up to this long: a longer gap is a control plane restarted on an old etcd,
 # not a failover, and is left out (logged).
@@ -264,7 +267,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             "retry_budget": {"requests": self._retry_budget.num_requests(now),
                              "retries": self._retry_budget.num_retries(now)},
             "workflow_spent": self._workflows_handed_over(),
-            "tasks": self._tasks.to_state(_WORKFLOWS_HANDED_OVER, now, _ENDED_HANDED_OVER_S, _OPEN_TASKS_STATE_BYTES),
+            "tasks": self._tasks.to_state(_WORKFLOWS_HANDED_OVER, now, _ENDED_HANDED_OVER_S, _OPEN_TASKS_STATE_BYTES,
+                                          _ENDED_DIGESTS_HANDED_OVER),
             "fleet": {"counted_until_unix": self._fleet_counted_unix, "price_per_hour": self.fleet_price_per_hour()},
             "model_demand_age_s": self._planner.demand_state(now),
             "admission": {**self._admission.to_state(now, _ADMISSION_STATE_BYTES), "written_unix": self._wall_clock()},

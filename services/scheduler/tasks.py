@@ -209,40 +209,67 @@ class TaskLedger:
         return task_id in self._ended
 
     def to_state(self, max_open: int, now: float, ended_within_s: float = math.inf,
-                 max_open_bytes: int | None = None) -> dict[str, Any]:
-        """Totals, and the most recently active open tasks with their age (clocks differ between hosts); the
-        open tasks beyond max_open, or past about max_open_bytes of JSON, are handed over as failed, their cost kept
-        (as the ledger's own overflow is). The tasks ended within ended_within_s, whose late notices the successor
-        must not take for new tasks: all of the last max_open, at one write a second, made the state grow with the
-        traffic to hundreds of KB, and etcd keeps thousands of past writes in memory (helper-134)."""
+                 max_open_bytes: int | None = None, max_digests: int | None = None) -> dict[str, Any]:
+        """Totals, and the most recently active open tasks with their age (clocks differ between hosts), at most
+        max_open of them in about max_open_bytes of JSON: first those with a step done or GPU time spent (a workflow
+        between its steps), then the rest (a request refused, open until its timeout in case its client sends it
+        again), newest first. Those left out end here as failed, their cost kept (as the ledger's own overflow
+        does), when their digests fit; else they are only left out (a later notice of one opens it at the
+        successor, and it is counted there).
+
+        The digests of the tasks ended within ended_within_s, whose late notices the successor must not take for
+        new tasks, at most max_digests (max_open if None), the latest to end first: all of the last max_open, at one
+        write a second, made the state grow with the traffic, and etcd keeps thousands of past writes in memory
+        (helper-134). Then those of the tasks left out, in the room that is left: counted failed with no digest, a
+        task was counted again when a notice reopened it at the successor (helper-141)."""
         open_tasks = list(self._open.items())
-        split = max(0, len(open_tasks) - max_open)
-        if max_open_bytes is not None:
-            # Newest first, while they fit: 10,000 open tasks of 257-character ids passed etcd's 1.5 MiB for a
-            # request, and every write of the state was refused (a successor took over an old one).
-            size = 0
-            for i in range(len(open_tasks) - 1, split - 1, -1):
-                size += _open_entry_bytes(*open_tasks[i])
-                if size > max_open_bytes:
-                    split = i + 1
-                    break
-        dropped, recent = open_tasks[:split], open_tasks[split:]
+        kept = sorted(self._kept_open(open_tasks, max_open, max_open_bytes))  # their places, least recent first
+        kept_ids = {open_tasks[i][0] for i in kept}
+        # The latest to end last; those a predecessor handed over too: a third leader within the window must know
+        # them (helper-137).
+        ended = ([digest for digest, at in self._ended_digests.items() if now - at <= ended_within_s]
+                 + [task_digest(k) for k, at in self._ended.items() if now - at <= ended_within_s])
+        cap = max_open if max_digests is None else max_digests
+        ended = ended[-cap:] if cap > 0 else []
+        failed_here: list[str] = []  # the newest left out, as many as have room for their digests
+        for task_id, _ in reversed(open_tasks):
+            if len(ended) + len(failed_here) >= cap or len(failed_here) + len(kept) >= len(open_tasks):
+                break
+            if task_id not in kept_ids:
+                failed_here.append(task_id)
+        left_out_cost = sum(t.spent_usd for _, t in open_tasks) - sum(open_tasks[i][1].spent_usd for i in kept)
         return {
-            "succeeded": self.succeeded, "failed": self.failed + len(dropped),
-            "ended_cost_usd": self.ended_cost_usd + sum(task.spent_usd for _, task in dropped),
+            "succeeded": self.succeeded, "failed": self.failed + len(failed_here),
+            "ended_cost_usd": self.ended_cost_usd + left_out_cost,
             "overhead_usd": self.overhead_usd, "fleet_cost_usd": self.fleet_cost_usd,
             # Five fields each, as every version reads them; failed steps under a key of their own.
             "open": {k: [t.total_steps, t.spent_usd, sorted(t.succeeded), t.last_ok, now - t.last_at]
-                     for k, t in recent},
-            "open_failed_steps": {k: sorted(t.failed) for k, t in recent if t.failed},
-            # The dropped ones ended here: a late notice of one must not open it again at the successor (the most
-            # recently ended kept first, then the dropped ones, within the cap). As digests: 16 characters, where a
-            # tenant-scoped id may have 257.
-            # Those a predecessor handed over too: a third leader within the window must know them (helper-137).
-            "ended_digests": ([digest for digest, at in self._ended_digests.items() if now - at <= ended_within_s]
-                              + [task_digest(k) for k in [k for k, _ in dropped] + [
-                                  k for k, at in self._ended.items() if now - at <= ended_within_s]])[-max_open:],
+                     for k, t in (open_tasks[i] for i in kept)},
+            "open_failed_steps": {k: sorted(t.failed) for k, t in (open_tasks[i] for i in kept) if t.failed},
+            # As digests: 16 characters, where a tenant-scoped id may have 257.
+            "ended_digests": ended + [task_digest(k) for k in reversed(failed_here)],
         }
+
+    @staticmethod
+    def _kept_open(open_tasks: list[tuple[str, _Task]], max_open: int, max_bytes: int | None) -> list[int]:
+        """The places in open_tasks (least recently active first) of the open tasks to hand over: to_state's order
+        and bounds. An overload's refused requests, the newest, pushed out the workflows between their steps, whose
+        later steps could then never succeed at the successor (helper-141)."""
+        kept: list[int] = []
+        size = 0
+        for started in (True, False):
+            for i in range(len(open_tasks) - 1, -1, -1):
+                task_id, task = open_tasks[i]
+                if bool(task.succeeded or task.spent_usd > 0) != started:
+                    continue
+                if len(kept) >= max_open:
+                    return kept
+                if max_bytes is not None:
+                    size += _open_entry_bytes(task_id, task)
+                    if size > max_bytes:
+                        return kept
+                kept.append(i)
+        return kept
 
     def restore(self, state: dict[str, Any], now: float) -> None:
         self.succeeded = int(state["succeeded"])

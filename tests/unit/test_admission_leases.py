@@ -372,19 +372,19 @@ def test_requests_queued_at_a_successor_are_held_to_the_slots_it_took_over() -> 
 
 
 async def test_the_hand_over_state_fits_etcd_with_ten_thousand_long_ids_of_each_kind() -> None:
-    """10,000 open tasks and 10,000 workflows' spend, of 257-character ids, passed etcd's 1.5 MiB for a request
-    (its --max-request-bytes default): every write of the state was refused, and a successor took over an old one.
-    The newest that fit are handed over."""
+    """10,000 open tasks and 10,000 workflows' spend, of 257-character ids, made 5.7 MB, past etcd's 1.5 MiB for a
+    request (its --max-request-bytes default): every write of the state was refused, and a successor took over an old
+    one. The newest that fit are handed over, in a state small enough to be written every second."""
     service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"), clock=lambda: 100.0)
     workflows = [f"{n:05d}" + "w" * 252 for n in range(10_000)]
     service._policy.restore_workflow_state({w: 0.5 for w in workflows})
     for n, workflow in enumerate(workflows):
         service._tasks.record(workflow_task(workflow), 1, 3, 0.1, True, 50.0 + n / 1000)  # step 1 of 3: open
     state = service._hand_over_state()
-    assert len(json.dumps(state).encode()) < 1_572_864
-    assert 1_000 < len(state["workflow_spent"]) < 10_000
+    assert len(json.dumps(state).encode()) < 300_000  # etcd keeps thousands of past writes in memory
+    assert 100 < len(state["workflow_spent"]) < 10_000
     assert list(state["workflow_spent"]) == workflows[-len(state["workflow_spent"]):]  # the newest
-    assert 1_000 < len(state["tasks"]["open"]) < 10_000
+    assert 100 < len(state["tasks"]["open"]) < 10_000
     await service.close()
 
 

@@ -222,20 +222,43 @@ def test_tasks_ended_at_a_predecessor_are_handed_on_at_the_next_failover() -> No
     assert b.to_state(100, 81.0, ended_within_s=30.0)["ended_digests"] == []  # past the window
 
 
-def test_open_tasks_past_the_byte_bound_are_handed_over_as_failed_the_newest_kept() -> None:
+def test_open_tasks_past_the_byte_bound_are_left_out_and_each_task_is_counted_once() -> None:
     """10,000 open tasks of 257-character ids passed etcd's 1.5 MiB for a request, and every write of the hand-over
-    state was refused. The newest that fit the bound are handed over; the rest end as failed, their cost kept."""
+    state was refused. The newest that fit are handed over. Those left out end as failed where their digests fit
+    beside those of the tasks ended lately, and are otherwise only left out: counted failed with no digest, one was
+    counted again when a notice reopened it at the successor (helper-141)."""
     ledger = TaskLedger()
+    for n in range(3_000):
+        ledger.record(request_task(f"ok{n}"), 1, 1, 0.01, True, 75.0)  # ended lately: their digests go first
     ids = [request_task(f"{n:05d}" + "x" * 252) for n in range(10_000)]  # 257 characters, then the key's prefix
     for n, task_id in enumerate(ids):
-        ledger.record(task_id, 1, 1, 0.01, False, float(n))  # refused or failed: open until they time out
-    state = ledger.to_state(10_000, 10_000.0, max_open_bytes=640 * 1024)
-    assert len(json.dumps(state["open"])) + len(json.dumps(state["open_failed_steps"])) <= 640 * 1024
+        ledger.record(task_id, 1, 1, 0.01, False, 80.0 + n / 1000)  # refused: open until they time out
+    state = json.loads(json.dumps(ledger.to_state(10_000, 100.0, 30.0, max_open_bytes=128 * 1024,
+                                                  max_digests=4_000)))
+    assert len(json.dumps(state["open"])) + len(json.dumps(state["open_failed_steps"])) <= 128 * 1024
     kept = list(state["open"])
-    assert kept == ids[-len(kept):] and 1_000 < len(kept) < 10_000  # the newest, in order
-    assert state["failed"] == 10_000 - len(kept)
-    assert state["ended_cost_usd"] == pytest.approx(0.01 * (10_000 - len(kept)))
-    successor = TaskLedger()
-    successor.restore(json.loads(json.dumps(state)), 0.0)
+    assert kept == ids[-len(kept):] and 100 < len(kept) < 1_000  # the newest, in order
+    assert len(state["ended_digests"]) == 4_000  # 3,000 ended lately, then 1,000 of those left out
+    assert state["failed"] == 1_000
+    assert state["ended_cost_usd"] == pytest.approx(0.01 * (3_000 + 10_000 - len(kept)))
+    successor = TaskLedger(timeout_s=10.0)
+    successor.restore(state, 0.0)
     assert successor.stats().open == len(kept)
-    assert successor.record(ids[0], 1, 1, 0.01, True, 1.0) is None  # a dropped one is ended there: not opened again
+    for task_id in ids:  # a notice of each (its client sent it again under its id, and it failed again)
+        successor.record(task_id, 1, 1, 0.0, False, 1.0)
+    successor.expire(100.0)
+    stats = successor.stats()
+    assert (stats.succeeded, stats.failed, stats.open) == (3_000, 10_000, 0)
+
+
+def test_a_workflow_between_its_steps_is_handed_over_before_the_requests_an_overload_refused() -> None:
+    """The refused requests are the newest open tasks: they pushed the workflows between their steps out of the
+    hand-over, and those workflows' later steps could never succeed at the successor (helper-141)."""
+    ledger = TaskLedger()
+    for n in range(100):
+        ledger.record(workflow_task(f"wf{n}"), 1, 3, 0.02, True, float(n))  # step 1 of 3 done
+    for n in range(5_000):
+        ledger.record(request_task(f"refused{n}"), 1, 1, 0.0, False, 200.0 + n / 100)
+    state = ledger.to_state(10_000, 300.0, 30.0, max_open_bytes=16 * 1024, max_digests=100)
+    assert {workflow_task(f"wf{n}") for n in range(100)} <= set(state["open"])
+    assert len(state["open"]) < 300
