@@ -22,16 +22,18 @@ REQUEST_OUTCOME_FAILED: RequestOutcome
 REQUEST_OUTCOME_CANCELLED: RequestOutcome
 
 class LiveRequests(_message.Message):
-    __slots__ = ("router_id", "request_ids", "workflow_ids", "tenants")
+    __slots__ = ("router_id", "request_ids", "workflow_ids", "tenants", "prompt_digests")
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     WORKFLOW_IDS_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     router_id: str
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     workflow_ids: _containers.RepeatedScalarFieldContainer[str]
     tenants: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, router_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., workflow_ids: _Optional[_Iterable[str]] = ..., tenants: _Optional[_Iterable[str]] = ...) -> None: ...
+    prompt_digests: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, router_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., workflow_ids: _Optional[_Iterable[str]] = ..., tenants: _Optional[_Iterable[str]] = ..., prompt_digests: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LiveRequestsAck(_message.Message):
     __slots__ = ("num_held", "lease_ms")

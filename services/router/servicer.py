@@ -160,19 +160,22 @@ class RouterService(router_pb2_grpc.RouterServicer):
             for start in range(0, len(live), LIVE_IDS_PER_REPORT):
                 ids = live[start:start + LIVE_IDS_PER_REPORT]
                 workflows = sorted({self._live_workflows[i] for i in ids if i in self._live_workflows})
-                tenants = [self._reported_tenant(i) for i in ids]
-                report = scheduler_pb2.LiveRequests(router_id=self._config.instance_id, request_ids=ids,
-                                                    workflow_ids=workflows, tenants=tenants)
+                placed = [self._placed(i) for i in ids]
+                report = scheduler_pb2.LiveRequests(
+                    router_id=self._config.instance_id, request_ids=ids, workflow_ids=workflows,
+                    tenants=[live[0] if live else "" for live in placed],
+                    prompt_digests=[live[1].prompt_digest if live else 0 for live in placed])
                 try:
                     await stub.ReportLiveRequests(report, timeout=interval_s)
                 except grpc.aio.AioRpcError as exc:
                     log.debug("live-request report to %s failed: %s", address, exc.code().name)
                     break
 
-    def _reported_tenant(self, request_id: str) -> str:
-        """The tenant a live report gives request_id: its own once a node has taken it, else ""."""
+    def _placed(self, request_id: str) -> tuple[str, Generation] | None:
+        """The tenant and generation of request_id once a node has taken it (a live report names its tenant and
+        prompt then), else None."""
         live = self._live_tenants.get(request_id)
-        return live[0] if live is not None and live[1].placed else ""
+        return live if live is not None and live[1].placed else None
 
     def _on_nodes_changed(self, items: dict[str, bytes]) -> None:
         self._models = models_from_registrations(items, self._nodes.lapsed)

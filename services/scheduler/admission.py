@@ -469,7 +469,8 @@ class Admission:
         if hold is not None:
             hold.spent = True
 
-    def renew(self, request_ids: Sequence[str], now: float, holder: str = "", tenants: Sequence[str] = ()) -> int:
+    def renew(self, request_ids: Sequence[str], now: float, holder: str = "", tenants: Sequence[str] = (),
+              prompt_digests: Sequence[int] = ()) -> int:
         """Those of request_ids holding a slot are alive (through holder, the router that says so): their leases
         run lease_s from now. How many. Not from a router that has ended its stream of one (a report under way as
         it did).
@@ -477,19 +478,20 @@ class Admission:
         tenants (one to an id, "" for an id no node has taken yet): an id a node runs that holds no slot here, of a
         tenant with a concurrency limit, is given one (adopt): it runs, whatever this leader knew of it. A leader
         that took over within a second of its admission, or from a state older than a lease, held none, and its
-        tenant ran its whole max_concurrency again beside it (live: nine more, one at a time, helper-134)."""
+        tenant ran its whole max_concurrency again beside it (live: nine more, one at a time, helper-134).
+        prompt_digests (one to an id, 0: not said): the prompt an adopted slot holds its id to."""
         renewed = 0
         for i, request_id in enumerate(request_ids):
             hold = self._held.get(request_id)
             if hold is None and tenants and tenants[i]:
-                hold = self._adopt(request_id, tenants[i], now)
+                hold = self._adopt(request_id, tenants[i], now, prompt_digests[i] if prompt_digests else 0)
             if hold is not None and holder not in hold.ended:
                 hold.expires_at = max(hold.expires_at, now + self.lease_s)
                 hold.claim(holder, now)
                 renewed += 1
         return renewed
 
-    def _adopt(self, request_id: str, tenant_name: str, now: float) -> _Hold | None:
+    def _adopt(self, request_id: str, tenant_name: str, now: float, prompt_digest: int = 0) -> _Hold | None:
         """A slot for request_id, which a router says a node runs, if its tenant has a concurrency limit; None if
         not, or if the id waits in the queue (its slot comes with its dispatch), or its end was reported within a
         lease (the report was under way as it ended: adopted, its slot was held a lease after it ended). Its tokens
@@ -500,7 +502,7 @@ class Admission:
         tenant = self._tenants[tenant_name]
         tenant.in_flight += 1
         tenant.admitted[request_id] = now
-        self._held[request_id] = hold = _Hold(tenant_name, now + self.lease_s, spent=True)
+        self._held[request_id] = hold = _Hold(tenant_name, now + self.lease_s, prompt_digest, spent=True)
         return hold
 
     def end(self, request_id: str, now: float, holder: str = "", another_stream_live: bool = False,

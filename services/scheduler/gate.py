@@ -152,10 +152,11 @@ class AdmissionGate:
         """request_id was placed: it may run, and its tokens stay charged."""
         self._admission.on_placed(request_id)
 
-    def renew(self, request_ids: Sequence[str], holder: str = "", tenants: Sequence[str] = ()) -> int:
+    def renew(self, request_ids: Sequence[str], holder: str = "", tenants: Sequence[str] = (),
+              prompt_digests: Sequence[int] = ()) -> int:
         """These requests are still being served, through holder (a router): their slots' leases start again; those
         a node runs with no slot here get one (Admission.renew). How many are held."""
-        return self._admission.renew(request_ids, self._clock(), holder, tenants)
+        return self._admission.renew(request_ids, self._clock(), holder, tenants, prompt_digests)
 
     def sweep(self) -> None:
         """Free the slots whose lease ran out: their requests' end was never reported."""

@@ -656,7 +656,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                   else min(self._config.lease_ttl_s, remaining_s))
         num_held = 0
         if self._role.is_leader:
-            num_held = self._gate.renew(request.request_ids, request.router_id, request.tenants)
+            num_held = self._gate.renew(request.request_ids, request.router_id, request.tenants,
+                                        request.prompt_digests)
             # A long step (or a retry of a lone request, whose task is its id) does not time its task out.
             self._tasks.touch([*map(workflow_task, request.workflow_ids), *map(request_task, request.request_ids)],
                               self._clock())

@@ -92,14 +92,15 @@ def check_finished(request: scheduler_pb2.FinishedRequest, max_context_tokens: i
 
 def check_live_requests(request: scheduler_pb2.LiveRequests, max_live_ids: int, max_id_len: int) -> None:
     """Refuse a live-request report longer than a router sends (work on every id, on every report), naming the
-    list and its length; tenants not one to an id, or one longer than a Place's tenant may be."""
+    list and its length; tenants or prompt digests not one to an id, or a tenant longer than a Place's may be."""
     _check_router_id(request.router_id)
     for field, ids in (("request_ids", request.request_ids), ("workflow_ids", request.workflow_ids)):
         if len(ids) > max_live_ids:
             raise InvalidArgument(field, f"{len(ids)} ids", f"more than --max-live-ids ({max_live_ids}) in one report")
-    if request.tenants and len(request.tenants) != len(request.request_ids):
-        raise InvalidArgument("tenants", f"{len(request.tenants)} tenants",
-                              f"one for each of the {len(request.request_ids)} request_ids, or none")
+    for field, values in (("tenants", request.tenants), ("prompt_digests", request.prompt_digests)):
+        if values and len(values) != len(request.request_ids):
+            raise InvalidArgument(field, f"{len(values)} {field.replace('_', ' ')}",
+                                  f"one for each of the {len(request.request_ids)} request_ids, or none")
     for i, tenant in enumerate(request.tenants):
         if len(tenant) > max_id_len:
             raise InvalidArgument(f"tenants[{i}]", tenant, f"{len(tenant)} characters, longer than --max-id-len "

@@ -412,6 +412,17 @@ def test_a_request_a_node_runs_with_no_slot_here_is_given_one_by_its_routers_rep
     assert admission.in_flight("t") == 1
 
 
+def test_a_slot_given_from_a_report_holds_its_id_to_the_reported_prompt() -> None:
+    """An adopted slot had no prompt digest: a "resume" of another prompt under the running id was let in beside
+    the running stream, past its tenant's limit, where a slot the leader admitted or took over refuses it."""
+    admission = Admission(limits={"t": TenantLimits(max_concurrency=2)}, lease_s=10.0)
+    assert admission.renew(["r"], 1.0, "router-0", tenants=["t"], prompt_digests=[12]) == 1
+    other = dataclasses.replace(ticket("r", at=1.5), holder="router-1", resumed=True, prompt_digest=13)
+    assert admission.offer(other, 1.5, False, 0.1).duplicate
+    same = dataclasses.replace(other, prompt_digest=12)
+    assert admission.offer(same, 1.5, False, 0.1).verdict == Verdict.ADMIT
+
+
 async def test_the_leader_gives_a_slot_to_a_placed_request_its_router_reports_and_checks_the_tenants(
         monkeypatch: pytest.MonkeyPatch) -> None:
     fake_leadership(monkeypatch, lambda: True)
@@ -421,10 +432,13 @@ async def test_the_leader_gives_a_slot_to_a_placed_request_its_router_reports_an
         report = scheduler_pb2.LiveRequests(router_id="router-0", request_ids=["r"], tenants=["t"])
         ack = await service.ReportLiveRequests(report, FakeContext())  # type: ignore[arg-type]
         assert ack.num_held == 1 and verdict(service._admission, "next", service._clock()) == Verdict.REJECT
-        for tenants, named in ((["t", "t"], "tenants='2 tenants': one for each of the 1 request_ids, or none"),
-                               (["x" * 129], "tenants[0]=")):
+        for fields, named in (({"tenants": ["t", "t"]},
+                               "tenants='2 tenants': one for each of the 1 request_ids, or none"),
+                              ({"tenants": ["x" * 129]}, "tenants[0]="),
+                              ({"tenants": ["t"], "prompt_digests": [1, 2]},
+                               "prompt_digests='2 prompt digests': one for each of the 1 request_ids, or none")):
             with pytest.raises(Refused) as refused:
-                await service.ReportLiveRequests(scheduler_pb2.LiveRequests(request_ids=["r"], tenants=tenants),
+                await service.ReportLiveRequests(scheduler_pb2.LiveRequests(request_ids=["r"], **fields),
                                                  FakeContext())  # type: ignore[arg-type]
             assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and named in str(refused.value)
     finally:

@@ -800,6 +800,8 @@ async def test_the_router_reports_the_workflows_of_the_steps_it_serves() -> None
     # Placed, it is named with its tenant: a leader that holds no slot for it (it took over within a second of its
     # admission) gives it one (helper-134).
     assert list(report.tenants) == [DEFAULT_TENANT]
+    # And its prompt: a "resume" of another prompt under its id is refused there as on a slot the leader admitted.
+    assert list(report.prompt_digests) == [scheduler.places[0].prompt_digest] and report.prompt_digests[0]
 
 
 async def test_the_router_reports_its_live_requests_to_a_new_leader_at_once() -> None:
@@ -842,6 +844,7 @@ async def test_a_router_serving_more_requests_than_one_report_holds_splits_its_r
         check_live_requests(report, SchedulerConfig().max_live_ids, SchedulerConfig().max_id_len)
     assert [len(r.request_ids) for r in reports] == [LIVE_IDS_PER_REPORT, LIVE_IDS_PER_REPORT, 1]
     assert all(list(r.tenants) == [""] * len(r.request_ids) for r in reports)  # none of them placed yet
+    assert all(list(r.prompt_digests) == [0] * len(r.request_ids) for r in reports)
     assert sum(len(r.workflow_ids) for r in reports) == num_live
 
 
