@@ -163,8 +163,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 placed = [self._placed(i) for i in ids]
                 report = scheduler_pb2.LiveRequests(
                     router_id=self._config.instance_id, request_ids=ids, workflow_ids=workflows,
-                    tenants=[live[0] if live else "" for live in placed],
-                    prompt_digests=[live[1].prompt_digest if live else 0 for live in placed])
+                    tenants=[run[0] if run else "" for run in placed],
+                    prompt_digests=[run[1].prompt_digest if run else 0 for run in placed])
                 try:
                     await stub.ReportLiveRequests(report, timeout=interval_s)
                 except grpc.aio.AioRpcError as exc:
@@ -368,7 +368,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
             self._live[live_id] += 1
             if request.workflow_id:
                 self._live_workflows[live_id] = request.workflow_id
-            self._live_tenants[live_id] = (request.tenant or DEFAULT_TENANT, generation)
+            current = self._live_tenants.get(live_id)
+            if current is None or not current[1].placed:
+                # Not over a stream of the id a node runs: a resend refused for another prompt blanked that stream's
+                # tenant and prompt in every report while it ran (helper-143).
+                self._live_tenants[live_id] = (request.tenant or DEFAULT_TENANT, generation)
             # A stream that passes its end-to-end deadline ends there: the tokens sent so far stay sent.
             deadline_at = (asyncio.get_running_loop().time() + request.deadline_ms / 1000
                            if request.deadline_ms else None)

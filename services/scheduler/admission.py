@@ -479,15 +479,19 @@ class Admission:
         tenant with a concurrency limit, is given one (adopt): it runs, whatever this leader knew of it. A leader
         that took over within a second of its admission, or from a state older than a lease, held none, and its
         tenant ran its whole max_concurrency again beside it (live: nine more, one at a time, helper-134).
-        prompt_digests (one to an id, 0: not said): the prompt an adopted slot holds its id to."""
+        prompt_digests (one to an id, 0: not said): the prompt an adopted slot, or one held without a digest (admitted
+        through an older router, or from an older state), holds its id to."""
         renewed = 0
         for i, request_id in enumerate(request_ids):
             hold = self._held.get(request_id)
+            digest = prompt_digests[i] if prompt_digests else 0
             if hold is None and tenants and tenants[i]:
-                hold = self._adopt(request_id, tenants[i], now, prompt_digests[i] if prompt_digests else 0)
+                hold = self._adopt(request_id, tenants[i], now, digest)
             if hold is not None and holder not in hold.ended:
                 hold.expires_at = max(hold.expires_at, now + self.lease_s)
                 hold.claim(holder, now)
+                if not hold.prompt_digest and tenants and tenants[i]:  # admitted through an older router, say
+                    hold.prompt_digest = digest
                 renewed += 1
         return renewed
 

@@ -421,6 +421,9 @@ def test_a_slot_given_from_a_report_holds_its_id_to_the_reported_prompt() -> Non
     assert admission.offer(other, 1.5, False, 0.1).duplicate
     same = dataclasses.replace(other, prompt_digest=12)
     assert admission.offer(same, 1.5, False, 0.1).verdict == Verdict.ADMIT
+    admit(admission, "old", 2.0)  # through a router that sent no digest: its report fills it in
+    assert admission.renew(["old"], 2.5, "router-0", tenants=["t"], prompt_digests=[21]) == 1
+    assert admission.offer(dataclasses.replace(other, request_id="old", prompt_digest=22), 3.0, False, 0.1).duplicate
 
 
 async def test_the_leader_gives_a_slot_to_a_placed_request_its_router_reports_and_checks_the_tenants(
@@ -429,9 +432,13 @@ async def test_the_leader_gives_a_slot_to_a_placed_request_its_router_reports_an
     service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
     try:
         service._admission.set_limits(CAPPED)
-        report = scheduler_pb2.LiveRequests(router_id="router-0", request_ids=["r"], tenants=["t"])
+        report = scheduler_pb2.LiveRequests(router_id="router-0", request_ids=["r"], tenants=["t"],
+                                            prompt_digests=[12])
         ack = await service.ReportLiveRequests(report, FakeContext())  # type: ignore[arg-type]
         assert ack.num_held == 1 and verdict(service._admission, "next", service._clock()) == Verdict.REJECT
+        other = Ticket(request_id="r", tenant="t", priority=0, num_tokens=10, arrived_at=service._clock(),
+                       holder="router-1", resumed=True, prompt_digest=13)  # another prompt under the running id
+        assert service._admission.offer(other, service._clock(), False, 0.1).duplicate
         for fields, named in (({"tenants": ["t", "t"]},
                                "tenants='2 tenants': one for each of the 1 request_ids, or none"),
                               ({"tenants": ["x" * 129]}, "tenants[0]="),

@@ -804,6 +804,38 @@ async def test_the_router_reports_the_workflows_of_the_steps_it_serves() -> None
     assert list(report.prompt_digests) == [scheduler.places[0].prompt_digest] and report.prompt_digests[0]
 
 
+async def test_a_refused_resend_of_another_prompt_does_not_blank_the_running_streams_report() -> None:
+    """A resend of a running id with `resume` and another prompt, through the same router, took the id's place in
+    the router's reports; refused, it left the running stream reported with no tenant and no prompt for the rest
+    of its life, and a successor leader gave it no slot (helper-143)."""
+
+    class RefusingResends(_FakeScheduler):
+        async def Place(self, request, context):  # noqa: N802
+            if self.places:
+                self.places.append(request)
+                await abort(context, AlreadyExists("request_id='s2': is already running as another request"))
+            return await super().Place(request, context)
+
+    scheduler = RefusingResends()
+    async with _router(_one_token_then_silent, scheduler, stall_floor_s=60.0,
+                       live_report_interval_s=0.05) as (router, _):
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=8, request_id="s2"))
+        assert list((await anext(aiter(call))).token_ids) == [97]
+        with pytest.raises(grpc.aio.AioRpcError):
+            await router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="bye", max_tokens=8,
+                                                             request_id="s2",
+                                                             resume=router_pb2.Resume(elapsed_ms=10))).read()
+        assert scheduler.router is not None
+        reporting = asyncio.create_task(scheduler.router._report_live())
+        try:
+            report = await asyncio.wait_for(scheduler.live_reports.get(), 10)
+        finally:
+            reporting.cancel()
+            call.cancel()
+    assert list(report.request_ids) == ["s2"] and list(report.tenants) == [DEFAULT_TENANT]
+    assert list(report.prompt_digests) == [scheduler.places[0].prompt_digest]
+
+
 async def test_the_router_reports_its_live_requests_to_a_new_leader_at_once() -> None:
     # A successor that took over holding no slot for a running request gives it one from the router's report; until
     # then a request of its tenant is let past the tenant's limit (helper-135). The report does not wait its interval.
