@@ -346,6 +346,32 @@ async def test_a_router_that_cannot_read_the_nodes_is_unavailable_saying_so_with
 
 
 @pytest.mark.timeout(30)
+async def test_a_router_that_has_not_read_the_tenant_keys_says_so_within_the_call() -> None:
+    """With --auth, the wait for the tenant keys took --leader-wait-s (30 s) whatever the call's deadline: the
+    client saw only that its deadline passed."""
+    async with _router(_token_stream(3, pace_s=0.001), auth=True) as (router, scheduler):
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            async for _ in router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=3),
+                                           metadata=(("authorization", "Bearer k"),), timeout=0.5):
+                pass
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "tenant keys not read from etcd" in (failed.value.details() or "") and not scheduler.places
+
+
+async def test_each_router_publishes_its_own_health() -> None:
+    """Shared by the instances of a class (a class attribute), one service's health was every other's, and a second
+    serve() in one process failed its health loop (helper-139)."""
+    first, second = (RouterService(RouterConfig(etcd="127.0.0.1:1"), Telemetry("router/test", "none"))
+                     for _ in range(2))
+    try:
+        first._on_nodes_changed({})  # its first listing of the nodes, empty
+        assert first.health.serving("baton.v1.Router") and not second.health.serving("baton.v1.Router")
+    finally:
+        await first.close()
+        await second.close()
+
+
+@pytest.mark.timeout(30)
 async def test_a_deadline_that_passes_while_no_scheduler_leader_is_elected_says_so() -> None:
     """It said only that the deadline passed after 0 tokens, as if a node were slow, through a control-plane outage
     (helper-120: every scheduler killed, requests with deadline_ms 8,000)."""
@@ -783,19 +809,24 @@ async def test_a_resumed_request_that_has_every_token_ends_at_once_and_the_leade
     assert notice.outcome == outcome and not scheduler.places
 
 
+async def _live_reports(scheduler: _FakeScheduler, count: int) -> list[scheduler_pb2.LiveRequests]:
+    """The first count live-request reports of scheduler's router, its report loop run until then."""
+    assert scheduler.router is not None
+    reporting = asyncio.create_task(scheduler.router._report_live())
+    try:
+        return [await asyncio.wait_for(scheduler.live_reports.get(), 10) for _ in range(count)]
+    finally:
+        reporting.cancel()
+
+
 async def test_the_router_reports_the_workflows_of_the_steps_it_serves() -> None:
     # A step can run longer than the leader's task timeout: the leader hears its workflow is alive.
     async with _router(_one_token_then_silent, stall_floor_s=60.0, live_report_interval_s=0.05) as (router, scheduler):
         call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=8, request_id="s2",
                                                           workflow_id="wf-1", step=2, total_steps=3))
         assert list((await anext(aiter(call))).token_ids) == [97]
-        assert scheduler.router is not None
-        reporting = asyncio.create_task(scheduler.router._report_live())
-        try:
-            report = await asyncio.wait_for(scheduler.live_reports.get(), 10)
-        finally:
-            reporting.cancel()
-            call.cancel()
+        report = (await _live_reports(scheduler, 1))[0]
+        call.cancel()
     assert list(report.request_ids) == ["s2"] and list(report.workflow_ids) == ["wf-1"]
     # Placed, it is named with its tenant: a leader that holds no slot for it (it took over within a second of its
     # admission) gives it one (helper-134).
@@ -825,13 +856,8 @@ async def test_a_refused_resend_of_another_prompt_does_not_blank_the_running_str
             await router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="bye", max_tokens=8,
                                                              request_id="s2",
                                                              resume=router_pb2.Resume(elapsed_ms=10))).read()
-        assert scheduler.router is not None
-        reporting = asyncio.create_task(scheduler.router._report_live())
-        try:
-            report = await asyncio.wait_for(scheduler.live_reports.get(), 10)
-        finally:
-            reporting.cancel()
-            call.cancel()
+        report = (await _live_reports(scheduler, 1))[0]
+        call.cancel()
     assert list(report.request_ids) == ["s2"] and list(report.tenants) == [DEFAULT_TENANT]
     assert list(report.prompt_digests) == [scheduler.places[0].prompt_digest]
 
@@ -867,11 +893,7 @@ async def test_a_router_serving_more_requests_than_one_report_holds_splits_its_r
         num_live = 2 * LIVE_IDS_PER_REPORT + 1
         scheduler.router._live.update(f"r{n}" for n in range(num_live))
         scheduler.router._live_workflows.update((f"r{n}", f"wf{n}") for n in range(num_live))
-        reporting = asyncio.create_task(scheduler.router._report_live())
-        try:
-            reports = [await asyncio.wait_for(scheduler.live_reports.get(), 10) for _ in range(3)]
-        finally:
-            reporting.cancel()
+        reports = await _live_reports(scheduler, 3)
     for report in reports:
         check_live_requests(report, SchedulerConfig().max_live_ids, SchedulerConfig().max_id_len)
     assert [len(r.request_ids) for r in reports] == [LIVE_IDS_PER_REPORT, LIVE_IDS_PER_REPORT, 1]
