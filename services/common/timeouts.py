@@ -33,3 +33,13 @@ async def within(awaitable: Awaitable[T], timeout_s: float | None) -> T:
         raise TimeoutError
     async with asyncio.timeout(timeout_s):
         return await awaitable
+
+
+# Of a call's time, what a wait inside it (for leadership, a model, etcd's view) leaves for the reply: a refusal sent
+# after the caller's deadline is a bare DEADLINE_EXCEEDED to it, and a Finished notice refused so is lost.
+REPLY_RESERVE_S = 0.2
+
+
+def usable_s(remaining_s: float | None) -> float | None:
+    """Of a call's remaining time (None: no deadline), what a wait inside it may use."""
+    return None if remaining_s is None else max(0.0, remaining_s - REPLY_RESERVE_S)

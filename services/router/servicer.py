@@ -32,7 +32,7 @@ from services.common.etcd_session import Membership, PrefixView
 from services.common.server import ServingNames
 from services.common.telemetry import Telemetry
 from services.common.tenant_directory import TenantDirectory
-from services.common.timeouts import within
+from services.common.timeouts import usable_s, within
 from services.common.tls import server_ssl_context
 from services.router.catalogue import models_from_registrations, registrations
 from services.router.config import RouterConfig
@@ -62,10 +62,6 @@ def merge_chunks(chunks: list[node_agent_pb2.NodeGenerateChunk]) -> node_agent_p
     for chunk in chunks:
         merged.token_ids.extend(chunk.token_ids)
     return merged
-
-
-# Of a call's time, what a wait for the nodes' listing leaves for the refusal to reach the caller.
-_REPLY_RESERVE_S = 0.2
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
@@ -187,9 +183,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
     def _wait_s(self, time_remaining: Callable[[], float | None]) -> float:
         """How long a wait for etcd's view may take of a call: --leader-wait-s, within the call's time less what its
         refusal needs to reach the caller before its deadline (which would otherwise say only that it passed)."""
-        remaining_s = time_remaining()
-        return self._config.leader_wait_s if remaining_s is None else max(
-            0.0, min(remaining_s - _REPLY_RESERVE_S, self._config.leader_wait_s))
+        remaining_s = usable_s(time_remaining())
+        return self._config.leader_wait_s if remaining_s is None else min(remaining_s, self._config.leader_wait_s)
 
     async def nodes_read(self, time_remaining: Callable[[], float | None] = lambda: None) -> None:
         """Return once this router has read the cluster's nodes from etcd, waiting for that within _wait_s;

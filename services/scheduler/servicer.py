@@ -33,7 +33,7 @@ from services.common.request_context import context_fields, context_of
 from services.common.server import ServingNames
 from services.common.telemetry import Telemetry
 from services.common.tenant_directory import TenantDirectory
-from services.common.timeouts import within
+from services.common.timeouts import usable_s, within
 from services.scheduler.admission import Admission, TenantLimits
 from services.scheduler.config import SchedulerConfig, parse_tenant_limits
 from services.scheduler.fleet import ClusterView, NodeSpec
@@ -79,9 +79,6 @@ _UNCONFIRMED_HOLD_S = 30.0
 # A node that reported within this long is taken as alive when a placement excludes it (nodes report load every
 # 250 ms by default: four reports missed).
 _REPORTING_S = 1.0
-# Of a call's time, what its waits for leadership leave for the reply: a refusal that names the leader after the
-# caller's deadline is a DEADLINE_EXCEEDED to it, and a Finished notice refused so is lost.
-_REPLY_RESERVE_S = 0.2
 # How long a kvindex replica that failed an overlap query is asked after the others.
 _KVINDEX_AVOID_S = 5.0
 # How many cold nodes one placement may see fail to load its model before it is refused.
@@ -503,10 +500,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         """A cold node serves nothing until warm: load model there and wait for it, within the request's time.
         _LoadFailed if the node could not load it (Place tries another); Unavailable if it takes longer."""
         # Its answer must reach the router within the call: after it, the router took the leader for lost.
-        usable_s = _usable(remaining_s)
+        usable = usable_s(remaining_s)
         try:
             await within(self._loader.ensure_warm(decision.node_id, decision.address, model,
-                                                  f"placed {request.request_id} there"), usable_s)
+                                                  f"placed {request.request_id} there"), usable)
         except TimeoutError:
             raise Unavailable(f"loading {model} on node {decision.node_id} takes longer than the request's "
                               f"{remaining_s:.1f} s left; the load goes on") from None
@@ -522,8 +519,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         it on disk. The seconds it waited."""
         loop = asyncio.get_running_loop()
         began = loop.time()
-        usable_s = _usable(time_remaining)
-        deadline = began + min(math.inf if usable_s is None else usable_s, self._config.model_load_timeout_s)
+        usable = usable_s(time_remaining)
+        deadline = began + min(math.inf if usable is None else usable, self._config.model_load_timeout_s)
         model = plan.models[0]
         while not plan.has_candidates:
             now = self._clock()
@@ -651,7 +648,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             # their tenant went past its limit until the next report (helper-136: five more, in 1 of 19 failovers).
             # Nor while it restores its predecessor's state, which would replace the slots the report gave
             # (helper-137). A standby's stray report waits as long, within the call.
-            remaining_s = _usable(context.time_remaining())
+            remaining_s = usable_s(context.time_remaining())
             await wait_or_timeout(self._role.elected, self._config.lease_ttl_s if remaining_s is None
                                   else min(self._config.lease_ttl_s, remaining_s))
         num_held = 0
@@ -699,12 +696,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         A leader whose lease is unconfirmed (a keep-alive late, etcd unreachable) holds the call
         until a refresh confirms it or etcd says it lost, within the caller's time.
         """
-        remaining = _usable(context.time_remaining())
+        remaining = usable_s(context.time_remaining())
         # Not all of it: if the lease was lost, what is left is for etcd to show the successor the refusal names.
         hold_s = _UNCONFIRMED_HOLD_S if remaining is None else remaining - min(_SUCCESSOR_WINDOW_S, remaining / 4)
         if not await self._role.wait_confirmed(hold_s):
             # Just deposed, this replica's view may still show itself: name the successor once it shows.
-            remaining = _usable(context.time_remaining())
+            remaining = usable_s(context.time_remaining())
             bound_s = self._config.lease_ttl_s if remaining is None else min(self._config.lease_ttl_s, remaining)
             await self._role.wait_successor_shown(bound_s)
             raise self._not_leader()
@@ -763,7 +760,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         leader exists. Refused then, the router would wait for a different leader in vain."""
         if self._role.is_leader or self._role.leader() is not None:
             return
-        remaining_s = _usable(remaining_s)
+        remaining_s = usable_s(remaining_s)
         wait_s = self._config.lease_ttl_s if remaining_s is None else min(self._config.lease_ttl_s, remaining_s)
         await wait_or_timeout(self._role.elected, wait_s)
 
@@ -773,7 +770,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         it"."""
         if self._nodes_read.is_set() or self._cluster.nodes():  # a view with nodes in it was read
             return False
-        remaining_s = _usable(remaining_s)
+        remaining_s = usable_s(remaining_s)
         wait_s = self._config.lease_ttl_s if remaining_s is None else min(self._config.lease_ttl_s, remaining_s)
         if not await wait_or_timeout(self._nodes_read, wait_s):
             raise Unavailable(f"{self._config.instance_id} has not read the nodes from etcd within {wait_s:.1f} s "
@@ -840,7 +837,3 @@ class _LoadFailed(Unavailable):
         super().__init__(message)
         self.node_id = node_id
 
-
-def _usable(remaining_s: float | None) -> float | None:
-    """Of a call's remaining time (None: no deadline), what a wait (for leadership, a model, room for one) may use."""
-    return None if remaining_s is None else max(0.0, remaining_s - _REPLY_RESERVE_S)
