@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import ssl
+import sys
 import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -26,7 +27,7 @@ from baton.v1 import router_pb2
 from services.common.errors import BatonError, InvalidArgument
 from services.router import openai_schema as schema
 from services.router.chat_template import PLAIN, ChatTemplate, template_for
-from services.router.validation import InputLimits, ModelEntry, find_model
+from services.router.validation import InputLimits, ModelEntry, check_fields, find_model
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class GenerateService(Protocol):
     def served_models(self) -> list[router_pb2.ServedModel]: ...
 
     async def authorize(self, authorization: str | None) -> str: ...
+
+    def has_read_nodes(self) -> bool: ...
 
     async def nodes_read(self) -> None: ...
 
@@ -315,12 +318,27 @@ class HttpApi:
 
     async def _generate_in_span(self, request: web.Request, kind: str) -> web.StreamResponse:
         body = await _read_json(request)
-        await self._service.nodes_read()  # the model's context and template come from the nodes' registrations
-        parsed = schema.parse_request(kind, body, request.headers, self._template_for_model,
-                                      self._context_for_model, self._limits)
-        parsed.request.tenant = tenant_for(request, body)
-        if isinstance(body, dict) and body.get(schema.TENANT_FIELD) is None:  # named as the client spelt it
-            parsed.names[schema.TENANT_FIELD] = schema.TENANT_HEADER
+
+        def parse(template_for_model: Callable[[str], ChatTemplate],
+                  context_for_model: Callable[[str], int]) -> schema.ParsedRequest:
+            parsed = schema.parse_request(kind, body, request.headers, template_for_model, context_for_model,
+                                          self._limits)
+            parsed.request.tenant = tenant_for(request, body)
+            if isinstance(body, dict) and body.get(schema.TENANT_FIELD) is None:  # named as the client spelt it
+                parsed.names[schema.TENANT_FIELD] = schema.TENANT_HEADER
+            return parsed
+
+        if not self._service.has_read_nodes():
+            # The model's context and template come from the nodes' registrations, which this router waits for. A
+            # request's own fields are checked first, without them: bad input is refused at once, not after the wait.
+            early = parse(lambda _: PLAIN, lambda _: sys.maxsize)
+            early.request.ClearField("tenant")  # with --auth the key's tenant replaces it: checked once that is known
+            try:
+                check_fields(early.request, self._limits)
+            except BatonError as error:
+                return _error(error, early.names)
+        await self._service.nodes_read()
+        parsed = parse(self._template_for_model, self._context_for_model)
         builder = schema.ResponseBuilder(parsed, created=int(time.time()))
         async with aclosing(self._service.generate(parsed.request, lambda: None,
                                                    request.headers.get("Authorization"))) as chunks:

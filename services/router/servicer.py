@@ -43,7 +43,7 @@ from services.router.relay import Ending, HeldEndings, Relay
 from services.router.request_scope import cluster_request_id, name_as_client
 from services.router.stop_text import StopText
 from services.router.tokenizer import TOKENIZERS
-from services.router.validation import ModelEntry, validate
+from services.router.validation import ModelEntry, check_fields, validate
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +186,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         remaining_s = usable_s(time_remaining())
         return self._config.leader_wait_s if remaining_s is None else min(remaining_s, self._config.leader_wait_s)
 
+    def has_read_nodes(self) -> bool:
+        """Whether this router has read the cluster's nodes from etcd (what nodes_read waits for)."""
+        return self._nodes_read.is_set()
+
     async def nodes_read(self, time_remaining: Callable[[], float | None] = lambda: None) -> None:
         """Return once this router has read the cluster's nodes from etcd, waiting for that within _wait_s;
         Unavailable after. A router that had just started answered every model NOT_FOUND, "not served by this
@@ -327,6 +331,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._open_streams += 1
         try:
             cache_salt = await self._authenticate(request, authorization, time_remaining)
+            if not self.has_read_nodes():  # bad input is refused at once, not after the wait for the served models
+                check_fields(request, self._config.input_limits)
             await self.nodes_read(time_remaining)
             valid = validate(request, self._models, self._config.default_max_tokens, self._rng,
                              self._config.input_limits)

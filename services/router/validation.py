@@ -98,45 +98,20 @@ def validate(
     limits: InputLimits = DEFAULT_LIMITS,
 ) -> ValidRequest:
     """The checked request; InvalidArgument or NotFound naming the field and value otherwise."""
-    if not request.model:
-        raise InvalidArgument("model", request.model, "required")
+    check_fields(request, limits)
     model = find_model(request.model, models)
     tokenizer = TOKENIZERS.get(model.tokenizer)
     if tokenizer is None:
         raise InvalidArgument("model", request.model, f"tokenizer {model.tokenizer!r} unsupported by this router")
-    for field in ("request_id", "tenant", "workflow_id"):
-        if len(getattr(request, field)) > limits.max_id_len:
-            raise InvalidArgument(field, getattr(request, field),
-                                  f"{len(getattr(request, field))} characters, longer than {limits.max_id_len}")
-        # They reach logs and `baton status` as they are: an escape sequence there would act on an operator's terminal.
-        if bad := _CONTROL.search(getattr(request, field)):
-            raise InvalidArgument(field, getattr(request, field),
-                                  f"control character {bad.group()!r} at {bad.start()}: not allowed")
-    _check_stop_sizes(request, limits)
-    if len(request.alternative_models) > limits.max_alternative_models:
-        raise InvalidArgument("alternative_models", f"{len(request.alternative_models)} models",
-                              f"at most {limits.max_alternative_models}")
 
     context = model.max_context_tokens
-    kind = request.WhichOneof("input")
-    if kind is None:
-        raise InvalidArgument("prompt", "", "required (prompt or prompt_token_ids)")
-    if kind == "prompt":
-        if not request.prompt:
-            raise InvalidArgument("prompt", request.prompt, "must not be empty")
-        # Lengths first: characters bound the UTF-8 bytes from below, so a huge prompt is refused
-        # without encoding it, and no prompt is tokenized that cannot fit the context.
-        num_bytes = len(request.prompt) if len(request.prompt) > limits.max_prompt_bytes else \
-            len(request.prompt.encode())
-        if num_bytes > limits.max_prompt_bytes:
-            raise InvalidArgument("prompt", f"{num_bytes} bytes", f"longer than {limits.max_prompt_bytes} bytes")
+    if request.WhichOneof("input") == "prompt":
+        num_bytes = _prompt_bytes(request.prompt, limits)
         if num_bytes > context * tokenizer.max_bytes_per_token:
             raise InvalidArgument("prompt", f"{num_bytes} bytes", f"does not fit the context window of {context} "
                                   f"(at most {context * tokenizer.max_bytes_per_token} bytes)")
         prompt = tokenizer.encode(request.prompt)
     else:
-        if not request.prompt_token_ids.ids:
-            raise InvalidArgument("prompt_token_ids", [], "must not be empty")
         if len(request.prompt_token_ids.ids) >= context:
             raise InvalidArgument("prompt_token_ids", f"{len(request.prompt_token_ids.ids)} tokens",
                                   f"does not fit the context window of {context}")
@@ -147,31 +122,11 @@ def validate(
                               f"does not fit the context window of {context}")
     resumed = list(request.resume.token_ids)
     check_vocabulary("resume.token_ids", resumed, model.vocab_size)
-    if request.resume.elapsed_ms < 0:
-        raise InvalidArgument("resume.elapsed_ms", request.resume.elapsed_ms, "must not be negative")
-    # (A first token up to RESUME_ROUNDING_MS later than elapsed_ms, a client's rounding, is taken as elapsed_ms.)
-    latest_ms = request.resume.elapsed_ms + RESUME_ROUNDING_MS
-    if request.resume.HasField("first_token_ms") and not (resumed and 0 <= request.resume.first_token_ms <= latest_ms):
-        raise InvalidArgument("resume.first_token_ms", request.resume.first_token_ms,
-                              f"must not be negative or later than resume.elapsed_ms ({request.resume.elapsed_ms}) "
-                              f"by more than {RESUME_ROUNDING_MS} ms, and comes with resume.token_ids")
-    # (Nor a last one before the first token, or after elapsed_ms, within as much: taken as the nearer of the two.)
-    if request.resume.HasField("last_token_ms"):
-        last_ms = request.resume.last_token_ms
-        if not request.resume.HasField("first_token_ms"):
-            raise InvalidArgument("resume.last_token_ms", last_ms, "comes with resume.first_token_ms")
-        first_ms = min(request.resume.first_token_ms, request.resume.elapsed_ms)  # as it is taken
-        if not max(0, first_ms - RESUME_ROUNDING_MS) <= last_ms <= latest_ms:
-            raise InvalidArgument("resume.last_token_ms", last_ms,
-                                  f"must lie between the first token ({first_ms} ms) and resume.elapsed_ms "
-                                  f"({request.resume.elapsed_ms}), within {RESUME_ROUNDING_MS} ms, and not below 0")
 
     if len(prompt) >= context:
         raise InvalidArgument("prompt", f"{len(prompt)} tokens", f"does not fit the context window of {context}")
     room = context - len(prompt)
     if request.HasField("max_tokens"):
-        if request.max_tokens <= 0:
-            raise InvalidArgument("max_tokens", request.max_tokens, "must be positive")
         if request.max_tokens > room:
             raise InvalidArgument(
                 "max_tokens", request.max_tokens,
@@ -180,18 +135,8 @@ def validate(
         max_tokens = request.max_tokens
     else:
         max_tokens = min(default_max_tokens, room)
-
-    check_temperature_top_p(request.temperature, request.top_p)
-    check_context(request)
-    # A resent request's deadline_ms is what its client had left (its own arithmetic): however little, it is timed.
-    for name, budget_ms in (("deadline_ms", request.deadline_ms), ("ttft_budget_ms", request.ttft_budget_ms)):
-        if 0 < budget_ms < MIN_DEADLINE_MS and not request.HasField("resume"):
-            raise InvalidArgument(name, budget_ms, f"below the floor of {MIN_DEADLINE_MS} ms: no answer comes sooner "
-                                  "than a placement and a node's first step (ask for more, or none)")
     if len(resumed) > max_tokens:
         raise InvalidArgument("resume.token_ids", f"{len(resumed)} tokens", f"more than max_tokens={max_tokens}")
-    if resumed and request.temperature > 0 and not request.HasField("seed"):
-        raise InvalidArgument("seed", None, "required to resume a sampled request (the first chunk carried it)")
 
     sampling = common_pb2.SamplingParams(
         temperature=request.temperature,
@@ -215,6 +160,73 @@ def validate(
         resume_token_ids=resumed,
         alternative_models=() if resumed else _alternatives(request, models, model, len(prompt) + max_tokens),
     )
+
+
+def check_fields(request: router_pb2.GenerateRequest, limits: InputLimits = DEFAULT_LIMITS) -> None:
+    """What validate checks of a request without its model: InvalidArgument naming the field and value. A router that
+    has not read the served models yet refuses bad input with it at once, not after its wait for them."""
+    if not request.model:
+        raise InvalidArgument("model", request.model, "required")
+    for field in ("request_id", "tenant", "workflow_id"):
+        if len(getattr(request, field)) > limits.max_id_len:
+            raise InvalidArgument(field, getattr(request, field),
+                                  f"{len(getattr(request, field))} characters, longer than {limits.max_id_len}")
+        # They reach logs and `baton status` as they are: an escape sequence there would act on an operator's terminal.
+        if bad := _CONTROL.search(getattr(request, field)):
+            raise InvalidArgument(field, getattr(request, field),
+                                  f"control character {bad.group()!r} at {bad.start()}: not allowed")
+    _check_stop_sizes(request, limits)
+    if len(request.alternative_models) > limits.max_alternative_models:
+        raise InvalidArgument("alternative_models", f"{len(request.alternative_models)} models",
+                              f"at most {limits.max_alternative_models}")
+    kind = request.WhichOneof("input")
+    if kind is None:
+        raise InvalidArgument("prompt", "", "required (prompt or prompt_token_ids)")
+    if kind == "prompt":
+        if not request.prompt:
+            raise InvalidArgument("prompt", request.prompt, "must not be empty")
+        _prompt_bytes(request.prompt, limits)
+    elif not request.prompt_token_ids.ids:
+        raise InvalidArgument("prompt_token_ids", [], "must not be empty")
+    resumed = request.resume.token_ids
+    if request.resume.elapsed_ms < 0:
+        raise InvalidArgument("resume.elapsed_ms", request.resume.elapsed_ms, "must not be negative")
+    # (A first token up to RESUME_ROUNDING_MS later than elapsed_ms, a client's rounding, is taken as elapsed_ms.)
+    latest_ms = request.resume.elapsed_ms + RESUME_ROUNDING_MS
+    if request.resume.HasField("first_token_ms") and not (resumed and 0 <= request.resume.first_token_ms <= latest_ms):
+        raise InvalidArgument("resume.first_token_ms", request.resume.first_token_ms,
+                              f"must not be negative or later than resume.elapsed_ms ({request.resume.elapsed_ms}) "
+                              f"by more than {RESUME_ROUNDING_MS} ms, and comes with resume.token_ids")
+    # (Nor a last one before the first token, or after elapsed_ms, within as much: taken as the nearer of the two.)
+    if request.resume.HasField("last_token_ms"):
+        last_ms = request.resume.last_token_ms
+        if not request.resume.HasField("first_token_ms"):
+            raise InvalidArgument("resume.last_token_ms", last_ms, "comes with resume.first_token_ms")
+        first_ms = min(request.resume.first_token_ms, request.resume.elapsed_ms)  # as it is taken
+        if not max(0, first_ms - RESUME_ROUNDING_MS) <= last_ms <= latest_ms:
+            raise InvalidArgument("resume.last_token_ms", last_ms,
+                                  f"must lie between the first token ({first_ms} ms) and resume.elapsed_ms "
+                                  f"({request.resume.elapsed_ms}), within {RESUME_ROUNDING_MS} ms, and not below 0")
+    if request.HasField("max_tokens") and request.max_tokens <= 0:
+        raise InvalidArgument("max_tokens", request.max_tokens, "must be positive")
+    check_temperature_top_p(request.temperature, request.top_p)
+    check_context(request)
+    # A resent request's deadline_ms is what its client had left (its own arithmetic): however little, it is timed.
+    for name, budget_ms in (("deadline_ms", request.deadline_ms), ("ttft_budget_ms", request.ttft_budget_ms)):
+        if 0 < budget_ms < MIN_DEADLINE_MS and not request.HasField("resume"):
+            raise InvalidArgument(name, budget_ms, f"below the floor of {MIN_DEADLINE_MS} ms: no answer comes sooner "
+                                  "than a placement and a node's first step (ask for more, or none)")
+    if resumed and request.temperature > 0 and not request.HasField("seed"):
+        raise InvalidArgument("seed", None, "required to resume a sampled request (the first chunk carried it)")
+
+
+def _prompt_bytes(prompt: str, limits: InputLimits) -> int:
+    """A text prompt's UTF-8 bytes; InvalidArgument past limits.max_prompt_bytes. Characters bound the bytes from
+    below, so a huge prompt is refused without encoding it (and none is tokenized that cannot fit the context)."""
+    num_bytes = len(prompt) if len(prompt) > limits.max_prompt_bytes else len(prompt.encode())
+    if num_bytes > limits.max_prompt_bytes:
+        raise InvalidArgument("prompt", f"{num_bytes} bytes", f"longer than {limits.max_prompt_bytes} bytes")
+    return num_bytes
 
 
 def _alternatives(request: router_pb2.GenerateRequest, models: dict[str, ModelEntry], model: ModelEntry,

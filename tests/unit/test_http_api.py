@@ -56,6 +56,9 @@ class _FakeRouter:
     async def authorize(self, authorization: str | None) -> str:
         return ""
 
+    def has_read_nodes(self) -> bool:
+        return self.unread is None
+
     async def nodes_read(self) -> None:
         if self.unread is not None:
             raise self.unread
@@ -103,6 +106,33 @@ async def test_a_router_that_has_not_read_the_nodes_is_a_503_not_a_404_for_the_m
             with pytest.raises(openai.InternalServerError) as caught:
                 await call
             assert caught.value.status_code == 503 and "has not read the cluster's nodes" in caught.value.message
+        assert not router.requests
+    finally:
+        await client.close()
+        await http.close()
+
+
+async def test_bad_fields_are_refused_at_once_by_a_router_that_has_not_read_the_nodes() -> None:
+    """Until its nodes were read, a request with bad fields waited with the rest (--leader-wait-s) and got the 503
+    that says to retry, as if it were fine. Its own fields are checked first; the model's context, which only the
+    nodes tell, is not."""
+    unread = Unavailable("this router has not read the cluster's nodes from etcd (is etcd reachable?) within 30.0 s")
+    router = _FakeRouter(["a"], unread=unread)
+    http, client = await _client(router)
+    try:
+        for call, field in ((client.completions.create(model="m", prompt="x", temperature=-1), "temperature"),
+                            (client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                                            max_tokens=0), "max_tokens"),
+                            (client.completions.create(model="m", prompt="x", extra_body={"deadline_ms": 5}),
+                             "deadline_ms"),
+                            (client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                                            extra_body={"request_id": "a\x1b[2J"}), "request_id")):
+            with pytest.raises(openai.BadRequestError) as caught:
+                await call
+            assert caught.value.status_code == 400 and caught.value.param == field, caught.value.message
+        with pytest.raises(openai.InternalServerError) as waited:  # fine fields: the wait, then its 503
+            await client.completions.create(model="m", prompt=[1] * 100)
+        assert waited.value.status_code == 503
         assert not router.requests
     finally:
         await client.close()

@@ -346,6 +346,23 @@ async def test_a_router_that_cannot_read_the_nodes_is_unavailable_saying_so_with
 
 
 @pytest.mark.timeout(30)
+async def test_a_router_that_has_not_read_the_nodes_refuses_bad_fields_at_once() -> None:
+    """A request with bad fields waited for the nodes' listing with the rest, up to --leader-wait-s, and got the
+    UNAVAILABLE that says to retry it."""
+    async with _router(_token_stream(3, pace_s=0.001), nodes_read=False) as (router, scheduler):
+        for request, field in ((router_pb2.GenerateRequest(model=MODEL, prompt="hi", temperature=-1), "temperature"),
+                               (router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=0), "max_tokens"),
+                               (router_pb2.GenerateRequest(model=MODEL, prompt=""), "prompt"),
+                               (router_pb2.GenerateRequest(model=MODEL, prompt="hi", request_id="a\x1b"),
+                                "request_id")):
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await _collect(router.Generate(request, timeout=2))
+            assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT, failed.value.details()
+            assert (failed.value.details() or "").startswith(field)
+    assert not scheduler.places
+
+
+@pytest.mark.timeout(30)
 async def test_a_router_that_has_not_read_the_tenant_keys_says_so_within_the_call() -> None:
     """With --auth, the wait for the tenant keys took --leader-wait-s (30 s) whatever the call's deadline: the
     client saw only that its deadline passed."""
