@@ -274,18 +274,14 @@ class HttpApi:
         return _json_response(200, schema.models_json(self._service.served_models()))
 
     async def _get_model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
         try:
             await self._service.authorize(request.headers.get("Authorization"))
             await self._service.nodes_read()
+            find_model(name, self._service.models)  # a 404 naming the served ones; a 503 while none is served
         except BatonError as error:
             return _error(error)
-        name = request.match_info["model"]
-        for model in self._service.served_models():
-            if model.name == name:
-                return _json_response(200, schema.model_json(model))
-        known = ", ".join(m.name for m in self._service.served_models()) or "none"
-        return _json_response(404, schema.error_json(404, f"model={name!r}: not served by this cluster "
-                                                          f"(served: {known})", "model", "not_found"))
+        return _json_response(200, schema.model_json(next(m for m in self._service.served_models() if m.name == name)))
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, schema.COMPLETIONS)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from baton.protocol import MAX_ALTERNATIVE_MODELS
 from baton.v1 import common_pb2, router_pb2
-from services.common.errors import InvalidArgument, NotFound, shown
+from services.common.errors import InvalidArgument, NotFound, Unavailable, shown
 from services.common.request_context import check_context
 from services.common.sampling_checks import check_temperature_top_p, check_vocabulary
 from services.router.tokenizer import TOKENIZERS
@@ -80,8 +80,13 @@ class ValidRequest:
 
 
 def find_model(name: str, models: Mapping[str, ModelEntry]) -> ModelEntry:
-    """The served model called name; NotFound naming it otherwise."""
+    """The served model called name; NotFound naming it otherwise, or Unavailable while no model is served at all."""
     model = models.get(name)
+    if model is None and not models:
+        # No node serves anything: none has registered yet (a router or cluster just started, registrations late), or
+        # every one is gone. Either passes, and NOT_FOUND is a code no client retries.
+        raise Unavailable(f"model={shown(name)}: no model is served by this cluster now: no node that serves one is "
+                          "registered (starting, or all gone); retry")
     if model is None:
         known = ", ".join(sorted(models)) or "none"
         if len(known) > 400:

@@ -131,6 +131,10 @@ class Placer:
         request = ask.request
         models = [m for m in dict.fromkeys([request.model, *ask.alternative_models])
                   if self.cluster.has_model(m, now)]
+        if not models and not any(self.cluster.is_listed(s, now) for s in self.cluster.nodes()):
+            # None registered yet, or every one gone: either passes, and NOT_FOUND is a code no client retries.
+            raise Unavailable(f"model={request.model!r}: no node is registered with this cluster now (starting, or "
+                              "all gone); retry")
         if not models:
             raise NotFound(f"model={request.model!r}: no registered node has it"
                            + (f" (nor {', '.join(ask.alternative_models)})" if ask.alternative_models else ""))

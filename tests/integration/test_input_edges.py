@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 @pytest.fixture(scope="module")
 def one_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     with LocalCluster(ClusterSpec(num_nodes=1, speed=0.0), tmp_path_factory.mktemp("cluster")) as cluster:
-        wait_router_serves(cluster)  # else a bad request could meet an empty model catalogue (NOT_FOUND)
+        wait_router_serves(cluster)  # else the unknown model could meet an empty catalogue (UNAVAILABLE)
         yield cluster
 
 

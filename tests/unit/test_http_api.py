@@ -40,18 +40,20 @@ class _FakeRouter:
     """Answers every request with `texts`, then `failure` (if any) or a finish."""
 
     def __init__(self, texts: list[str], failure: BatonError | None = None,
-                 unread: BatonError | None = None) -> None:
+                 unread: BatonError | None = None, served: tuple[ModelEntry, ...] = (MODEL,)) -> None:
         self.texts = texts
+        self.served = {m.name: m for m in served}
         self.failure = failure
         self.unread = unread  # what waiting for the nodes' registrations ends in (None: they are read)
         self.requests: list[router_pb2.GenerateRequest] = []
 
     @property
     def models(self) -> Mapping[str, ModelEntry]:
-        return {MODEL.name: MODEL}
+        return self.served
 
     def served_models(self) -> list[router_pb2.ServedModel]:
-        return [router_pb2.ServedModel(name="m", max_context_tokens=64, tokenizer="byte", num_warm_nodes=1)]
+        return [router_pb2.ServedModel(name=m.name, max_context_tokens=m.max_context_tokens, tokenizer=m.tokenizer,
+                                       num_warm_nodes=m.num_warm_nodes) for m in self.served.values()]
 
     async def authorize(self, authorization: str | None) -> str:
         return ""
@@ -110,6 +112,24 @@ async def test_a_router_that_has_not_read_the_nodes_is_a_503_not_a_404_for_the_m
     finally:
         await client.close()
         await http.close()
+
+
+async def test_a_model_while_no_node_is_registered_is_a_503_to_retry_and_an_unknown_one_a_404() -> None:
+    """A router whose first listing of the nodes was empty (none registered yet) answered a model the cluster is about
+    to serve 404, "not served by this cluster (served: none)", which the openai client does not retry."""
+    for served, status in (((), 503), ((MODEL,), 404)):
+        router = _FakeRouter(["a"], served=served)
+        http, client = await _client(router)
+        try:
+            # (Token ids: the HTTP API reads the model's context window for them, before the router's validation.)
+            for call in (client.completions.create(model="gone", prompt=[1, 2]), client.models.retrieve("gone")):
+                with pytest.raises(openai.APIStatusError) as caught:
+                    await call
+                assert caught.value.status_code == status, caught.value.message
+                assert "model='gone': " in caught.value.message
+        finally:
+            await client.close()
+            await http.close()
 
 
 async def test_bad_fields_are_refused_at_once_by_a_router_that_has_not_read_the_nodes() -> None:

@@ -75,6 +75,18 @@ def test_an_unknown_model_is_not_found_naming_it_and_its_alternatives() -> None:
         placer.start(_ask(model="x"), 1.0)
 
 
+def test_a_fleet_with_no_node_is_unavailable_to_retry_not_a_model_not_found() -> None:
+    """With no node registered (a cluster starting, or every node gone) NOT_FOUND said the model was unknown: a code
+    no client retries, for a model the nodes serve once they are back."""
+    placer = _placer()
+    with pytest.raises(Unavailable, match="model='m': no node is registered with this cluster now"):
+        placer.start(_ask(), 1.0)
+    placer = _placer(_spec("a"))
+    placer.cluster.set_nodes([])
+    with pytest.raises(Unavailable, match="no node is registered"):
+        placer.start(_ask(), 1.0)
+
+
 def test_retries_draw_on_the_budget_and_are_refused_past_it() -> None:
     placer = _placer(_spec("a"), retries_per_s=0.1)  # one retry in the 10 s window
     assert _place(placer, _ask(retry_cause="stalled")) == "a"

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from baton.v1 import router_pb2
-from services.common.errors import BatonError, InvalidArgument, NotFound
+from services.common.errors import BatonError, InvalidArgument, NotFound, Unavailable
 from services.router.validation import ModelEntry, ValidRequest, validate
 
 MODEL = ModelEntry(name="m", max_context_tokens=100, tokenizer="byte", vocab_size=257, num_warm_nodes=1)
@@ -80,6 +80,14 @@ def test_unknown_model_is_not_found_naming_it() -> None:
     assert type(error) is NotFound
     assert error.code == grpc.StatusCode.NOT_FOUND
     assert "model='nope'" in str(error)
+
+
+def test_a_model_while_none_is_served_is_unavailable_to_retry() -> None:
+    """A router whose first listing of the nodes was empty (none registered yet), or whose nodes all went, answered
+    NOT_FOUND, "not served by this cluster (served: none)": a code no client retries."""
+    with pytest.raises(Unavailable, match="model='m': no model is served by this cluster now") as caught:
+        validate(_request(), {}, DEFAULT_MAX_TOKENS, random.Random(0))
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
 
 
 def test_a_deadline_at_the_floor_or_what_a_resent_request_has_left_is_accepted() -> None:
