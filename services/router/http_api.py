@@ -329,7 +329,10 @@ class HttpApi:
             # request's own fields are checked first, without them: bad input is refused at once, not after the wait.
             early = parse(lambda _: PLAIN, lambda _: sys.maxsize)
             early.request.ClearField("tenant")  # with --auth the key's tenant replaces it: checked once that is known
+            if kind == schema.CHAT:  # its size is the model's template's rendering, not known yet (helper-145)
+                early.request.prompt = " "
             try:
+                await self._service.authorize(request.headers.get("Authorization"))  # as generate: the key first
                 check_fields(early.request, self._limits)
             except BatonError as error:
                 return _error(error, early.names)

@@ -103,11 +103,14 @@ def validate(
     limits: InputLimits = DEFAULT_LIMITS,
 ) -> ValidRequest:
     """The checked request; InvalidArgument or NotFound naming the field and value otherwise."""
-    check_fields(request, limits)
+    if not request.model:
+        raise InvalidArgument("model", request.model, "required")
+    # The model first: a mistyped name is what the client is told of, whatever else is wrong (helper-145).
     model = find_model(request.model, models)
     tokenizer = TOKENIZERS.get(model.tokenizer)
     if tokenizer is None:
         raise InvalidArgument("model", request.model, f"tokenizer {model.tokenizer!r} unsupported by this router")
+    check_fields(request, limits)
 
     context = model.max_context_tokens
     if request.WhichOneof("input") == "prompt":

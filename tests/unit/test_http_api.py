@@ -27,7 +27,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from baton.cluster import free_port
 from baton.v1 import common_pb2, router_pb2
 from services.common.errors import (Aborted, AlreadyExists, BatonError, DeadlineExceeded, InvalidArgument,
-                                    ResourceExhausted, Unavailable)
+                                    ResourceExhausted, Unauthenticated, Unavailable)
 from services.router.http_api import RUNNER_OPTIONS, HttpApi
 from services.router.validation import InputLimits, ModelEntry
 
@@ -40,8 +40,10 @@ class _FakeRouter:
     """Answers every request with `texts`, then `failure` (if any) or a finish."""
 
     def __init__(self, texts: list[str], failure: BatonError | None = None,
-                 unread: BatonError | None = None, served: tuple[ModelEntry, ...] = (MODEL,)) -> None:
+                 unread: BatonError | None = None, served: tuple[ModelEntry, ...] = (MODEL,),
+                 key_refused: BatonError | None = None) -> None:
         self.texts = texts
+        self.key_refused = key_refused
         self.served = {m.name: m for m in served}
         self.failure = failure
         self.unread = unread  # what waiting for the nodes' registrations ends in (None: they are read)
@@ -56,6 +58,8 @@ class _FakeRouter:
                                        num_warm_nodes=m.num_warm_nodes) for m in self.served.values()]
 
     async def authorize(self, authorization: str | None) -> str:
+        if self.key_refused is not None:
+            raise self.key_refused
         return ""
 
     def has_read_nodes(self) -> bool:
@@ -150,10 +154,24 @@ async def test_bad_fields_are_refused_at_once_by_a_router_that_has_not_read_the_
             with pytest.raises(openai.BadRequestError) as caught:
                 await call
             assert caught.value.status_code == 400 and caught.value.param == field, caught.value.message
-        with pytest.raises(openai.InternalServerError) as waited:  # fine fields: the wait, then its 503
-            await client.completions.create(model="m", prompt=[1] * 100)
-        assert waited.value.status_code == 503
+        # Fine fields wait, then get the 503: past the context (token ids) or, for a chat, the prompt size as the
+        # plain template renders it (the model's own may render it shorter, helper-145). The size is judged after.
+        for call in (client.completions.create(model="m", prompt=[1] * 100),
+                     client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x" * 1000,
+                                                                          "name": "n" * 40}])):
+            with pytest.raises(openai.InternalServerError) as waited:
+                await call
+            assert waited.value.status_code == 503
         assert not router.requests
+    finally:
+        await client.close()
+        await http.close()
+    # With --auth, the key comes first, as it does once the nodes are read.
+    router = _FakeRouter(["a"], unread=unread, key_refused=Unauthenticated("no valid key"))
+    http, client = await _client(router)
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            await client.completions.create(model="m", prompt="x", temperature=-1)
     finally:
         await client.close()
         await http.close()

@@ -82,6 +82,11 @@ def test_unknown_model_is_not_found_naming_it() -> None:
     assert "model='nope'" in str(error)
 
 
+def test_an_unknown_model_is_what_the_client_hears_of_whatever_else_is_wrong() -> None:
+    error = _refusal(_request(model="typo", temperature=-1.0, max_tokens=0))
+    assert type(error) is NotFound and "model='typo'" in str(error)
+
+
 def test_a_model_while_none_is_served_is_unavailable_to_retry() -> None:
     """A router whose first listing of the nodes was empty (none registered yet), or whose nodes all went, answered
     NOT_FOUND, "not served by this cluster (served: none)": a code no client retries."""
