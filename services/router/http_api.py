@@ -294,6 +294,8 @@ class HttpApi:
         return PLAIN if entry is None else template_for(entry.tokenizer)
 
     def _context_for_model(self, model: str) -> int:
+        if not self._service.models:  # none served at all: the router's validation says so, after the fields
+            return sys.maxsize
         return find_model(model, self._service.models).max_context_tokens
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:

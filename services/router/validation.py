@@ -105,7 +105,10 @@ def validate(
     """The checked request; InvalidArgument or NotFound naming the field and value otherwise."""
     if not request.model:
         raise InvalidArgument("model", request.model, "required")
-    # The model first: a mistyped name is what the client is told of, whatever else is wrong (helper-145).
+    # The model first: a mistyped name is what the client is told of, whatever else is wrong (helper-145). But while
+    # no model is served at all that is UNAVAILABLE, to retry: bad fields first then, never worth a retry (helper-147).
+    if not models:
+        check_fields(request, limits)
     model = find_model(request.model, models)
     tokenizer = TOKENIZERS.get(model.tokenizer)
     if tokenizer is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import random
 import logging
 import zlib
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -29,7 +30,7 @@ from baton.v1 import common_pb2, router_pb2
 from services.common.errors import (Aborted, AlreadyExists, BatonError, DeadlineExceeded, InvalidArgument,
                                     ResourceExhausted, Unauthenticated, Unavailable)
 from services.router.http_api import RUNNER_OPTIONS, HttpApi
-from services.router.validation import InputLimits, ModelEntry
+from services.router.validation import InputLimits, ModelEntry, validate
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -41,8 +42,9 @@ class _FakeRouter:
 
     def __init__(self, texts: list[str], failure: BatonError | None = None,
                  unread: BatonError | None = None, served: tuple[ModelEntry, ...] = (MODEL,),
-                 key_refused: BatonError | None = None) -> None:
+                 key_refused: BatonError | None = None, validating: bool = False) -> None:
         self.texts = texts
+        self.validating = validating  # validate each request as the router does
         self.key_refused = key_refused
         self.served = {m.name: m for m in served}
         self.failure = failure
@@ -72,6 +74,8 @@ class _FakeRouter:
     async def generate(self, request: router_pb2.GenerateRequest, time_remaining: Callable[[], float | None],
                        authorization: str | None = None) -> AsyncIterator[router_pb2.GenerateChunk]:
         self.requests.append(request)
+        if self.validating:
+            validate(request, dict(self.served), 16, random.Random(0))
         for i, text in enumerate(self.texts):
             yield router_pb2.GenerateChunk(request_id="r", text=text, index=i, node_id="n", model="m")
         if self.failure is not None:
@@ -122,15 +126,20 @@ async def test_a_model_while_no_node_is_registered_is_a_503_to_retry_and_an_unkn
     """A router whose first listing of the nodes was empty (none registered yet) answered a model the cluster is about
     to serve 404, "not served by this cluster (served: none)", which the openai client does not retry."""
     for served, status in (((), 503), ((MODEL,), 404)):
-        router = _FakeRouter(["a"], served=served)
+        router = _FakeRouter(["a"], served=served, validating=True)
         http, client = await _client(router)
         try:
             # (Token ids: the HTTP API reads the model's context window for them, before the router's validation.)
-            for call in (client.completions.create(model="gone", prompt=[1, 2]), client.models.retrieve("gone")):
+            for call in (client.completions.create(model="gone", prompt="x"),
+                         client.completions.create(model="gone", prompt=[1, 2]), client.models.retrieve("gone")):
                 with pytest.raises(openai.APIStatusError) as caught:
                     await call
                 assert caught.value.status_code == status, caught.value.message
                 assert "model='gone': " in caught.value.message
+            # Bad fields are a 400 whether or not any model is served: a retry could never serve them (helper-147).
+            for prompt in ("x", [1, 2]):
+                with pytest.raises(openai.BadRequestError, match="temperature"):
+                    await client.completions.create(model="m", prompt=prompt, temperature=-1)
         finally:
             await client.close()
             await http.close()

@@ -93,6 +93,9 @@ def test_a_model_while_none_is_served_is_unavailable_to_retry() -> None:
     with pytest.raises(Unavailable, match="model='m': no model is served by this cluster now") as caught:
         validate(_request(), {}, DEFAULT_MAX_TOKENS, random.Random(0))
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+    # Bad fields are said first then: a retry could never serve them.
+    with pytest.raises(InvalidArgument, match="temperature=-1.0"):
+        validate(_request(temperature=-1.0), {}, DEFAULT_MAX_TOKENS, random.Random(0))
 
 
 def test_a_deadline_at_the_floor_or_what_a_resent_request_has_left_is_accepted() -> None:
