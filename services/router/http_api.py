@@ -294,8 +294,6 @@ class HttpApi:
         return PLAIN if entry is None else template_for(entry.tokenizer)
 
     def _context_for_model(self, model: str) -> int:
-        if not self._service.models:  # none served at all: the router's validation says so, after the fields
-            return sys.maxsize
         return find_model(model, self._service.models).max_context_tokens
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
@@ -326,19 +324,33 @@ class HttpApi:
                 parsed.names[schema.TENANT_FIELD] = schema.TENANT_HEADER
             return parsed
 
-        if not self._service.has_read_nodes():
-            # The model's context and template come from the nodes' registrations, which this router waits for. A
-            # request's own fields are checked first, without them: bad input is refused at once, not after the wait.
+        try:
+            # The key first, before anything is said of the request: a caller without one is not told which models
+            # are served (a token-id prompt's context window named them, helper-148). The router's generate, which
+            # checks it again, puts the key's tenant in the request's place.
+            key_tenant = await self._service.authorize(request.headers.get("Authorization"))
+        except BatonError as error:
+            return _error(error)
+        early = None
+        if not self._service.has_read_nodes() or not self._service.models:
+            # The model's context and template come from the nodes' registrations, which this router waits for, and
+            # while none is served there are none. A request's own fields are checked first, without them: bad input
+            # is refused at once, not after the wait, nor answered the 503 that says to retry it.
             early = parse(lambda _: PLAIN, lambda _: sys.maxsize)
-            early.request.ClearField("tenant")  # with --auth the key's tenant replaces it: checked once that is known
+            if key_tenant:
+                early.request.tenant = key_tenant
             if kind == schema.CHAT:  # its size is the model's template's rendering, not known yet (helper-145)
                 early.request.prompt = " "
             try:
-                await self._service.authorize(request.headers.get("Authorization"))  # as generate: the key first
                 check_fields(early.request, self._limits)
             except BatonError as error:
                 return _error(error, early.names)
         await self._service.nodes_read()
+        if early is not None and not self._service.models:
+            try:
+                find_model(early.request.model, self._service.models)  # none served: the 503, to retry
+            except BatonError as error:
+                return _error(error, early.names)
         parsed = parse(self._template_for_model, self._context_for_model)
         builder = schema.ResponseBuilder(parsed, created=int(time.time()))
         async with aclosing(self._service.generate(parsed.request, lambda: None,

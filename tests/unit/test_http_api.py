@@ -75,7 +75,7 @@ class _FakeRouter:
                        authorization: str | None = None) -> AsyncIterator[router_pb2.GenerateChunk]:
         self.requests.append(request)
         if self.validating:
-            validate(request, dict(self.served), 16, random.Random(0))
+            validate(request, dict(self.served), 16, random.Random(0), InputLimits(max_prompt_bytes=1024))
         for i, text in enumerate(self.texts):
             yield router_pb2.GenerateChunk(request_id="r", text=text, index=i, node_id="n", model="m")
         if self.failure is not None:
@@ -140,6 +140,14 @@ async def test_a_model_while_no_node_is_registered_is_a_503_to_retry_and_an_unkn
             for prompt in ("x", [1, 2]):
                 with pytest.raises(openai.BadRequestError, match="temperature"):
                     await client.completions.create(model="m", prompt=prompt, temperature=-1)
+            with pytest.raises(openai.BadRequestError, match="tenant"):
+                await client.completions.create(model="m", prompt="x", extra_body={"tenant": "a\x1b[2J"})
+            # A chat is not judged by the plain template's rendering while no model's own is known (helper-148).
+            chat = client.chat.completions.create(model="gone", messages=[{"role": "user", "content": "x" * 1000,
+                                                                            "name": "n" * 40}])
+            with pytest.raises(openai.APIStatusError) as caught:
+                await chat
+            assert caught.value.status_code == status and "model='gone'" in caught.value.message
         finally:
             await client.close()
             await http.close()
@@ -175,15 +183,19 @@ async def test_bad_fields_are_refused_at_once_by_a_router_that_has_not_read_the_
     finally:
         await client.close()
         await http.close()
-    # With --auth, the key comes first, as it does once the nodes are read.
-    router = _FakeRouter(["a"], unread=unread, key_refused=Unauthenticated("no valid key"))
-    http, client = await _client(router)
-    try:
-        with pytest.raises(openai.AuthenticationError):
-            await client.completions.create(model="m", prompt="x", temperature=-1)
-    finally:
-        await client.close()
-        await http.close()
+    # With --auth, the key comes first, as it does once the nodes are read; and an unknown model's 404, which names
+    # the served ones, is for callers with a key (a token-id prompt's context window was looked up first, helper-148).
+    for unread_or_not in (unread, None):
+        router = _FakeRouter(["a"], unread=unread_or_not, key_refused=Unauthenticated("no valid key"))
+        http, client = await _client(router)
+        try:
+            for call in (client.completions.create(model="m", prompt="x", temperature=-1),
+                         client.completions.create(model="secret?", prompt=[1, 2])):
+                with pytest.raises(openai.AuthenticationError):
+                    await call
+        finally:
+            await client.close()
+            await http.close()
 
 
 def _failure(code: grpc.StatusCode, message: str) -> BatonError:
