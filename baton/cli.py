@@ -23,7 +23,7 @@ from google.protobuf.json_format import MessageToDict
 from baton import tenants as tenants_cli
 from baton.client import BatonClient, finish_reason_of
 from baton.cluster import ClusterSpec, LocalCluster, ManagedProcess, StartError, sync_channel
-from baton.flag_types import INT32, UINT64, int_in
+from baton.flag_types import INT32, UINT64, int_in, top_p
 from baton.protocol import AUTHORIZATION_KEY, is_transport_failure
 from baton.state_files import (
     STATE_DIR_ENV,
@@ -651,7 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int_in(1, INT32[1]), default=None,
                      help="most tokens to generate (default: the router's)")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens "
+    gen.add_argument("--top-p", type=top_p, default=1.0, help="nucleus sampling: the smallest set of tokens "
                      "whose probability reaches this, in (0, 1]")
     gen.add_argument("--seed", type=int_in(*UINT64), default=None, help="sampling seed (default: the router picks one)")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT",

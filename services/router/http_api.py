@@ -313,6 +313,14 @@ class HttpApi:
             return response
 
     async def _generate_in_span(self, request: web.Request, kind: str) -> web.StreamResponse:
+        try:
+            # The key first, before anything is said of the request or done with its body (read, decompressed,
+            # parsed): a caller without one is not told which models are served (a token-id prompt's context window
+            # named them, helper-148) and costs the router nothing more (helper-150). The router's generate, which
+            # checks it again, puts the key's tenant in the request's place.
+            key_tenant = await self._service.authorize(request.headers.get("Authorization"))
+        except BatonError as error:
+            return _error(error)
         body = await _read_json(request)
 
         def parse(template_for_model: Callable[[str], ChatTemplate],
@@ -324,13 +332,6 @@ class HttpApi:
                 parsed.names[schema.TENANT_FIELD] = schema.TENANT_HEADER
             return parsed
 
-        try:
-            # The key first, before anything is said of the request: a caller without one is not told which models
-            # are served (a token-id prompt's context window named them, helper-148). The router's generate, which
-            # checks it again, puts the key's tenant in the request's place.
-            key_tenant = await self._service.authorize(request.headers.get("Authorization"))
-        except BatonError as error:
-            return _error(error)
         early = None
         if not self._service.has_read_nodes() or not self._service.models:
             # The model's context and template come from the nodes' registrations, which this router waits for, and

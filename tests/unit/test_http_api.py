@@ -193,6 +193,9 @@ async def test_bad_fields_are_refused_at_once_by_a_router_that_has_not_read_the_
                          client.completions.create(model="secret?", prompt=[1, 2])):
                 with pytest.raises(openai.AuthenticationError):
                     await call
+            # Nor is the body read or parsed for a caller without a key (helper-150: "not valid JSON", a 400).
+            answer = await http.post("/v1/completions", data=b"garbage")
+            assert answer.status == 401, await answer.text()
         finally:
             await client.close()
             await http.close()
