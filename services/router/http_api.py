@@ -429,28 +429,37 @@ async def _read_json(request: web.Request) -> object:
 
 
 def _decoded(request: web.Request, raw: bytes) -> bytes:
-    """The body as its Content-Encoding (none, identity, gzip or deflate) says to decode it, no longer than the
-    body limit once decoded; refused naming the header or the body otherwise."""
-    encoding = request.headers.get("Content-Encoding", "").strip().lower()
-    if encoding in ("", "identity"):
+    """The body as its Content-Encoding (none, identity, gzip or deflate; a list naming one of them beside identity)
+    says to decode it, no longer than the body limit once decoded; refused naming the header or the body otherwise.
+    A gzip body may hold several members, one after another, as RFC 1952 allows (helper-150: refused before)."""
+    header = request.headers.get("Content-Encoding", "")
+    codings = [c for c in (part.strip().lower() for part in header.split(",")) if c and c != "identity"]
+    if not codings:
         return raw
+    encoding = codings[0]
     wbits = _ZLIB_WBITS.get(encoding)
-    if wbits is None:
-        raise _Refused(415, schema.refusal("Content-Encoding", request.headers["Content-Encoding"],
-                                           "not supported: send the body as identity, gzip or deflate", 415))
+    if wbits is None or len(codings) > 1:
+        raise _Refused(415, schema.refusal("Content-Encoding", header, "not supported: send the body as identity, "
+                                           "gzip or deflate (one of them)", 415))
     if encoding == "deflate" and raw and raw[0] & 0x0F != 8:
         wbits = -zlib.MAX_WBITS  # a raw deflate stream without zlib's header, which clients send too
     limit = request.client_max_size
-    decompressor = zlib.decompressobj(wbits)
-    try:
-        decoded = decompressor.decompress(raw, limit + 1)
-    except zlib.error as exc:
-        raise InvalidArgument("body", f"{len(raw)} bytes", f"not valid {encoding} data (Content-Encoding: "
-                              f"{encoding}): {exc}") from None
-    if len(decoded) > limit:
-        raise _Refused(413, schema.refusal("body", f"{len(raw)} bytes {encoding}-encoded",
-                                           f"longer than {limit} bytes once decoded", 413))
-    if not decompressor.eof or decompressor.unused_data:
+    decoded = b""
+    rest = raw
+    while True:
+        decompressor = zlib.decompressobj(wbits)
+        try:
+            decoded += decompressor.decompress(rest, limit + 1 - len(decoded))
+        except zlib.error as exc:
+            raise InvalidArgument("body", f"{len(raw)} bytes", f"not valid {encoding} data (Content-Encoding: "
+                                  f"{encoding}): {exc}") from None
+        if len(decoded) > limit:
+            raise _Refused(413, schema.refusal("body", f"{len(raw)} bytes {encoding}-encoded",
+                                               f"longer than {limit} bytes once decoded", 413))
+        rest = decompressor.unused_data
+        if not decompressor.eof or not rest or wbits != _ZLIB_WBITS["gzip"]:
+            break
+    if not decompressor.eof or rest:
         raise InvalidArgument("body", f"{len(raw)} bytes", f"not valid {encoding} data (Content-Encoding: "
                               f"{encoding}): {'it is cut short' if not decompressor.eof else 'data after its end'}")
     return decoded

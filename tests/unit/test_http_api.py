@@ -436,6 +436,15 @@ _ENCODED_BODIES = [
     ("zstd", "zstd", b"garbage", 415, "Content-Encoding", "Content-Encoding='zstd': not supported"),
     ("bomb", "gzip", _BOMB, 413, "body",
      f"body='{len(_BOMB)} bytes gzip-encoded': longer than 73728 bytes once decoded"),
+    # Several gzip members one after another (RFC 1952), and a list naming identity beside gzip (RFC 9110): both
+    # were refused (helper-150). Two codings stacked are not supported.
+    ("gzip members", "gzip", gzip.compress(_BODY[:9]) + gzip.compress(_BODY[9:]), 200, None, ""),
+    ("bomb in members", "gzip", gzip.compress(_BODY) + _BOMB, 413, "body", "body="),
+    ("deflate and more", "deflate", zlib.compress(_BODY) + zlib.compress(_BODY), 400, "body",
+     "body='"),
+    ("gzip, identity", "gzip, identity", gzip.compress(_BODY), 200, None, ""),
+    ("stacked", "deflate, gzip", gzip.compress(zlib.compress(_BODY)), 415, "Content-Encoding",
+     "Content-Encoding='deflate, gzip': not supported"),
 ]
 
 
