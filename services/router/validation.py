@@ -113,11 +113,10 @@ def validate(
     tokenizer = TOKENIZERS.get(model.tokenizer)
     if tokenizer is None:
         raise InvalidArgument("model", request.model, f"tokenizer {model.tokenizer!r} unsupported by this router")
-    check_fields(request, limits)
+    num_bytes = check_fields(request, limits)
 
     context = model.max_context_tokens
     if request.WhichOneof("input") == "prompt":
-        num_bytes = _prompt_bytes(request.prompt, limits)
         if num_bytes > context * tokenizer.max_bytes_per_token:
             raise InvalidArgument("prompt", f"{num_bytes} bytes", f"does not fit the context window of {context} "
                                   f"(at most {context * tokenizer.max_bytes_per_token} bytes)")
@@ -173,9 +172,10 @@ def validate(
     )
 
 
-def check_fields(request: router_pb2.GenerateRequest, limits: InputLimits = DEFAULT_LIMITS) -> None:
+def check_fields(request: router_pb2.GenerateRequest, limits: InputLimits = DEFAULT_LIMITS) -> int:
     """What validate checks of a request without its model: InvalidArgument naming the field and value. A router that
-    has not read the served models yet refuses bad input with it at once, not after its wait for them."""
+    has not read the served models yet refuses bad input with it at once, not after its wait for them. Returns a text
+    prompt's UTF-8 bytes (0 for token ids), which validate judges against the model's context."""
     if not request.model:
         raise InvalidArgument("model", request.model, "required")
     for field in ("request_id", "tenant", "workflow_id"):
@@ -193,10 +193,15 @@ def check_fields(request: router_pb2.GenerateRequest, limits: InputLimits = DEFA
     kind = request.WhichOneof("input")
     if kind is None:
         raise InvalidArgument("prompt", "", "required (prompt or prompt_token_ids)")
+    num_bytes = 0
     if kind == "prompt":
         if not request.prompt:
             raise InvalidArgument("prompt", request.prompt, "must not be empty")
-        _prompt_bytes(request.prompt, limits)
+        # Lengths first: characters bound the UTF-8 bytes from below, so a huge prompt is refused without encoding it.
+        prompt = request.prompt
+        num_bytes = len(prompt) if len(prompt) > limits.max_prompt_bytes else len(prompt.encode())
+        if num_bytes > limits.max_prompt_bytes:
+            raise InvalidArgument("prompt", f"{num_bytes} bytes", f"longer than {limits.max_prompt_bytes} bytes")
     elif not request.prompt_token_ids.ids:
         raise InvalidArgument("prompt_token_ids", [], "must not be empty")
     resumed = request.resume.token_ids
@@ -229,14 +234,6 @@ def check_fields(request: router_pb2.GenerateRequest, limits: InputLimits = DEFA
                                   "than a placement and a node's first step (ask for more, or none)")
     if resumed and request.temperature > 0 and not request.HasField("seed"):
         raise InvalidArgument("seed", None, "required to resume a sampled request (the first chunk carried it)")
-
-
-def _prompt_bytes(prompt: str, limits: InputLimits) -> int:
-    """A text prompt's UTF-8 bytes; InvalidArgument past limits.max_prompt_bytes. Characters bound the bytes from
-    below, so a huge prompt is refused without encoding it (and none is tokenized that cannot fit the context)."""
-    num_bytes = len(prompt) if len(prompt) > limits.max_prompt_bytes else len(prompt.encode())
-    if num_bytes > limits.max_prompt_bytes:
-        raise InvalidArgument("prompt", f"{num_bytes} bytes", f"longer than {limits.max_prompt_bytes} bytes")
     return num_bytes
 
 
