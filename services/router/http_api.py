@@ -74,6 +74,8 @@ class GenerateService(Protocol):
 
     def served_models(self) -> list[router_pb2.ServedModel]: ...
 
+    def gone_model(self, name: str) -> ModelEntry | None: ...
+
     async def authorize(self, authorization: str | None) -> str: ...
 
     def has_read_nodes(self) -> bool: ...
@@ -278,7 +280,8 @@ class HttpApi:
         try:
             await self._service.authorize(request.headers.get("Authorization"))
             await self._service.nodes_read()
-            find_model(name, self._service.models)  # a 404 naming the served ones; a 503 while none is served
+            # A 404 naming the served ones; a 503 while none is served, or this one is gone for now.
+            find_model(name, self._service.models, self._service.gone_model(name))
         except BatonError as error:
             return _error(error)
         return _json_response(200, schema.model_json(next(m for m in self._service.served_models() if m.name == name)))
@@ -289,12 +292,17 @@ class HttpApi:
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, schema.CHAT)
 
+    def _entry(self, model: str) -> ModelEntry | None:
+        """The model's entry, served or gone for now (an alternative may serve a request for it)."""
+        return self._service.models.get(model) or self._service.gone_model(model)
+
     def _template_for_model(self, model: str) -> ChatTemplate:
-        entry = self._service.models.get(model)
+        entry = self._entry(model)
         return PLAIN if entry is None else template_for(entry.tokenizer)
 
     def _context_for_model(self, model: str) -> int:
-        return find_model(model, self._service.models).max_context_tokens
+        entry = self._entry(model)
+        return find_model(model, self._service.models).max_context_tokens if entry is None else entry.max_context_tokens
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         with self._tracer.start_as_current_span(

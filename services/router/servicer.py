@@ -6,6 +6,7 @@ import asyncio
 import logging
 import math
 import random
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import aclosing
@@ -29,6 +30,7 @@ from services.common.deadline import until
 from services.common.directory import ChannelPool, LeaderDirectory
 from services.common.errors import AlreadyExists, BatonError, DeadlineExceeded, ResourceExhausted, Unavailable, abort
 from services.common.etcd_session import Membership, PrefixView
+from services.common.gone_from_listing import GoneFromListing
 from services.common.server import ServingNames
 from services.common.telemetry import Telemetry
 from services.common.tenant_directory import TenantDirectory
@@ -73,6 +75,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.health = ServingNames(not_serving=self.service_names)
         self._rng = random.Random()
         self._models: dict[str, ModelEntry] = {}
+        # The models no node serves now that some node served lately: a request for one is told to retry (or an
+        # alternative serves it), not that the cluster never served it.
+        self._gone_models: GoneFromListing[ModelEntry] = GoneFromListing()
         # Set once the nodes have been read from etcd: before then every model would be "not served" (NOT_FOUND,
         # which a client does not retry) on a router that had just started.
         self._nodes_read = asyncio.Event()
@@ -175,6 +180,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     def _on_nodes_changed(self, items: dict[str, bytes]) -> None:
         self._models = models_from_registrations(items, self._nodes.lapsed)
+        self._gone_models.update(self._models, time.monotonic())
         self._node_infos.update(registrations(items))
         self._liveness.update({key.removeprefix(etcd_keys.NODES) for key in items})
         self._nodes_read.set()
@@ -300,6 +306,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         """What validation knows of each served model, by name."""
         return self._models
 
+    def gone_model(self, name: str) -> ModelEntry | None:
+        """name's entry if some node served it lately and none does now (GONE_MODEL_MEMORY_S)."""
+        return self._gone_models.get(name, time.monotonic())
+
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateChunk]:
@@ -335,7 +345,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 check_fields(request, self._config.input_limits)
             await self.nodes_read(time_remaining)
             valid = validate(request, self._models, self._config.default_max_tokens, self._rng,
-                             self._config.input_limits)
+                             self._config.input_limits, self.gone_model)
             client_id = cluster_id = valid.request_id
             if self._tenants is not None:  # request.tenant is the key's: another tenant cannot reach this id
                 cluster_id = cluster_request_id(request.tenant, client_id)

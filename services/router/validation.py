@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from baton.protocol import MAX_ALTERNATIVE_MODELS
@@ -79,14 +79,19 @@ class ValidRequest:
     alternative_models: tuple[str, ...] = ()
 
 
-def find_model(name: str, models: Mapping[str, ModelEntry]) -> ModelEntry:
-    """The served model called name; NotFound naming it otherwise, or Unavailable while no model is served at all."""
+def find_model(name: str, models: Mapping[str, ModelEntry], gone: ModelEntry | None = None) -> ModelEntry:
+    """The served model called name; NotFound naming it otherwise, or Unavailable while no model is served at all or
+    while name is one served lately (gone: its entry then) whose nodes are all gone."""
     model = models.get(name)
     if model is None and not models:
         # No node serves anything: none has registered yet (a router or cluster just started, registrations late), or
         # every one is gone. Either passes, and NOT_FOUND is a code no client retries.
         raise Unavailable(f"model={shown(name)}: no model is served by this cluster now: no node that serves one is "
                           "registered (starting, or all gone); retry")
+    if model is None and gone is not None:
+        # Its nodes died, drained or restart: an outage to retry through, not a name the client got wrong.
+        raise Unavailable(f"model={shown(name)}: served by this cluster lately, by no node now (its nodes are gone or "
+                          "restarting); retry")
     if model is None:
         known = ", ".join(sorted(models)) or "none"
         if len(known) > 400:
@@ -101,15 +106,22 @@ def validate(
     default_max_tokens: int,
     rng: random.Random,
     limits: InputLimits = DEFAULT_LIMITS,
+    gone: Callable[[str], ModelEntry | None] = lambda _: None,
 ) -> ValidRequest:
-    """The checked request; InvalidArgument or NotFound naming the field and value otherwise."""
+    """The checked request; InvalidArgument or NotFound naming the field and value otherwise, Unavailable for a model
+    served by no node now (none at all, or gone(name) names it: served lately) unless an alternative serves it."""
     if not request.model:
         raise InvalidArgument("model", request.model, "required")
+    earlier = gone(request.model) if request.model not in models else None
     # The model first: a mistyped name is what the client is told of, whatever else is wrong (helper-145). But while
-    # no model is served at all that is UNAVAILABLE, to retry: bad fields first then, never worth a retry (helper-147).
-    if not models:
+    # no model is served at all, or this one is gone, that is UNAVAILABLE, to retry: bad fields first then, never
+    # worth a retry (helper-147).
+    if not models or earlier is not None:
         check_fields(request, limits)
-    model = find_model(request.model, models)
+    # A model gone for now, with models accepted instead: one of those that is served takes it (a resume goes on
+    # with its own model's tokens only).
+    substituted = earlier is not None and bool(models and request.alternative_models and not request.HasField("resume"))
+    model = earlier if earlier is not None and substituted else find_model(request.model, models, earlier)
     tokenizer = TOKENIZERS.get(model.tokenizer)
     if tokenizer is None:
         raise InvalidArgument("model", request.model, f"tokenizer {model.tokenizer!r} unsupported by this router")
@@ -162,13 +174,16 @@ def validate(
         # client holds it exactly (a 63-bit one, read as a double by jq or JavaScript, came back rounded and
         # replayed other text).
         sampling.seed = rng.getrandbits(53)
+    alternatives = () if resumed else _alternatives(request, models, model, len(prompt) + max_tokens, gone)
+    if substituted and not alternatives:  # none of those served can hold it
+        find_model(request.model, models, earlier)
     return ValidRequest(
         request_id=request.request_id or uuid.uuid4().hex,
         model=model,
         prompt_token_ids=prompt,
         sampling=sampling,
         resume_token_ids=resumed,
-        alternative_models=() if resumed else _alternatives(request, models, model, len(prompt) + max_tokens),
+        alternative_models=alternatives,
     )
 
 
@@ -238,11 +253,14 @@ def check_fields(request: router_pb2.GenerateRequest, limits: InputLimits = DEFA
 
 
 def _alternatives(request: router_pb2.GenerateRequest, models: dict[str, ModelEntry], model: ModelEntry,
-                  num_tokens: int) -> tuple[str, ...]:
-    """The alternative models that could serve the request: known, same tokenizer, context large enough."""
+                  num_tokens: int, gone: Callable[[str], ModelEntry | None]) -> tuple[str, ...]:
+    """The alternative models that could serve the request: served, same tokenizer, context large enough. One served
+    lately and by no node now (gone) is passed over: the request may be served without it."""
     accepted = []
     for i, name in enumerate(request.alternative_models):
         alternative = models.get(name)
+        if alternative is None and gone(name) is not None:
+            continue
         if alternative is None:
             raise InvalidArgument(f"alternative_models[{i}]", name, f"not served by this cluster "
                                   f"(served: {', '.join(sorted(models))})")

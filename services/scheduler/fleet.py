@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from services.common.block_hash import DEFAULT_BLOCK_SIZE
 from services.common.engine_profile import EngineProfile
+from services.common.gone_from_listing import GoneFromListing
 from services.common.load import Load
 from services.scheduler.admission import pool_saturation
 
@@ -116,6 +117,8 @@ class ClusterView:
         # A node whose registration lapsed stays live only while it reports load this often.
         self._lapsed_silence_s = lapsed_silence_s
         self._nodes: dict[str, NodeStatus] = {}
+        # The models that left every node's registration lately (a request for one is told to retry).
+        self._gone_models: GoneFromListing[bool] = GoneFromListing()
 
     def set_nodes(self, specs: list[NodeSpec], now: float = 0.0, lapsed: frozenset[str] = frozenset()) -> None:
         """Replace membership with specs (from etcd), keeping what is known of staying nodes.
@@ -134,6 +137,7 @@ class ClusterView:
             status.is_lapsed = spec.node_id in lapsed
             nodes[spec.node_id] = status
         self._nodes = nodes
+        self._gone_models.update({m: True for spec in specs for m in spec.warm_models | spec.cold_models}, now)
 
     def report_load(self, node_id: str, load: Load, now: float) -> None:
         """A fresh report supersedes the placements it shows arrived (Load.num_received), oldest first.
@@ -222,6 +226,11 @@ class ClusterView:
         """Some node has model, warm or on its disk (given now: a listed one, see is_listed)."""
         return any(s.spec.has(model) for s in self._nodes.values()
                    if now is None or self.is_listed(s, now))
+
+    def served_lately(self, model: str, now: float) -> bool:
+        """Whether some node had model lately and no listed one has it now: its nodes lapsed (held for their grace
+        period, silent), or it left the last registration with it within GONE_MODEL_MEMORY_S of now."""
+        return not self.has_model(model, now) and (self.has_model(model) or bool(self._gone_models.get(model, now)))
 
     def models(self) -> list[str]:
         return sorted({m for s in self._nodes.values() for m in s.spec.warm_models | s.spec.cold_models})

@@ -42,8 +42,10 @@ class _FakeRouter:
 
     def __init__(self, texts: list[str], failure: BatonError | None = None,
                  unread: BatonError | None = None, served: tuple[ModelEntry, ...] = (MODEL,),
-                 key_refused: BatonError | None = None, validating: bool = False) -> None:
+                 key_refused: BatonError | None = None, validating: bool = False,
+                 gone: tuple[ModelEntry, ...] = ()) -> None:
         self.texts = texts
+        self.gone = {m.name: m for m in gone}  # served lately, by no node now
         self.validating = validating  # validate each request as the router does
         self.key_refused = key_refused
         self.served = {m.name: m for m in served}
@@ -54,6 +56,9 @@ class _FakeRouter:
     @property
     def models(self) -> Mapping[str, ModelEntry]:
         return self.served
+
+    def gone_model(self, name: str) -> ModelEntry | None:
+        return self.gone.get(name)
 
     def served_models(self) -> list[router_pb2.ServedModel]:
         return [router_pb2.ServedModel(name=m.name, max_context_tokens=m.max_context_tokens, tokenizer=m.tokenizer,
@@ -75,7 +80,8 @@ class _FakeRouter:
                        authorization: str | None = None) -> AsyncIterator[router_pb2.GenerateChunk]:
         self.requests.append(request)
         if self.validating:
-            validate(request, dict(self.served), 16, random.Random(0), InputLimits(max_prompt_bytes=1024))
+            validate(request, dict(self.served), 16, random.Random(0), InputLimits(max_prompt_bytes=1024),
+                     self.gone_model)
         for i, text in enumerate(self.texts):
             yield router_pb2.GenerateChunk(request_id="r", text=text, index=i, node_id="n", model="m")
         if self.failure is not None:
@@ -151,6 +157,36 @@ async def test_a_model_while_no_node_is_registered_is_a_503_to_retry_and_an_unkn
         finally:
             await client.close()
             await http.close()
+
+
+async def test_a_model_whose_nodes_are_all_gone_is_a_503_to_retry_or_served_by_an_alternative() -> None:
+    """A model served lately whose every node went (died, drained, restarting) was a 404, "not served by this
+    cluster", which no client retries, and a request that accepted an alternative served now was refused too."""
+    lost = ModelEntry("lost", 4096, "byte", 257, 0)
+    router = _FakeRouter(["a"], validating=True, gone=(lost,))
+    http, client = await _client(router)
+    try:
+        for call in (client.completions.create(model="lost", prompt="x"),
+                     client.completions.create(model="lost", prompt=[1, 2]),
+                     client.chat.completions.create(model="lost", messages=[{"role": "user", "content": "x"}]),
+                     client.models.retrieve("lost")):
+            with pytest.raises(openai.APIStatusError) as caught:
+                await call
+            assert caught.value.status_code == 503, caught.value.message
+            assert "model='lost': served by this cluster lately, by no node now" in caught.value.message
+        # Still a 404 for a model never served, and a 400 for bad fields (a retry would never serve them).
+        with pytest.raises(openai.NotFoundError, match="model='typo'"):
+            await client.completions.create(model="typo", prompt="x")
+        with pytest.raises(openai.BadRequestError, match="temperature"):
+            await client.completions.create(model="lost", prompt="x", temperature=-1)
+        # Accepting the served model instead, it is served.
+        served = await client.completions.create(model="lost", prompt="x",
+                                                 extra_body={"alternative_models": ["m"]})
+        assert served.choices[0].text == "a"
+        assert list(router.requests[-1].alternative_models) == ["m"]
+    finally:
+        await client.close()
+        await http.close()
 
 
 async def test_bad_fields_are_refused_at_once_by_a_router_that_has_not_read_the_nodes() -> None:

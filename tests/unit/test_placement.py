@@ -8,6 +8,7 @@ import math
 import pytest
 
 from services.common.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from services.common.gone_from_listing import GONE_MODEL_MEMORY_S
 from services.common.load import Load
 from services.scheduler.fleet import ClusterView, NodeSpec, NodeStatus
 from services.scheduler.model_planner import ModelPlanner
@@ -85,6 +86,24 @@ def test_a_fleet_with_no_node_is_unavailable_to_retry_not_a_model_not_found() ->
     placer.cluster.set_nodes([])
     with pytest.raises(Unavailable, match="no node is registered"):
         placer.start(_ask(), 1.0)
+
+
+def test_a_model_whose_nodes_are_all_gone_is_unavailable_to_retry_while_others_serve_theirs() -> None:
+    """NOT_FOUND, "no registered node has it", for a model whose every node had died or gone from etcd: a code no
+    client retries, through an outage its nodes come back from. A model no node ever had is still NOT_FOUND, and a
+    model gone longer than GONE_MODEL_MEMORY_S is too."""
+    placer = _placer(_spec("a", warm=("other",)), _spec("b"))
+    placer.cluster.set_nodes([_spec("a", warm=("other",))], now=10.0)  # b, the only node with M, is gone
+    with pytest.raises(Unavailable, match="model='m': served lately, by no registered node now"):
+        placer.start(_ask(), 11.0)
+    with pytest.raises(NotFound, match="model='x': no registered node has it"):
+        placer.start(_ask(model="x"), 11.0)
+    with pytest.raises(NotFound, match="model='m': no registered node has it"):
+        placer.start(_ask(), 10.0 + GONE_MODEL_MEMORY_S + 1)
+    # Held for its grace period and silent, b is no candidate, and its model is one to retry for.
+    placer.cluster.set_nodes([_spec("a", warm=("other",)), _spec("b")], now=20.0, lapsed=frozenset({"b"}))
+    with pytest.raises(Unavailable, match="model='m': served lately"):
+        placer.start(_ask(), 30.0)
 
 
 def test_retries_draw_on_the_budget_and_are_refused_past_it() -> None:

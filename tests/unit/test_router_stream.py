@@ -334,6 +334,28 @@ async def test_a_request_to_a_router_that_has_not_read_the_nodes_yet_waits_for_t
 
 
 @pytest.mark.timeout(30)
+async def test_a_model_whose_nodes_have_all_gone_is_unavailable_to_retry_not_unknown() -> None:
+    """When the last node serving a model left etcd (its host died, or it restarts) while other nodes served other
+    models, a request for it was NOT_FOUND, "not served by this cluster": a code no client retries."""
+    async with _router(_token_stream(3, pace_s=0.001)) as (router, scheduler):
+        assert scheduler.router is not None
+        other = common_pb2.NodeInfo(node_id="other", address="127.0.0.1:1", models=[common_pb2.ModelInfo(
+            name="other-model", max_context_tokens=4096, tokenizer="byte", vocab_size=257, is_warm=True)])
+        scheduler.router._on_nodes_changed({etcd_keys.node_key("other"): json_format.MessageToJson(other).encode()})
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await _collect(router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=3)))
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert f"model={MODEL!r}: served by this cluster lately, by no node now" in (failed.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as failed:  # one it never served is still unknown
+            await _collect(router.Generate(router_pb2.GenerateRequest(model="typo", prompt="hi", max_tokens=3)))
+        assert failed.value.code() == grpc.StatusCode.NOT_FOUND
+        assert not scheduler.places
+        scheduler.read_nodes()  # back: served again
+        messages = await _collect(router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=3)))
+    assert [t for m in messages for t in m.token_ids] == [97, 98, 99]
+
+
+@pytest.mark.timeout(30)
 async def test_a_router_that_cannot_read_the_nodes_is_unavailable_saying_so_within_the_call() -> None:
     async with _router(_token_stream(3, pace_s=0.001), nodes_read=False) as (router, scheduler):
         with pytest.raises(grpc.aio.AioRpcError) as failed:

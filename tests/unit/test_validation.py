@@ -98,6 +98,37 @@ def test_a_model_while_none_is_served_is_unavailable_to_retry() -> None:
         validate(_request(temperature=-1.0), {}, DEFAULT_MAX_TOKENS, random.Random(0))
 
 
+def test_a_model_whose_nodes_are_all_gone_is_unavailable_to_retry_unless_an_alternative_serves_it() -> None:
+    """A model served lately whose every node went was NOT_FOUND, "not served by this cluster": a code no client
+    retries, through an outage its nodes come back from; and a request that accepted another model, served now, was
+    refused with it."""
+    lost = ModelEntry("lost", 4096, "byte", 257, 0)
+    gone = {"lost": lost}.get
+    with pytest.raises(Unavailable, match="model='lost': served by this cluster lately, by no node now") as caught:
+        validate(_request(model="lost"), MODELS, DEFAULT_MAX_TOKENS, random.Random(0), gone=gone)
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+    # Bad fields first: a retry would never serve them.
+    with pytest.raises(InvalidArgument, match="temperature=-1.0"):
+        validate(_request(model="lost", temperature=-1.0), MODELS, DEFAULT_MAX_TOKENS, random.Random(0), gone=gone)
+    # With the served model accepted instead, it is valid, to be placed on that one.
+    valid = validate(_request(model="lost", alternative_models=["m"]), MODELS, DEFAULT_MAX_TOKENS, random.Random(0),
+                     gone=gone)
+    assert (valid.model, valid.alternative_models, valid.prompt_token_ids) == (lost, ("m",), [104, 105])
+    # A resume goes on with its own model only; an alternative that cannot hold the request serves nothing.
+    for request in (_request(model="lost", alternative_models=["m"], resume=router_pb2.Resume(token_ids=[1])),
+                    _request(model="lost", alternative_models=["m"], prompt="x" * 100)):
+        with pytest.raises(Unavailable, match="model='lost': served by this cluster lately"):
+            validate(request, MODELS, DEFAULT_MAX_TOKENS, random.Random(0), gone=gone)
+    # An alternative gone for now is passed over: the request is served by its own model.
+    valid = validate(_request(alternative_models=["lost"]), MODELS, DEFAULT_MAX_TOKENS, random.Random(0), gone=gone)
+    assert (valid.model, valid.alternative_models) == (MODEL, ())
+    # A model never served is still NOT_FOUND, and so is an alternative never served.
+    with pytest.raises(NotFound, match="model='typo'"):
+        validate(_request(model="typo"), MODELS, DEFAULT_MAX_TOKENS, random.Random(0), gone=gone)
+    with pytest.raises(InvalidArgument, match=r"alternative_models\[0\]='typo'"):
+        validate(_request(alternative_models=["typo"]), MODELS, DEFAULT_MAX_TOKENS, random.Random(0), gone=gone)
+
+
 def test_a_deadline_at_the_floor_or_what_a_resent_request_has_left_is_accepted() -> None:
     assert _validate(_request(deadline_ms=10)).request_id
     assert _validate(_request(ttft_budget_ms=10)).request_id
