@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import overload
 
 import grpc
+from opentelemetry import trace
 from opentelemetry.metrics import Meter
 
 from baton.protocol import LEADER_KEY, ORIGIN_KEY, is_transport_failure
@@ -225,6 +226,7 @@ class Relay:
                     # move is counted.
                     log.info("request %s: %s; placing it elsewhere", generation.request_id, refusal)
                     generation.refusals.append(refusal)
+                    _trace_event("baton.takeover_refused", refusal.node_id, str(refusal), generation)
                 except NodeFailure as failure:
                     if not failure.node_is_well:
                         self._suspects[failure.node_id] = loop.time() + self._config.suspect_s
@@ -235,6 +237,8 @@ class Relay:
                     log.warning("request %s: %s after %d tokens; resuming it%s", generation.request_id, failure,
                                 len(generation.generated), "" if failure.node_is_well else " on another node")
                     moving = failure.cause
+                    _trace_event("baton.node_failure", failure.node_id, str(failure), generation,
+                                 {"baton.cause": failure.cause.value})
                     generation.record_failure(failure, self._config.max_migrations)
                     retry_cause = failure.cause
                     computed_elsewhere = computed_elsewhere or failure.heard
@@ -256,6 +260,12 @@ class Relay:
             if is_task:
                 ttft_ms = int((first_token_at - started_at) * 1000) if first_token_at is not None else 0
                 held.append(Ending(generation, request, ttft_ms, outcome))
+                # On the request's own span (gRPC's Generate, or the HTTP request's): a trace says how it ended and
+                # where it ran, where the spans of calls to nodes it left end UNSET, as a cancelled call's do.
+                ended = scheduler_pb2.RequestOutcome.Name(outcome).removeprefix("REQUEST_OUTCOME_").lower()
+                trace.get_current_span().set_attributes({
+                    "baton.outcome": ended, "baton.tokens": len(generation.generated),
+                    "baton.migrations": generation.num_migrations})
 
     def _charge_recomputed(self, generation: Generation, num_tokens: int) -> None:
         if num_tokens:
@@ -512,6 +522,13 @@ class Relay:
         if placed.done() and not placed.cancelled():
             return placed.result()
         raise _LeaderReplaced
+
+
+def _trace_event(name: str, node_id: str, detail: str, generation: Generation,
+                 attributes: dict[str, str] | None = None) -> None:
+    """An event on the request's span: an attempt on node_id it left, and why (detail, cut to 300 characters)."""
+    trace.get_current_span().add_event(name, {"baton.node_id": node_id, "baton.detail": detail[:300],
+                                              "baton.tokens": len(generation.generated), **(attributes or {})})
 
 
 def _still_called(leader: LeaderRecord, address: str) -> Callable[[LeaderRecord | None], bool]:

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import gc
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -113,8 +113,9 @@ class _FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
 
 @contextlib.asynccontextmanager
-async def _server(add: Callable[[grpc.aio.Server], None]) -> AsyncIterator[str]:
-    server = grpc.aio.server()
+async def _server(add: Callable[[grpc.aio.Server], None],
+                  interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> AsyncIterator[str]:
+    server = grpc.aio.server(interceptors=interceptors)
     add(server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -152,7 +153,9 @@ async def _router(handler: NodeHandler, scheduler: _FakeScheduler | None = None,
         if nodes_read:
             scheduler.read_nodes()
         stack.push_async_callback(service.close)
-        router_address = await stack.enter_async_context(_server(service.register))
+        # With a telemetry given, the router's server traces its calls as a live one does.
+        router_address = await stack.enter_async_context(
+            _server(service.register, telemetry.server_interceptors() if telemetry else ()))
         channel = await stack.enter_async_context(grpc.aio.insecure_channel(router_address))
         yield router_pb2_grpc.RouterStub(channel), scheduler
 
@@ -728,6 +731,38 @@ async def test_each_call_to_a_node_ends_its_trace_span_when_the_stream_ends(move
         if gc_was_enabled:
             gc.enable()
     assert ended == ["/baton.v1.NodeAgent/Generate"] * (2 if moves else 1)
+
+
+async def test_a_requests_span_says_which_node_failed_it_and_how_it_ended() -> None:
+    """The span of the router's call to the node it left ends UNSET, as a cancelled call's does: a trace showed a
+    moved request as two calls that went well. Its own span names the node that failed it, the cause and the tokens
+    it had, and how it ended."""
+    spans = InMemorySpanExporter()
+    telemetry = Telemetry("router/test", "none")
+    telemetry.tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        yield _started()
+        yield Chunk(node_id=NODE, index=0, token_ids=[97 + request.num_resumed_tokens])
+        if not request.num_resumed_tokens:
+            raise RuntimeError("the node died")
+        yield Chunk(node_id=NODE, index=1, token_ids=[98 + request.num_resumed_tokens],
+                    finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+    async with _router(generate, _MovingScheduler(), telemetry=telemetry) as (router, scheduler):
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=3))
+        assert [m async for m in call][-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        await asyncio.wait_for(scheduler.finished.get(), 10)  # the stream has settled
+    served = [s for s in spans.get_finished_spans() if s.name == "/baton.v1.Router/Generate"]
+    assert len(served) == 1
+    span = served[0]
+    assert span.attributes is not None
+    assert (span.attributes["baton.outcome"], span.attributes["baton.migrations"], span.attributes["baton.tokens"]) \
+        == ("succeeded", 1, 3)
+    failures = [e for e in span.events if e.name == "baton.node_failure"]
+    assert len(failures) == 1 and failures[0].attributes is not None
+    assert (failures[0].attributes["baton.node_id"], failures[0].attributes["baton.cause"],
+            failures[0].attributes["baton.tokens"]) == ("node-1", "stream_broken", 1)
 
 
 async def test_a_node_that_fails_after_the_last_token_ends_the_stream_complete_without_a_move() -> None:
