@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from baton.v1 import common_pb2 as baton_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/router.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"\xea\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.baton.v1.PromptTokensH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x0e\n\x06tenant\x18\n \x01(\t\x12\x10\n\x08priority\x18\x0b \x01(\x05\x12\x16\n\x0ettft_budget_ms\x18\x0c \x01(\x05\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\r \x01(\x05\x12\x13\n\x0bworkflow_id\x18\x0e \x01(\t\x12\x0c\n\x04step\x18\x0f \x01(\x05\x12\x13\n\x0btotal_steps\x18\x10 \x01(\x05\x12\x12\n\nignore_eos\x18\x11 \x01(\x08\x12 \n\x06resume\x18\x12 \x01(\x0b\x32\x10.baton.v1.Resume\x12\x1a\n\x12\x61lternative_models\x18\x13 \x03(\t\x12\x16\n\x0etpot_budget_ms\x18\x14 \x01(\x05\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x07\n\x05_seed\"\x8d\x01\n\x06Resume\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\nelapsed_ms\x18\x02 \x01(\x05\x12\x1b\n\x0e\x66irst_token_ms\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x1a\n\rlast_token_ms\x18\x04 \x01(\x05H\x01\x88\x01\x01\x42\x11\n\x0f_first_token_msB\x10\n\x0e_last_token_ms\"\x1b\n\x0cPromptTokens\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xef\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\r\n\x05index\x18\x04 \x01(\x05\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12-\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x07 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x0f\n\x07inexact\x18\t \x01(\x08\x12\r\n\x05model\x18\n \x01(\tB\x07\n\x05_seed\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.baton.v1.ServedModel\"b\n\x0bServedModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\x05\x12\x11\n\ttokenizer\x18\x03 \x01(\t\x12\x16\n\x0enum_warm_nodes\x18\x04 \x01(\x05\x32\x93\x01\n\x06Router\x12@\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x17.baton.v1.GenerateChunk0\x01\x12G\n\nListModels\x12\x1b.baton.v1.ListModelsRequest\x1a\x1c.baton.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/router.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"\xf9\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.baton.v1.PromptTokensH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x0e\n\x06tenant\x18\n \x01(\t\x12\x10\n\x08priority\x18\x0b \x01(\x05\x12\x16\n\x0ettft_budget_ms\x18\x0c \x01(\x05\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\r \x01(\x05\x12\x13\n\x0bworkflow_id\x18\x0e \x01(\t\x12\x0c\n\x04step\x18\x0f \x01(\x05\x12\x13\n\x0btotal_steps\x18\x10 \x01(\x05\x12\x12\n\nignore_eos\x18\x11 \x01(\x08\x12 \n\x06resume\x18\x12 \x01(\x0b\x32\x10.baton.v1.Resume\x12\x1a\n\x12\x61lternative_models\x18\x13 \x03(\t\x12\x16\n\x0etpot_budget_ms\x18\x14 \x01(\x05\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"\x8d\x01\n\x06Resume\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\nelapsed_ms\x18\x02 \x01(\x05\x12\x1b\n\x0e\x66irst_token_ms\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x1a\n\rlast_token_ms\x18\x04 \x01(\x05H\x01\x88\x01\x01\x42\x11\n\x0f_first_token_msB\x10\n\x0e_last_token_ms\"\x1b\n\x0cPromptTokens\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xef\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\r\n\x05index\x18\x04 \x01(\x05\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12-\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x07 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x0f\n\x07inexact\x18\t \x01(\x08\x12\r\n\x05model\x18\n \x01(\tB\x07\n\x05_seed\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.baton.v1.ServedModel\"b\n\x0bServedModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\x05\x12\x11\n\ttokenizer\x18\x03 \x01(\t\x12\x16\n\x0enum_warm_nodes\x18\x04 \x01(\x05\x32\x93\x01\n\x06Router\x12@\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x17.baton.v1.GenerateChunk0\x01\x12G\n\nListModels\x12\x1b.baton.v1.ListModelsRequest\x1a\x1c.baton.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,19 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.v1.router_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=59
-  _globals['_GENERATEREQUEST']._serialized_end=549
-  _globals['_RESUME']._serialized_start=552
-  _globals['_RESUME']._serialized_end=693
-  _globals['_PROMPTTOKENS']._serialized_start=695
-  _globals['_PROMPTTOKENS']._serialized_end=722
-  _globals['_GENERATECHUNK']._serialized_start=725
-  _globals['_GENERATECHUNK']._serialized_end=964
-  _globals['_LISTMODELSREQUEST']._serialized_start=966
-  _globals['_LISTMODELSREQUEST']._serialized_end=985
-  _globals['_LISTMODELSRESPONSE']._serialized_start=987
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1046
-  _globals['_SERVEDMODEL']._serialized_start=1048
-  _globals['_SERVEDMODEL']._serialized_end=1146
-  _globals['_ROUTER']._serialized_start=1149
-  _globals['_ROUTER']._serialized_end=1296
+  _globals['_GENERATEREQUEST']._serialized_end=564
+  _globals['_RESUME']._serialized_start=567
+  _globals['_RESUME']._serialized_end=708
+  _globals['_PROMPTTOKENS']._serialized_start=710
+  _globals['_PROMPTTOKENS']._serialized_end=737
+  _globals['_GENERATECHUNK']._serialized_start=740
+  _globals['_GENERATECHUNK']._serialized_end=979
+  _globals['_LISTMODELSREQUEST']._serialized_start=981
+  _globals['_LISTMODELSREQUEST']._serialized_end=1000
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1002
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1061
+  _globals['_SERVEDMODEL']._serialized_start=1063
+  _globals['_SERVEDMODEL']._serialized_end=1161
+  _globals['_ROUTER']._serialized_start=1164
+  _globals['_ROUTER']._serialized_end=1311
 # @@protoc_insertion_point(module_scope)

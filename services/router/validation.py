@@ -241,6 +241,10 @@ def check_fields(request: router_pb2.GenerateRequest, limits: InputLimits = DEFA
     if request.HasField("max_tokens") and request.max_tokens <= 0:
         raise InvalidArgument("max_tokens", request.max_tokens, "must be positive")
     check_temperature_top_p(request.temperature, request.top_p)
+    if request.HasField("top_p") and request.top_p == 0:
+        # Sent, 0 would be taken as unset (1: every token) where the client asked for the fewest: the top token only.
+        raise InvalidArgument("top_p", request.top_p, "must be greater than 0 (unset: 1); a value float32 holds as "
+                                                      "0 is 0")
     check_context(request)
     # A resent request's deadline_ms is what its client had left (its own arithmetic): however little, it is timed.
     for name, budget_ms in (("deadline_ms", request.deadline_ms), ("ttft_budget_ms", request.ttft_budget_ms)):

@@ -172,10 +172,19 @@ def test_client_seed_is_kept() -> None:
     assert _validate(_request(temperature=0.7, seed=0)).sampling.seed == 0
 
 
-def test_greedy_request_has_no_seed_and_top_p_zero_means_one() -> None:
+def test_greedy_request_has_no_seed_and_top_p_unset_means_one() -> None:
     sampling = _validate(_request()).sampling
     assert not sampling.HasField("seed")
     assert (sampling.temperature, sampling.top_p) == (0.0, 1.0)
+
+
+def test_a_top_p_sent_as_zero_is_refused_not_taken_as_one() -> None:
+    """A top_p a float32 holds as 0 (1e-50) reached the router as 0 and was taken as 1: every token sampled, where the
+    client asked for the top one."""
+    for sent in (0.0, 1e-50):
+        with pytest.raises(InvalidArgument, match=r"^top_p=0\.0: must be greater than 0 \(unset: 1\)"):
+            _validate(_request(temperature=0.7, top_p=sent))
+    assert _validate(_request(temperature=0.7, top_p=1e-30)).sampling.top_p == pytest.approx(1e-30)
 
 
 def test_request_id_is_generated_when_empty_and_kept_when_given() -> None:
