@@ -38,13 +38,12 @@ def positive_finite(text: str) -> float:
 
 
 def top_p(text: str) -> float:
-    """A nucleus-sampling flag in (0, 1]. The request's field is a float32 in which 0 means 1 (sample from every
-    token): a value that rounds to 0 there, like 0 itself, would quietly sample from every token, so it is refused."""
+    """A nucleus-sampling flag in (0, 1]. The request's field is a float32: a value that rounds to 0 there, like 0
+    itself, the router refuses, so it is refused here, by the flag's name."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
     if not 0 < value <= 1 or struct.unpack("f", struct.pack("f", value))[0] == 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be in (0, 1], and not so small that a 32-bit float holds 0 "
-                                         "(which the request takes as 1)")
+        raise argparse.ArgumentTypeError(f"{text!r}: must be in (0, 1], and not so small that a 32-bit float holds 0")
     return value

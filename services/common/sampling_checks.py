@@ -11,12 +11,13 @@ from services.common.errors import InvalidArgument
 
 
 def check_temperature_top_p(temperature: float, top_p: float, prefix: str = "") -> None:
-    """temperature finite and 0 (greedy) or more; top_p in (0, 1], or 0 for 1. prefix: where the fields sit
-    ("sampling." in a node's request)."""
+    """temperature finite and 0 (greedy) or more; top_p in [0, 1] (0 is 1 in a node's request, where the router puts
+    1 for a top_p left unset; the router refuses a client's 0 itself). prefix: where the fields sit ("sampling." in a
+    node's request)."""
     if not math.isfinite(temperature) or temperature < 0:
         raise InvalidArgument(f"{prefix}temperature", temperature, "must be 0 (greedy) or positive")
     if not math.isfinite(top_p) or not 0 <= top_p <= 1:
-        raise InvalidArgument(f"{prefix}top_p", top_p, "must be in (0, 1]; 0 means 1")
+        raise InvalidArgument(f"{prefix}top_p", top_p, "must be in (0, 1]")
 
 
 def check_vocabulary(field: str, token_ids: Sequence[int], vocab_size: int) -> None:

@@ -77,6 +77,10 @@ class JsonLinesSpanExporter(SpanExporter):
                         "end_time_unix_nano": span.end_time,
                         "status": span.status.status_code.name,
                         "attributes": {k: _plain(v) for k, v in (span.attributes or {}).items()},
+                        # What happened within it (a node a request left, an exception), each at its time.
+                        "events": [{"name": event.name, "time_unix_nano": event.timestamp,
+                                    "attributes": {k: _plain(v) for k, v in (event.attributes or {}).items()}}
+                                   for event in span.events],
                     }
                 )
             )

@@ -244,8 +244,7 @@ def parse_request(kind: str, body: object, headers: Mapping[str, str],
     request.temperature = DEFAULT_TEMPERATURE if temperature is None else _number("temperature", temperature)
     if body.get("top_p") is not None:
         request.top_p = _number("top_p", body["top_p"])
-        # (0 is "unset" in the protobuf field: it would sample from every token. Judged as sent, not as the 32-bit
-        # field holds it.)
+        # (Judged as sent, not as the 32-bit field holds it: the router would name 1e-50 as 0.0.)
         if request.top_p == 0 or not 0 < body["top_p"] <= 1:
             raise InvalidArgument("top_p", body["top_p"], "must be greater than 0 and at most 1, as vLLM asks (for the "
                                   "likeliest token only, set temperature to 0)")

@@ -41,6 +41,15 @@ class Ending:
     # said): their one admission slot stays held while that stream's router reports it live.
     another_stream_live: bool = False
 
+    def traced(self, span: trace.Span) -> None:
+        """On the request's own span (gRPC's Generate, or the HTTP request's), as the leader is told: a trace says how
+        it ended and where it ran, where the spans of the calls to nodes it left end UNSET, as a cancelled call's do.
+        Not on a span already ended (a stream cancelled again while it closed)."""
+        if span.is_recording():
+            outcome = scheduler_pb2.RequestOutcome.Name(self.outcome).removeprefix("REQUEST_OUTCOME_").lower()
+            span.set_attributes({"baton.outcome": outcome, "baton.tokens": len(self.generation.generated),
+                                 "baton.migrations": self.generation.num_migrations})
+
     def undelivered(self) -> None:
         """Its last reply never reached the client, who went away first: it did not succeed (nor end late)."""
         if self.outcome in (scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED, scheduler_pb2.REQUEST_OUTCOME_LATE):
@@ -260,12 +269,6 @@ class Relay:
             if is_task:
                 ttft_ms = int((first_token_at - started_at) * 1000) if first_token_at is not None else 0
                 held.append(Ending(generation, request, ttft_ms, outcome))
-                # On the request's own span (gRPC's Generate, or the HTTP request's): a trace says how it ended and
-                # where it ran, where the spans of calls to nodes it left end UNSET, as a cancelled call's do.
-                ended = scheduler_pb2.RequestOutcome.Name(outcome).removeprefix("REQUEST_OUTCOME_").lower()
-                trace.get_current_span().set_attributes({
-                    "baton.outcome": ended, "baton.tokens": len(generation.generated),
-                    "baton.migrations": generation.num_migrations})
 
     def _charge_recomputed(self, generation: Generation, num_tokens: int) -> None:
         if num_tokens:

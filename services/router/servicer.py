@@ -13,6 +13,7 @@ from contextlib import aclosing
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 from opentelemetry.metrics import Observation
 
 from baton.protocol import DEFAULT_TENANT, LIVE_IDS_PER_REPORT
@@ -69,8 +70,9 @@ def merge_chunks(chunks: list[node_agent_pb2.NodeGenerateChunk]) -> node_agent_p
 class RouterService(router_pb2_grpc.RouterServicer):
     service_names = ("baton.v1.Router",)
 
-    def __init__(self, config: RouterConfig, telemetry: Telemetry) -> None:
+    def __init__(self, config: RouterConfig, telemetry: Telemetry, clock: Callable[[], float] = time.monotonic) -> None:
         self._config = config
+        self._clock = clock  # when models left the listing (GONE_MODEL_MEMORY_S)
         # On gRPC health, baton.v1.Router serves once the nodes have been read from etcd (nodes_read).
         self.health = ServingNames(not_serving=self.service_names)
         self._rng = random.Random()
@@ -180,7 +182,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     def _on_nodes_changed(self, items: dict[str, bytes]) -> None:
         self._models = models_from_registrations(items, self._nodes.lapsed)
-        self._gone_models.update(self._models, time.monotonic())
+        self._gone_models.update(self._models, self._clock())
         self._node_infos.update(registrations(items))
         self._liveness.update({key.removeprefix(etcd_keys.NODES) for key in items})
         self._nodes_read.set()
@@ -308,7 +310,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     def gone_model(self, name: str) -> ModelEntry | None:
         """name's entry if some node served it lately and none does now (GONE_MODEL_MEMORY_S)."""
-        return self._gone_models.get(name, time.monotonic())
+        return self._gone_models.get(name, self._clock())
 
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -333,8 +335,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         # How the generation ended, told the leader once this stream knows whether its last reply went out.
         # ABORTED comes from a node whose stream a resume of this request, through another router, took over;
         # ALREADY_EXISTS from one that runs this id already, for a stream of it through this router or another.
+        span = trace.get_current_span()  # the request's: gRPC's Generate, or the HTTP request's
         held = HeldEndings(lambda ending: self._tell_finished(
-            ending, outcome in (grpc.StatusCode.ABORTED.name, grpc.StatusCode.ALREADY_EXISTS.name)))
+            ending, outcome in (grpc.StatusCode.ABORTED.name, grpc.StatusCode.ALREADY_EXISTS.name), span))
         delivered = False
         # The request as the cluster knows it (with --auth, in its tenant's namespace) and as the client does.
         cluster_id = client_id = request.request_id
@@ -451,11 +454,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if not self._open_streams:
                 self._streams_ended.set()
 
-    def _tell_finished(self, ending: Ending, other_stream_elsewhere: bool) -> None:
+    def _tell_finished(self, ending: Ending, other_stream_elsewhere: bool, span: trace.Span) -> None:
         """Tell the leader how a stream ended, and whether another of its request id still runs: here, or elsewhere
         as a node said (a resume took this one's place there, it was already running there, or it runs there in a
         stream this one could not take over). Their admission slot is one: released now, a refused duplicate, or a
-        frozen router waking, freed the slot of the stream still running."""
+        frozen router waking, freed the slot of the stream still running. The request's span is told too."""
+        ending.traced(span)
         ending.another_stream_live = (other_stream_elsewhere or bool(ending.generation.refusals)
                                       or self._live.get(ending.generation.request_id, 0) > 0)
         self._relay.tell_finished(ending)

@@ -79,9 +79,11 @@ class ValidRequest:
     alternative_models: tuple[str, ...] = ()
 
 
-def find_model(name: str, models: Mapping[str, ModelEntry], gone: ModelEntry | None = None) -> ModelEntry:
+def find_model(name: str, models: Mapping[str, ModelEntry], gone: ModelEntry | None = None,
+               also: str = "") -> ModelEntry:
     """The served model called name; NotFound naming it otherwise, or Unavailable while no model is served at all or
-    while name is one served lately (gone: its entry then) whose nodes are all gone."""
+    while name is one served lately (gone: its entry then) whose nodes are all gone (also: what else the client
+    should know then)."""
     model = models.get(name)
     if model is None and not models:
         # No node serves anything: none has registered yet (a router or cluster just started, registrations late), or
@@ -91,7 +93,7 @@ def find_model(name: str, models: Mapping[str, ModelEntry], gone: ModelEntry | N
     if model is None and gone is not None:
         # Its nodes died, drained or restart: an outage to retry through, not a name the client got wrong.
         raise Unavailable(f"model={shown(name)}: served by this cluster lately, by no node now (its nodes are gone or "
-                          "restarting); retry")
+                          f"restarting){also}; retry")
     if model is None:
         known = ", ".join(sorted(models)) or "none"
         if len(known) > 400:
@@ -112,20 +114,19 @@ def validate(
     served by no node now (none at all, or gone(name) names it: served lately) unless an alternative serves it."""
     if not request.model:
         raise InvalidArgument("model", request.model, "required")
-    earlier = gone(request.model) if request.model not in models else None
     # The model first: a mistyped name is what the client is told of, whatever else is wrong (helper-145). But while
-    # no model is served at all, or this one is gone, that is UNAVAILABLE, to retry: bad fields first then, never
-    # worth a retry (helper-147).
-    if not models or earlier is not None:
-        check_fields(request, limits)
-    # A model gone for now, with models accepted instead: one of those that is served takes it (a resume goes on
-    # with its own model's tokens only).
-    substituted = earlier is not None and bool(models and request.alternative_models and not request.HasField("resume"))
-    model = earlier if earlier is not None and substituted else find_model(request.model, models, earlier)
+    # no model is served at all that is UNAVAILABLE, to retry: bad fields first then, never worth a retry
+    # (helper-147). A model gone for now (gone: served lately) is checked as it was served, and refused UNAVAILABLE
+    # only after every check (a request it could never serve gets the 400, not a retry for an hour: helper-153),
+    # unless a model of its alternative_models that is served can hold it.
+    num_bytes = check_fields(request, limits) if not models else None
+    earlier = gone(request.model) if request.model not in models else None
+    model = earlier if earlier is not None else find_model(request.model, models)
     tokenizer = TOKENIZERS.get(model.tokenizer)
     if tokenizer is None:
         raise InvalidArgument("model", request.model, f"tokenizer {model.tokenizer!r} unsupported by this router")
-    num_bytes = check_fields(request, limits)
+    if num_bytes is None:
+        num_bytes = check_fields(request, limits)
 
     context = model.max_context_tokens
     if request.WhichOneof("input") == "prompt":
@@ -162,7 +163,7 @@ def validate(
 
     sampling = common_pb2.SamplingParams(
         temperature=request.temperature,
-        top_p=request.top_p or 1.0,
+        top_p=request.top_p if request.HasField("top_p") else 1.0,
         max_tokens=max_tokens,
         stop=[common_pb2.TokenSequence(token_ids=tokenizer.encode(s)) for s in request.stop],
         ignore_eos=request.ignore_eos,
@@ -174,9 +175,12 @@ def validate(
         # client holds it exactly (a 63-bit one, read as a double by jq or JavaScript, came back rounded and
         # replayed other text).
         sampling.seed = rng.getrandbits(53)
-    alternatives = () if resumed else _alternatives(request, models, model, len(prompt) + max_tokens, gone)
-    if substituted and not alternatives:  # none of those served can hold it
-        find_model(request.model, models, earlier)
+    # A resume goes on with its own model's tokens only (one resent before its first token may move).
+    offered = bool(request.alternative_models and models and not resumed)
+    alternatives = _alternatives(request, models, model, len(prompt) + max_tokens, gone) if offered else ()
+    if earlier is not None and not alternatives:
+        find_model(request.model, models, earlier,
+                   ", and no model of alternative_models that is served can hold it" if offered else "")
     return ValidRequest(
         request_id=request.request_id or uuid.uuid4().hex,
         model=model,

@@ -135,13 +135,13 @@ class Placer:
             # None registered yet, or every one gone: either passes, and NOT_FOUND is a code no client retries.
             raise Unavailable(f"model={request.model!r}: no node is registered with this cluster now (starting, or "
                               "all gone); retry")
-        if not models and self.cluster.served_lately(request.model, now):
-            # Its nodes died, drained or restart: an outage to retry through, not a name the client got wrong.
-            raise Unavailable(f"model={request.model!r}: served lately, by no registered node now (its nodes are gone "
-                              "or restarting); retry")
+        alternatives = f" (nor {', '.join(ask.alternative_models)})" if ask.alternative_models else ""
+        if not models and any(self.cluster.served_lately(m, now) for m in (request.model, *ask.alternative_models)):
+            # Their nodes died, drained or restart: an outage to retry through, not a name the client got wrong.
+            raise Unavailable(f"model={request.model!r}{alternatives}: served by this cluster lately, by no node now "
+                              "(its nodes are gone or restarting); retry")
         if not models:
-            raise NotFound(f"model={request.model!r}: no registered node has it"
-                           + (f" (nor {', '.join(ask.alternative_models)})" if ask.alternative_models else ""))
+            raise NotFound(f"model={request.model!r}: no registered node has it{alternatives}")
         if not ask.retry_cause and not ask.resumed:  # before it counts, waits or makes room for anything
             self._refuse_the_impossible(request, models)
         charged_at = None

@@ -67,7 +67,7 @@ def generate_requests(draw: st.DrawFn) -> router_pb2.GenerateRequest:
     if draw(st.booleans()):
         request.max_tokens = draw(mostly(st.integers(1, 8), EDGE_INTS))
     request.temperature = draw(mostly(st.floats(0, 2), FLOATS))
-    request.top_p = draw(mostly(st.floats(0, 1), FLOATS))
+    request.top_p = draw(mostly(st.floats(0, 1, exclude_min=True, width=32), FLOATS))
     if draw(st.booleans()):
         request.seed = draw(st.integers(0, (1 << 64) - 1))
     request.stop.extend(draw(mostly(st.lists(st.text(min_size=1, max_size=4), max_size=3),

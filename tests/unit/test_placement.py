@@ -94,15 +94,18 @@ def test_a_model_whose_nodes_are_all_gone_is_unavailable_to_retry_while_others_s
     model gone longer than GONE_MODEL_MEMORY_S is too."""
     placer = _placer(_spec("a", warm=("other",)), _spec("b"))
     placer.cluster.set_nodes([_spec("a", warm=("other",))], now=10.0)  # b, the only node with M, is gone
-    with pytest.raises(Unavailable, match="model='m': served lately, by no registered node now"):
+    with pytest.raises(Unavailable, match="model='m': served by this cluster lately, by no node now"):
         placer.start(_ask(), 11.0)
     with pytest.raises(NotFound, match="model='x': no registered node has it"):
         placer.start(_ask(model="x"), 11.0)
+    # Nor when a router placed it for its alternative that has gone, its own model long gone (or unknown here).
+    with pytest.raises(Unavailable, match=r"model='x' \(nor m\): served by this cluster lately"):
+        placer.start(dataclasses.replace(_ask(model="x"), alternative_models=(M,)), 11.0)
     with pytest.raises(NotFound, match="model='m': no registered node has it"):
         placer.start(_ask(), 10.0 + GONE_MODEL_MEMORY_S + 1)
     # Held for its grace period and silent, b is no candidate, and its model is one to retry for.
     placer.cluster.set_nodes([_spec("a", warm=("other",)), _spec("b")], now=20.0, lapsed=frozenset({"b"}))
-    with pytest.raises(Unavailable, match="model='m': served lately"):
+    with pytest.raises(Unavailable, match="model='m': served by this cluster lately"):
         placer.start(_ask(), 30.0)
 
 

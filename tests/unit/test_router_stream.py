@@ -41,6 +41,7 @@ from services.common.errors import (
     Unavailable,
     abort,
 )
+from services.common.gone_from_listing import GONE_MODEL_MEMORY_S
 from services.common.telemetry import Telemetry
 from services.router.config import RouterConfig
 from services.router.http_api import HttpApi
@@ -340,8 +341,10 @@ async def test_a_request_to_a_router_that_has_not_read_the_nodes_yet_waits_for_t
 async def test_a_model_whose_nodes_have_all_gone_is_unavailable_to_retry_not_unknown() -> None:
     """When the last node serving a model left etcd (its host died, or it restarts) while other nodes served other
     models, a request for it was NOT_FOUND, "not served by this cluster": a code no client retries."""
+    now = [0.0]
     async with _router(_token_stream(3, pace_s=0.001)) as (router, scheduler):
         assert scheduler.router is not None
+        scheduler.router._clock = lambda: now[0]
         other = common_pb2.NodeInfo(node_id="other", address="127.0.0.1:1", models=[common_pb2.ModelInfo(
             name="other-model", max_context_tokens=4096, tokenizer="byte", vocab_size=257, is_warm=True)])
         scheduler.router._on_nodes_changed({etcd_keys.node_key("other"): json_format.MessageToJson(other).encode()})
@@ -351,6 +354,10 @@ async def test_a_model_whose_nodes_have_all_gone_is_unavailable_to_retry_not_unk
         assert f"model={MODEL!r}: served by this cluster lately, by no node now" in (failed.value.details() or "")
         with pytest.raises(grpc.aio.AioRpcError) as failed:  # one it never served is still unknown
             await _collect(router.Generate(router_pb2.GenerateRequest(model="typo", prompt="hi", max_tokens=3)))
+        assert failed.value.code() == grpc.StatusCode.NOT_FOUND
+        now[0] = GONE_MODEL_MEMORY_S + 1  # gone for longer: taken out of service, not an outage
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await _collect(router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=3)))
         assert failed.value.code() == grpc.StatusCode.NOT_FOUND
         assert not scheduler.places
         scheduler.read_nodes()  # back: served again
@@ -763,6 +770,44 @@ async def test_a_requests_span_says_which_node_failed_it_and_how_it_ended() -> N
     assert len(failures) == 1 and failures[0].attributes is not None
     assert (failures[0].attributes["baton.node_id"], failures[0].attributes["baton.cause"],
             failures[0].attributes["baton.tokens"]) == ("node-1", "stream_broken", 1)
+
+
+@pytest.mark.timeout(30)
+async def test_a_requests_span_ends_as_the_leader_is_told_when_its_client_left_before_the_last_reply(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The relay ends as soon as it reads the finish, before its client takes the last reply; a client gone then
+    is a cancelled task, and the span said it had succeeded (helper-153)."""
+    spans = InMemorySpanExporter()
+    telemetry = Telemetry("router/test", "none")
+    telemetry.tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    relay_ended = asyncio.Event()
+    append = HeldEndings.append
+
+    def appended(held: HeldEndings, ending: Ending) -> None:
+        append(held, ending)
+        relay_ended.set()
+
+    monkeypatch.setattr(HeldEndings, "append", appended)
+    async with _router(_token_stream(3, pace_s=0.001), telemetry=telemetry) as (router, scheduler):
+        assert scheduler.router is not None
+        service, first_reply = scheduler.router, asyncio.Event()
+
+        async def front_end() -> None:  # as the HTTP API's: the request's span around the router's stream
+            with telemetry.tracer_provider.get_tracer("test").start_as_current_span("POST /v1/completions"):
+                request = router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=3)
+                async with contextlib.aclosing(service.generate(request, lambda: None)) as replies:
+                    async for _ in replies:
+                        first_reply.set()
+                        await asyncio.Event().wait()  # slow to take the rest, then gone
+
+        client = asyncio.ensure_future(front_end())
+        await asyncio.wait_for(first_reply.wait(), 10)
+        await asyncio.wait_for(relay_ended.wait(), 10)
+        client.cancel()
+        notice = await asyncio.wait_for(scheduler.finished.get(), 10)
+    assert notice.outcome == scheduler_pb2.REQUEST_OUTCOME_CANCELLED
+    (span,) = [s for s in spans.get_finished_spans() if s.name == "POST /v1/completions"]
+    assert span.attributes is not None and span.attributes["baton.outcome"] == "cancelled"
 
 
 async def test_a_node_that_fails_after_the_last_token_ends_the_stream_complete_without_a_move() -> None:

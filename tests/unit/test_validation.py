@@ -115,10 +115,24 @@ def test_a_model_whose_nodes_are_all_gone_is_unavailable_to_retry_unless_an_alte
                      gone=gone)
     assert (valid.model, valid.alternative_models, valid.prompt_token_ids) == (lost, ("m",), [104, 105])
     # A resume goes on with its own model only; an alternative that cannot hold the request serves nothing.
-    for request in (_request(model="lost", alternative_models=["m"], resume=router_pb2.Resume(token_ids=[1])),
-                    _request(model="lost", alternative_models=["m"], prompt="x" * 100)):
-        with pytest.raises(Unavailable, match="model='lost': served by this cluster lately"):
+    for request, also in ((_request(model="lost", alternative_models=["m"], resume=router_pb2.Resume(token_ids=[1])),
+                           "; retry"),
+                          (_request(model="lost", alternative_models=["m"], prompt="x" * 100),
+                           ", and no model of alternative_models that is served can hold it; retry")):
+        with pytest.raises(Unavailable, match="model='lost': served by this cluster lately") as caught:
             validate(request, MODELS, DEFAULT_MAX_TOKENS, random.Random(0), gone=gone)
+        assert str(caught.value).endswith(also)
+    # A resend from before its first token (its router died) has nothing to go on with: an alternative takes it.
+    valid = validate(_request(model="lost", alternative_models=["m"], resume=router_pb2.Resume(elapsed_ms=5)), MODELS,
+                     DEFAULT_MAX_TOKENS, random.Random(0), gone=gone)
+    assert valid.alternative_models == ("m",)
+    # What it could never serve is refused as it would be if it were served: a retry would not help (helper-153).
+    small = ModelEntry("lost", 16, "byte", 257, 0)
+    for request, field in ((_request(model="lost", prompt_token_ids=list(range(40))), "prompt_token_ids"),
+                           (_request(model="lost", prompt_token_ids=[300]), r"prompt_token_ids\[0\]"),
+                           (_request(model="lost", max_tokens=100), "max_tokens")):
+        with pytest.raises(InvalidArgument, match=f"^{field}="):
+            validate(request, MODELS, DEFAULT_MAX_TOKENS, random.Random(0), gone={"lost": small}.get)
     # An alternative gone for now is passed over: the request is served by its own model.
     valid = validate(_request(alternative_models=["lost"]), MODELS, DEFAULT_MAX_TOKENS, random.Random(0), gone=gone)
     assert (valid.model, valid.alternative_models) == (MODEL, ())
