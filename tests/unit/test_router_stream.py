@@ -708,23 +708,35 @@ async def test_a_stream_that_moves_twice_reports_what_both_moves_prefilled_again
     assert usage.recomputed_tokens == (prompt + 3 - 1) + (prompt + 5 - 4)
 
 
+def _traced() -> tuple[Telemetry, InMemorySpanExporter]:
+    """A router's telemetry whose finished spans the exporter keeps."""
+    spans = InMemorySpanExporter()
+    telemetry = Telemetry("router/test", "none")
+    telemetry.tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    return telemetry, spans
+
+
+def _two_tokens(dies_first: bool) -> NodeHandler:
+    """Two tokens and a finish; when dies_first, a fresh (not resumed) stream dies after its first token."""
+
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        yield _started()
+        yield Chunk(node_id=NODE, index=0, token_ids=[97 + request.num_resumed_tokens])
+        if dies_first and not request.num_resumed_tokens:
+            raise RuntimeError("the node died")
+        yield Chunk(node_id=NODE, index=1, token_ids=[98 + request.num_resumed_tokens],
+                    finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+    return generate
+
+
 @pytest.mark.parametrize("moves", [False, True])
 async def test_each_call_to_a_node_ends_its_trace_span_when_the_stream_ends(moves: bool) -> None:
     """The tracing interceptor ends a streaming call's client span only when its response iterator ends: left
     suspended after the finish chunk (or a node failure), the span waited for the garbage collector, and a live
     probe found 5 of 17 never exported, the node's own spans pointing at a parent that was not there."""
-    spans = InMemorySpanExporter()
-    telemetry = Telemetry("router/test", "none")
-    telemetry.tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
-
-    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
-        yield _started()
-        yield Chunk(node_id=NODE, index=0, token_ids=[97 + request.num_resumed_tokens])
-        if moves and not request.num_resumed_tokens:
-            raise RuntimeError("the node died")
-        yield Chunk(node_id=NODE, index=1, token_ids=[98 + request.num_resumed_tokens],
-                    finish_reason=common_pb2.FINISH_REASON_LENGTH)
-
+    telemetry, spans = _traced()
+    generate = _two_tokens(dies_first=moves)
     gc_was_enabled = gc.isenabled()
     gc.disable()  # what the collector would end late (or, at exit, never) must be ended by the router itself
     try:
@@ -744,19 +756,8 @@ async def test_a_requests_span_says_which_node_failed_it_and_how_it_ended() -> N
     """The span of the router's call to the node it left ends UNSET, as a cancelled call's does: a trace showed a
     moved request as two calls that went well. Its own span names the node that failed it, the cause and the tokens
     it had, and how it ended."""
-    spans = InMemorySpanExporter()
-    telemetry = Telemetry("router/test", "none")
-    telemetry.tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
-
-    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
-        yield _started()
-        yield Chunk(node_id=NODE, index=0, token_ids=[97 + request.num_resumed_tokens])
-        if not request.num_resumed_tokens:
-            raise RuntimeError("the node died")
-        yield Chunk(node_id=NODE, index=1, token_ids=[98 + request.num_resumed_tokens],
-                    finish_reason=common_pb2.FINISH_REASON_LENGTH)
-
-    async with _router(generate, _MovingScheduler(), telemetry=telemetry) as (router, scheduler):
+    telemetry, spans = _traced()
+    async with _router(_two_tokens(dies_first=True), _MovingScheduler(), telemetry=telemetry) as (router, scheduler):
         call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=3))
         assert [m async for m in call][-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
         await asyncio.wait_for(scheduler.finished.get(), 10)  # the stream has settled
@@ -777,9 +778,7 @@ async def test_a_requests_span_ends_as_the_leader_is_told_when_its_client_left_b
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The relay ends as soon as it reads the finish, before its client takes the last reply; a client gone then
     is a cancelled task, and the span said it had succeeded (helper-153)."""
-    spans = InMemorySpanExporter()
-    telemetry = Telemetry("router/test", "none")
-    telemetry.tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    telemetry, spans = _traced()
     relay_ended = asyncio.Event()
     append = HeldEndings.append
 
