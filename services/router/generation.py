@@ -99,8 +99,12 @@ class Generation:
     def num_migrations(self) -> int:
         return len(self.failures)
 
-    def excluded_nodes(self) -> list[str]:
-        failed = {failure.node_id for failure in self.failures if not failure.node_is_well}
+    def excluded_nodes(self, every_failure: bool = True) -> list[str]:
+        """The nodes its next placement avoids: those that failed it (every one, or only the last: one that failed it
+        earlier, stalled a moment or restarted, may serve again) and those that run another stream of its id and
+        would not give it up."""
+        failures = self.failures if every_failure else self.failures[-1:]
+        failed = {failure.node_id for failure in failures if not failure.node_is_well}
         return sorted(failed | {refusal.node_id for refusal in self.refusals})
 
     def context_block_hashes(self) -> list[int]:

@@ -326,7 +326,10 @@ class Relay:
         remaining_s: float | None,
     ) -> scheduler_pb2.Placement:
         """A node for the generation's next attempt, avoiding nodes that failed recently and those that run another
-        stream of its id it cannot take over.
+        stream of its id it cannot take over. When none is left, the nodes that failed any stream lately are asked
+        again, then those that failed this generation before its last failure: each only when that adds a node
+        (asking again for the same set would fail again, and charge again). Two nodes that each stalled for a moment
+        ended every stream of a two-node cluster, both live again, with migrations left (helper-154).
 
         When it is a move (retry_cause set) that cannot happen, Unavailable says which node failed
         how, and why the generation could not move; when no node but those is left, StreamHeld says so.
@@ -334,6 +337,7 @@ class Relay:
         now = asyncio.get_running_loop().time()
         self._suspects = {node: until for node, until in self._suspects.items() if until > now}
         excluded = set(generation.excluded_nodes())
+        asks = [excluded | set(self._suspects), excluded, set(generation.excluded_nodes(every_failure=False))]
         place = scheduler_pb2.PlaceRequest(
             request_id=generation.request_id,
             model=generation.model,
@@ -341,7 +345,6 @@ class Relay:
             block_hashes=generation.context_block_hashes(),
             max_tokens=generation.num_remaining,
             context=context_of(request),
-            exclude_node_ids=sorted(excluded | set(self._suspects)),
             retry_cause=retry_cause.value if retry_cause else "",
             alternative_models=generation.alternative_models,
             resumed=bool(generation.generated) or request.HasField("resume"),
@@ -352,17 +355,24 @@ class Relay:
             generation.leader_wait_since = since
 
         try:
-            try:
-                placement = await self._call_scheduler(place, remaining_s, waiting)
-            except BatonError as error:
-                if (error.code != grpc.StatusCode.UNAVAILABLE or isinstance(error, _NoLeader)
-                        or not set(self._suspects) - excluded):
-                    raise
-                # Every node this router avoids may be all there is; try them again. (Only when that
-                # adds a node: asking again for the same set would fail again, and charge again.)
+            placement: scheduler_pb2.Placement | None = None
+            no_node: BatonError | None = None  # the last ask's refusal: no node left
+            asked: set[str] = set()
+            for exclude in asks:
+                if no_node is not None and not asked - exclude:
+                    continue  # adds no node
                 del place.exclude_node_ids[:]
-                place.exclude_node_ids.extend(sorted(excluded))
-                placement = await self._call_scheduler(place, remaining_s, waiting)
+                place.exclude_node_ids.extend(sorted(exclude))
+                try:
+                    placement = await self._call_scheduler(place, remaining_s, waiting)
+                    break
+                except BatonError as error:
+                    if error.code != grpc.StatusCode.UNAVAILABLE or isinstance(error, _NoLeader):
+                        raise
+                    no_node, asked = error, exclude
+            if placement is None:
+                assert no_node is not None
+                raise no_node
         except BatonError as error:
             # (NOT_FOUND for a move: every node that had the model has died or gone from etcd; an outage, not a
             # model the client got wrong.)

@@ -646,6 +646,46 @@ class _MovingScheduler(_FakeScheduler):
         return scheduler_pb2.Placement(node_id=f"node-{len(self.places)}", address=self.node_address)
 
 
+class _TwoNodeScheduler(_FakeScheduler):
+    """Two live nodes, node-a and node-b (both served by the one fake node): the first not excluded; none left is
+    UNAVAILABLE, as the leader answers."""
+
+    async def Place(  # noqa: N802
+        self, request: scheduler_pb2.PlaceRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.Placement:
+        self.places.append(request)
+        left = [n for n in ("node-a", "node-b") if n not in request.exclude_node_ids]
+        if not left:
+            await abort(context, Unavailable(f"model={request.model!r}: no live node has it warm (excluded: "
+                                             f"{', '.join(request.exclude_node_ids)})"))
+        return scheduler_pb2.Placement(node_id=left[0], address=self.node_address)
+
+
+async def test_a_node_that_failed_a_stream_earlier_takes_it_again_when_no_other_is_left() -> None:
+    """A generation avoided every node that had ever failed it: on two nodes, a moment's stall of each ended every
+    stream (no live node left, both live, migrations left), where a client gets the tokens so far and an error
+    (helper-154). The node that failed it last is still avoided."""
+    attempts = 0
+
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        nonlocal attempts
+        attempts += 1
+        yield _started()
+        yield Chunk(node_id=NODE, index=0, token_ids=[97 + request.num_resumed_tokens])
+        if attempts <= 2:  # node-a, then node-b, fail it after a token each
+            raise RuntimeError("the node stalled")
+        yield Chunk(node_id=NODE, index=1, token_ids=[98 + request.num_resumed_tokens],
+                    finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+    async with _router(generate, _TwoNodeScheduler()) as (router, scheduler):
+        messages = await _collect(router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=4)))
+    assert [t for m in messages for t in m.token_ids] == [97, 98, 99, 100]
+    assert messages[-1].node_id == "node-a"
+    assert messages[-1].usage.num_migrations == 2
+    # The move back was asked for with every failed node excluded first, then only the last one.
+    assert [list(p.exclude_node_ids) for p in scheduler.places] == [[], ["node-a"], ["node-a", "node-b"], ["node-b"]]
+
+
 @pytest.mark.parametrize("dropped_for_unanswered_pings", [True, False])
 async def test_a_node_that_dropped_this_router_for_unanswered_pings_is_not_avoided(
         dropped_for_unanswered_pings: bool) -> None:
