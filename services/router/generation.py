@@ -5,6 +5,7 @@ from __future__ import annotations
 import array
 import functools
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from baton.v1 import common_pb2, node_agent_pb2
@@ -99,19 +100,36 @@ class Generation:
     def num_migrations(self) -> int:
         return len(self.failures)
 
-    def excluded_nodes(self, every_failure: bool = True) -> list[str]:
-        """The nodes its next placement avoids: those that failed it (every one, or only the last: one that failed it
-        earlier, stalled a moment or restarted, may serve again) and those that run another stream of its id and
-        would not give it up."""
-        failures = self.failures if every_failure else self.failures[-1:]
-        failed = {failure.node_id for failure in failures if not failure.node_is_well}
-        return sorted(failed | {refusal.node_id for refusal in self.refusals})
+    def excluded_nodes(self, stalled_before: bool = True) -> list[str]:
+        """The nodes its next placement avoids: those that failed it and those that run another stream of its id and
+        would not give it up. Without stalled_before, not a node that only stalled before its last failure (paused a
+        moment, or slow on a loaded host: it may serve again); a node a failure of another cause left (its process
+        gone, say) stays avoided, and so does the one that failed it last. Failures of a frozen router (the node
+        well) avoid nothing."""
+        failures = [failure for failure in self.failures if not failure.node_is_well]
+        if not stalled_before:
+            earlier = [failure for failure in failures[:-1] if failure.cause is not FailureCause.STALLED]
+            failures = earlier + failures[-1:]
+        return sorted({failure.node_id for failure in failures} | {refusal.node_id for refusal in self.refusals})
+
+    def placement_asks(self, suspects: Iterable[str]) -> list[set[str]]:
+        """The node sets its next placement excludes, in the order to ask while none is left: every node it avoids
+        and the router's suspects (nodes that failed any stream lately); without the suspects; without the nodes
+        that only stalled it before its last failure. A later ask is worth making only when it adds a node."""
+        excluded = set(self.excluded_nodes())
+        return [excluded | set(suspects), excluded, set(self.excluded_nodes(stalled_before=False))]
+
+    def failed_on(self, node_id: str) -> bool:
+        """Whether node_id failed it before (not for a frozen router's sake)."""
+        return any(failure.node_id == node_id and not failure.node_is_well for failure in self.failures)
 
     def context_block_hashes(self) -> list[int]:
         return block_hashes(self.context, parent_hash=salted_root(self.cache_salt))
 
-    def node_request(self) -> node_agent_pb2.NodeGenerateRequest:
-        """The request a node runs to continue from here (the whole request when nothing came yet)."""
+    def node_request(self, taking_back: bool = False) -> node_agent_pb2.NodeGenerateRequest:
+        """The request a node runs to continue from here (the whole request when nothing came yet). taking_back: the
+        node failed it before, and may still hold that stream (frozen when it was given up): it gives this one its
+        place, as to a resend."""
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(self.sampling)
         sampling.max_tokens = self.num_remaining
@@ -122,7 +140,7 @@ class Generation:
             sampling=sampling,
             num_resumed_tokens=len(self.generated),
             cache_salt=self.cache_salt,
-            resent=self.resent,
+            resent=self.resent or taking_back,
         )
 
     def record_failure(self, failure: NodeFailure, max_migrations: int) -> None:

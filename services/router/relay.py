@@ -168,7 +168,7 @@ class Relay:
                     yield _length_finish(generation)
                     return
                 try:
-                    placement = await self._place(generation, request, retry_cause, time_remaining())
+                    placement = await self._place(generation, request, retry_cause, time_remaining)
                     generation.placed = True
                 except BatonError as error:
                     # Refused as bad input before any node ran it (a move's GPU time is a task's, whatever comes), and
@@ -184,7 +184,8 @@ class Relay:
                     moving = None
                 base = len(generation.generated)
                 node_chunks = watched_stream(
-                    self._node_channels.get(placement.address), placement.node_id, generation.node_request(),
+                    self._node_channels.get(placement.address), placement.node_id,
+                    generation.node_request(taking_back=generation.failed_on(placement.node_id)),
                     self._liveness, self._config.stall_floor_s, time_remaining(), self._activity,
                 )
                 attempt_gpu_ms = 0.0
@@ -323,7 +324,7 @@ class Relay:
 
     async def _place(
         self, generation: Generation, request: router_pb2.GenerateRequest, retry_cause: FailureCause | None,
-        remaining_s: float | None,
+        time_remaining: Callable[[], float | None],
     ) -> scheduler_pb2.Placement:
         """A node for the generation's next attempt, avoiding nodes that failed recently and those that run another
         stream of its id it cannot take over. When none is left, the nodes that failed any stream lately are asked
@@ -336,8 +337,7 @@ class Relay:
         """
         now = asyncio.get_running_loop().time()
         self._suspects = {node: until for node, until in self._suspects.items() if until > now}
-        excluded = set(generation.excluded_nodes())
-        asks = [excluded | set(self._suspects), excluded, set(generation.excluded_nodes(every_failure=False))]
+        asks = generation.placement_asks(self._suspects)
         place = scheduler_pb2.PlaceRequest(
             request_id=generation.request_id,
             model=generation.model,
@@ -364,7 +364,7 @@ class Relay:
                 del place.exclude_node_ids[:]
                 place.exclude_node_ids.extend(sorted(exclude))
                 try:
-                    placement = await self._call_scheduler(place, remaining_s, waiting)
+                    placement = await self._call_scheduler(place, time_remaining(), waiting)
                     break
                 except BatonError as error:
                     if error.code != grpc.StatusCode.UNAVAILABLE or isinstance(error, _NoLeader):

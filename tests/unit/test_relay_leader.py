@@ -157,7 +157,7 @@ async def test_with_no_leader_answering_a_router_avoiding_a_node_waits_once_not_
     relay._suspects["n-suspect"] = asyncio.get_running_loop().time() + 60
     generation = Generation(request_id="r", model="m", prompt_token_ids=[1], sampling=common_pb2.SamplingParams())
     with pytest.raises(Unavailable, match="no scheduler leader took the placement within 0.2 s"):
-        await relay._place(generation, router_pb2.GenerateRequest(), None, 30.0)
+        await relay._place(generation, router_pb2.GenerateRequest(), None, lambda: 30.0)
     assert calls and all(excluded == ["n-suspect"] for excluded in calls), calls
 
 

@@ -661,29 +661,45 @@ class _TwoNodeScheduler(_FakeScheduler):
         return scheduler_pb2.Placement(node_id=left[0], address=self.node_address)
 
 
-async def test_a_node_that_failed_a_stream_earlier_takes_it_again_when_no_other_is_left() -> None:
+@pytest.mark.parametrize("stalls", [True, False])
+async def test_a_node_that_only_stalled_a_stream_earlier_takes_it_again_when_no_other_is_left(stalls: bool) -> None:
     """A generation avoided every node that had ever failed it: on two nodes, a moment's stall of each ended every
     stream (no live node left, both live, migrations left), where a client gets the tokens so far and an error
-    (helper-154). The node that failed it last is still avoided."""
-    attempts = 0
+    (helper-154). A node that only stalled it before its last failure may take it back, told to take its place
+    from a stream it may still hold; one whose stream broke (its process gone, say) and the one that failed it
+    last are still avoided."""
+    requests: list[node_agent_pb2.NodeGenerateRequest] = []
+    never = asyncio.Event()
 
     async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
-        nonlocal attempts
-        attempts += 1
+        requests.append(request)
         yield _started()
         yield Chunk(node_id=NODE, index=0, token_ids=[97 + request.num_resumed_tokens])
-        if attempts <= 2:  # node-a, then node-b, fail it after a token each
-            raise RuntimeError("the node stalled")
+        if len(requests) <= 2:  # node-a, then node-b, fail it after a token each
+            if not stalls:
+                raise RuntimeError("the node died")
+            await never.wait()  # paused past the stall deadline
         yield Chunk(node_id=NODE, index=1, token_ids=[98 + request.num_resumed_tokens],
                     finish_reason=common_pb2.FINISH_REASON_LENGTH)
 
-    async with _router(generate, _TwoNodeScheduler()) as (router, scheduler):
-        messages = await _collect(router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=4)))
+    async with _router(generate, _TwoNodeScheduler(), stall_floor_s=0.2) as (router, scheduler):
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=4))
+        if stalls:
+            messages = await _collect(call)
+        else:
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await _collect(call)
+    asked = [list(p.exclude_node_ids) for p in scheduler.places]
+    if not stalls:
+        assert asked == [[], ["node-a"], ["node-a", "node-b"]]
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no live node has it warm (excluded: node-a, node-b)" in (failed.value.details() or "")
+        return
     assert [t for m in messages for t in m.token_ids] == [97, 98, 99, 100]
-    assert messages[-1].node_id == "node-a"
     assert messages[-1].usage.num_migrations == 2
-    # The move back was asked for with every failed node excluded first, then only the last one.
-    assert [list(p.exclude_node_ids) for p in scheduler.places] == [[], ["node-a"], ["node-a", "node-b"], ["node-b"]]
+    # Every failed node excluded first, then only the last: node-a took it back, in place of its stalled stream.
+    assert asked == [[], ["node-a"], ["node-a", "node-b"], ["node-b"]]
+    assert [r.resent for r in requests] == [False, False, True]
 
 
 @pytest.mark.parametrize("dropped_for_unanswered_pings", [True, False])
