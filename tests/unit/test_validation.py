@@ -7,6 +7,7 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf import json_format
 
 from baton.v1 import router_pb2
 from services.common.errors import BatonError, InvalidArgument, NotFound, Unavailable
@@ -195,9 +196,14 @@ def test_greedy_request_has_no_seed_and_top_p_unset_means_one() -> None:
 def test_a_top_p_sent_as_zero_is_refused_not_taken_as_one() -> None:
     """A top_p a float32 holds as 0 (1e-50) reached the router as 0 and was taken as 1: every token sampled, where the
     client asked for the top one."""
-    for sent in (0.0, 1e-50):
-        with pytest.raises(InvalidArgument, match=r"^top_p=0\.0: must be greater than 0 \(unset: 1\)"):
+    for sent in (0.0, 1e-50, -0.0):
+        with pytest.raises(InvalidArgument, match=r"^top_p=-?0\.0: must be greater than 0 \(unset: 1\)"):
             _validate(_request(temperature=0.7, top_p=sent))
+    # So is a JSON client's (grpcurl's) explicit 0: the field was documented as "0 means 1".
+    sent_as_json = json_format.Parse('{"model": "m", "prompt": "hi", "temperature": 0.7, "top_p": 0}',
+                                     router_pb2.GenerateRequest())
+    with pytest.raises(InvalidArgument, match=r"^top_p=0\.0: must be greater than 0"):
+        _validate(sent_as_json)
     assert _validate(_request(temperature=0.7, top_p=1e-30)).sampling.top_p == pytest.approx(1e-30)
 
 
