@@ -330,7 +330,8 @@ class Relay:
         stream of its id it cannot take over. When none is left, the nodes that failed any stream lately are asked
         again, then those that failed this generation before its last failure: each only when that adds a node
         (asking again for the same set would fail again, and charge again). Two nodes that each stalled for a moment
-        ended every stream of a two-node cluster, both live again, with migrations left (helper-154).
+        ended every moved stream of a two-node cluster, the first live again for seconds, with migrations left
+        (helper-154).
 
         When it is a move (retry_cause set) that cannot happen, Unavailable says which node failed
         how, and why the generation could not move; when no node but those is left, StreamHeld says so.

@@ -178,7 +178,7 @@ def validate(
     # A resume goes on with its own model's tokens only (one resent before its first token may move).
     offered = bool(request.alternative_models and models and not resumed)
     alternatives = _alternatives(request, models, model, len(prompt) + max_tokens, gone) if offered else ()
-    if earlier is not None and not alternatives:
+    if earlier is not None and not alternatives:  # raises: the model is gone, and no alternative takes it
         find_model(request.model, models, earlier,
                    ", and no model of alternative_models that is served can hold it" if offered else "")
     return ValidRequest(
