@@ -38,6 +38,7 @@ from services.common.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    StreamHeld,
     Unavailable,
     abort,
 )
@@ -827,6 +828,31 @@ async def test_a_requests_span_says_which_node_failed_it_and_how_it_ended() -> N
     assert len(failures) == 1 and failures[0].attributes is not None
     assert (failures[0].attributes["baton.node_id"], failures[0].attributes["baton.cause"],
             failures[0].attributes["baton.tokens"]) == ("node-1", "stream_broken", 1)
+
+
+async def test_a_requests_span_says_which_node_refused_to_take_it_over() -> None:
+    """A node that runs another stream of the id (a frozen router's, say) refuses the takeover; the request runs
+    elsewhere, no move counted, and its span says which node refused and why (it had no test of its own)."""
+    telemetry, spans = _traced()
+
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        if len(scheduler.places) == 1:
+            raise StreamHeld("request_id='r1': node-1 runs it in another stream", "node-1")
+        yield _started()
+        yield Chunk(node_id=NODE, index=0, token_ids=[97], finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+    async with _router(generate, _MovingScheduler(), telemetry=telemetry) as (router, scheduler):
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=1, request_id="r1"))
+        assert [m async for m in call][-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        await asyncio.wait_for(scheduler.finished.get(), 10)  # the stream has settled
+    assert len(scheduler.places) == 2
+    served = [s for s in spans.get_finished_spans() if s.name == "/baton.v1.Router/Generate"]
+    assert len(served) == 1 and served[0].attributes is not None
+    assert (served[0].attributes["baton.outcome"], served[0].attributes["baton.migrations"]) == ("succeeded", 0)
+    refused = [e for e in served[0].events if e.name == "baton.takeover_refused"]
+    assert len(refused) == 1 and refused[0].attributes is not None
+    assert refused[0].attributes["baton.node_id"] == "node-1"
+    assert not [e for e in served[0].events if e.name == "baton.node_failure"]
 
 
 @pytest.mark.timeout(30)
