@@ -26,6 +26,8 @@ from opentelemetry.sdk.trace.export import (
 )
 from prometheus_client import CollectorRegistry, start_http_server
 
+from services.common.call_tracing import StreamUnaryTracing, UnaryUnaryTracing
+
 
 # Distinct values a label that clients choose (a tenant) keeps in one process by default (--max-tenant-labels);
 # later ones are OTHER_LABEL.
@@ -157,7 +159,12 @@ class Telemetry:
                                        filter_=service_prefix("baton."))]
 
     def client_interceptors(self) -> list[grpc.aio.ClientInterceptor]:
-        return list(aio_client_interceptors(tracer_provider=self.tracer_provider))
+        """OpenTelemetry's for the calls that stream their answers; for those that answer once, one whose calls a
+        cancel() reaches (services/common/call_tracing.py)."""
+        streaming = [interceptor for interceptor in aio_client_interceptors(tracer_provider=self.tracer_provider)
+                     if isinstance(interceptor, (grpc.aio.UnaryStreamClientInterceptor,
+                                                 grpc.aio.StreamStreamClientInterceptor))]
+        return [UnaryUnaryTracing(self.tracer_provider), StreamUnaryTracing(self.tracer_provider), *streaming]
 
     def insecure_channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
         """A channel whose calls carry the current trace context."""

@@ -830,6 +830,42 @@ async def test_a_requests_span_says_which_node_failed_it_and_how_it_ended() -> N
             failures[0].attributes["baton.tokens"]) == ("node-1", "stream_broken", 1)
 
 
+class _QueueingScheduler(_FakeScheduler):
+    """A leader that holds every placement in its admission queue until the router gives up on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queued = asyncio.Event()
+        self.left_queue = asyncio.Event()
+
+    async def Place(  # noqa: N802
+        self, request: scheduler_pb2.PlaceRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.Placement:
+        self.places.append(request)
+        self.queued.set()
+        try:
+            await asyncio.Event().wait()
+        finally:  # the call was cancelled: its place in the queue is given up (as Gate.enter does)
+            self.left_queue.set()
+        raise AssertionError("unreachable")
+
+
+async def test_a_client_that_leaves_while_its_request_is_queued_takes_it_out_of_the_leaders_queue() -> None:
+    """The router cancels its Place when its client goes away, and the leader's queue loses the request at once.
+    Through OpenTelemetry's client interceptor the cancel never reached the call: the request stayed queued, was placed
+    for no one, and held its tenant's only slot until the slot's lease ran out, 17 s later (helper-157)."""
+    telemetry, spans = _traced()
+    scheduler = _QueueingScheduler()
+    async with _router(_two_tokens(dies_first=False), scheduler, telemetry=telemetry) as (router, _):
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2))
+        await asyncio.wait_for(scheduler.queued.wait(), 10)
+        call.cancel()
+        await asyncio.wait_for(scheduler.left_queue.wait(), 5)
+    placing = [s for s in spans.get_finished_spans() if s.name == "/baton.v1.Scheduler/Place"]
+    assert len(placing) == 1 and placing[0].attributes is not None
+    assert placing[0].attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+
+
 async def test_a_requests_span_says_which_node_refused_to_take_it_over() -> None:
     """A node that runs another stream of the id (a frozen router's, say) refuses the takeover; the request runs
     elsewhere, no move counted, and its span says which node refused and why (it had no test of its own)."""
