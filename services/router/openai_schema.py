@@ -53,6 +53,8 @@ BATON_FIELDS: dict[str, tuple[str, str]] = {
     "alternative_models": ("list", "X-Baton-Alternative-Models"),
     "ignore_eos": ("bool", "X-Baton-Ignore-Eos"),
 }
+# Those of them that a GenerateRequest takes as unset when 0.
+_BUDGETS = frozenset({"ttft_budget_ms", "tpot_budget_ms", "deadline_ms"})
 # The tenant is not among them: who a request is for is decided in one place (http_api.tenant_for).
 TENANT_FIELD, TENANT_HEADER = "tenant", "X-Baton-Tenant"
 
@@ -270,7 +272,13 @@ def parse_request(kind: str, body: object, headers: Mapping[str, str],
         if type_name == "str":
             setattr(request, name, text_value(spelled, value))
         elif type_name == "int32":
-            setattr(request, name, _int(spelled, value))
+            number = _int(spelled, value)
+            if number == 0 and name in _BUDGETS:
+                # The request's field takes 0 as unset (the cluster's default, or no deadline): a client that sent
+                # 0 asked for the tightest, and got none (helper-157).
+                raise InvalidArgument(spelled, value, "must be positive; leave it out for the cluster's default (for "
+                                                      "deadline_ms: no deadline)")
+            setattr(request, name, number)
         elif type_name == "bool":
             setattr(request, name, _bool(spelled, value))
         else:

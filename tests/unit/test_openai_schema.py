@@ -152,6 +152,11 @@ def test_baton_fields_come_from_the_body_or_from_headers_and_the_body_wins() -> 
     (schema.CHAT, {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, {},
      "messages[0].content[0].type"),
     (schema.CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, {}, "tools"),
+    # A budget sent as 0 was taken as unset: the cluster's default, or no deadline at all (helper-157).
+    (schema.COMPLETIONS, {"model": "m", "prompt": "x", "deadline_ms": 0}, {}, "deadline_ms"),
+    (schema.COMPLETIONS, {"model": "m", "prompt": "x", "ttft_budget_ms": 0}, {}, "ttft_budget_ms"),
+    (schema.COMPLETIONS, {"model": "m", "prompt": "x", "tpot_budget_ms": 0}, {}, "tpot_budget_ms"),
+    (schema.COMPLETIONS, {"model": "m", "prompt": "x"}, {"X-Baton-Deadline-Ms": "0"}, "X-Baton-Deadline-Ms"),
 ])
 def test_what_a_generate_request_cannot_hold_is_refused_naming_the_clients_field(
         kind: str, body: object, headers: dict[str, str], field: str) -> None:
