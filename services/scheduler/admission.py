@@ -142,6 +142,18 @@ class _Tenant:
         first = max(0.0, self.held_s - (now - next(iter(self.admitted.values())))) if self.admitted else self.held_s
         return min(SLOT_HINT_MAX_S, max(1.0, first))
 
+    def tokens_free_in_s(self, now: float, excess: int) -> float:
+        """When charges of the window totalling at least excess tokens have expired. Told when the oldest charge
+        expired, a client came back in vain while later ones still filled the window (helper-157). When even an empty
+        window would not do (the tenant's requests waiting for admission charge theirs once dispatched), when the
+        last charge expires: no sooner."""
+        freed = 0
+        for at, tokens in self.served:
+            freed += tokens
+            if freed >= excess:
+                return max(0.0, at + WINDOW_S - now)
+        return (self.served[-1][0] if self.served else now) + WINDOW_S - now
+
     def expire(self, now: float) -> None:
         while self.served and self.served[0][0] <= now - WINDOW_S:
             self.served_tokens -= self.served.popleft()[1]
@@ -346,7 +358,8 @@ class Admission:
         waiting_tokens = sum(t.num_tokens for t in waiting)
         if (limits.tokens_per_minute is not None
                 and tenant.served_tokens + waiting_tokens + ticket.num_tokens > limits.tokens_per_minute):
-            wait = tenant.served[0][0] + WINDOW_S - now if tenant.served else WINDOW_S
+            wait = tenant.tokens_free_in_s(
+                now, tenant.served_tokens + waiting_tokens + ticket.num_tokens - limits.tokens_per_minute)
             return Outcome(Verdict.REJECT, f"tenant {ticket.tenant!r} is over its limit of "
                                            f"{limits.tokens_per_minute} tokens per minute"
                                            + (f" ({waiting_tokens} of them in requests waiting for admission)"

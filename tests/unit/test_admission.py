@@ -92,6 +92,21 @@ def test_earliest_deadline_first_counts_deadline_ms_as_well_as_the_ttft_budget()
     assert behind.verdict == Verdict.REJECT and "(of which 1000 ms behind those queued ahead)" in behind.reason
 
 
+def test_a_tenant_over_its_tokens_per_minute_is_told_when_enough_of_them_expire() -> None:
+    """Told when its oldest charge expired, a client came back while later charges still filled the window, and was
+    refused again (helper-157: 300 tokens at 0 s, 600 at 10 s, a limit of 1000; 500 more at 12 s were told 48 s)."""
+    admission = Admission(limits={"t": TenantLimits(tokens_per_minute=1000)})
+    for name, at, tokens in (("a", 0.0, 300), ("b", 10.0, 600)):
+        admission.on_admitted(ticket(name, tenant="t", tokens=tokens), at)
+        admission.release(name)
+    over = admission.offer(ticket("d", tenant="t", tokens=500), 12.0, False, 0.1)
+    assert over.verdict == Verdict.REJECT and over.retry_after_s == 58.0  # b's 600 expire at 70 s, a's alone do not do
+    small = admission.offer(ticket("e", tenant="t", tokens=200), 12.0, False, 0.1)
+    assert small.verdict == Verdict.REJECT and small.retry_after_s == 48.0  # a's 300 expiring at 60 s make room
+    assert admission.offer(ticket("d", tenant="t", tokens=500), 60.5, False, 0.1).verdict == Verdict.REJECT
+    assert admission.offer(ticket("d", tenant="t", tokens=500), 70.0, False, 0.1).verdict == Verdict.ADMIT
+
+
 def test_a_tenants_limits_count_its_requests_waiting_for_admission() -> None:
     """On a saturated fleet requests queue, and each takes a slot and its tokens when dispatched: counted only once
     admitted, a tenant at max_concurrency 1 had all three of its requests queued and then run (helper-125)."""
