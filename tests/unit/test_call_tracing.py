@@ -12,6 +12,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from services.common import call_tracing
 from services.common.telemetry import Telemetry
 
 
@@ -65,11 +66,9 @@ async def traced_channel() -> AsyncIterator[tuple[grpc.aio.Channel, _Server, InM
         await grpc_server.stop(None)
 
 
-async def _ended(spans: InMemorySpanExporter, count: int) -> list:
-    """The finished spans once count have ended (a span ends in a callback just after its call)."""
-    async with asyncio.timeout(5):
-        while len(spans.get_finished_spans()) < count:
-            await asyncio.sleep(0)
+async def _ended(spans: InMemorySpanExporter) -> list:
+    """The finished spans, once those whose calls have ended have been ended (in a task each call's end starts)."""
+    await asyncio.wait_for(asyncio.gather(*call_tracing._ending), 5)
     return list(spans.get_finished_spans())
 
 
@@ -81,7 +80,7 @@ async def test_a_call_that_answers_once_is_a_client_span_whose_trace_the_server_
         with pytest.raises(grpc.aio.AioRpcError) as failed:
             await once(b"missing")
     assert failed.value.code() == grpc.StatusCode.NOT_FOUND
-    ok, missing = [s for s in await _ended(spans, 3) if s.name == "/t.T/Once"]
+    ok, missing = [s for s in await _ended(spans) if s.name == "/t.T/Once"]
     for span in (ok, missing):
         assert span.kind == trace.SpanKind.CLIENT and span.parent is not None
         assert span.parent.span_id == request.get_span_context().span_id
@@ -107,6 +106,6 @@ async def test_a_cancel_of_a_traced_call_reaches_the_call(traced_channel, method
     await asyncio.wait_for(server.holding.wait(), 5)
     call.cancel()
     await asyncio.wait_for(server.cancelled.wait(), 5)
-    (span,) = await _ended(spans, 1)
+    (span,) = await _ended(spans)
     assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
     assert span.status.status_code == trace.StatusCode.ERROR
