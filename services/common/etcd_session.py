@@ -42,14 +42,31 @@ def connect(endpoint: str, timeout_s: float = 2.0, credentials: grpc.ChannelCred
     return aetcd.Client(host=host, port=int(port), timeout=timeout_s, options=dict(RECONNECT_OPTIONS))
 
 
+class _LeaseOf(aetcd.transactions.BaseCompare):
+    """The lease a key is attached to (0 for none, or no such key): a compare aetcd does not offer."""
+
+    def build_compare(self, compare: aetcd.rpc.Compare) -> None:
+        compare.target = aetcd.rpc.Compare.LEASE
+        compare.lease = int(self.value)
+
+
 class LeaseSession:
-    """Keys put under one lease that is kept alive; re-granted and re-put after an outage."""
+    """Keys put under one lease that is kept alive; re-granted and re-put after an outage.
+
+    A key's first put takes it over, whoever held it: a process started in the place of another (a node agent
+    restarted under its id) holds it from then on. Every later write (a changed value, a put again after an outage,
+    the mark of leaving) is made only while the key is this session's own or no one's: the old process's leaving
+    emptied the new one's key and revoked it with its own lease, and the new process was gone from the fleet for good,
+    serving and healthy (helper-158). A key that another process took over is given up, not taken back.
+    """
 
     def __init__(self, client: aetcd.Client, ttl_s: int) -> None:
         self._client = client
         self._ttl_s = ttl_s
         self._lease_id: int | None = None
         self._keys: dict[str, bytes] = {}
+        # The keys this session has written once: from then on, only while they are its own or no one's.
+        self._taken: set[str] = set()
         self._stale = False
         self._closed = False  # revoked: nothing is put or granted again
         self._lock = asyncio.Lock()
@@ -68,7 +85,7 @@ class LeaseSession:
                 if self._lease_id is None:
                     await self._grant()
                 else:
-                    await self._client.put(key.encode(), value, lease=self._lease_id)
+                    await self._write(key, value, self._lease_id)
             except Exception as exc:  # noqa: BLE001 - etcd down: keep serving, retry later
                 self._stale = True  # keep_alive puts every key again
                 log.warning("etcd put %s failed (%s); will retry", key, exc)
@@ -77,8 +94,8 @@ class LeaseSession:
         self._stale = True  # until every key is put under the new lease
         lease = await self._client.lease(self._ttl_s)
         self._lease_id = lease.id
-        for key, value in self._keys.items():
-            await self._client.put(key.encode(), value, lease=lease.id)
+        for key, value in list(self._keys.items()):
+            await self._write(key, value, lease.id)
         self._stale = False
         log.info("etcd lease %x granted with %d keys", lease.id, len(self._keys))
 
@@ -106,8 +123,8 @@ class LeaseSession:
                             self._lease_id = None
                             await self._grant()
                         elif self._stale:  # a put failed while the lease lived on: etcd holds an old value
-                            for key, value in self._keys.items():
-                                await self._client.put(key.encode(), value, lease=self._lease_id)
+                            for key, value in list(self._keys.items()):
+                                await self._write(key, value, self._lease_id)
                             self._stale = False
                 delay_s = self._ttl_s / 3
                 if num_failures:
@@ -142,9 +159,32 @@ class LeaseSession:
         except Exception as exc:  # noqa: BLE001 - the lease will expire anyway
             log.warning("etcd lease revoke failed: %s", exc)
 
+    async def _write(self, key: str, value: bytes, lease_id: int) -> None:
+        """Put key=value under lease_id: the first time whoever holds it, then only while it is under lease_id or
+        under none (its old lease expired with an etcd outage, say); else another process took it over, and it is
+        given up. Under the lock."""
+        if key not in self._taken:
+            await self._client.put(key.encode(), value, lease=lease_id)
+            self._taken.add(key)
+            return
+        tx = self._client.transactions
+        for holder in (lease_id, 0):
+            written, _ = await self._client.transaction(compare=[_LeaseOf(key.encode()) == holder],
+                                                        success=[tx.put(key.encode(), value, lease=lease_id)],
+                                                        failure=[])
+            if written:
+                return
+        stored = await self._client.get(key.encode())
+        log.warning("etcd key %s is held by another process now (lease %x): it took this one's place; no longer "
+                    "holding it", key, stored.lease if stored is not None else 0)
+        self._keys.pop(key, None)
+        self._taken.discard(key)
+
     async def _mark_leaving(self, lease_id: int, keys: list[str]) -> None:
-        for key in keys:
-            await self._client.put(key.encode(), b"", lease=lease_id)
+        tx = self._client.transactions
+        for key in keys:  # not one another process took over: its holder is not leaving
+            await self._client.transaction(compare=[_LeaseOf(key.encode()) == lease_id],
+                                           success=[tx.put(key.encode(), b"", lease=lease_id)], failure=[])
 
 
 class PrefixView:

@@ -184,3 +184,29 @@ async def test_a_holder_that_leaves_cleanly_leaves_the_view_at_once(etcd: Manage
             assert not recorded.was_lapsed()
     finally:
         await holder.close()
+
+
+@pytest.mark.parametrize("old_writes_again", [True, False])
+async def test_a_process_started_in_anothers_place_keeps_the_key_when_the_other_leaves(
+        etcd: ManagedProcess, old_writes_again: bool) -> None:
+    """A node agent restarted under its id registers before the old process has drained: the old one's leaving
+    mark and revoke took the new one's key with them, and the new process was gone from the fleet for good, serving
+    and healthy (helper-158). The key's first put takes it over; the old holder's later writes give it up."""
+    old_client, new_client = connect(etcd.address), connect(etcd.address)
+    old, new = LeaseSession(old_client, ttl_s=TTL_S), LeaseSession(new_client, ttl_s=TTL_S)
+    try:
+        await old.put(KEY, b"old")
+        await new.put(KEY, b"new")
+        if old_writes_again:
+            await old.put(KEY, b"old, draining")  # what a node agent's before_stop writes
+        await old.revoke()
+        stored = await new_client.get(KEY.encode())
+        assert stored is not None and (stored.value, stored.lease) == (b"new", new.lease_id)
+        # The new holder's own writes go on.
+        await new.put(KEY, b"new, changed")
+        stored = await new_client.get(KEY.encode())
+        assert stored is not None and (stored.value, stored.lease) == (b"new, changed", new.lease_id)
+    finally:
+        await new.revoke()
+        await old_client.close()
+        await new_client.close()
