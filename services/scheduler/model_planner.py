@@ -137,7 +137,10 @@ class ModelPlanner:
                 return not _in_flight(status)  # drained for this swap (still drainable: checked this round)
             if status.idle_s(now) < self.idle_swap_s:
                 return False
-            return all(not self._wanted(m, now) or sum(m in s.spec.warm_models for s in nodes) > 1
+            # Warm elsewhere on a node this round leaves as it is: two models short at once each swapped out one of
+            # the two warm copies of a third, wanted still, and its next request waited 65 s (helper-158).
+            return all(not self._wanted(m, now)
+                       or sum(m in s.spec.warm_models for s in nodes if s.spec.node_id not in taken) > 1
                        for m in status.spec.warm_models)
 
         options = [s for s in nodes if model in s.spec.cold_models and s.spec.node_id not in taken
@@ -147,10 +150,11 @@ class ModelPlanner:
         return min(options, key=lambda s: (not s.spec.is_empty, s.spec.load_time_s.get(model, 0.0),
                                            s.spec.price_per_hour, s.spec.node_id))
 
-    def _can_drain(self, status: NodeStatus, nodes: list[NodeStatus], now: float) -> bool:
+    def _can_drain(self, status: NodeStatus, nodes: list[NodeStatus], now: float,
+                   taken: set[str] | frozenset[str] = frozenset()) -> bool:
         """Whether status could be drained for a swap: loading nothing, its warm models warm elsewhere on
-        nodes not saturated without it, and warm for at least as long as their load took (so a swap is
-        not undone by the next one)."""
+        nodes not saturated without it (nor reserved, nor taken this round), and warm for at least as long as their
+        load took (so a swap is not undone by the next one)."""
         if status.spec.loading_models or not status.spec.warm_models:
             return False
         settled_s = max([self.idle_swap_s, *(status.spec.load_time_s.get(m, 0.0) for m in status.spec.warm_models)])
@@ -158,7 +162,7 @@ class ModelPlanner:
             return False
         for other in status.spec.warm_models:
             rest = [s for s in nodes if other in s.spec.warm_models and s is not status
-                    and s.spec.node_id not in self._reserved]
+                    and s.spec.node_id not in self._reserved and s.spec.node_id not in taken]
             if not rest or saturation(rest) >= self.saturation:
                 return False
         return True
@@ -169,7 +173,7 @@ class ModelPlanner:
         if model in self._reserved.values():
             return
         options = [s for s in nodes if model in s.spec.cold_models and s.spec.node_id not in taken
-                   and s.spec.node_id not in self._reserved and self._can_drain(s, nodes, now)]
+                   and s.spec.node_id not in self._reserved and self._can_drain(s, nodes, now, taken)]
         if options:
             chosen = min(options, key=lambda s: (_load(s), s.spec.price_per_hour, s.spec.node_id))
             self._reserved[chosen.spec.node_id] = model

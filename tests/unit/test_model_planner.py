@@ -41,6 +41,7 @@ def view(*specs: NodeSpec, loads: dict[str, Load] | None = None, now: float = 0.
 
 SATURATED = Load(num_waiting=8, kv_blocks_used=10, kv_blocks_total=1000)
 CALM = Load(num_running=1, kv_blocks_used=10, kv_blocks_total=1000)
+IDLE = Load(kv_blocks_total=1000)
 
 
 def test_nothing_is_loaded_without_demand() -> None:
@@ -83,6 +84,22 @@ def test_an_idle_node_is_swapped_only_when_its_model_stays_warm_elsewhere() -> N
     two_b = view(spec("n0", warm={B}, cold={A}), spec("n1", warm={B}))
     assert planner.plan(two_b, now=100.0) == [ModelAction("unload", "n0", B, f"make room for {A}"),
                                               ModelAction("load", "n0", A, "no node has it warm")]
+
+
+def test_two_swaps_of_one_round_never_take_every_warm_copy_of_a_wanted_model() -> None:
+    """Two models short at once each swapped out one of the two warm copies of a third, still wanted: none was left
+    warm, and its next request waited 65 s for a load (helper-158). One swap is made; the other waits."""
+    c = "sim-llama-3.1-8b"
+    planner = ModelPlanner(idle_swap_s=10.0)
+    planner.note_demand(c, 80.0)
+    planner.note_demand(A, 99.0)
+    planner.note_demand(B, 99.0)
+    both_c = view(spec("n0", warm={c}, cold={A, B}), spec("n1", warm={c}, cold={A, B}),
+                  loads={"n0": IDLE, "n1": IDLE}, now=95.0)
+    actions = planner.plan(both_c, now=100.0)
+    unloaded = [action for action in actions if action.kind == "unload"]
+    assert [action.model for action in unloaded] == [c] and len([a for a in actions if a.kind == "load"]) == 1
+    assert planner.reserved_nodes() == frozenset()  # nor is the other copy drained for the second
 
 
 def test_a_node_in_use_is_not_swapped() -> None:
