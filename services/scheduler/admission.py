@@ -145,14 +145,15 @@ class _Tenant:
     def tokens_free_in_s(self, now: float, excess: int) -> float:
         """When charges of the window totalling at least excess tokens have expired. Told when the oldest charge
         expired, a client came back in vain while later ones still filled the window (helper-157). When even an empty
-        window would not do (the tenant's requests waiting for admission charge theirs once dispatched), when the
-        last charge expires: no sooner."""
+        window would not do, the whole window: the tenant's requests waiting for admission charge theirs once
+        dispatched, now or later, for a window from then (told when the last charge expired, a client came back in
+        vain, helper-159)."""
         freed = 0
         for at, tokens in self.served:
             freed += tokens
             if freed >= excess:
                 return max(0.0, at + WINDOW_S - now)
-        return (self.served[-1][0] if self.served else now) + WINDOW_S - now
+        return WINDOW_S
 
     def expire(self, now: float) -> None:
         while self.served and self.served[0][0] <= now - WINDOW_S:

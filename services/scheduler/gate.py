@@ -42,7 +42,8 @@ def _refusal(ticket: Ticket, outcome: Outcome, message: str) -> BatonError:
         return InvalidArgument("max_tokens", ticket.max_tokens, message)
     if outcome.duplicate:
         return AlreadyExists(message)
-    return ResourceExhausted(message, retry_after_ms=int(outcome.retry_after_s * 1000))
+    # Rounded up: a hint a millisecond early is a retry in vain (helper-159).
+    return ResourceExhausted(message, retry_after_ms=math.ceil(round(outcome.retry_after_s * 1000, 6)))
 
 
 class AdmissionGate:

@@ -101,6 +101,13 @@ def test_a_tenant_over_its_tokens_per_minute_is_told_when_enough_of_them_expire(
         admission.release(name)
     over = admission.offer(ticket("d", tenant="t", tokens=500), 12.0, False, 0.1)
     assert over.verdict == Verdict.REJECT and over.retry_after_s == 58.0  # b's 600 expire at 70 s, a's alone do not do
+    # With its tenant's requests waiting for admission, a whole window: they charge theirs once dispatched (told when
+    # the last charge expired, a client came back in vain, helper-159).
+    waiting = Admission(limits={"t": TenantLimits(tokens_per_minute=1000)})
+    waiting.on_admitted(ticket("old", tenant="t", tokens=100), 0.0)
+    assert waiting.offer(ticket("q", tenant="t", tokens=600), 58.0, True, 0.1).verdict == Verdict.QUEUE
+    behind = waiting.offer(ticket("f", tenant="t", tokens=500), 58.0, True, 0.1)
+    assert behind.verdict == Verdict.REJECT and behind.retry_after_s == 60.0  # not 2 s, when "old" expires
     small = admission.offer(ticket("e", tenant="t", tokens=200), 12.0, False, 0.1)
     assert small.verdict == Verdict.REJECT and small.retry_after_s == 48.0  # a's 300 expiring at 60 s make room
     assert admission.offer(ticket("d", tenant="t", tokens=500), 60.5, False, 0.1).verdict == Verdict.REJECT
