@@ -47,7 +47,10 @@ class _Tracing:
             span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
             span.end()
             raise
-        call.add_done_callback(lambda done: _end_when_told(span, done))
+        try:
+            call.add_done_callback(lambda done: _end_when_told(span, done))
+        except NotImplementedError:  # not a call (an interceptor after this one answered itself): it has ended
+            span.end()
         return call
 
 

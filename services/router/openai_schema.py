@@ -276,8 +276,8 @@ def parse_request(kind: str, body: object, headers: Mapping[str, str],
             if number == 0 and name in _BUDGETS:
                 # The request's field takes 0 as unset (the cluster's default, or no deadline): a client that sent
                 # 0 asked for the tightest, and got none (helper-157).
-                raise InvalidArgument(spelled, value, "must be positive; leave it out for the cluster's default (for "
-                                                      "deadline_ms: no deadline)")
+                raise InvalidArgument(spelled, value, "must be positive; leave it out for " + (
+                    "no deadline" if name == "deadline_ms" else "the cluster's default"))
             setattr(request, name, number)
         elif type_name == "bool":
             setattr(request, name, _bool(spelled, value))
