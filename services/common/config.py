@@ -161,8 +161,18 @@ class ServiceConfig:
 
 
 def check_otel_exporter(value: str) -> None:
-    """Raise ValueError unless value is none, console, file:PATH or otlp:HOST:PORT."""
-    if value in ("none", "console") or (value.startswith("file:") and len(value) > len("file:")):
+    """Raise ValueError unless value is none, console, file:PATH (a file this process can append to) or
+    otlp:HOST:PORT. A file in a directory that did not exist was taken, and every span batch then logged a traceback
+    while its spans were lost (helper-158)."""
+    if value in ("none", "console"):
+        return
+    if value.startswith("file:") and len(value) > len("file:"):
+        path = value.removeprefix("file:")
+        try:
+            with open(path, "a", encoding="utf-8"):
+                pass
+        except OSError as exc:
+            raise ValueError(f"--otel-exporter: cannot append to file:{path}: {exc.strerror or exc}") from None
         return
     if value.startswith("otlp:"):
         host, sep, port = value.removeprefix("otlp:").rpartition(":")

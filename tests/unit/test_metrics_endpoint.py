@@ -34,6 +34,9 @@ def test_the_metrics_endpoint_binds_the_grpc_listen_host(monkeypatch: pytest.Mon
     (["--otel-exporter", "otlp:collector"], "--otel-exporter: expected none, console, file:PATH or otlp:HOST:PORT, "
                                             "got 'otlp:collector'"),
     (["--otel-exporter", "jaeger"], "got 'jaeger'"),
+    # Taken, it logged a traceback for each span batch, and the spans were lost (helper-158).
+    (["--otel-exporter", "file:/nonexistent-dir/spans.jsonl"],
+     "--otel-exporter: cannot append to file:/nonexistent-dir/spans.jsonl: No such file or directory"),
 ])
 def test_bad_values_exit_naming_the_flag(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
     with pytest.raises(SystemExit):
