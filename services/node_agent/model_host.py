@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from services.common.change_signal import ChangeSignal
 from services.common.engine_profile import EngineProfile
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable, shown
 from services.common.load import Load
 from services.node_agent.engines.base import Engine
 from services.node_agent.engines.types import AllBlocksCleared, KVEvent
@@ -211,7 +211,7 @@ class ModelHost:
         try:
             return self._models[model]
         except KeyError:
-            raise NotFound(f"model={model!r}: not on node {self._node_id} (it has: "
+            raise NotFound(f"model={shown(model)}: not on node {self._node_id} (it has: "
                            f"{', '.join(sorted(self._models)) or 'none'})") from None
 
     # -- the node's load and KV cache, whichever model is warm ----------------------------------------

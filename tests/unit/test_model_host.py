@@ -65,6 +65,16 @@ async def test_a_call_that_names_no_model_is_invalid_not_a_model_the_node_lacks(
         assert host.state == {A: ModelState.WARM, B: ModelState.COLD}
 
 
+async def test_a_model_the_node_lacks_is_named_cut_short_and_the_node_says_what_it_has() -> None:
+    """A 100 kB name filled the whole message, and what the node has was cut off (helper-158)."""
+    async with hosting(warm=A) as host:
+        with pytest.raises(NotFound) as caught:
+            host.engine_for("x" * 100_000)
+        message = str(caught.value)
+        assert len(message) < 300 and "(100000 characters)" in message
+        assert message.endswith(f"not on node n0 (it has: {', '.join(sorted([A, B]))})")
+
+
 async def test_a_load_takes_the_modelled_time_and_a_second_caller_joins_it() -> None:
     # 49 s of modelled load at speed 1000: 49 ms.
     async with hosting(speed=1000.0) as host:
