@@ -12,6 +12,9 @@ LEADER_KEY = "baton-leader"
 # Trailing metadata on a node's UNAVAILABLE for a resume of a request id it runs in another stream, one that resume
 # cannot take over (docs/resume.md): the node's id. The node has not failed, and the resume may run on another node.
 STREAM_HELD_KEY = "baton-stream-held"
+# Trailing metadata on a node's UNAVAILABLE for a stream it hands on as its shutdown grace ends (SIGTERM, draining;
+# --shutdown-grace-s): the node's id. Its router moves the stream with the cause "drained", not "stream_broken".
+DRAINED_KEY = "baton-drained"
 # Most request ids a router sends in one Scheduler/ReportLiveRequests (it splits a longer list over several): well
 # under gRPC's 4 MiB message limit at 257 characters each (a tenant's name and its request id, each at most the
 # routers' --max-id-len of 128). The scheduler's --max-live-ids is at least this.

@@ -100,6 +100,9 @@ class ServiceConfig:
                          "set it when --listen is a wildcard such as 0.0.0.0:PORT, e.g. in a container", "")
     etcd: str = doc("etcd endpoint host:port", "127.0.0.1:2379")
     lease_ttl_s: int = doc("etcd lease TTL in seconds; a dead process leaves the cluster within it", 3)
+    shutdown_grace_s: float = doc("on SIGTERM, how long calls in flight may run on before they are cut; a node agent "
+                                  "hands the streams still running a moment before (its router moves them, cause "
+                                  "drained)", 10.0)
     otel_exporter: str = doc("where spans (and metrics) go: none, console, file:PATH (spans as JSON lines) or "
                              "otlp:HOST:PORT (an OTLP gRPC collector: spans and metrics)", "none")
     metrics_port: int = doc("port to serve Prometheus metrics on at /metrics, on --listen's host (0: off)", 0)
@@ -132,6 +135,8 @@ class ServiceConfig:
             check_listen("advertise", self.advertise)
         if self.lease_ttl_s < 1:
             raise ValueError(f"--lease-ttl-s: must be at least 1, got {self.lease_ttl_s}")
+        if not 0 <= self.shutdown_grace_s <= 86_400:
+            raise ValueError(f"--shutdown-grace-s: must be 0 to 86400, got {self.shutdown_grace_s}")
         check_otel_exporter(self.otel_exporter)
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port: expected 0 (off) to 65535, got {self.metrics_port}")

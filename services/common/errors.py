@@ -6,7 +6,7 @@ from typing import Any, NoReturn
 
 import grpc
 
-from baton.protocol import ORIGIN_KEY, RETRY_AFTER_KEY, STREAM_HELD_KEY
+from baton.protocol import DRAINED_KEY, ORIGIN_KEY, RETRY_AFTER_KEY, STREAM_HELD_KEY
 
 # Longest status message sent: a status travels in trailing metadata, whose size gRPC limits (8 KiB
 # by default); past that the client gets RESOURCE_EXHAUSTED in place of the real status.
@@ -100,6 +100,15 @@ class StreamHeld(Unavailable):
     def __init__(self, message: str, node_id: str) -> None:
         super().__init__(message)
         self.metadata = ((STREAM_HELD_KEY, node_id),)
+
+
+class Drained(Unavailable):
+    """A stream a node shutting down hands on as its grace ends: its router moves it (cause "drained"), telling
+    it from a crash by DRAINED_KEY, which names the node."""
+
+    def __init__(self, message: str, node_id: str) -> None:
+        super().__init__(message)
+        self.metadata = ((DRAINED_KEY, node_id),)
 
 
 class AlreadyExists(BatonError):

@@ -12,6 +12,7 @@ class FailureCause(enum.Enum):
     STREAM_BROKEN = "stream_broken"  # the stream broke or ended without a finish
     STALLED = "stalled"  # no token or heartbeat within the stall deadline
     LEASE_EXPIRED = "lease_expired"  # the node's etcd registration went away
+    DRAINED = "drained"  # the node is shutting down (SIGTERM) and handed the stream on as its grace ended
 
 
 # What a Place's retry_cause may be besides "" (a first placement): the scheduler labels a metric with it.

@@ -19,7 +19,8 @@ async def main() -> int:
                           config.metrics_listen, config.node_id)
     host = build_host(config)
     return await serve(NodeAgentService(config, host, telemetry), config.listen, telemetry,
-                       credentials=config.server_credentials(), options=SERVER_PINGS_CALLERS_OPTIONS)
+                       grace_s=config.shutdown_grace_s, credentials=config.server_credentials(),
+                       options=SERVER_PINGS_CALLERS_OPTIONS)
 
 
 if __name__ == "__main__":

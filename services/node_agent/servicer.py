@@ -14,7 +14,7 @@ from google.protobuf import json_format
 from baton.v1 import common_pb2, node_agent_pb2, node_agent_pb2_grpc
 from services.common import etcd_keys
 from services.common.directory import ServiceDirectory
-from services.common.errors import Aborted, AlreadyExists, BatonError, InvalidArgument, StreamHeld, abort
+from services.common.errors import Aborted, AlreadyExists, BatonError, Drained, InvalidArgument, StreamHeld, abort
 from services.common.etcd_session import Membership
 from services.common.sampling_checks import check_node_sampling
 from services.common.server import ServingNames
@@ -29,6 +29,10 @@ from services.node_agent.load_reporter import load_message, report_load
 from services.node_agent.model_host import ModelHost
 
 log = logging.getLogger(__name__)
+
+# How long before a SIGTERM's grace ends (at most half of it) the streams still running are handed on: time for
+# their routers to hear it before the server's stop cuts the calls.
+HAND_ON_MARGIN_S = 1.0
 
 PHASES = {
     RequestPhase.QUEUED: node_agent_pb2.REQUEST_PHASE_QUEUED,
@@ -110,6 +114,9 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         self._kv_log = KvEventLog(config.node_id, host)
         # Per request id, the stream serving it now.
         self._serving: dict[str, _Serving] = {}
+        # Set a moment before a SIGTERM's grace ends: the streams still running are handed on (Drained).
+        self._handing_on = asyncio.Event()
+        self._hand_on_timer: asyncio.TimerHandle | None = None
         self._tokens = telemetry.meter.create_counter(
             "baton.node.generated_tokens", description="tokens generated on this node"
         )
@@ -149,8 +156,15 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         # Leave the candidate set, but stay registered: streams already running finish during the
         # grace period, and a router must not take the node's leaving for its death and move them.
         await self._member.update(etcd_keys.node_key(self._config.node_id), self._registration(draining=True))
+        # Those still running a moment before the grace ends are handed on, for their routers to move them as a
+        # drain: cut by the server's stop, each was counted a crash ("stream_broken", helper-158).
+        grace_s = self._config.shutdown_grace_s
+        self._hand_on_timer = asyncio.get_running_loop().call_later(
+            max(0.0, grace_s - min(HAND_ON_MARGIN_S, grace_s / 2)), self._handing_on.set)
 
     async def close(self) -> None:
+        if self._hand_on_timer is not None:
+            self._hand_on_timer.cancel()
         await self._member.leave()  # drained (or out of grace): the registration goes at once
         await self._schedulers.close()
         await self._kvindexes.close()
@@ -192,8 +206,12 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
                                   expected_step_ms=engine.expected_step_ms()),
                               progress=self._progress(engine, request.request_id))
             index = 0
+            handed_on = False
             async for output in outputs:
                 if superseded.is_set():
+                    break
+                if self._handing_on.is_set():
+                    handed_on = True
                     break
                 if output is None:  # heartbeat: the router learns the request is queued or prefilling, not lost
                     yield self._chunk(request, index, progress=self._progress(engine, request.request_id))
@@ -216,6 +234,10 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             if superseded.is_set():  # not a node failure: its router must not move it
                 await abort(context, Aborted(f"request {request_id}: a resume of it took this stream's place on node "
                                              f"{self._config.node_id}"))
+            if handed_on:
+                await abort(context, Drained(f"request {request_id}: node {self._config.node_id} is shutting down, "
+                                             f"its grace of {self._config.shutdown_grace_s:g} s ending, after {index} "
+                                             "tokens; another node goes on with it", self._config.node_id))
         except EngineInputError as exc:  # an engine that checks part of its input as it runs (vLLM)
             await abort(context, InvalidArgument(exc.field, exc.value, exc.reason))
         finally:

@@ -19,7 +19,8 @@ async def main() -> int:
     if not await service.open_http():
         await service.close()
         return 2
-    return await serve(service, config.listen, telemetry, credentials=config.server_credentials())
+    return await serve(service, config.listen, telemetry, grace_s=config.shutdown_grace_s,
+                       credentials=config.server_credentials())
 
 
 if __name__ == "__main__":

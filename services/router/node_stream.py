@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from baton.protocol import STREAM_HELD_KEY
+from baton.protocol import DRAINED_KEY, STREAM_HELD_KEY
 from baton.v1 import node_agent_pb2, node_agent_pb2_grpc
 from services.common.errors import from_rpc_error
 from services.common.failure_cause import FailureCause
@@ -116,6 +116,8 @@ async def watched_stream(
             raise NodeFailure(node_id, failure, stalled_because, received_any) from None
         if exc.code() == grpc.StatusCode.UNAVAILABLE and _says_stream_held(exc):
             raise TakeoverRefused(node_id, exc.details() or "") from None
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and _says(exc, DRAINED_KEY):
+            raise NodeFailure(node_id, FailureCause.DRAINED, exc.details() or "", received_any) from None
         if exc.code() in _NODE_FAILURE_CODES:
             cause = FailureCause.STREAM_BROKEN if received_any else FailureCause.CONNECT_FAILED
             raise NodeFailure(node_id, cause, exc.details() or exc.code().name, received_any,
@@ -134,7 +136,12 @@ async def watched_stream(
 
 def _says_stream_held(error: grpc.aio.AioRpcError) -> bool:
     """The node refused on purpose: it runs another stream of the id (its status carries STREAM_HELD_KEY)."""
-    return any(key == STREAM_HELD_KEY for key, _ in (error.trailing_metadata() or ()))
+    return _says(error, STREAM_HELD_KEY)
+
+
+def _says(error: grpc.aio.AioRpcError, key: str) -> bool:
+    """Whether the status carries the trailing metadata key."""
+    return any(name == key for name, _ in (error.trailing_metadata() or ()))
 
 
 async def _read_out(responses: AsyncIterator[node_agent_pb2.NodeGenerateChunk]) -> None:

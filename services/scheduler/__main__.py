@@ -16,7 +16,7 @@ async def main() -> int:
     telemetry = Telemetry("scheduler", config.otel_exporter, config.channel_credentials(), config.metrics_listen,
                           config.instance_id)
     return await serve(SchedulerService(config, telemetry), config.listen, telemetry,
-                       credentials=config.server_credentials())
+                       grace_s=config.shutdown_grace_s, credentials=config.server_credentials())
 
 
 if __name__ == "__main__":

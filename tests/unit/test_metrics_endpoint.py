@@ -34,6 +34,7 @@ def test_the_metrics_endpoint_binds_the_grpc_listen_host(monkeypatch: pytest.Mon
     (["--otel-exporter", "otlp:collector"], "--otel-exporter: expected none, console, file:PATH or otlp:HOST:PORT, "
                                             "got 'otlp:collector'"),
     (["--otel-exporter", "jaeger"], "got 'jaeger'"),
+    (["--shutdown-grace-s", "-1"], "--shutdown-grace-s: must be 0 to 86400, got -1.0"),
     # Taken, it logged a traceback for each span batch, and the spans were lost (helper-158).
     (["--otel-exporter", "file:/nonexistent-dir/spans.jsonl"],
      "--otel-exporter: cannot append to file:/nonexistent-dir/spans.jsonl: No such file or directory"),

@@ -6,8 +6,10 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import grpc
 import pytest
 
+from baton.protocol import DRAINED_KEY
 from baton.v1 import common_pb2, node_agent_pb2
 from services.common.telemetry import Telemetry
 from services.node_agent.config import NodeAgentConfig
@@ -32,14 +34,14 @@ def _one_at_a_time(name: str) -> SimEngine:
 
 
 @contextlib.asynccontextmanager
-async def _node() -> AsyncIterator[NodeAgentService]:
+async def _node(shutdown_grace_s: float = 10.0) -> AsyncIterator[NodeAgentService]:
     spec = get_model(MODEL)
     local = LocalModel(MODEL, spec.max_context_tokens, spec.vocab_size, "byte", int(spec.weights_bytes),
                        load_time_s(spec))
     host = ModelHost("n0", [local], _one_at_a_time, warm=MODEL, speed=0)
     task = asyncio.get_running_loop().create_task(host.run())
-    service = NodeAgentService(NodeAgentConfig(etcd="127.0.0.1:1", node_id="n0"), host,
-                               Telemetry("node_agent/test", "none"))
+    config = NodeAgentConfig(etcd="127.0.0.1:1", node_id="n0", shutdown_grace_s=shutdown_grace_s)
+    service = NodeAgentService(config, host, Telemetry("node_agent/test", "none"))
     try:
         yield service
     finally:
@@ -114,3 +116,35 @@ async def test_a_stream_closed_after_its_last_chunk_leaves_a_request_of_its_id_a
                     if chunk.finish_reason:
                         break
     assert len(tokens) == 5
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str, metadata: tuple[tuple[str, str], ...]) -> None:
+        super().__init__(details)
+        self.code, self.details, self.metadata = code, details, dict(metadata)
+
+
+class _Context:
+    """The part of a servicer context that Generate uses to end a stream with a status."""
+
+    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: tuple = ()) -> None:
+        raise _Aborted(code, details, trailing_metadata)
+
+
+async def test_a_stream_still_running_as_the_shutdown_grace_ends_is_handed_on_as_drained() -> None:
+    """Cut by the server's stop when the grace ran out, each stream was moved as a crash ("stream_broken"), and an
+    operator could not tell a drain from one (helper-158). A moment before, the node ends it UNAVAILABLE with
+    DRAINED_KEY: its router moves it, cause "drained"."""
+    async with _node(shutdown_grace_s=0.2) as node:
+        running = node.Generate(_request("long", 400), _Context())  # type: ignore[arg-type]
+        async with contextlib.aclosing(running):
+            while not (await anext(running)).token_ids:
+                pass
+            await node.before_stop()  # SIGTERM: draining, and the grace runs
+            await asyncio.wait_for(node._handing_on.wait(), 5)
+            with pytest.raises(_Aborted) as ended:
+                async for chunk in running:
+                    assert not chunk.finish_reason
+    assert ended.value.code == grpc.StatusCode.UNAVAILABLE
+    assert ended.value.metadata[DRAINED_KEY] == "n0"
+    assert "node n0 is shutting down, its grace of 0.2 s ending" in ended.value.details

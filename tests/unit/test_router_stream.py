@@ -35,6 +35,7 @@ from services.common.errors import (
     Aborted,
     AlreadyExists,
     BatonError,
+    Drained,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -828,6 +829,29 @@ async def test_a_requests_span_says_which_node_failed_it_and_how_it_ended() -> N
     assert len(failures) == 1 and failures[0].attributes is not None
     assert (failures[0].attributes["baton.node_id"], failures[0].attributes["baton.cause"],
             failures[0].attributes["baton.tokens"]) == ("node-1", "stream_broken", 1)
+
+
+async def test_a_stream_a_draining_node_hands_on_moves_as_drained_not_as_a_crash() -> None:
+    """A node shutting down ends the streams still running as its grace ends, UNAVAILABLE with DRAINED_KEY: the
+    move's cause, told the leader and on the request's span, is "drained". Cut by the server's stop, each was
+    counted "stream_broken", as a crash (helper-158)."""
+    telemetry, spans = _traced()
+
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        yield _started()
+        yield Chunk(node_id=NODE, index=0, token_ids=[97 + request.num_resumed_tokens])
+        if not request.num_resumed_tokens:
+            raise Drained("request r: node node-1 is shutting down", "node-1")
+        yield Chunk(node_id=NODE, index=1, token_ids=[98], finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+    async with _router(generate, _MovingScheduler(), telemetry=telemetry) as (router, scheduler):
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2))
+        assert [m async for m in call][-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        await asyncio.wait_for(scheduler.finished.get(), 10)  # the stream has settled
+    assert [p.retry_cause for p in scheduler.places] == ["", "drained"]
+    (served,) = [s for s in spans.get_finished_spans() if s.name == "/baton.v1.Router/Generate"]
+    (moved,) = [e for e in served.events if e.name == "baton.node_failure"]
+    assert moved.attributes is not None and moved.attributes["baton.cause"] == "drained"
 
 
 class _QueueingScheduler(_FakeScheduler):
