@@ -235,9 +235,9 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
                 await abort(context, Aborted(f"request {request_id}: a resume of it took this stream's place on node "
                                              f"{self._config.node_id}"))
             if handed_on:
-                await abort(context, Drained(f"request {request_id}: node {self._config.node_id} is shutting down, "
-                                             f"its grace of {self._config.shutdown_grace_s:g} s ending, after {index} "
-                                             "tokens; another node goes on with it", self._config.node_id))
+                # (Its router's message names the request, the node and the tokens it had.)
+                await abort(context, Drained(f"shutting down, its grace of {self._config.shutdown_grace_s:g} s "
+                                             "ending; another node goes on with the stream", self._config.node_id))
         except EngineInputError as exc:  # an engine that checks part of its input as it runs (vLLM)
             await abort(context, InvalidArgument(exc.field, exc.value, exc.reason))
         finally:
