@@ -479,7 +479,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         except grpc.RpcError as exc:
             leader_error = f"the leader at {state.leader_address} did not answer ({exc.code().name})"
     leader = f"{state.leader_id} at {state.leader_address}" if state.leader_id else "none elected"
-    print(f"scheduler leader: {leader} (asked {state.scheduler_id}); {len(state.nodes)} nodes")
+    leaving = sum(node.info.draining for node in state.nodes)
+    print(f"scheduler leader: {leader} (asked {state.scheduler_id}); {len(state.nodes)} nodes"
+          + (f" ({leaving} draining)" if leaving else ""))
     print(f"{'node':<10} {'gpu':<6} {'engine':<6} {'address':<22} {'models':<18} {'run':>4} {'wait':>4} "
           f"{'kv used/total':>16} {'kv%':>5} {'step':>7} {'$/h':>6} {'seen':>7}")
     for node in state.nodes:
@@ -494,6 +496,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{info.node_id:<10} {info.gpu:<6} {info.engine or 'sim':<6} {info.address:<22} {models:<18} "
               f"{load.num_running:>4} {load.num_waiting:>4} {f'{load.kv_blocks_used}/{load.kv_blocks_total}':>16} "
               f"{pct:>5.1f} {step:>7} {info.price_per_hour:>6.2f} {seen:>7}")
+        if node.info.draining:
+            print(f"{'':<10} draining: shutting down; its streams finish here or move on as its grace ends "
+                  "(placement sends it nothing new; paid for until it leaves)")
         if node.reserved_for_model:
             print(f"{'':<10} draining: reserved to be swapped to {node.reserved_for_model} once its requests end "
                   "(placement sends it nothing new)")

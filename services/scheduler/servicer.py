@@ -167,6 +167,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._gate = AdmissionGate(self._admission, self._is_saturated, telemetry.meter, clock,
                                    config.max_tenant_labels)
         self._node_infos: dict[str, common_pb2.NodeInfo] = {}
+        # Nodes draining out of the fleet (SIGTERM), and the last load each reported with when (the clock's): no
+        # candidates, but running their streams and paid for, so GetClusterState shows them (it left them out while
+        # their streams ran on, helper-158).
+        self._draining_infos: dict[str, common_pb2.NodeInfo] = {}
+        self._draining_loads: dict[str, tuple[common_pb2.NodeLoad, float]] = {}
         # Nodes draining out of the fleet: no new work, but paid for until they leave.
         self._draining_price_per_hour = 0.0
         self._member = Membership(config.etcd, config.lease_ttl_s, config.etcd_credentials())
@@ -331,7 +336,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._gate.limits_changed()
 
     def _on_nodes_changed(self, items: dict[str, bytes]) -> None:
-        specs, infos, lapsed, draining_price = [], {}, set(), 0.0
+        specs, infos, lapsed, draining_price, draining = [], {}, set(), 0.0, {}
         for key, value in items.items():
             info = parse_node_info(key, value)
             if info is None:
@@ -341,6 +346,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 price = self._prices[info.node_id] = _price(info.price_per_hour)
                 if key not in self._nodes.lapsed:  # a draining node reports no load: lapsed, it is taken for gone
                     draining_price += price
+                    draining[info.node_id] = info
                 continue
             infos[info.node_id] = info
             specs.append(node_spec(info))
@@ -348,6 +354,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 lapsed.add(info.node_id)
         self._node_infos = infos
         self._draining_price_per_hour = draining_price
+        self._draining_infos = draining
+        self._draining_loads = {n: load for n, load in self._draining_loads.items() if n in draining}
         self._cluster.set_nodes(specs, self._clock(), frozenset(lapsed))
         self._prices.update((spec.node_id, spec.price_per_hour) for spec in specs)
         self._gate.capacity_changed()  # a model may have turned warm
@@ -792,6 +800,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self, request_iterator: AsyncIterator[common_pb2.NodeLoad], context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ReportLoadAck:
         async for load in request_iterator:
+            if load.node_id in self._draining_infos:
+                self._draining_loads[load.node_id] = (load, self._clock())
+                continue
             self._cluster.report_load(load.node_id, load_from_proto(load), self._clock())
             self._gate.capacity_changed()
         return scheduler_pb2.ReportLoadAck()
@@ -827,6 +838,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     reserved_for_model=reserved.get(status.spec.node_id, ""),
                 )
             )
+        for node_id, info in sorted(self._draining_infos.items()):  # info.draining says so
+            load, reported_at = self._draining_loads.get(node_id, (common_pb2.NodeLoad(node_id=node_id), None))
+            state.nodes.append(scheduler_pb2.NodeState(
+                info=info, load=load, load_age_ms=int((now - reported_at) * 1000) if reported_at is not None else -1))
         return state
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from baton.cli import main
 from baton.state_files import ClusterRecord, record_path, write_record
-from baton.v1 import scheduler_pb2, scheduler_pb2_grpc
+from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 
 class _Standby(scheduler_pb2_grpc.SchedulerServicer):
@@ -142,3 +142,26 @@ def test_status_says_which_node_drains_for_a_model_swap(capsys: pytest.CaptureFi
         assert main(["status", "--scheduler", address]) == 0
     assert ("draining: reserved to be swapped to sim-llama-2-7b once its requests end (placement sends it nothing "
             "new)") in capsys.readouterr().out
+
+
+class _ShuttingDown(_Standby):
+    """A leader whose fleet has a node shutting down, four streams still running there."""
+
+    def __init__(self) -> None:
+        super().__init__("scheduler-1", "")
+
+    def GetClusterState(self, request, context):  # noqa: N802 - the generated servicer's name
+        return scheduler_pb2.ClusterState(scheduler_id="scheduler-1", leader_id="scheduler-1", nodes=[
+            scheduler_pb2.NodeState(info=common_pb2.NodeInfo(node_id="n0", gpu="h100")),
+            scheduler_pb2.NodeState(info=common_pb2.NodeInfo(node_id="n1", gpu="h100", draining=True),
+                                    load=common_pb2.NodeLoad(node_id="n1", num_running=4), load_age_ms=40)])
+
+
+def test_status_shows_a_draining_node_and_says_it_is_draining(capsys: pytest.CaptureFixture[str]) -> None:
+    with _serve(_ShuttingDown()) as address:
+        assert main(["status", "--scheduler", address]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "2 nodes (1 draining)" in lines[0]
+    row = next(i for i, line in enumerate(lines) if line.startswith("n1 "))
+    assert lines[row].split()[4] == "4"  # its running streams (no address, no model: the columns after)
+    assert lines[row + 1].split()[0] == "draining:"

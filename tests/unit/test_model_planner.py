@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 
+from google.protobuf import json_format
+
 from baton.v1 import common_pb2, scheduler_pb2
+from services.common import etcd_keys
 from services.common.errors import Unavailable
 from services.common.load import Load
 from services.common.telemetry import Telemetry
@@ -326,6 +330,31 @@ async def test_the_cluster_state_names_a_node_drained_for_a_swap(monkeypatch: py
         asked = scheduler_pb2.GetClusterStateRequest()
         state = await service.GetClusterState(asked, FakeContext())  # type: ignore[arg-type]
         assert [n.reserved_for_model for n in state.nodes] == ["", "", A]  # n0, n1, n2
+    finally:
+        await service.close()
+
+
+async def test_the_cluster_state_shows_a_draining_node_with_the_streams_it_still_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node shutting down (SIGTERM) is no candidate, but runs its streams on and is paid for: the cluster state
+    left it out, `baton status` counting one node fewer while four streams ran there (helper-158)."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"), clock=lambda: 100.0)
+    try:
+        infos = {n: common_pb2.NodeInfo(node_id=n, address=f"{n}:1", gpu="h100", price_per_hour=2.0,
+                                        draining=n == "n1") for n in ("n0", "n1")}
+        service._on_nodes_changed({etcd_keys.node_key(n): json_format.MessageToJson(info).encode()
+                                   for n, info in infos.items()})
+
+        async def reports() -> AsyncIterator[common_pb2.NodeLoad]:
+            yield common_pb2.NodeLoad(node_id="n1", num_running=4, kv_blocks_total=1000)
+
+        await service.ReportLoad(reports(), FakeContext())  # type: ignore[arg-type]
+        state = await service.GetClusterState(scheduler_pb2.GetClusterStateRequest(), FakeContext())  # type: ignore
+        assert [(n.info.node_id, n.info.draining, n.load.num_running) for n in state.nodes] == [
+            ("n0", False, 0), ("n1", True, 4)]
+        assert state.nodes[1].load_age_ms == 0
+        assert [s.spec.node_id for s in service._cluster.nodes()] == ["n0"]  # no candidate
     finally:
         await service.close()
 
