@@ -552,6 +552,11 @@ def _print_recent_decisions(scheduler: str, metadata: tuple[tuple[str, str], ...
                         + ("" if c.warm else f", cold: {c.load_ms / 1000:.0f} s load") for c in d.candidates)
         print(f"  {printable(d.request_id[:12]):<12} -> {d.node_id:<8} score {d.score:.6g}"
               + (f"  [{why}]" if why else ""))
+        if d.retry_cause:
+            print(f"  {'':<12}    a move ({d.retry_cause}), avoiding {', '.join(d.excluded_node_ids) or 'no node'}")
+        if d.waited_ms >= 100:  # the candidates' figures are the fleet's after the wait
+            print(f"  {'':<12}    decided after {d.waited_ms / 1000:.1f} s waiting (admission queue, a model's "
+                  "load, or leadership)")
         if d.fallback:
             print(f"  {'':<12}    fallback: {printable(d.fallback)}")
 

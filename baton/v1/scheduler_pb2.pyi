@@ -136,7 +136,7 @@ class RecentDecisions(_message.Message):
     def __init__(self, policy: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[PlacementDecision, _Mapping]]] = ...) -> None: ...
 
 class PlacementDecision(_message.Message):
-    __slots__ = ("request_id", "node_id", "score", "context", "decided_at_ms", "candidates", "model", "leader_revision", "fallback")
+    __slots__ = ("request_id", "node_id", "score", "context", "decided_at_ms", "candidates", "model", "leader_revision", "fallback", "retry_cause", "excluded_node_ids", "waited_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,9 @@ class PlacementDecision(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LEADER_REVISION_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    RETRY_CAUSE_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    WAITED_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     node_id: str
     score: float
@@ -155,7 +158,10 @@ class PlacementDecision(_message.Message):
     model: str
     leader_revision: int
     fallback: str
-    def __init__(self, request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., score: _Optional[float] = ..., context: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., decided_at_ms: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[CandidateTerms, _Mapping]]] = ..., model: _Optional[str] = ..., leader_revision: _Optional[int] = ..., fallback: _Optional[str] = ...) -> None: ...
+    retry_cause: str
+    excluded_node_ids: _containers.RepeatedScalarFieldContainer[str]
+    waited_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., score: _Optional[float] = ..., context: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., decided_at_ms: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[CandidateTerms, _Mapping]]] = ..., model: _Optional[str] = ..., leader_revision: _Optional[int] = ..., fallback: _Optional[str] = ..., retry_cause: _Optional[str] = ..., excluded_node_ids: _Optional[_Iterable[str]] = ..., waited_ms: _Optional[int] = ...) -> None: ...
 
 class CandidateTerms(_message.Message):
     __slots__ = ("node_id", "gpu", "cached_tokens", "predicted_ttft_ms", "predicted_tpot_ms", "cost", "success", "workflow_spent", "has_kv_room", "score", "warm", "load_ms", "kv_free_blocks", "at_risk", "model")

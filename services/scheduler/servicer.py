@@ -415,6 +415,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     ) -> scheduler_pb2.Placement:
         plan: Plan | None = None
         is_placed = admitted = False
+        called_at = self._clock()
         attempt = next(self._attempts)  # which call admitted it, if one later call of its id shares its slot
         failed_loads: set[str] = set()  # cold nodes that failed to load its model
         # The metric's label: a cause check_place refuses is counted as one "unknown", not under its own value.
@@ -458,7 +459,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     options = self._placer.after_queueing(plan, options, self._clock(), changing)
                 placed = self._placer.decide(options, self._clock())
                 decision, model = placed.decision, placed.request.model
-                self._record_decision(placed.request, decision, revision, plan.unpredicted)
+                self._record_decision(placed.request, decision, revision, plan.unpredicted, ask,
+                                      self._clock() - called_at)
                 if placed.is_cold:
                     try:
                         await self._load_for(request, decision, model, context.time_remaining())
@@ -715,9 +717,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             raise self._not_leader()
 
     def _record_decision(self, placement: PlacementRequest, decision: Decision, leader_revision: int,
-                         note: str = "") -> None:
+                         note: str = "", ask: PlaceAsk | None = None, waited_s: float = 0.0) -> None:
         """Keep the decision, its per-axis terms and what could not be predicted (note: admission's) for
-        GetRecentDecisions and the trace span."""
+        GetRecentDecisions and the trace span; for a move (ask's retry cause), why and the nodes it avoided, and how
+        long the call waited before it (a move's decision looked like a first placement, and one made after a
+        wait for a model's load showed only the fleet at its end, helper-158)."""
         terms = [
             scheduler_pb2.CandidateTerms(
                 node_id=t.node_id, gpu=t.gpu, cached_tokens=t.cached_tokens, predicted_ttft_ms=t.ttft_ms,
@@ -729,12 +733,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._decisions.append(scheduler_pb2.PlacementDecision(
             request_id=placement.request_id, node_id=decision.node_id, score=decision.cost, model=placement.model,
             context=context_of(placement), decided_at_ms=int(time.time() * 1000), candidates=terms,
-            leader_revision=leader_revision, fallback="; ".join(n for n in (decision.fallback, note) if n)))
+            leader_revision=leader_revision, fallback="; ".join(n for n in (decision.fallback, note) if n),
+            retry_cause=ask.retry_cause if ask is not None else "",
+            excluded_node_ids=sorted(ask.exclude) if ask is not None else (), waited_ms=round(waited_s * 1000)))
         span = trace.get_current_span()
         span.set_attribute("baton.placement.node", decision.node_id)
         span.set_attribute("baton.placement.model", placement.model)
         span.set_attribute("baton.placement.score", decision.cost)
         span.set_attribute("baton.placement.cached_blocks", decision.matched_blocks)
+        if ask is not None and ask.retry_cause:
+            span.set_attribute("baton.placement.retry_cause", ask.retry_cause)
         if decision.fallback:
             span.set_attribute("baton.placement.fallback", decision.fallback)
         several_models = len({t.model for t in terms}) > 1

@@ -165,3 +165,22 @@ def test_status_shows_a_draining_node_and_says_it_is_draining(capsys: pytest.Cap
     row = next(i for i, line in enumerate(lines) if line.startswith("n1 "))
     assert lines[row].split()[4] == "4"  # its running streams (no address, no model: the columns after)
     assert lines[row + 1].split()[0] == "draining:"
+
+
+class _Moved(_Standby):
+    """A leader whose last decision placed a move, after a wait."""
+
+    def __init__(self) -> None:
+        super().__init__("scheduler-1", "")
+
+    def GetRecentDecisions(self, request, context):  # noqa: N802 - the generated servicer's name
+        return scheduler_pb2.RecentDecisions(policy="baton", decisions=[scheduler_pb2.PlacementDecision(
+            request_id="r1", node_id="n1", retry_cause="drained", excluded_node_ids=["n0"], waited_ms=5670)])
+
+
+def test_status_says_a_decision_was_a_move_and_how_long_it_waited(capsys: pytest.CaptureFixture[str]) -> None:
+    with _serve(_Moved()) as address:
+        assert main(["status", "--scheduler", address]) == 0
+    out = capsys.readouterr().out
+    assert "a move (drained), avoiding n0" in out
+    assert "decided after 5.7 s waiting (admission queue, a model's load, or leadership)" in out

@@ -150,3 +150,35 @@ async def test_get_recent_decisions_names_the_fallback_that_placed_a_node_withou
     fallback = recent.decisions[0].fallback
     assert "no engine profile registered by any candidate (n0): placed by dynamo's KV-load cost" in fallback
     assert "admission: no candidate registered an engine profile" in fallback
+
+
+async def test_a_moves_decision_says_why_it_moved_and_which_nodes_it_avoided(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A move's decision looked like a first placement: no cause, and the node it left simply missing from the
+    candidates (helper-158)."""
+    fake_leadership(monkeypatch, lambda: True)
+    clock = [100.0]
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"), clock=lambda: clock[0])
+    service._role.elected.set()
+    service._cluster.set_nodes([status("n0", None).spec, status("n1", None).spec])
+    for node_id in ("n0", "n1"):
+        service._cluster.report_load(node_id, Load(kv_blocks_total=1000), clock[0])
+
+    class Context:
+        def time_remaining(self) -> float:
+            return 30.0
+
+    try:
+        await asyncio.wait_for(service.Place(scheduler_pb2.PlaceRequest(
+            request_id="r1", model=MODEL, num_prompt_tokens=16, max_tokens=8), Context()), 5)  # type: ignore[arg-type]
+        moved = await asyncio.wait_for(service.Place(scheduler_pb2.PlaceRequest(
+            request_id="r1", model=MODEL, num_prompt_tokens=16, max_tokens=8, retry_cause="stalled",
+            exclude_node_ids=["n0"], resumed=True), Context()), 5)  # type: ignore[arg-type]
+        asked = scheduler_pb2.GetRecentDecisionsRequest()
+        recent = await service.GetRecentDecisions(asked, Context())  # type: ignore[arg-type]
+    finally:
+        await service.close()
+    assert moved.node_id == "n1"
+    move, first = recent.decisions  # newest first
+    assert (move.retry_cause, list(move.excluded_node_ids)) == ("stalled", ["n0"])
+    assert (first.retry_cause, list(first.excluded_node_ids)) == ("", [])
+    assert move.waited_ms == first.waited_ms == 0  # nothing waited: the clock never moved
