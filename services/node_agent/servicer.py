@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 from google.protobuf import json_format
 
 from baton.v1 import common_pb2, node_agent_pb2, node_agent_pb2_grpc
@@ -178,6 +179,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         except BatonError as error:
             await abort(context, error)
         request_id = request.request_id
+        trace.get_current_span().set_attribute("baton.request_id", request_id)
         try:
             check_node_sampling(request.sampling, self._host.local(request.model).vocab_size)
             self._make_way(request, engine)

@@ -354,6 +354,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 cluster_id = cluster_request_id(request.tenant, client_id)
                 if request.workflow_id:  # nor its workflow's task, whose steps and spend the scheduler keeps
                     request.workflow_id = cluster_request_id(request.tenant, request.workflow_id)
+            # A request's trace is found by its id (no span carried it, helper-158): the cluster's, as the leader's
+            # and the nodes' spans name it.
+            span.set_attribute("baton.request_id", cluster_id)
             tokenizer = TOKENIZERS[valid.model.tokenizer]
             generation = Generation(
                 request_id=cluster_id,

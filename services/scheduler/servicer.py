@@ -416,6 +416,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         plan: Plan | None = None
         is_placed = admitted = False
         called_at = self._clock()
+        trace.get_current_span().set_attribute("baton.request_id", request.request_id)
         attempt = next(self._attempts)  # which call admitted it, if one later call of its id shares its slot
         failed_loads: set[str] = set()  # cold nodes that failed to load its model
         # The metric's label: a cause check_place refuses is counted as one "unknown", not under its own value.

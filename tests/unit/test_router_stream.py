@@ -825,6 +825,8 @@ async def test_a_requests_span_says_which_node_failed_it_and_how_it_ended() -> N
     assert span.attributes is not None
     assert (span.attributes["baton.outcome"], span.attributes["baton.migrations"], span.attributes["baton.tokens"]) \
         == ("succeeded", 1, 3)
+    # Found by its id (no span carried one, helper-158), as its calls to the leader and the nodes name it.
+    assert span.attributes["baton.request_id"] == scheduler.places[0].request_id != ""
     failures = [e for e in span.events if e.name == "baton.node_failure"]
     assert len(failures) == 1 and failures[0].attributes is not None
     assert (failures[0].attributes["baton.node_id"], failures[0].attributes["baton.cause"],
