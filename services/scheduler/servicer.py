@@ -81,6 +81,9 @@ _UNCONFIRMED_HOLD_S = 30.0
 _REPORTING_S = 1.0
 # How long a kvindex replica that failed an overlap query is asked after the others.
 _KVINDEX_AVOID_S = 5.0
+# While every kvindex replica has failed lately, how often one is asked again (each placement in between is made
+# without cache information, at once).
+_KVINDEX_PROBE_S = 1.0
 # How many cold nodes one placement may see fail to load its model before it is refused.
 _MAX_FAILED_LOADS = 2
 # Of what is left of it, what a wait for an unconfirmed lease leaves for etcd to show a successor (a quarter
@@ -185,6 +188,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._kvindexes = ServiceDirectory(self._member.client, "kvindex", telemetry, grace_s=config.lease_ttl_s)
         # When each kvindex replica last failed an overlap query (this scheduler's clock).
         self._kvindex_failed_at: dict[str, float] = {}
+        # When a replica that had failed lately was last asked again (this scheduler's clock).
+        self._kvindex_probed_at = -math.inf
         self._attempts = itertools.count(1)  # numbers this replica's Place calls
         # The routers registered: one gone holds no stream of a request id (its node streams ended with it).
         self._routers = PrefixView(self._member.client, etcd_keys.service_prefix("router"))
@@ -386,8 +391,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         await self._node_channels.close()
         await self._member.close()
 
-    async def _overlap(self, model: str, block_hashes: Sequence[int]) -> dict[str, int]:
-        """Cached leading blocks per node, from any kvindex replica; empty when none answers in time."""
+    async def _overlap(self, model: str, block_hashes: Sequence[int]) -> dict[str, int] | None:
+        """Cached leading blocks per node, from any kvindex replica, within --kvindex-timeout-s in all; None when none
+        answered in time (the request is placed without cache information, and its decision says so)."""
         if not block_hashes:
             return {}
         # A match is a run of leading blocks: a longer prompt's is cut short there, not refused by the kvindex.
@@ -397,18 +403,50 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         for gone in self._kvindex_failed_at.keys() - set(addresses):  # (replicas come and go on fresh ports)
             del self._kvindex_failed_at[gone]
         # A replica that failed lately is asked last: a frozen one cost every placement --kvindex-timeout-s for as
-        # long as it stayed registered (helper-129).
-        for address in sorted(addresses, key=lambda a: self._kvindex_failed_at.get(a, -math.inf)
-                              > now - _KVINDEX_AVOID_S):
-            stub = kvindex_pb2_grpc.KVIndexStub(self._kvindexes.channel(address))
-            try:
-                reply = await stub.QueryOverlap(request, timeout=self._config.kvindex_timeout_s)
-                self._kvindex_failed_at.pop(address, None)
-                return dict(reply.matched_blocks)
-            except grpc.aio.AioRpcError as exc:
+        # long as it stayed registered (helper-129). While every one has, the one that failed longest ago is asked
+        # again, at most once a _KVINDEX_PROBE_S; the placements in between are made without cache information.
+        lately = {a for a in addresses if self._kvindex_failed_at.get(a, -math.inf) > now - _KVINDEX_AVOID_S}
+        order = sorted(addresses, key=lambda a: a in lately)
+        if lately and lately == set(addresses):
+            if now - self._kvindex_probed_at < _KVINDEX_PROBE_S:
+                return None
+            order = [min(addresses, key=lambda a: self._kvindex_failed_at[a])]
+            self._kvindex_probed_at = now
+        # The timeout is the query's, not each replica's: two frozen replicas cost every placement twice it for as
+        # long as they stayed registered (helper-160). The next replica is asked too (hedged) when one has not
+        # answered within a fifth of it, or failed: the first answer wins.
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self._config.kvindex_timeout_s
+        hedge_s = self._config.kvindex_timeout_s / 5
+        asking: dict[asyncio.Task[kvindex_pb2.OverlapResponse], str] = {}
+        try:
+            while (order or asking) and (remaining := end - loop.time()) > 0:
+                if order:
+                    address = order.pop(0)
+                    stub = kvindex_pb2_grpc.KVIndexStub(self._kvindexes.channel(address))
+                    asking[asyncio.ensure_future(stub.QueryOverlap(request, timeout=remaining))] = address
+                done, _ = await asyncio.wait(asking, timeout=min(hedge_s, remaining) if order else remaining,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    address = asking.pop(task)
+                    try:
+                        reply = task.result()
+                    except grpc.aio.AioRpcError as exc:
+                        self._kvindex_failed_at[address] = self._clock()
+                        log.warning("kvindex %s overlap query failed: %s", address, exc.code().name)
+                        continue
+                    self._kvindex_failed_at.pop(address, None)
+                    for slow in asking.values():  # outrun by a later one: asked after the others for a while
+                        self._kvindex_failed_at[slow] = self._clock()
+                    return dict(reply.matched_blocks)
+            for address in asking.values():  # asked, and no answer within the query's time
                 self._kvindex_failed_at[address] = self._clock()
-                log.warning("kvindex %s overlap query failed: %s", address, exc.code().name)
-        return {}
+                log.warning("kvindex %s overlap query failed: no answer within %g s", address,
+                            self._config.kvindex_timeout_s)
+        finally:
+            for task in asking:
+                task.cancel()
+        return None
 
     async def Place(
         self, request: scheduler_pb2.PlaceRequest, context: grpc.aio.ServicerContext
@@ -443,8 +481,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     waited_s = await self._wait_for_candidates(plan, context.time_remaining())
                 if not plan.has_candidates:
                     raise self._placer.no_candidates(plan, waited_s)
-                overlaps = {m: await self._overlap(m, request.block_hashes)
-                            for m, nodes in plan.candidates.items() if nodes}
+                answers = {m: await self._overlap(m, request.block_hashes)
+                           for m, nodes in plan.candidates.items() if nodes}
+                overlaps = {m: answer or {} for m, answer in answers.items()}
+                # Placed without cache information, the decision says so: its zeros looked like the kvindex's own
+                # answer, a repeated conversation moving between nodes for no reason shown (helper-160).
+                blind = (f"no kvindex answered within {self._config.kvindex_timeout_s:g} s (or every one failed "
+                         "lately): placed without cache information") if None in answers.values() else ""
                 options = self._placer.options(plan, overlaps.__getitem__)
                 admission = self._placer.ticket(plan, options, self._clock(), attempt)
                 waited = False
@@ -460,7 +503,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     options = self._placer.after_queueing(plan, options, self._clock(), changing)
                 placed = self._placer.decide(options, self._clock())
                 decision, model = placed.decision, placed.request.model
-                self._record_decision(placed.request, decision, revision, plan.unpredicted, ask,
+                self._record_decision(placed.request, decision, revision,
+                                      "; ".join(n for n in (plan.unpredicted, blind) if n), ask,
                                       self._clock() - called_at)
                 if placed.is_cold:
                     try:

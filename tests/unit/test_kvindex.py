@@ -247,3 +247,53 @@ async def test_a_kvindex_replica_that_failed_is_asked_after_the_others_for_a_whi
         for server in servers:
             await server.stop(None)
         await live.close()
+
+
+@pytest.mark.timeout(20)
+async def test_with_every_kvindex_replica_frozen_placements_go_without_cache_information_and_say_so(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two frozen replicas, still registered, cost every placement the query's timeout twice, one after the other,
+    and its decision showed zeros as if the kvindex had answered them (helper-160). The timeout is the query's, a
+    decision says it was made without cache information, and while every replica has failed lately, one is asked
+    again once a second: the placements in between do not wait for them."""
+    fake_leadership(monkeypatch, lambda: True)
+    frozen = [_FrozenKVIndex(), _FrozenKVIndex()]
+    servers, addresses = [], []
+    for servicer in frozen:
+        server = grpc.aio.server()
+        kvindex_pb2_grpc.add_KVIndexServicer_to_server(servicer, server)
+        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        await server.start()
+        servers.append(server)
+    clock = [100.0]
+    scheduler = SchedulerService(SchedulerConfig(kvindex_timeout_s=0.1), Telemetry("scheduler/test", "none"),
+                                 clock=lambda: clock[0])
+    scheduler._role.elected.set()
+    scheduler._kvindexes.addresses = lambda: list(addresses)  # type: ignore[method-assign]
+    scheduler._cluster.set_nodes([NodeSpec(node_id="n0", address="n0:1", gpu="h100", price_per_hour=1.0,
+                                           warm_models=frozenset({M}))])
+    scheduler._cluster.report_load("n0", Load(kv_blocks_total=1_000_000), clock[0])
+
+    async def place(request_id: str) -> tuple[int, str]:
+        """How many queries the frozen replicas took for it, and its decision's fallback."""
+        before = sum(f.asked for f in frozen)
+        await scheduler.Place(scheduler_pb2.PlaceRequest(
+            request_id=request_id, model=M, num_prompt_tokens=len(PROMPT) * DEFAULT_BLOCK_SIZE, max_tokens=8,
+            block_hashes=list(PROMPT)), FakeContext())  # type: ignore[arg-type]
+        recent = await scheduler.GetRecentDecisions(scheduler_pb2.GetRecentDecisionsRequest(limit=1), FakeContext())
+        return sum(f.asked for f in frozen) - before, recent.decisions[0].fallback
+
+    try:
+        asked, fallback = await place("first")
+        assert asked == 2  # the second asked too once the first had not answered within a fifth of the timeout
+        assert "no kvindex answered within 0.1 s (or every one failed lately): placed without cache information" \
+            in fallback
+        assert (await place("second"))[0] == 1  # every one failed lately: the one that failed first, asked again
+        asked, fallback = await place("third")
+        assert asked == 0 and "placed without cache information" in fallback  # within the second: none asked
+        clock[0] += 1.5
+        assert (await place("fourth"))[0] == 1
+    finally:
+        await scheduler.close()
+        for server in servers:
+            await server.stop(None)
