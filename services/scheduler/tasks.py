@@ -62,6 +62,8 @@ class _Task:
     failed: set[int] = field(default_factory=set)
     last_ok: bool = False
     last_at: float = 0.0
+    # The step whose total_steps is in force: the latest in the workflow's order that said one.
+    total_from_step: int = 0
 
     def all_ok(self) -> bool:
         """Whether a task of unknown length went well: every step it numbered succeeded, or, with none
@@ -79,9 +81,9 @@ def json_str_bytes(text: str) -> int:
 
 
 def _open_entry_bytes(task_id: str, task: _Task) -> int:
-    """About the most an open task takes in the hand-over state's JSON: its key (in open, and in open_failed_steps
-    when it has failed steps), its five fields, its steps."""
-    return (json_str_bytes(task_id) * (2 if task.failed else 1) + 96
+    """About the most an open task takes in the hand-over state's JSON: its key (in open, in open_failed_steps when
+    it has failed steps, in open_total_from_step when a step said its total), its five fields, its steps."""
+    return (json_str_bytes(task_id) * (1 + bool(task.failed) + bool(task.total_from_step)) + 108
             + sum(len(str(step)) + 2 for step in (*task.succeeded, *task.failed)))
 
 
@@ -133,8 +135,11 @@ class TaskLedger:
             # A late notice for a task already counted: its cost still counts.
             self.ended_cost_usd += cost_usd
             return None
-        task = self._open.pop(task_id, None) or _Task(total_steps=max(total_steps, 0))
-        task.total_steps = max(task.total_steps, total_steps)
+        task = self._open.pop(task_id, None) or _Task(total_steps=max(total_steps, 0), total_from_step=step)
+        if total_steps > 0 and step >= task.total_from_step:
+            # The latest step says how many there are (an agent's plan may change): with the largest said, a workflow
+            # whose step 3 said 5 and whose steps 1 to 4 then said 4 waited for a step 5 and failed (helper-160).
+            task.total_steps, task.total_from_step = total_steps, step
         task.spent_usd += cost_usd
         task.last_ok = ok
         task.last_at = now
@@ -246,6 +251,8 @@ class TaskLedger:
             "open": {k: [t.total_steps, t.spent_usd, sorted(t.succeeded), t.last_ok, now - t.last_at]
                      for k, t in (open_tasks[i] for i in kept)},
             "open_failed_steps": {k: sorted(t.failed) for k, t in (open_tasks[i] for i in kept) if t.failed},
+            "open_total_from_step": {k: t.total_from_step for k, t in (open_tasks[i] for i in kept)
+                                     if t.total_from_step},
             # As digests: 16 characters, where a tenant-scoped id may have 257.
             "ended_digests": ended + [task_digest(k) for k in reversed(failed_here)],
         }
@@ -278,10 +285,11 @@ class TaskLedger:
         self.overhead_usd = float(state.get("overhead_usd", 0.0))
         self.fleet_cost_usd = float(state.get("fleet_cost_usd", 0.0))
         failed_steps = state.get("open_failed_steps", {})
+        from_step = state.get("open_total_from_step", {})
         self._open = OrderedDict(
             (_keyed(k, int(total)),
              _Task(int(total), float(spent), set(steps), set(failed_steps.get(k, legacy[0] if legacy else ())),
-                   bool(ok), now - float(age)))
+                   bool(ok), now - float(age), int(from_step.get(k, 0))))
             # A state written by the versions that put failed steps in a sixth field.
             for k, (total, spent, steps, ok, age, *legacy) in state["open"].items())
         # An ended task's key from a version with one key space may be either kind.

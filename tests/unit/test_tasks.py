@@ -262,3 +262,21 @@ def test_a_workflow_between_its_steps_is_handed_over_before_the_requests_an_over
     state = ledger.to_state(10_000, 300.0, 30.0, max_open_bytes=16 * 1024, max_digests=100)
     assert {workflow_task(f"wf{n}") for n in range(100)} <= set(state["open"])
     assert len(state["open"]) < 300
+
+
+@pytest.mark.parametrize("hand_over", [False, True])
+def test_the_latest_step_says_how_many_steps_a_workflow_has(hand_over: bool) -> None:
+    """With the largest total_steps said, a workflow whose step 3 said 5 and whose steps 1, 2 and 4 then said 4
+    waited for a step 5 that never came, and failed at the timeout (helper-160). A late notice of an earlier step
+    does not change it back, and a successor leader keeps which step said it."""
+    ledger = TaskLedger(timeout_s=60.0)
+    wf = workflow_task("wf")
+    assert ledger.record(wf, 3, 5, 0.01, ok=True, now=0.0) is None
+    assert ledger.record(wf, 2, 4, 0.01, ok=True, now=1.0) is None  # an earlier step: 5 still stands
+    assert ledger.record(wf, 4, 4, 0.01, ok=True, now=2.0) is None  # the latest step: 4
+    if hand_over:
+        successor = TaskLedger(timeout_s=60.0)
+        successor.restore(ledger.to_state(max_open=100, now=3.0), now=3.0)
+        ledger = successor
+    assert ledger.record(wf, 1, 5, 0.01, ok=True, now=4.0) is True  # a late notice of step 1, as first sent
+    assert (ledger.stats().succeeded, ledger.stats().failed) == (1, 0)
