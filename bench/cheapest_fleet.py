@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --skip: {options.skip}: the agentic workload is generated, not read from a trace; "
                      "it has no requests to skip")
     check_trace(parser.error, args_for(options, FAMILIES[0].fleet(1)))
+    flags.check_out(parser.error, options.out)
     policies, seeds = options.policies, options.seeds
 
     started = time.perf_counter()

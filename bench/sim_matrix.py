@@ -319,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"in its name; they are: {'; '.join(s.name for s in candidates)}")
     for setting in settings:
         check_trace(parser.error, _args(setting, options))
+    flags.check_out(parser.error, options.out)
     pools: dict[str, list[str]] = {}
     unwindowed: list[str] = []
     if options.windows:  # each trace setting's windows in its place (agent tasks are generated: no windows)

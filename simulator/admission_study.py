@@ -29,7 +29,8 @@ def run_one(job: tuple[argparse.Namespace, str, float]) -> tuple[str, float, dic
     met = sum(m for m, _ in bands.values())
     refused = sum(1 for r in result.records if r.failed.startswith(("refused", "shed")))
     summary = summarize(result, workload, slo)
-    return admission, load, {"goodput_rps": met / result.makespan_s, "met": met, "total": len(result.records),
+    # (A run in which nothing ran has no makespan: a 0 ms TTFT budget refused everything, helper-161.)
+    return admission, load, {"goodput_rps": met / result.makespan_s if result.makespan_s > 0 else 0.0, "met": met, "total": len(result.records),
                              "refused": refused, "bands": bands,
                              "cost_per_successful_task": summary.cost_per_successful_task,
                              "busy_cost_per_successful_task": summary.busy_cost_per_successful_task}
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=flags.sim_model, default="sim-llama-3.1-8b")
     args = parser.parse_args(argv)
     flags.check_trace(parser.error, args.traces, TRACE)
+    flags.check_out(parser.error, args.out)
     loads = args.loads
     rows = run_all(run_one, [(args, admission, load) for load in loads for admission in ADMISSIONS], args.jobs)
     lines = ["| load | admission | goodput (req/s) | SLO met, band 1 | band 0 | band -1 | refused or shed "

@@ -120,9 +120,32 @@ def _items(text: str, what: str) -> list[str]:
     return items
 
 
+# The range of a trace speed-up: past it, arrival times underflow or overflow (1e-320 made them infinite).
+MIN_LOAD, MAX_LOAD = 0.001, 1000.0
+# The most a prompt may be scaled (1e9 ran out of memory building its blocks).
+MAX_PROMPT_SCALE = 100.0
+# The most seeds one run of a study takes (each is a run).
+MAX_SEEDS = 10_000
+
+
+def _load(text: str, whole: str) -> float:
+    value = positive_number(text, whole)
+    if not MIN_LOAD <= value <= MAX_LOAD:
+        _refuse_item(whole, text, f"must be from {MIN_LOAD:g} to {MAX_LOAD:g}")
+    return value
+
+
+def prompt_scale(text: str) -> float:
+    """A finite factor above 0 and at most MAX_PROMPT_SCALE."""
+    value = positive_number(text)
+    if value > MAX_PROMPT_SCALE:
+        _refuse_item(text, text, f"must be at most {MAX_PROMPT_SCALE:g}")
+    return value
+
+
 def loads(text: str) -> tuple[float, ...]:
-    """Comma-separated trace speed-ups, each a finite number above 0, none twice."""
-    values = [positive_number(item, text) for item in _items(text, "load")]
+    """Comma-separated trace speed-ups, each a finite number from MIN_LOAD to MAX_LOAD, none twice."""
+    values = [_load(item, text) for item in _items(text, "load")]
     if len(set(values)) < len(values):
         _refuse(text, "the same load given twice")
     return tuple(values)
@@ -140,6 +163,8 @@ def seeds(text: str) -> tuple[int, ...]:
             first, last = int(span[1]), int(span[2])
             if first > last:
                 _refuse(text, f"the range {item} runs backwards")
+            if last - first + 1 + len(values) > MAX_SEEDS:
+                _refuse(text, f"more than {MAX_SEEDS:,} seeds (each is a run)")
             values += range(first, last + 1)
         elif item == "...":
             _refuse(text, "write a run of seeds as a range, e.g. 10-19")
@@ -244,3 +269,16 @@ def check_trace(refuse: Refuse, folder: str, name: str, skip: int = 0) -> None:
         num_requests = trace_length(path)
         if skip >= num_requests:
             refuse(f"argument --skip: {skip:,} is at or past the end of {name}, which has {num_requests:,} requests")
+
+
+def check_out(refuse: Refuse, folder: str) -> None:
+    """--out is a folder this process can write in (made if it is missing): checked before the runs, whose results
+    were lost when it was a file or could not be made (helper-161)."""
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".baton-write-check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        refuse(f"argument --out: {folder!r}: not a folder results can be written in ({error.strerror or error})")

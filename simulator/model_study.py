@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --split: {args.split[0]},{args.split[1]} makes {sum(args.split)} nodes; "
                      f"the fleet {args.fleet} has {num_nodes}")
     flags.check_trace(parser.error, args.traces, TRACE)
+    flags.check_out(parser.error, args.out)
     rows = run_all(run_one, [(args, mode, load) for load in args.loads for mode in MODES], args.jobs)
     write_results(args.out, table(rows), {"args": vars(args), "runs": [
         {"mode": m, "load": x, **s} for m, x, s in rows]})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import sys
@@ -177,7 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated; default: all")
     parser.add_argument("--loads", type=flags.loads, default=(1.0,),
                         help="comma-separated trace speed-ups, e.g. 0.5,1,2")
-    parser.add_argument("--prompt-scale", type=flags.positive_number, default=1.0, help="multiply every prompt length")
+    parser.add_argument("--prompt-scale", type=flags.prompt_scale, default=1.0,
+                        help="multiply every prompt length (at most 100; a trace's prompt grows in blocks of its own; "
+                        "traces only)")
     parser.add_argument("--limit", type=flags.positive_int, default=None,
                         help=f"first N requests (or N agent tasks; default: the whole trace, or {AGENT_TASKS} tasks)")
     parser.add_argument("--skip", type=flags.non_negative_int, default=0,
@@ -213,19 +216,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.workload == "agentic" and args.skip:
         parser.error(f"argument --skip: {args.skip}: the agentic workload is generated, not read from a trace; "
                      "it has no requests to skip")
+    if args.workload == "agentic" and args.prompt_scale != 1.0:  # (it was ignored there)
+        parser.error(f"argument --prompt-scale: {args.prompt_scale:g}: the agentic workload is generated with "
+                     "prompts of its own sizes; it has no trace prompts to scale")
     flags.check_kills(parser.error, args.kill, args.fleet)
     return args
 
 
 def check_trace(refuse: flags.Refuse, args: argparse.Namespace) -> None:
-    """The workload's trace is there and holds more requests than --skip (agent tasks need none)."""
-    if args.workload != "agentic":
-        flags.check_trace(refuse, args.traces, TRACES[args.workload], args.skip)
+    """The workload's trace is there, reads as one, and holds requests past --skip (agent tasks need none): a
+    garbled line, a row without a field the loader reads, or an empty file was a traceback or a table of NaN after
+    the runs (helper-161)."""
+    if args.workload == "agentic":
+        return
+    flags.check_trace(refuse, args.traces, TRACES[args.workload], args.skip)
+    path = Path(args.traces) / TRACES[args.workload]
+    try:
+        workload = build_workload(args, args.loads[0])
+    except (ValueError, KeyError, TypeError, IndexError, csv.Error, UnicodeDecodeError) as error:
+        refuse(f"argument --traces: {path} does not read as a {args.workload} trace: {type(error).__name__}: "
+               f"{error}")
+    if not workload.requests:
+        refuse(f"argument --traces: {path} holds no requests")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_trace(build_parser().error, args)
+    flags.check_out(build_parser().error, args.out)
     policies, loads, seeds = args.policies, args.loads, args.seeds
     jobs = [(args, policy, load, seed) for load in loads for policy in policies for seed in seeds]
     outcomes = run_all(run_one, jobs, args.jobs)

@@ -51,6 +51,10 @@ class NodeConfig:
     cold: tuple[str, ...] = ()
 
 
+# The most nodes a simulated fleet may have.
+MAX_FLEET_NODES = 4096
+
+
 def fleet(spec: str) -> list[NodeConfig]:
     """'4xh100,4xa100,4xl4' -> node configs with catalogue prices, numbered in order (h100-0, ..., l4-11); a GPU
     named twice adds up. ValueError naming the part that is not COUNTxGPU with a known GPU and a count of 1 or more."""
@@ -76,6 +80,8 @@ def fleet(spec: str) -> list[NodeConfig]:
             refuse(f"the count {count!r} of {part!r} is not a whole number")
         if int(count) < 1:
             refuse(f"the count of {part!r} must be at least 1")
+        if len(nodes) + int(count) > MAX_FLEET_NODES:  # (99999999999xh100 hung while its nodes were listed)
+            refuse(f"more than {MAX_FLEET_NODES} nodes in all")
         for _ in range(int(count)):
             nodes.append(NodeConfig(f"{gpu}-{len(nodes)}", gpu, GPU_SPECS[gpu].price_per_hour))
     return nodes

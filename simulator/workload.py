@@ -170,10 +170,17 @@ def load_mooncake(path: Path, speedup: float = 1.0, prompt_scale: float = 1.0,
                 break
     if skip and not rows:
         raise _past_the_end(path, skip, num_read)
-    hash_rows = [tuple(r["hash_ids"]) for r in rows]
-    prompt_lens = [max(1, min(int(r["input_length"] * prompt_scale), TRACE_BLOCK * len(r["hash_ids"])))
-                   for r in rows]
-    sessions = _sessions(hash_rows, prompt_lens)
+    # Scaled up, each of a row's blocks becomes k = ceil(scale) blocks of its own (so prompts that shared a prefix
+    # share its k-fold): the prompts were cut to the row's blocks, and --prompt-scale 2 and 10 gave the same ones
+    # (helper-161).
+    k = max(1, math.ceil(prompt_scale))
+    hash_rows = [tuple(r["hash_ids"]) if k == 1 else tuple(h * k + i for h in r["hash_ids"] for i in range(k))
+                 for r in rows]
+    prompt_lens = [max(1, min(int(r["input_length"] * prompt_scale), TRACE_BLOCK * len(hashes)))
+                   for r, hashes in zip(rows, hash_rows, strict=True)]
+    # The trace's conversations, whatever the scale (its full blocks moved them: 193 at 1, 194 at 0.5, 17 at 1.5).
+    sessions = _sessions([tuple(r["hash_ids"]) for r in rows],
+                         [max(1, min(int(r["input_length"]), TRACE_BLOCK * len(r["hash_ids"]))) for r in rows])
     start = rows[0]["timestamp"] if rows else 0
     requests = []
     for j, row in enumerate(rows):
@@ -297,8 +304,11 @@ def parse_slo_mix(text: str) -> tuple[SloClass, ...]:
             share, ttft_s, tpot_s = (float(x) for x in part.split(":"))
         except ValueError:
             raise ValueError(f"{part!r} is not share:ttft_s:tpot_s") from None
-        if share <= 0 or ttft_s <= 0 or tpot_s <= 0:
-            raise ValueError(f"{part!r} needs a positive share and budgets")
+        if not all(math.isfinite(x) for x in (share, ttft_s, tpot_s)):
+            raise ValueError(f"{part!r} needs finite numbers")
+        if share <= 0 or ttft_s < 0.001 or tpot_s < 0.001:
+            # (A budget under 1 ms was kept as 0, which reads as unset: the cluster's 5 s, helper-161.)
+            raise ValueError(f"{part!r} needs a positive share and budgets of at least 0.001 s")
         classes.append(SloClass(f"class{i}", share, round(ttft_s * 1000), round(tpot_s * 1000)))
     if not classes or abs(sum(c.share for c in classes) - 1.0) > 1e-6:
         raise ValueError(f"the shares of {text!r} must add up to 1")

@@ -89,6 +89,14 @@ BAD_SIM_FLAGS = [
     (["--fleet", "2xh100,1xl4", "--kill", "5:h100-2"], "--kill", "no node 'h100-2' in the fleet '2xh100,1xl4'; "
      "its nodes: h100-0, h100-1, l4-2"),
     (["--workload", "agentic", "--skip", "5"], "--skip", "agentic"),
+    # Each a hang, a memory error or a table of inf or nan; the agentic workload ignored a prompt scale (helper-161).
+    (["--prompt-scale", "1e9"], "--prompt-scale", "'1e9' must be at most 100"),
+    (["--workload", "agentic", "--prompt-scale", "2"], "--prompt-scale", "agentic"),
+    (["--seeds", "0-99999999"], "--seeds", "more than 10,000 seeds"),
+    (["--fleet", "99999999999xh100"], "--fleet", "more than 4096 nodes in all"),
+    (["--slo-mix", "1:inf:0.1"], "--slo-mix", "needs finite numbers"),
+    (["--slo-mix", "1:0.0001:0.1"], "--slo-mix", "budgets of at least 0.001 s"),
+    (["--loads", "1e-320"], "--loads", "'1e-320' must be from 0.001 to 1000"),
 ]
 
 
@@ -110,6 +118,33 @@ def test_a_skip_at_or_past_the_end_of_the_trace_is_refused_naming_its_length(
                                      "--out", str(tmp_path / "out")])
         assert f"argument --skip: {NUM_REQUESTS} is at or past the end of {TRACES[workload]}" in err
         assert f"which has {NUM_REQUESTS} requests" in err
+
+
+@pytest.mark.parametrize(("content", "named"), [
+    ("not json\n", "does not read as a mooncake-conversation trace: JSONDecodeError"),
+    ('{"timestamp": 1, "input_length": 5, "output_length": 3}\n', "KeyError: 'hash_ids'"),
+    ("", "holds no requests"),
+])
+def test_a_trace_that_does_not_read_as_one_is_refused_before_any_run(
+    content: str, named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """It was a traceback, or for an empty file a table of nan, once the runs were under way (helper-161)."""
+    folder = write_traces(tmp_path / "traces")
+    (folder / TRACES["mooncake-conversation"]).write_text(content)
+    err = refused(capsys, _sim, ["--traces", str(folder), "--out", str(tmp_path / "out"), "--jobs", "1"])
+    assert "baton sim: error: argument --traces: " in err and named in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_out_that_cannot_hold_results_is_refused_before_any_run(
+    traces: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Found after every run had ended, and their results lost (helper-161)."""
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    for main, prog in ((_sim, "baton sim"), (_admission, "baton sim-admission"), (_models, "baton sim-models")):
+        err = refused(capsys, main, ["--traces", str(traces), "--out", str(taken), "--jobs", "1"])
+        assert f"{prog}: error: argument --out: '{taken}': not a folder results can be written in" in err
 
 
 def test_missing_traces_are_refused_by_every_study(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -100,8 +100,13 @@ def test_mooncake_sessions_arrivals_and_lengths(tmp_path: Path) -> None:
 def test_mooncake_prompt_scale_scales_input_lengths(tmp_path: Path) -> None:
     trace = _write_trace(tmp_path / "trace.jsonl")
     assert [r.prompt_len for r in load_mooncake(trace, prompt_scale=0.5).requests] == [512, 768, 768, 300]
-    # Never longer than the hash ids describe.
-    assert [r.prompt_len for r in load_mooncake(trace, prompt_scale=2.0).requests] == [1024, 1536, 1536, 1024]
+    # Scaled up, each block of a row becomes two of its own: the prompts grow, and the conversation stays one (they
+    # were cut to the row's blocks, so that 2 and 10 gave the same prompts, helper-161).
+    doubled = load_mooncake(trace, prompt_scale=2.0).requests
+    assert [r.prompt_len for r in doubled] == [2048, 3072, 3072, 1200]
+    assert [len(r.hash_ids) for r in doubled] == [4, 6, 6, 4]
+    assert doubled[1].hash_ids[:4] == doubled[0].hash_ids and doubled[2].hash_ids[:2] == doubled[0].hash_ids[:2]
+    assert [(r.task_id, r.step) for r in doubled] == [(r.task_id, r.step) for r in load_mooncake(trace).requests]
     assert [r.arrival_s for r in load_mooncake(trace, limit=2).requests] == [0.0, 0.5]
 
 
