@@ -39,6 +39,7 @@ from baton.state_files import (
     write_record,
 )
 from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.common.config import check_listen, check_otel_exporter
 from services.common.profile_proto import profile_from_proto
 from services.common.tls import TlsFiles, channel_credentials, generate_throwaway_pki
 from services.node_agent.engines.sim.models import GPU_SPECS, SIM_MODELS
@@ -116,6 +117,13 @@ def invalid_up_flag(args: argparse.Namespace) -> str | None:
         return f"--name {args.name!r}: use letters, digits, '.', '_' and '-' (it names a file)"
     if not -1 <= args.http_port <= 65535:
         return f"--http-port {args.http_port}: must be a port, 0 (any free port) or -1 (no HTTP API)"
+    if args.http_port > 0 and args.router_port and args.router_port <= args.http_port < args.router_port + args.routers:
+        return f"--http-port {args.http_port}: a router's gRPC port too (--router-port {args.router_port}, " \
+               f"--routers {args.routers})"
+    try:  # as every service checks it, but before etcd and the services have started (helper-161)
+        check_otel_exporter(args.otel_exporter)
+    except ValueError as error:
+        return str(error)
     return None
 
 
@@ -349,6 +357,9 @@ def cmd_certs(args: argparse.Namespace) -> int:
     if not hosts:
         print("baton certs: --hosts names no host", file=sys.stderr)
         return 2
+    if not 1 <= args.days <= 3650:  # (0 wrote certificates expired as written; others were tracebacks, helper-161)
+        print(f"baton certs: --days {args.days}: must be 1 to 3650", file=sys.stderr)
+        return 2
     pki = generate_throwaway_pki(Path(args.out), hosts, days=args.days)
     print(f"CA {pki.ca}\nservices (server and client use, for {', '.join(hosts)}): {pki.service.cert} "
           f"{pki.service.key}\noperator (client use): {pki.client.cert} {pki.client.key}")
@@ -358,6 +369,12 @@ def cmd_certs(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.router:
         routers, origin = _split(args.router), ""
+        for router in routers or [args.router]:  # (port 99999 dialled 34463; "," was a traceback, helper-161)
+            try:
+                check_listen("router", router)
+            except ValueError as error:
+                print(f"baton generate: {error}", file=sys.stderr)
+                return 2
     else:
         try:
             record = _find_cluster(args)
@@ -706,12 +723,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["sim"]:
-        return simulator_main(argv[1:])
-    if argv[:1] == ["sim-admission"]:
-        return admission_study_main(argv[1:])
-    if argv[:1] == ["sim-models"]:
-        return model_study_main(argv[1:])
+    studies = {"sim": simulator_main, "sim-admission": admission_study_main, "sim-models": model_study_main}
+    if argv[:1] and argv[0] in studies:
+        try:
+            return studies[argv[0]](argv[1:])
+        except KeyboardInterrupt:  # Ctrl-C: its workers are stopped (simulator.study.run_all); no traceback
+            print(f"baton {argv[0]}: interrupted", file=sys.stderr)
+            return 130
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -10,6 +10,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+import aetcd
 import grpc
 
 from baton.flag_types import INT64, int_in, positive_finite
@@ -103,6 +104,9 @@ def cmd_tenants(args: argparse.Namespace, etcd: str, credentials: grpc.ChannelCr
     except (LookupError, ValueError) as exc:
         print(f"baton tenants {args.action}: {exc}", file=sys.stderr)
         return 2
+    except aetcd.exceptions.ConnectionFailedError as exc:  # (a traceback, helper-161)
+        print(f"baton tenants {args.action}: etcd at {etcd} did not answer: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

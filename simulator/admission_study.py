@@ -30,7 +30,8 @@ def run_one(job: tuple[argparse.Namespace, str, float]) -> tuple[str, float, dic
     refused = sum(1 for r in result.records if r.failed.startswith(("refused", "shed")))
     summary = summarize(result, workload, slo)
     # (A run in which nothing ran has no makespan: a 0 ms TTFT budget refused everything, helper-161.)
-    return admission, load, {"goodput_rps": met / result.makespan_s if result.makespan_s > 0 else 0.0, "met": met, "total": len(result.records),
+    goodput = met / result.makespan_s if result.makespan_s > 0 else 0.0
+    return admission, load, {"goodput_rps": goodput, "met": met, "total": len(result.records),
                              "refused": refused, "bands": bands,
                              "cost_per_successful_task": summary.cost_per_successful_task,
                              "busy_cost_per_successful_task": summary.busy_cost_per_successful_task}

@@ -6,7 +6,9 @@ import argparse
 import json
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -48,11 +50,28 @@ def worker_pool(num_workers: int) -> ProcessPoolExecutor:
 
 
 def run_all(run_one: Callable[[Job], Row], jobs: Iterable[Job], num_workers: int) -> list[Row]:
-    """Every job, in order, num_workers processes at a time (one: in this process)."""
+    """Every job, in order, num_workers processes at a time (one: in this process). Stopped (SIGTERM, SIGINT), the
+    workers are stopped too: a SIGTERM left them running their jobs to the end, orphaned (helper-161)."""
     if num_workers <= 1:
         return [run_one(job) for job in jobs]
-    with worker_pool(num_workers) as pool:
-        return list(pool.map(run_one, jobs))
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _stopped) if in_main_thread else None
+    try:
+        with worker_pool(num_workers) as pool:
+            try:
+                return list(pool.map(run_one, jobs))
+            except BaseException:
+                for process in list(pool._processes.values()):  # (the executor offers no way to stop them)
+                    process.terminate()
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _stopped(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def write_results(out: str, table: str, results: Any) -> None:

@@ -191,3 +191,5 @@ def check_listen(name: str, value: str) -> None:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"--{name.replace('_', '-')}: expected host:port, got {value!r}")
+    if int(port) > 65535:  # (gRPC took 99999 for 34463, helper-161)
+        raise ValueError(f"--{name.replace('_', '-')}: port {port} is past 65535, in {value!r}")

@@ -70,6 +70,9 @@ def record(state_dir: Path, name: str, pid: int, routers: Sequence[str] = ("127.
     (["--timeout-s", "-1"], "--timeout-s -1.0: must be finite, 0 or more"),
     (["--router-port", "-7"], "--router-port -7: must be a port, 0 to 65535"),
     (["--lease-ttl-s", "0"], "--lease-ttl-s 0: must be at least 1"),
+    # Each left to the services, refused only after etcd had started (helper-161).
+    (["--router-port", "49900", "--http-port", "49900"], "--http-port 49900: a router's gRPC port too"),
+    (["--otel-exporter", "bogus"], "--otel-exporter: expected none, console, file:PATH or otlp:HOST:PORT"),
 ])
 def test_a_bad_flag_is_refused_by_name_before_anything_starts(
         flags: list[str], named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_cluster: None) -> None:
@@ -344,3 +347,24 @@ def test_a_value_its_field_cannot_hold_is_refused_by_the_flags_name(
         cli.main(argv)
     assert exited.value.code == 2
     assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    # Port 99999 dialled 34463; "," and the days were tracebacks, and --days 0 wrote certificates expired as written
+    # (helper-161).
+    (["generate", "--router", "127.0.0.1:99999", "hi"], "baton generate: --router: port 99999 is past 65535"),
+    (["generate", "--router", ",", "hi"], "baton generate: --router: expected host:port, got ','"),
+    (["certs", "--days", "0", "OUT"], "baton certs: --days 0: must be 1 to 3650"),
+    (["certs", "--days=-5", "OUT"], "baton certs: --days -5: must be 1 to 3650"),
+])
+def test_a_bad_value_is_refused_naming_the_flag_before_anything_is_done(
+        argv: list[str], named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "certs"
+    assert cli.main([str(out) if a == "OUT" else a for a in argv]) == 2
+    assert named in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_tenants_says_etcd_did_not_answer_instead_of_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["tenants", "--etcd", "127.0.0.1:1", "list"]) == 1
+    assert "baton tenants list: etcd at 127.0.0.1:1 did not answer" in capsys.readouterr().err

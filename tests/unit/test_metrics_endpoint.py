@@ -35,6 +35,7 @@ def test_the_metrics_endpoint_binds_the_grpc_listen_host(monkeypatch: pytest.Mon
                                             "got 'otlp:collector'"),
     (["--otel-exporter", "jaeger"], "got 'jaeger'"),
     (["--shutdown-grace-s", "-1"], "--shutdown-grace-s: must be 0 to 86400, got -1.0"),
+    (["--listen", "127.0.0.1:99999"], "--listen: port 99999 is past 65535, in '127.0.0.1:99999'"),
     # Taken, it logged a traceback for each span batch, and the spans were lost (helper-158).
     (["--otel-exporter", "file:/nonexistent-dir/spans.jsonl"],
      "--otel-exporter: cannot append to file:/nonexistent-dir/spans.jsonl: No such file or directory"),
