@@ -57,7 +57,9 @@ class LeaseSession:
     restarted under its id) holds it from then on. Every later write (a changed value, a put again after an outage,
     the mark of leaving) is made only while the key is this session's own or no one's: the old process's leaving
     emptied the new one's key and revoked it with its own lease, and the new process was gone from the fleet for good,
-    serving and healthy (helper-158). A key that another process took over is given up, not taken back.
+    serving and healthy (helper-158). A key that another process took over is given up, not taken back: it is put
+    again only once it is under no lease (its other holder gone), tried at every keep-alive, so that the one left of
+    two holders whose leases both lapsed in an etcd freeze, the other re-registered first, comes back (helper-162).
     """
 
     def __init__(self, client: aetcd.Client, ttl_s: int) -> None:
@@ -67,6 +69,8 @@ class LeaseSession:
         self._keys: dict[str, bytes] = {}
         # The keys this session has written once: from then on, only while they are its own or no one's.
         self._taken: set[str] = set()
+        # The keys another process took over: written only while under no lease.
+        self._given_up: set[str] = set()
         self._stale = False
         self._closed = False  # revoked: nothing is put or granted again
         self._lock = asyncio.Lock()
@@ -126,6 +130,9 @@ class LeaseSession:
                             for key, value in list(self._keys.items()):
                                 await self._write(key, value, self._lease_id)
                             self._stale = False
+                        else:  # a key given up comes back once its other holder has gone
+                            for key in list(self._given_up):
+                                await self._write(key, self._keys[key], self._lease_id)
                 delay_s = self._ttl_s / 3
                 if num_failures:
                     log.info("etcd keep-alive works again after %d failed tries", num_failures)
@@ -162,23 +169,30 @@ class LeaseSession:
     async def _write(self, key: str, value: bytes, lease_id: int) -> None:
         """Put key=value under lease_id: the first time whoever holds it, then only while it is under lease_id or
         under none (its old lease expired with an etcd outage, say); else another process took it over, and it is
-        given up. Under the lock."""
+        given up, and written again only once it is under none. Under the lock."""
+        if key in self._given_up:
+            if await self._put_if_under(key, value, lease_id, 0):
+                self._given_up.discard(key)
+                log.info("etcd key %s: the process that took it over has gone; holding it again", key)
+            return
         if key not in self._taken:
             await self._client.put(key.encode(), value, lease=lease_id)
             self._taken.add(key)
             return
-        tx = self._client.transactions
         for holder in (lease_id, 0):
-            written, _ = await self._client.transaction(compare=[_LeaseOf(key.encode()) == holder],
-                                                        success=[tx.put(key.encode(), value, lease=lease_id)],
-                                                        failure=[])
-            if written:
+            if await self._put_if_under(key, value, lease_id, holder):
                 return
         stored = await self._client.get(key.encode())
         log.warning("etcd key %s is held by another process now (lease %x): it took this one's place; no longer "
                     "holding it", key, stored.lease if stored is not None else 0)
-        self._keys.pop(key, None)
-        self._taken.discard(key)
+        self._given_up.add(key)
+
+    async def _put_if_under(self, key: str, value: bytes, lease_id: int, holder: int) -> bool:
+        """Put key=value under lease_id if the key is now under the lease holder (0: none, or no such key)."""
+        written, _ = await self._client.transaction(
+            compare=[_LeaseOf(key.encode()) == holder],
+            success=[self._client.transactions.put(key.encode(), value, lease=lease_id)], failure=[])
+        return bool(written)
 
     async def _mark_leaving(self, lease_id: int, keys: list[str]) -> None:
         tx = self._client.transactions

@@ -115,6 +115,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         self._kv_log = KvEventLog(config.node_id, host)
         # Per request id, the stream serving it now.
         self._serving: dict[str, _Serving] = {}
+        self._draining = False  # shutting down (SIGTERM): no candidate
         # Set a moment before a SIGTERM's grace ends: the streams still running are handed on (Drained).
         self._handing_on = asyncio.Event()
         self._hand_on_timer: asyncio.TimerHandle | None = None
@@ -126,9 +127,11 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     def register(self, server: grpc.aio.Server) -> None:
         node_agent_pb2_grpc.add_NodeAgentServicer_to_server(self, server)
 
-    def _registration(self, draining: bool = False) -> bytes:
+    def _registration(self) -> bytes:
         info = node_info(self._config, self._host)
-        info.draining = draining
+        # Once draining, always: a model that turned warm during the grace re-registered it as a candidate
+        # (helper-162).
+        info.draining = self._draining
         return json_format.MessageToJson(info, indent=None).encode()
 
     async def _keep_registration_current(self) -> None:
@@ -156,7 +159,8 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     async def before_stop(self) -> None:
         # Leave the candidate set, but stay registered: streams already running finish during the
         # grace period, and a router must not take the node's leaving for its death and move them.
-        await self._member.update(etcd_keys.node_key(self._config.node_id), self._registration(draining=True))
+        self._draining = True
+        await self._member.update(etcd_keys.node_key(self._config.node_id), self._registration())
         # Those still running a moment before the grace ends are handed on, for their routers to move them as a
         # drain: cut by the server's stop, each was counted a crash ("stream_broken", helper-158).
         grace_s = self._config.shutdown_grace_s
@@ -212,10 +216,13 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             async for output in outputs:
                 if superseded.is_set():
                     break
-                if self._handing_on.is_set():
-                    handed_on = True
-                    break
+                # Handed on once the output that came after the grace's end neared is sent: one that finishes the
+                # stream finishes it here (it was dropped, and another node asked to redo its token, helper-162).
+                handing_on = self._handing_on.is_set()
                 if output is None:  # heartbeat: the router learns the request is queued or prefilling, not lost
+                    if handing_on:
+                        handed_on = True
+                        break
                     yield self._chunk(request, index, progress=self._progress(engine, request.request_id))
                     continue
                 chunk = self._chunk(request, index, token_ids=output.new_token_ids,
@@ -233,6 +240,9 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
                         )
                     )
                 yield chunk
+                if output.finish_reason is None and handing_on:
+                    handed_on = True
+                    break
             if superseded.is_set():  # not a node failure: its router must not move it
                 await abort(context, Aborted(f"request {request_id}: a resume of it took this stream's place on node "
                                              f"{self._config.node_id}"))

@@ -427,7 +427,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     asking[asyncio.ensure_future(stub.QueryOverlap(request, timeout=remaining))] = address
                 done, _ = await asyncio.wait(asking, timeout=min(hedge_s, remaining) if order else remaining,
                                              return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
+                answer: kvindex_pb2.OverlapResponse | None = None
+                for task in done:  # every one read, so that none's failure goes unretrieved
                     address = asking.pop(task)
                     try:
                         reply = task.result()
@@ -436,9 +437,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                         log.warning("kvindex %s overlap query failed: %s", address, exc.code().name)
                         continue
                     self._kvindex_failed_at.pop(address, None)
+                    answer = answer or reply
+                if answer is not None:
                     for slow in asking.values():  # outrun by a later one: asked after the others for a while
                         self._kvindex_failed_at[slow] = self._clock()
-                    return dict(reply.matched_blocks)
+                    return dict(answer.matched_blocks)
             for address in asking.values():  # asked, and no answer within the query's time
                 self._kvindex_failed_at[address] = self._clock()
                 log.warning("kvindex %s overlap query failed: no answer within %g s", address,
@@ -486,8 +489,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 overlaps = {m: answer or {} for m, answer in answers.items()}
                 # Placed without cache information, the decision says so: its zeros looked like the kvindex's own
                 # answer, a repeated conversation moving between nodes for no reason shown (helper-160).
-                blind = (f"no kvindex answered within {self._config.kvindex_timeout_s:g} s (or every one failed "
-                         "lately): placed without cache information") if None in answers.values() else ""
+                blind = "" if None not in answers.values() else (
+                    "no kvindex is registered: placed without cache information" if not self._kvindexes.addresses()
+                    else f"no kvindex answered within {self._config.kvindex_timeout_s:g} s (or every one failed "
+                    "lately): placed without cache information")
                 options = self._placer.options(plan, overlaps.__getitem__)
                 admission = self._placer.ticket(plan, options, self._clock(), attempt)
                 waited = False

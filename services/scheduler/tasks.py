@@ -135,7 +135,8 @@ class TaskLedger:
             # A late notice for a task already counted: its cost still counts.
             self.ended_cost_usd += cost_usd
             return None
-        task = self._open.pop(task_id, None) or _Task(total_steps=max(total_steps, 0), total_from_step=step)
+        task = self._open.pop(task_id, None) or _Task(total_steps=max(total_steps, 0),
+                                                      total_from_step=step if total_steps > 0 else 0)
         if total_steps > 0 and step >= task.total_from_step:
             # The latest step says how many there are (an agent's plan may change): with the largest said, a workflow
             # whose step 3 said 5 and whose steps 1 to 4 then said 4 waited for a step 5 and failed (helper-160).

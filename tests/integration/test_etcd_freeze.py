@@ -199,6 +199,8 @@ async def test_a_process_started_in_anothers_place_keeps_the_key_when_the_other_
         await new.put(KEY, b"new")
         if old_writes_again:
             await old.put(KEY, b"old, draining")  # what a node agent's before_stop writes
+            # A later write (a model turned warm meanwhile) took it back, and the exit deleted it (helper-162).
+            await old.put(KEY, b"old, draining, a model changed")
         await old.revoke()
         stored = await new_client.get(KEY.encode())
         assert stored is not None and (stored.value, stored.lease) == (b"new", new.lease_id)
@@ -210,3 +212,24 @@ async def test_a_process_started_in_anothers_place_keeps_the_key_when_the_other_
         await new.revoke()
         await old_client.close()
         await new_client.close()
+
+
+async def test_a_key_given_up_to_another_process_is_held_again_once_that_one_has_gone(etcd: ManagedProcess) -> None:
+    """Of two holders whose leases both lapsed in an etcd freeze, the one that re-registered first kept the key, and
+    the other, given it up, never held it again, though the first then left (helper-162)."""
+    first_client, second_client = connect(etcd.address), connect(etcd.address)
+    first, second = LeaseSession(first_client, ttl_s=TTL_S), LeaseSession(second_client, ttl_s=TTL_S)
+    try:
+        await first.put(KEY, b"first")
+        await second.put(KEY, b"second")
+        await first.put(KEY, b"first again")  # given up: the second holds it
+        stored = await first_client.get(KEY.encode())
+        assert stored is not None and stored.value == b"second"
+        await second.revoke()  # the second leaves
+        await first.put(KEY, b"first, back")  # (keep_alive tries the same at every tick)
+        stored = await first_client.get(KEY.encode())
+        assert stored is not None and (stored.value, stored.lease) == (b"first, back", first.lease_id)
+    finally:
+        await first.revoke()
+        await first_client.close()
+        await second_client.close()

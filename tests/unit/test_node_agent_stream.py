@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 
 import grpc
@@ -26,19 +27,20 @@ pytestmark = pytest.mark.timeout(30)
 MODEL = "sim-llama-3-8b"
 
 
-def _one_at_a_time(name: str) -> SimEngine:
-    """An engine whose batch holds one request: the second one queues."""
+def _one_at_a_time(name: str, speed: float = 0.0) -> SimEngine:
+    """An engine whose batch holds one request: the second one queues. Its steps take their modelled time at speed
+    (0: none)."""
     spec = get_model(name)
     core = SimEngineCore(spec, load_coefficients("h100", spec.perf_model), num_kv_blocks=512, max_num_seqs=1)
-    return SimEngine(core, name, 0)
+    return SimEngine(core, name, speed)
 
 
 @contextlib.asynccontextmanager
-async def _node(shutdown_grace_s: float = 10.0) -> AsyncIterator[NodeAgentService]:
+async def _node(shutdown_grace_s: float = 10.0, speed: float = 0.0) -> AsyncIterator[NodeAgentService]:
     spec = get_model(MODEL)
     local = LocalModel(MODEL, spec.max_context_tokens, spec.vocab_size, "byte", int(spec.weights_bytes),
                        load_time_s(spec))
-    host = ModelHost("n0", [local], _one_at_a_time, warm=MODEL, speed=0)
+    host = ModelHost("n0", [local], lambda name: _one_at_a_time(name, speed), warm=MODEL, speed=speed)
     task = asyncio.get_running_loop().create_task(host.run())
     config = NodeAgentConfig(etcd="127.0.0.1:1", node_id="n0", shutdown_grace_s=shutdown_grace_s)
     service = NodeAgentService(config, host, Telemetry("node_agent/test", "none"))
@@ -135,7 +137,7 @@ async def test_a_stream_still_running_as_the_shutdown_grace_ends_is_handed_on_as
     """Cut by the server's stop when the grace ran out, each stream was moved as a crash ("stream_broken"), and an
     operator could not tell a drain from one (helper-158). A moment before, the node ends it UNAVAILABLE with
     DRAINED_KEY: its router moves it, cause "drained"."""
-    async with _node(shutdown_grace_s=0.2) as node:
+    async with _node(shutdown_grace_s=0.2, speed=1.0) as node:  # (in real time: 400 tokens take seconds)
         running = node.Generate(_request("long", 400), _Context())  # type: ignore[arg-type]
         async with contextlib.aclosing(running):
             while not (await anext(running)).token_ids:
@@ -148,3 +150,24 @@ async def test_a_stream_still_running_as_the_shutdown_grace_ends_is_handed_on_as
     assert ended.value.code == grpc.StatusCode.UNAVAILABLE
     assert ended.value.metadata[DRAINED_KEY] == "n0"
     assert ended.value.details == "shutting down, its grace of 0.2 s ending; another node goes on with the stream"
+
+
+async def test_a_stream_whose_last_output_comes_as_the_grace_nears_its_end_finishes_there() -> None:
+    """The output that comes after the hand-on moment is sent first: the finishing one finishes the stream (it was
+    dropped, and another node asked to redo its token, helper-162)."""
+    async with _node(shutdown_grace_s=0.2) as node:
+        running = node.Generate(_request("short", 3), _Context())  # type: ignore[arg-type]
+        tokens = 0
+        async with contextlib.aclosing(running):
+            async for chunk in running:
+                tokens += len(chunk.token_ids)
+                if tokens == 2:
+                    node._handing_on.set()  # the moment falls between its last two outputs
+            assert chunk.finish_reason and tokens == 3
+
+
+async def test_a_node_shutting_down_stays_draining_when_its_models_change() -> None:
+    """A model turning warm during the grace re-registered the node as a candidate (helper-162)."""
+    async with _node() as node:
+        await node.before_stop()
+        assert json.loads(node._registration())["draining"] is True

@@ -280,3 +280,12 @@ def test_the_latest_step_says_how_many_steps_a_workflow_has(hand_over: bool) -> 
         ledger = successor
     assert ledger.record(wf, 1, 5, 0.01, ok=True, now=4.0) is True  # a late notice of step 1, as first sent
     assert (ledger.stats().succeeded, ledger.stats().failed) == (1, 0)
+
+
+def test_a_total_said_only_by_a_late_notice_of_an_earlier_step_counts() -> None:
+    """Step 2, which said no total, came first: the total that step 1 said later was taken for an earlier one's, and
+    the task stayed open until the timeout (helper-162)."""
+    ledger = TaskLedger(timeout_s=60.0)
+    wf = workflow_task("wf")
+    assert ledger.record(wf, 2, 0, 0.01, ok=True, now=0.0) is None
+    assert ledger.record(wf, 1, 2, 0.01, ok=True, now=1.0) is True
