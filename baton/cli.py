@@ -349,6 +349,11 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     if not etcd:
         print("baton tenants: no --etcd given and no running `baton up` found", file=sys.stderr)
         return 2
+    try:
+        check_listen("etcd", etcd)  # (127.0.0.1:99999 dialled 34463, helper-163)
+    except ValueError as error:
+        print(f"baton tenants: {error}", file=sys.stderr)
+        return 2
     return tenants_cli.cmd_tenants(args, etcd, _credentials(args))
 
 

@@ -104,7 +104,7 @@ def cmd_tenants(args: argparse.Namespace, etcd: str, credentials: grpc.ChannelCr
     except (LookupError, ValueError) as exc:
         print(f"baton tenants {args.action}: {exc}", file=sys.stderr)
         return 2
-    except aetcd.exceptions.ConnectionFailedError as exc:  # (a traceback, helper-161)
+    except aetcd.exceptions.ClientError as exc:  # refused, timed out, ... (tracebacks, helper-161, helper-163)
         print(f"baton tenants {args.action}: etcd at {etcd} did not answer: {exc}", file=sys.stderr)
         return 1
     return 0

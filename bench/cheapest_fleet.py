@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.cheapest_fleet", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=[*TRACES, "agentic"], default="mooncake-conversation")
-    parser.add_argument("--load", type=flags.positive_number, default=1.0)
+    parser.add_argument("--load", type=flags.load, default=1.0)
     parser.add_argument("--limit", type=flags.positive_int, default=600)
     parser.add_argument("--skip", type=flags.non_negative_int, default=0,
                         help="requests of the trace skipped before the ones replayed (a later window of it; traces "

@@ -8,7 +8,9 @@ The checks that need two flags, or a trace file, are the `check_*` functions, gi
 from __future__ import annotations
 
 import argparse
+import csv
 import math
+import os
 import re
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -18,7 +20,7 @@ from typing import NoReturn
 from services.node_agent.engines.sim.models import GPU_SPECS, SIM_MODELS
 from services.scheduler.policies import POLICIES
 from simulator import simulation
-from simulator.workload import trace_length
+from simulator.workload import load_azure, load_mooncake, trace_length
 
 Refuse = Callable[[str], NoReturn]
 
@@ -126,6 +128,11 @@ MIN_LOAD, MAX_LOAD = 0.001, 1000.0
 MAX_PROMPT_SCALE = 100.0
 # The most seeds one run of a study takes (each is a run).
 MAX_SEEDS = 10_000
+
+
+def load(text: str) -> float:
+    """One trace speed-up, from MIN_LOAD to MAX_LOAD."""
+    return _load(text, text)
 
 
 def _load(text: str, whole: str) -> float:
@@ -260,11 +267,18 @@ def check_kills(refuse: Refuse, kills: Sequence[tuple[float, str]], fleet_spec: 
 
 
 def check_trace(refuse: Refuse, folder: str, name: str, skip: int = 0) -> None:
-    """The trace is in folder, and holds more than skip requests."""
+    """The trace is in folder, reads as one, and holds more than skip requests (a garbled or empty one was a
+    traceback, or a table of inf, once the runs were under way: helper-161, helper-163)."""
     path = Path(folder) / name
     if not path.is_file():
         refuse(f"argument --traces: no {name} in {folder}: the traces are expected in the folder `shared/traces` "
                f"beside the checkout; point --traces at the folder that holds them")
+    try:
+        requests = (load_azure if path.suffix == ".csv" else load_mooncake)(path).requests
+    except (ValueError, KeyError, TypeError, IndexError, csv.Error, UnicodeDecodeError) as error:
+        refuse(f"argument --traces: {path} does not read as a trace: {type(error).__name__}: {error}")
+    if not requests:
+        refuse(f"argument --traces: {path} holds no requests")
     if skip:
         num_requests = trace_length(path)
         if skip >= num_requests:
@@ -277,7 +291,7 @@ def check_out(refuse: Refuse, folder: str) -> None:
     path = Path(folder)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".baton-write-check"
+        probe = path / f".baton-write-check-{os.getpid()}"
         probe.write_text("")
         probe.unlink()
     except OSError as error:

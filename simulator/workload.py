@@ -170,11 +170,13 @@ def load_mooncake(path: Path, speedup: float = 1.0, prompt_scale: float = 1.0,
                 break
     if skip and not rows:
         raise _past_the_end(path, skip, num_read)
-    # Scaled up, each of a row's blocks becomes k = ceil(scale) blocks of its own (so prompts that shared a prefix
-    # share its k-fold): the prompts were cut to the row's blocks, and --prompt-scale 2 and 10 gave the same ones
-    # (helper-161).
+    # Scaled up, each block of a prompt stands for the last trace block its tokens come from, as the k-th of those
+    # that do (so prompts that shared a prefix share it scaled): the prompts were cut to the row's blocks, and
+    # --prompt-scale 2 and 10 gave the same ones (helper-161). (Built from ceil(scale) copies of every block, a scale
+    # of 1.01 made a prompt of the first half of its row's blocks, and prompts that differed later were one,
+    # helper-163.)
     k = max(1, math.ceil(prompt_scale))
-    hash_rows = [tuple(r["hash_ids"]) if k == 1 else tuple(h * k + i for h in r["hash_ids"] for i in range(k))
+    hash_rows = [tuple(r["hash_ids"]) if prompt_scale <= 1 else _scaled_blocks(r["hash_ids"], prompt_scale, k)
                  for r in rows]
     prompt_lens = [max(1, min(int(r["input_length"] * prompt_scale), TRACE_BLOCK * len(hashes)))
                    for r, hashes in zip(rows, hash_rows, strict=True)]
@@ -224,6 +226,20 @@ def load_azure(path: Path, speedup: float = 1.0, prompt_scale: float = 1.0, limi
     if skip and not requests:
         raise _past_the_end(path, skip, num_read)
     return Workload(name=path.stem, requests=requests)
+
+
+def _scaled_blocks(hash_ids: Sequence[int], scale: float, copies: int) -> tuple[int, ...]:
+    """The blocks of a prompt scale times as long as hash_ids's: the j-th stands for the last trace block its tokens
+    come from (two prompts share it only if they share that block, and so every one before it), told apart from the
+    others that stand for the same block by how many came before it."""
+    blocks: list[int] = []
+    previous, nth = -1, 0
+    for j in range(math.ceil(len(hash_ids) * scale)):
+        source = min(math.ceil(round((j + 1) / scale, 9)) - 1, len(hash_ids) - 1)
+        nth = nth + 1 if source == previous else 0
+        previous = source
+        blocks.append(hash_ids[source] * copies + min(nth, copies - 1))
+    return tuple(blocks)
 
 
 def _unique_ids(first: int) -> Iterator[int]:

@@ -29,6 +29,8 @@ BAD_FLAGS = [
     (["--skip", "12"], "--skip", "12 is at or past the end of conversation_trace.jsonl, which has 10 requests"),
     (["--workload", "agentic", "--skip", "3"], "--skip", "agentic"),
     (["--load", "0"], "--load", "'0'"),
+    # Refused by the inner parser, named as baton sim's --loads (helper-163).
+    (["--load", "2000"], "--load", "'2000' must be from 0.001 to 1000"),
     (["--target", "0"], "--target", "'0'"),
     (["--target", "1.5"], "--target", "'1.5'"),
     (["--seeds", "400,400"], "--seeds", "400 given twice"),

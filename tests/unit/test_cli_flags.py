@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import shlex
+import socket
 import signal
 import subprocess
 import sys
@@ -365,6 +366,14 @@ def test_a_bad_value_is_refused_naming_the_flag_before_anything_is_done(
     assert not out.exists()
 
 
-def test_tenants_says_etcd_did_not_answer_instead_of_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["tenants", "--etcd", "127.0.0.1:1", "list"]) == 1
-    assert "baton tenants list: etcd at 127.0.0.1:1 did not answer" in capsys.readouterr().err
+@pytest.mark.parametrize("silent", [False, True])
+def test_tenants_says_etcd_did_not_answer_instead_of_a_traceback(
+        silent: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused, or taken and never answered (a timeout): each was a traceback (helper-161, helper-163)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        if silent:
+            listener.listen()
+        etcd = f"127.0.0.1:{listener.getsockname()[1]}"
+        assert cli.main(["tenants", "--etcd", etcd, "list"]) == 1
+    assert f"baton tenants list: etcd at {etcd} did not answer" in capsys.readouterr().err

@@ -5,6 +5,11 @@ means what it says."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -121,19 +126,21 @@ def test_a_skip_at_or_past_the_end_of_the_trace_is_refused_naming_its_length(
 
 
 @pytest.mark.parametrize(("content", "named"), [
-    ("not json\n", "does not read as a mooncake-conversation trace: JSONDecodeError"),
+    ("not json\n", "does not read as a trace: JSONDecodeError"),
     ('{"timestamp": 1, "input_length": 5, "output_length": 3}\n', "KeyError: 'hash_ids'"),
     ("", "holds no requests"),
 ])
 def test_a_trace_that_does_not_read_as_one_is_refused_before_any_run(
     content: str, named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """It was a traceback, or for an empty file a table of nan, once the runs were under way (helper-161)."""
+    """It was a traceback, or for an empty file a table of nan or inf, once the runs were under way (helper-161,
+    helper-163: sim-admission reads the conversation trace too)."""
     folder = write_traces(tmp_path / "traces")
     (folder / TRACES["mooncake-conversation"]).write_text(content)
-    err = refused(capsys, _sim, ["--traces", str(folder), "--out", str(tmp_path / "out"), "--jobs", "1"])
-    assert "baton sim: error: argument --traces: " in err and named in err
-    assert not (tmp_path / "out").exists()
+    for main, prog in ((_sim, "baton sim"), (_admission, "baton sim-admission")):
+        err = refused(capsys, main, ["--traces", str(folder), "--out", str(tmp_path / "out"), "--jobs", "1"])
+        assert f"{prog}: error: argument --traces: " in err and named in err
+        assert not (tmp_path / "out").exists()
 
 
 def test_an_out_that_cannot_hold_results_is_refused_before_any_run(
@@ -271,3 +278,59 @@ def test_a_run_with_an_slo_mix_writes_its_results(traces: Path, tmp_path: Path) 
                  "--traces", str(traces), "--out", str(out)]) == 0
     classes = json.loads((out / "results.json").read_text())["args"]["slo_mix"]
     assert classes[0] == {"name": "class0", "share": 0.3, "ttft_budget_ms": 1000, "tpot_budget_ms": 30}
+
+
+def test_an_admission_study_in_which_nothing_ran_writes_its_table(traces: Path, tmp_path: Path) -> None:
+    """A TTFT budget of 1 ms refused every request, and the goodput divided by a run of no length (helper-161)."""
+    assert _admission(["--traces", str(traces), "--out", str(tmp_path / "out"), "--jobs", "1", "--limit", "5",
+                       "--loads", "1", "--ttft-slo", "0.001"]) == 0
+    assert "| 1x |" in (tmp_path / "out" / "table.md").read_text()
+
+
+_HOLDING_STUDY = """
+import os, sys, time
+from pathlib import Path
+from simulator.study import run_all
+
+def hold(n):
+    (Path(sys.argv[1]) / f"worker-{os.getpid()}").write_text("")
+    time.sleep(60)
+
+if __name__ == "__main__":
+    run_all(hold, [1, 2], 2)
+"""
+
+
+def test_a_study_stopped_by_sigterm_stops_its_workers(tmp_path: Path) -> None:
+    """Its workers ran their jobs to the end, orphaned (helper-161)."""
+    script = tmp_path / "study.py"
+    script.write_text(_HOLDING_STUDY)
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    study = subprocess.Popen([sys.executable, str(script), str(markers)], env=env)
+    try:
+        deadline = time.monotonic() + 20
+        while len(list(markers.iterdir())) < 2:  # both workers run a job (the files are how they say so)
+            assert time.monotonic() < deadline and study.poll() is None, "the workers never started"
+            time.sleep(0.05)
+        workers = [int(marker.name.removeprefix("worker-")) for marker in markers.iterdir()]
+        study.send_signal(signal.SIGTERM)
+        assert study.wait(timeout=10) == 128 + signal.SIGTERM
+        for pid in workers:  # each is gone (or a zombie its forkserver has yet to reap)
+            deadline = time.monotonic() + 10
+            while _alive(pid):
+                assert time.monotonic() < deadline, f"worker {pid} still runs its job"
+                time.sleep(0.05)
+    finally:
+        if study.poll() is None:
+            study.kill()
+            study.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
