@@ -7,7 +7,7 @@ import asyncio
 import concurrent.futures
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import aetcd
@@ -16,6 +16,7 @@ import grpc
 from baton.flag_types import INT64, int_in, positive_finite
 from services.common import etcd_keys
 from services.common.auth import TenantRecord, new_api_key
+from services.common.errors import shown
 from services.common.etcd_session import connect
 
 T = TypeVar("T")
@@ -31,9 +32,27 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-async def _read(client: Any, tenant: str) -> TenantRecord | None:
-    kv = await client.get(etcd_keys.tenant_key(tenant).encode())
-    return TenantRecord.from_json(kv.value) if kv is not None and kv.value else None
+# The longest tenant name `baton tenants add` creates: the routers' default --max-id-len.
+MAX_TENANT_LEN = 128
+# How often a change of a tenant's record is tried again when another changed the record meanwhile.
+_MAX_TRIES = 20
+
+
+async def _change(client: Any, tenant: str, change: Callable[[TenantRecord | None], TenantRecord]) -> TenantRecord:
+    """Read tenant's record, change it and write it back only if no one wrote it meanwhile, else again from the
+    read: with a plain read and put, a key added while another was revoked wrote the revoked key back as valid
+    (helper-164). change may raise, and is then not written."""
+    key = etcd_keys.tenant_key(tenant).encode()
+    tx = client.transactions
+    for _ in range(_MAX_TRIES):
+        kv = await client.get(key)
+        record = change(TenantRecord.from_json(kv.value) if kv is not None and kv.value else None)
+        unchanged = tx.mod(key) == kv.mod_revision if kv is not None else tx.version(key) == 0
+        written, _ = await client.transaction(compare=[unchanged], success=[tx.put(key, record.to_json())],
+                                              failure=[])
+        if written:
+            return record
+    raise RuntimeError(f"tenant {tenant!r}: its record changed under every one of {_MAX_TRIES} tries; try again")
 
 
 async def add_tenant(etcd: str, tenant: str, *, weight: float | None = None, max_concurrency: int | None = None,
@@ -42,14 +61,24 @@ async def add_tenant(etcd: str, tenant: str, *, weight: float | None = None, max
                      credentials: grpc.ChannelCredentials | None = None) -> tuple[TenantRecord, str]:
     """Issue a new API key for tenant (creating it); the fields given replace the record's. Returns the
     record and the key, which exists nowhere else: etcd keeps only its hash."""
-    async with connect(etcd, credentials=credentials) as client:
-        record = await _read(client, tenant) or TenantRecord(tenant=tenant)
-        fields = {"weight": weight, "max_concurrency": max_concurrency, "tokens_per_minute": tokens_per_minute,
-                  "cache_group": cache_group, "is_admin": is_admin}
+    # What the routers take for a tenant (their --max-id-len, 128 by default; no control character): a longer name
+    # was created, and every request with its key refused (helper-164).
+    if len(tenant) > MAX_TENANT_LEN:
+        raise ValueError(f"tenant {shown(tenant)}: {len(tenant)} characters, longer than {MAX_TENANT_LEN} (the "
+                         "routers' --max-id-len refuses such a tenant's every request)")
+    if any(ord(c) < 0x20 or 0x7f <= ord(c) <= 0x9f for c in tenant):
+        raise ValueError(f"tenant {shown(tenant)}: holds a control character")
+    fields = {"weight": weight, "max_concurrency": max_concurrency, "tokens_per_minute": tokens_per_minute,
+              "cache_group": cache_group, "is_admin": is_admin}
+    key = new_api_key()
+
+    def add(record: TenantRecord | None) -> TenantRecord:
+        record = record or TenantRecord(tenant=tenant)
         record = TenantRecord(**{**record.__dict__, **{k: v for k, v in fields.items() if v is not None}})
-        key = new_api_key()
-        record = record.with_key(key, _now_ms())
-        await client.put(etcd_keys.tenant_key(tenant).encode(), record.to_json())
+        return record.with_key(key, _now_ms())
+
+    async with connect(etcd, credentials=credentials) as client:
+        record = await _change(client, tenant, add)
     return record, key
 
 
@@ -63,17 +92,17 @@ async def revoke(etcd: str, tenant: str, key_id: str | None = None,
                  credentials: grpc.ChannelCredentials | None = None) -> TenantRecord:
     """Revoke one key of tenant's (every key when key_id is None); LookupError naming what is unknown.
     The record stays, so a revoked key is refused as revoked, not as unknown."""
-    async with connect(etcd, credentials=credentials) as client:
-        record = await _read(client, tenant)
+    def revoke_in(record: TenantRecord | None) -> TenantRecord:
         if record is None:
             raise LookupError(f"tenant {tenant!r}: no such tenant")
         try:
-            record = record.revoked(_now_ms(), key_id)
+            return record.revoked(_now_ms(), key_id)
         except KeyError:
             raise LookupError(f"--key-id {key_id!r}: tenant {tenant!r} has keys "
                               f"{', '.join(k.key_id for k in record.keys) or '(none)'}") from None
-        await client.put(etcd_keys.tenant_key(tenant).encode(), record.to_json())
-    return record
+
+    async with connect(etcd, credentials=credentials) as client:
+        return await _change(client, tenant, revoke_in)
 
 
 def _describe(record: TenantRecord) -> str:

@@ -816,6 +816,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         newest = [d for d in reversed(self._decisions) if tenant is None or d.context.tenant == tenant]
         if request.limit > 0:
             newest = newest[: request.limit]
+        if tenant is not None:  # without the candidates' terms and the score: they tell the nodes' load, others' work
+            newest = [_without_terms(d) for d in newest]
         return scheduler_pb2.RecentDecisions(policy=self._config.policy, decisions=newest)
 
     async def _wait_for_election(self, remaining_s: float | None) -> None:
@@ -901,6 +903,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             state.nodes.append(scheduler_pb2.NodeState(
                 info=info, load=load, load_age_ms=int((now - reported_at) * 1000) if reported_at is not None else -1))
         return state
+
+
+def _without_terms(decision: scheduler_pb2.PlacementDecision) -> scheduler_pb2.PlacementDecision:
+    """decision as a tenant sees it: where its request went and why in words, not the nodes' figures (a tenant read
+    another's load in the free KV blocks and predicted TTFTs of its own decisions, helper-164)."""
+    seen = scheduler_pb2.PlacementDecision()
+    seen.CopyFrom(decision)
+    seen.ClearField("candidates")
+    seen.ClearField("score")
+    return seen
 
 
 class _LoadFailed(Unavailable):

@@ -152,9 +152,12 @@ async def test_a_tenant_sees_only_its_own_decisions_and_no_cluster_state(secured
     # Decisions name requests as the cluster knows them: in their tenant's namespace.
     mine_id = cluster_request_id("watcher", mine.request_id)
     theirs_id = cluster_request_id("watched", theirs.request_id)
-    seen = {d.request_id for d in recent_decisions(secured, own)}
+    seen = {d.request_id: d for d in recent_decisions(secured, own)}
     assert mine_id in seen and theirs_id not in seen
-    assert theirs_id in {d.request_id for d in recent_decisions(secured, secured.admin_key)}
+    # Nor the nodes' figures, which tell their load and so the others' work (helper-164): the administrator's have.
+    assert not seen[mine_id].candidates and not seen[mine_id].score and seen[mine_id].node_id
+    everyone = {d.request_id: d for d in recent_decisions(secured, secured.admin_key)}
+    assert theirs_id in everyone and everyone[mine_id].candidates
     assert secured.scheduler is not None
     with grpc.insecure_channel(secured.scheduler.address) as channel:
         with pytest.raises(grpc.RpcError) as state:
