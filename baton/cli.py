@@ -558,6 +558,10 @@ def printable(text: str) -> str:
     return text if text.isprintable() else repr(text)
 
 
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def _print_recent_decisions(scheduler: str, metadata: tuple[tuple[str, str], ...] = (),
                             credentials: grpc.ChannelCredentials | None = None, limit: int = 5) -> None:
     try:
@@ -570,9 +574,12 @@ def _print_recent_decisions(scheduler: str, metadata: tuple[tuple[str, str], ...
         return
     print(f"recent placements (policy {recent.policy}), newest first:")
     for d in recent.decisions:
+        # Each candidate's cached prefix too, and ids cut at 40 characters, not 12 (with --auth, `tenant/` took most
+        # of those: two requests printed alike, helper-160).
         why = ", ".join(f"{c.node_id}: ttft {c.predicted_ttft_ms:.0f} ms, p {c.success:.2f}, ${c.cost:.5f}"
+                        + (f", cached {c.cached_tokens}" if c.cached_tokens else "")
                         + ("" if c.warm else f", cold: {c.load_ms / 1000:.0f} s load") for c in d.candidates)
-        print(f"  {printable(d.request_id[:12]):<12} -> {d.node_id:<8} score {d.score:.6g}"
+        print(f"  {printable(_cut(d.request_id, 40)):<12} -> {d.node_id:<8} score {d.score:.6g}"
               + (f"  [{why}]" if why else ""))
         if d.retry_cause:
             print(f"  {'':<12}    a move ({d.retry_cause}), avoiding {', '.join(d.excluded_node_ids) or 'no node'}")

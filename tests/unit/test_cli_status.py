@@ -175,12 +175,14 @@ class _Moved(_Standby):
 
     def GetRecentDecisions(self, request, context):  # noqa: N802 - the generated servicer's name
         return scheduler_pb2.RecentDecisions(policy="baton", decisions=[scheduler_pb2.PlacementDecision(
-            request_id="r1", node_id="n1", retry_cause="drained", excluded_node_ids=["n0"], waited_ms=5670)])
+            request_id="alice/p12-b10", node_id="n1", retry_cause="drained", excluded_node_ids=["n0"], waited_ms=5670,
+            candidates=[scheduler_pb2.CandidateTerms(node_id="n1", cached_tokens=2992, warm=True)])])
 
 
 def test_status_says_a_decision_was_a_move_and_how_long_it_waited(capsys: pytest.CaptureFixture[str]) -> None:
     with _serve(_Moved()) as address:
         assert main(["status", "--scheduler", address]) == 0
     out = capsys.readouterr().out
+    assert "alice/p12-b10 -> n1" in out and "cached 2992" in out  # cut to 12 characters, and no cache (helper-160)
     assert "a move (drained), avoiding n0" in out
     assert "decided after 5.7 s waiting (admission queue, a model's load, or leadership)" in out
