@@ -225,11 +225,16 @@ async def test_a_key_given_up_to_another_process_is_held_again_once_that_one_has
         await first.put(KEY, b"first again")  # given up: the second holds it
         stored = await first_client.get(KEY.encode())
         assert stored is not None and stored.value == b"second"
+        keep_alive = asyncio.create_task(first.keep_alive())
         await second.revoke()  # the second leaves
-        await first.put(KEY, b"first, back")  # (keep_alive tries the same at every tick)
-        stored = await first_client.get(KEY.encode())
-        assert stored is not None and (stored.value, stored.lease) == (b"first, back", first.lease_id)
+
+        async def held_again() -> bool:
+            stored = await first_client.get(KEY.encode())
+            return stored is not None and (stored.value, stored.lease) == (b"first again", first.lease_id)
+
+        await eventually(held_again, 10, "the first holder to put its key back at a keep-alive")
     finally:
+        keep_alive.cancel()
         await first.revoke()
         await first_client.close()
         await second_client.close()

@@ -107,6 +107,11 @@ def test_mooncake_prompt_scale_scales_input_lengths(tmp_path: Path) -> None:
     assert [len(r.hash_ids) for r in doubled] == [4, 6, 6, 4]
     assert doubled[1].hash_ids[:4] == doubled[0].hash_ids and doubled[2].hash_ids[:2] == doubled[0].hash_ids[:2]
     assert [(r.task_id, r.step) for r in doubled] == [(r.task_id, r.step) for r in load_mooncake(trace).requests]
+    # At 1.5 a block stands for the last trace block its tokens come from: r2 shares r0's first block only (its first
+    # trace block), where ceil(1.5) copies of each made it share two, as if it shared more of r0 (helper-163).
+    halves = load_mooncake(trace, prompt_scale=1.5).requests
+    shared = next(i for i, (a, b) in enumerate(zip(halves[0].hash_ids, halves[2].hash_ids, strict=False)) if a != b)
+    assert shared == 1 and halves[1].hash_ids[:len(halves[0].hash_ids)] == halves[0].hash_ids
     assert [r.arrival_s for r in load_mooncake(trace, limit=2).requests] == [0.0, 0.5]
 
 
