@@ -23,7 +23,7 @@ from google.protobuf.json_format import MessageToDict
 from baton import tenants as tenants_cli
 from baton.client import BatonClient, finish_reason_of
 from baton.cluster import ClusterSpec, LocalCluster, ManagedProcess, StartError, sync_channel
-from baton.flag_types import INT32, UINT64, int_in, top_p
+from baton.flag_types import INT32, UINT64, DefaultsShown, int_in, top_p
 from baton.protocol import AUTHORIZATION_KEY, is_transport_failure
 from baton.state_files import (
     STATE_DIR_ENV,
@@ -591,20 +591,6 @@ def _print_recent_decisions(scheduler: str, metadata: tuple[tuple[str, str], ...
 
 
 
-class _DefaultsShown(argparse.HelpFormatter):
-    """Every option's help ends with its default, unless the help already names it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if not action.option_strings or "default" in text or action.default is argparse.SUPPRESS:
-            return text
-        if isinstance(action, argparse._StoreTrueAction):
-            return f"{text} (default: off)"
-        if action.default in (None, ""):
-            return f"{text} (default: none)"
-        return f"{text} (default: %(default)s)"
-
-
 def _add_state_flags(parser: argparse.ArgumentParser, default: object) -> None:
     """--state and --state-dir, on the main parser (default given) and on each subcommand (SUPPRESS:
     left out after the subcommand, the value given before it stands)."""
@@ -625,12 +611,12 @@ def _add_tls_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="baton", description=__doc__, formatter_class=_DefaultsShown)
+    parser = argparse.ArgumentParser(prog="baton", description=__doc__, formatter_class=DefaultsShown)
     _add_state_flags(parser, None)
     commands = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, **kwargs: str) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, formatter_class=_DefaultsShown, **kwargs)
+        sub = commands.add_parser(name, formatter_class=DefaultsShown, **kwargs)
         _add_state_flags(sub, argparse.SUPPRESS)
         return sub
 

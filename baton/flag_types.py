@@ -47,3 +47,21 @@ def top_p(text: str) -> float:
     if not 0 < value <= 1 or struct.unpack("f", struct.pack("f", value))[0] == 0:
         raise argparse.ArgumentTypeError(f"{text!r}: must be in (0, 1], and not so small that a 32-bit float holds 0")
     return value
+
+
+class DefaultsShown(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already names it (`baton sim --help` showed none,
+    helper-161); a list's items are joined by commas, as the flag takes them."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        if isinstance(action, argparse._StoreTrueAction):
+            return f"{text} (default: off)"
+        if action.default in (None, "") or action.default in ((), []):
+            return f"{text} (default: none)"
+        if isinstance(action.default, tuple | list):
+            items = ",".join(f"{item:g}" if isinstance(item, float) else str(item) for item in action.default)
+            return f"{text} (default: {items.replace('%', '%%')})"
+        return f"{text} (default: %(default)s)"

@@ -319,7 +319,6 @@ def main(argv: list[str] | None = None) -> int:
                      f"in its name; they are: {'; '.join(s.name for s in candidates)}")
     for setting in settings:
         check_trace(parser.error, _args(setting, options))
-    flags.check_out(parser.error, options.out)
     pools: dict[str, list[str]] = {}
     unwindowed: list[str] = []
     if options.windows:  # each trace setting's windows in its place (agent tasks are generated: no windows)
@@ -334,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                 settings += windows
             else:
                 unwindowed.append(setting.name)
+    flags.check_out(parser.error, options.out)  # last: made before a later refusal, it was left empty (helper-163)
 
     def seeds_of(setting: Setting) -> list[int]:
         return list(options.sweep_seeds if setting.name.startswith("SLO sweep") else options.seeds)

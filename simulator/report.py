@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
+from baton.flag_types import DefaultsShown
 from services.scheduler.policies import POLICIES, make_policy
 from simulator import flags
 from simulator.metrics import Slo, summarize, ttft_values
@@ -167,7 +168,7 @@ def _slo_mix(text: str) -> tuple[SloClass, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="baton sim", description=__doc__)
+    parser = argparse.ArgumentParser(prog="baton sim", description=__doc__, formatter_class=DefaultsShown)
     parser.add_argument("--workload", choices=[*TRACES, "agentic"], default="mooncake-conversation")
     parser.add_argument("--traces", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces"),
                         help="folder of the traces (../shared/traces)")

@@ -18,7 +18,7 @@ import pytest
 from baton import cli
 from simulator import admission_study, model_study, simulation
 from simulator.flags import seeds_text
-from simulator.report import TRACES, build_workload, parse_args
+from simulator.report import TRACES, build_parser, build_workload, parse_args
 from tests.unit.sim_cli import refused, write_traces
 
 pytestmark = pytest.mark.timeout(30)
@@ -334,3 +334,14 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_baton_sim_help_shows_every_flags_default() -> None:
+    """It showed none (helper-161)."""
+    parser = build_parser()
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.option_strings and action.help and action.dest != "help":
+            assert "default" in formatter._expand_help(action), action.option_strings[0]
+    loads = next(a for a in parser._actions if a.dest == "loads")
+    assert formatter._expand_help(loads).endswith("(default: 1)")
