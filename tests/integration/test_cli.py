@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import wait_until
+from tests.processes import is_alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -34,14 +35,6 @@ def children_of(pid: int) -> set[int]:
             if int(fields[1]) == pid:
                 found.add(int(entry.name))
     return found
-
-
-def is_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def command_line(pid: int) -> list[str]:

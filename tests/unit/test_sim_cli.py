@@ -19,6 +19,7 @@ from baton import cli
 from simulator import admission_study, model_study, simulation
 from simulator.flags import seeds_text
 from simulator.report import TRACES, build_parser, build_workload, parse_args
+from tests.processes import is_alive
 from tests.unit.sim_cli import refused, write_traces
 
 pytestmark = pytest.mark.timeout(30)
@@ -319,21 +320,13 @@ def test_a_study_stopped_by_sigterm_stops_its_workers(tmp_path: Path) -> None:
         assert study.wait(timeout=10) == 128 + signal.SIGTERM
         for pid in workers:  # each is gone (or a zombie its forkserver has yet to reap)
             deadline = time.monotonic() + 10
-            while _alive(pid):
+            while is_alive(pid):
                 assert time.monotonic() < deadline, f"worker {pid} still runs its job"
                 time.sleep(0.05)
     finally:
         if study.poll() is None:
             study.kill()
             study.wait()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_baton_sim_help_shows_every_flags_default() -> None:
