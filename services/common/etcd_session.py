@@ -168,24 +168,23 @@ class LeaseSession:
 
     async def _write(self, key: str, value: bytes, lease_id: int) -> None:
         """Put key=value under lease_id: the first time whoever holds it, then only while it is under lease_id or
-        under none (its old lease expired with an etcd outage, say); else another process took it over, and it is
-        given up, and written again only once it is under none. Under the lock."""
-        if key in self._given_up:
-            if await self._put_if_under(key, value, lease_id, 0):
-                self._given_up.discard(key)
-                log.info("etcd key %s: the process that took it over has gone; holding it again", key)
-            return
+        under none (its old lease expired with an etcd outage, say, or the process that took it over has gone); else
+        another process holds it, and it is given up until then. Under the lock."""
         if key not in self._taken:
             await self._client.put(key.encode(), value, lease=lease_id)
             self._taken.add(key)
             return
         for holder in (lease_id, 0):
             if await self._put_if_under(key, value, lease_id, holder):
+                if key in self._given_up:
+                    self._given_up.discard(key)
+                    log.info("etcd key %s: the process that took it over has gone; holding it again", key)
                 return
-        stored = await self._client.get(key.encode())
-        log.warning("etcd key %s is held by another process now (lease %x): it took this one's place; no longer "
-                    "holding it", key, stored.lease if stored is not None else 0)
-        self._given_up.add(key)
+        if key not in self._given_up:
+            stored = await self._client.get(key.encode())
+            log.warning("etcd key %s is held by another process now (lease %x): it took this one's place; no longer "
+                        "holding it", key, stored.lease if stored is not None else 0)
+            self._given_up.add(key)
 
     async def _put_if_under(self, key: str, value: bytes, lease_id: int, holder: int) -> bool:
         """Put key=value under lease_id if the key is now under the lease holder (0: none, or no such key)."""
