@@ -175,8 +175,7 @@ def load_mooncake(path: Path, speedup: float = 1.0, prompt_scale: float = 1.0,
     # --prompt-scale 2 and 10 gave the same ones (helper-161). (Built from ceil(scale) copies of every block, a scale
     # of 1.01 made a prompt of the first half of its row's blocks, and prompts that differed later were one,
     # helper-163.)
-    k = max(1, math.ceil(prompt_scale))
-    hash_rows = [tuple(r["hash_ids"]) if prompt_scale <= 1 else _scaled_blocks(r["hash_ids"], prompt_scale, k)
+    hash_rows = [tuple(r["hash_ids"]) if prompt_scale <= 1 else _scaled_blocks(r["hash_ids"], prompt_scale)
                  for r in rows]
     prompt_lens = [max(1, min(int(r["input_length"] * prompt_scale), TRACE_BLOCK * len(hashes)))
                    for r, hashes in zip(rows, hash_rows, strict=True)]
@@ -228,10 +227,11 @@ def load_azure(path: Path, speedup: float = 1.0, prompt_scale: float = 1.0, limi
     return Workload(name=path.stem, requests=requests)
 
 
-def _scaled_blocks(hash_ids: Sequence[int], scale: float, copies: int) -> tuple[int, ...]:
+def _scaled_blocks(hash_ids: Sequence[int], scale: float) -> tuple[int, ...]:
     """The blocks of a prompt scale times as long as hash_ids's: the j-th stands for the last trace block its tokens
     come from (two prompts share it only if they share that block, and so every one before it), told apart from the
     others that stand for the same block by how many came before it."""
+    copies = math.ceil(scale)  # the most blocks that stand for one trace block
     blocks: list[int] = []
     previous, nth = -1, 0
     for j in range(math.ceil(len(hash_ids) * scale)):
