@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import math
 import os
 import re
@@ -20,7 +21,7 @@ from typing import NoReturn
 from services.node_agent.engines.sim.models import GPU_SPECS, SIM_MODELS
 from services.scheduler.policies import POLICIES
 from simulator import simulation
-from simulator.workload import load_azure, load_mooncake, trace_length
+from simulator.workload import load_azure, load_mooncake
 
 Refuse = Callable[[str], NoReturn]
 
@@ -274,15 +275,20 @@ def check_trace(refuse: Refuse, folder: str, name: str, skip: int = 0) -> None:
         refuse(f"argument --traces: no {name} in {folder}: the traces are expected in the folder `shared/traces` "
                f"beside the checkout; point --traces at the folder that holds them")
     try:
-        requests = (load_azure if path.suffix == ".csv" else load_mooncake)(path).requests
+        num_requests = _num_requests(str(path), path.stat().st_mtime_ns)
     except (ValueError, KeyError, TypeError, IndexError, csv.Error, UnicodeDecodeError) as error:
         refuse(f"argument --traces: {path} does not read as a trace: {type(error).__name__}: {error}")
-    if not requests:
+    if not num_requests:
         refuse(f"argument --traces: {path} holds no requests")
-    if skip:
-        num_requests = trace_length(path)
-        if skip >= num_requests:
-            refuse(f"argument --skip: {skip:,} is at or past the end of {name}, which has {num_requests:,} requests")
+    if skip >= num_requests:
+        refuse(f"argument --skip: {skip:,} is at or past the end of {name}, which has {num_requests:,} requests")
+
+
+@functools.lru_cache(maxsize=8)
+def _num_requests(path: str, mtime_ns: int) -> int:
+    """The requests of the trace at path, read whole by its loader once (a benchmark checks one trace for each of its
+    settings); mtime_ns: the file's, so that one written since is read again."""
+    return len((load_azure if path.endswith(".csv") else load_mooncake)(Path(path)).requests)
 
 
 def check_out(refuse: Refuse, folder: str) -> None:
