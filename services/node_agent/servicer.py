@@ -218,9 +218,9 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
                     break
                 # Handed on once the output that came after the grace's end neared is sent: one that finishes the
                 # stream finishes it here (it was dropped, and another node asked to redo its token, helper-162).
-                handing_on = self._handing_on.is_set()
+                grace_ending = self._handing_on.is_set()
                 if output is None:  # heartbeat: the router learns the request is queued or prefilling, not lost
-                    if handing_on:
+                    if grace_ending:
                         handed_on = True
                         break
                     yield self._chunk(request, index, progress=self._progress(engine, request.request_id))
@@ -240,7 +240,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
                         )
                     )
                 yield chunk
-                if output.finish_reason is None and handing_on:
+                if output.finish_reason is None and grace_ending:
                     handed_on = True
                     break
             if superseded.is_set():  # not a node failure: its router must not move it
