@@ -10,6 +10,7 @@ from services.common.config import ServiceConfig, check_instance_id, check_liste
 from services.common.slo import DEFAULT_TPOT_BUDGET_MS, DEFAULT_TTFT_BUDGET_MS, Slo
 from services.common.telemetry import MAX_LABEL_VALUES
 from services.router.connection_rate import ConnectionRates
+from services.router.http_api import DEFAULT_READ_TIMEOUT_S
 from services.router.validation import InputLimits
 
 
@@ -20,6 +21,9 @@ class RouterConfig(ServiceConfig):
     listen: str = doc("host:port to serve gRPC on", "127.0.0.1:50100")
     instance_id: str = doc("this router's id in etcd (1 to 128 of letters, digits and . _ : @ -)", "router-0")
     http_listen: str = doc("host:port to serve the OpenAI-compatible HTTP API on (empty: no HTTP API)", "")
+    http_read_timeout_s: float = doc("longest an HTTP client may take to send a request's head (from connecting, or "
+                                     "from its last answer on a kept-alive connection: the connection is closed) "
+                                     "and then its body (answered 408)", DEFAULT_READ_TIMEOUT_S)
     default_max_tokens: int = doc("max_tokens when a request leaves it unset", 256)
     placement_timeout_s: float = doc("longest one leader may hold a placement, admission queueing included, when "
                                      "the client set no deadline (a failover to another leader may add "
@@ -69,6 +73,8 @@ class RouterConfig(ServiceConfig):
             raise ValueError(f"--default-max-tokens: must be positive, got {self.default_max_tokens}")
         if self.max_migrations < 0:
             raise ValueError(f"--max-migrations: must be 0 or more, got {self.max_migrations}")
+        if not 0 < self.http_read_timeout_s < math.inf:
+            raise ValueError(f"--http-read-timeout-s: must be positive, got {self.http_read_timeout_s}")
         if self.stall_floor_s <= 0:
             raise ValueError(f"--stall-floor-s: must be positive, got {self.stall_floor_s}")
         if self.stream_interval_s < 0:

@@ -55,15 +55,18 @@ _ZLIB_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "defl
 # How the app is served beyond aiohttp's defaults (tests serve HttpApi.app with these too): bodies reach it as sent,
 # for _decoded to decode.
 RUNNER_OPTIONS: dict[str, Any] = {"auto_decompress": False}
+# How long a client may take to send a request's head, and then its body (--http-read-timeout-s).
+DEFAULT_READ_TIMEOUT_S = 30.0
 
 
 class _Refused(Exception):
     """A refusal whose HTTP status no gRPC code has (413, 415): the middleware answers it as it is."""
 
-    def __init__(self, status: int, body: dict[str, Any]) -> None:
+    def __init__(self, status: int, body: dict[str, Any], close: bool = False) -> None:
         super().__init__(body["error"]["message"])
         self.status = status
         self.body = body
+        self.close = close  # end the connection after the answer (the rest of a body that came too slowly)
 
 
 class GenerateService(Protocol):
@@ -118,7 +121,10 @@ async def _openai_errors(request: web.Request,
     except BatonError as error:
         return _error(error)
     except _Refused as refused:
-        return _json_response(refused.status, refused.body)
+        response = _json_response(refused.status, refused.body)
+        if refused.close:
+            response.force_close()
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -189,7 +195,8 @@ class HttpApi:
     def __init__(self, service: GenerateService, listen: str, limits: InputLimits,
                  check_connection_rate: Callable[[str], None] | None = None,
                  shutdown_timeout_s: float = 10.0, ssl_context: ssl.SSLContext | None = None,
-                 tracer: trace.Tracer | None = None, meter: Meter | None = None) -> None:
+                 tracer: trace.Tracer | None = None, meter: Meter | None = None,
+                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> None:
         self._service = service
         self._limits = limits
         # A request's server span, parent of its calls to the leader and the nodes (one trace per request, as the
@@ -201,6 +208,7 @@ class HttpApi:
         # request bodies and waits as long again, so a stream went on for twice the grace (20 s against the gRPC
         # API's 10), and a router stopping with the leader away outlived baton up's window before SIGKILL.
         self._shutdown_timeout_s = shutdown_timeout_s
+        self._read_timeout_s = read_timeout_s
         self._in_flight: set[asyncio.Task[Any]] = set()
 
         @web.middleware
@@ -226,8 +234,12 @@ class HttpApi:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         # Handler cancellation: a client that hangs up cancels its generation (freeing the node).
+        # A connection that has not sent a whole request head read_timeout_s after it opened (or after its last
+        # answer) is closed: aiohttp's keep-alive timer runs from the connection's start and while it waits for a
+        # head, so a client that sends its head a byte at a time (slowloris) cannot hold a connection for long.
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=shutdown_timeout_s, **RUNNER_OPTIONS)
+                                     shutdown_timeout=shutdown_timeout_s, keepalive_timeout=read_timeout_s,
+                                     **RUNNER_OPTIONS)
         self._closing: asyncio.Task[None] | None = None
 
     async def start(self) -> bool:
@@ -329,7 +341,7 @@ class HttpApi:
             key_tenant = await self._service.authorize(request.headers.get("Authorization"))
         except BatonError as error:
             return _error(error)
-        body = await _read_json(request)
+        body = await _read_json(request, self._read_timeout_s)
 
         def parse(template_for_model: Callable[[str], ChatTemplate],
                   context_for_model: Callable[[str], int]) -> schema.ParsedRequest:
@@ -427,9 +439,17 @@ async def _send_events(response: web.StreamResponse, events: list[dict[str, Any]
                                       for e in events))
 
 
-async def _read_json(request: web.Request) -> object:
-    """The request's JSON body; InvalidArgument naming "body" when it is none."""
-    raw = _decoded(request, await request.read())
+async def _read_json(request: web.Request, timeout_s: float) -> object:
+    """The request's JSON body; InvalidArgument naming "body" when it is none, 408 (and the connection closed) when
+    it does not come in full within the read timeout."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            body = await request.read()
+    except TimeoutError:
+        size = "a chunked body" if request.content_length is None else f"{request.content_length} bytes"
+        message = f"body={schema.shown(size)}: not received in full within {timeout_s:g} s (--http-read-timeout-s)"
+        raise _Refused(408, schema.error_json(408, message, "body", "request_timeout"), close=True) from None
+    raw = _decoded(request, body)
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as exc:

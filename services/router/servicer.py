@@ -127,7 +127,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._http = (HttpApi(self, config.http_listen, config.input_limits, self.check_connection_rate,
                               ssl_context=server_ssl_context(config.tls),
                               tracer=telemetry.tracer_provider.get_tracer("baton.router.http"),
-                              meter=telemetry.meter)
+                              meter=telemetry.meter, read_timeout_s=config.http_read_timeout_s)
                       if config.http_listen else None)
 
     def register(self, server: grpc.aio.Server) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,3 +222,9 @@ def test_an_instance_id_that_cannot_key_etcd_or_travel_as_router_id_is_refused(m
     clients (helper-101)."""
     with pytest.raises(ValueError, match="--instance-id: 1 to 128 of letters"):
         make(instance_id=instance_id)
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, math.inf, math.nan])
+def test_an_http_read_timeout_that_is_not_positive_and_finite_is_refused_naming_the_flag(value: float) -> None:
+    with pytest.raises(ValueError, match="--http-read-timeout-s: must be positive"):
+        RouterConfig(http_read_timeout_s=value)

@@ -600,3 +600,70 @@ async def test_a_whole_answer_whose_client_closes_once_it_has_it_is_still_answer
     api = HttpApi(_ClosedAfterTheAnswer(["a"]), "127.0.0.1:0", InputLimits(max_prompt_bytes=1024))
     response = await (await api.app.router.resolve(request)).handler(request)
     assert response.status == 200
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"], ids=["nothing", "half a head"])
+async def test_a_connection_that_sends_no_whole_request_head_within_the_read_timeout_is_closed(sent: bytes) -> None:
+    """A client could hold a connection (a file descriptor, a parser's buffer) open for an hour by sending nothing,
+    or its head a byte at a time: aiohttp's keep-alive timeout was 3,630 s, and before its 3.14 nothing timed the
+    first head at all (the slowloris left out in the earlier notes)."""
+    port = free_port()
+    api = HttpApi(_FakeRouter(["a"]), f"127.0.0.1:{port}", InputLimits(max_prompt_bytes=1024), read_timeout_s=0.2)
+    assert await api.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(sent)
+        await writer.drain()
+        # The server closes it: the read ends (an answer to a half-sent head would be no answer at all).
+        assert await asyncio.wait_for(reader.read(), 30) == b""
+        writer.close()
+    finally:
+        await api.close()
+
+
+async def test_a_body_that_does_not_come_in_full_within_the_read_timeout_is_a_408_naming_it_and_closed() -> None:
+    port = free_port()
+    api = HttpApi(_FakeRouter(["a"]), f"127.0.0.1:{port}", InputLimits(max_prompt_bytes=1024), read_timeout_s=0.2)
+    assert await api.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\": \"a\",")
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 30)  # the answer, then the connection's end
+        writer.close()
+    finally:
+        await api.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.split()[1] == b"408", head
+    error = json.loads(body)["error"]
+    assert error["param"] == "body" and error["type"] == "timeout_error", error
+    assert "100 bytes" in error["message"] and "0.2 s" in error["message"], error
+
+
+
+async def test_a_stream_and_a_kept_alive_connection_outlast_the_read_timeout_while_the_client_waits_for_answers(
+) -> None:
+    """The read timeout is for what the client sends: an answer that takes longer (a slow generation, then another
+    request on the same connection) is not cut by it."""
+    slow_s = 1.0
+
+    class _Slow(_FakeRouter):
+        async def generate(self, *args, **kwargs) -> AsyncIterator[router_pb2.GenerateChunk]:  # type: ignore[override]
+            await asyncio.sleep(slow_s)  # a generation slower than the read timeout, not a synchronisation
+            async for chunk in super().generate(*args, **kwargs):
+                yield chunk
+
+    port = free_port()
+    api = HttpApi(_Slow(["a", "b"]), f"127.0.0.1:{port}", InputLimits(max_prompt_bytes=1024), read_timeout_s=0.2)
+    assert await api.start()
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+            for stream in (True, False):
+                async with session.post(f"http://127.0.0.1:{port}/v1/completions",
+                                        json={"model": "a", "prompt": "x", "stream": stream}) as response:
+                    assert response.status == 200
+                    text = await response.text()
+                    assert ("data: [DONE]" in text) if stream else (json.loads(text)["choices"][0]["text"] == "ab")
+    finally:
+        await api.close()
