@@ -159,10 +159,15 @@ class TenantKeys:
         return entry.record
 
     def tenant_from_authorization(self, value: str | None) -> TenantRecord:
-        """The tenant named by an `authorization: Bearer <key>` value (gRPC metadata or HTTP header)."""
+        """The tenant named by an `authorization: Bearer <key>` value (gRPC metadata or HTTP header); several
+        entries come joined by ", " (`joined_authorization`), and are refused: no key has a comma, and which of two
+        keys would decide is not the caller's to leave to the server."""
         if not value:
             raise Unauthenticated("authorization: missing; send 'authorization: Bearer <API key>' "
                                   "(`baton tenants add` issues keys)")
+        if "," in value:
+            raise Unauthenticated(f"authorization: {value.count(',') + 1} values (several entries, or a list); "
+                                  "send one 'Bearer <API key>'")
         if not value[:len(_BEARER)].lower() == _BEARER:
             raise Unauthenticated(f"authorization: expected 'Bearer <API key>', got a value of {len(value)} "
                                   "characters without the Bearer scheme")
@@ -170,8 +175,12 @@ class TenantKeys:
 
     def tenant_from_metadata(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> TenantRecord:
         """The tenant of a gRPC call, from its invocation metadata."""
-        for name, value in metadata or ():
-            if name == "authorization":
-                return self.tenant_from_authorization(value.decode(errors="replace")
-                                                      if isinstance(value, bytes) else value)
-        return self.tenant_from_authorization(None)
+        return self.tenant_from_authorization(joined_authorization(metadata))
+
+
+def joined_authorization(entries: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """A call's `authorization` entries (gRPC metadata, HTTP headers), joined by ", " as HTTP joins a field sent
+    several times; None without one. Before, the first decided, whatever the second said (helper-164)."""
+    values = [value.decode(errors="replace") if isinstance(value, bytes) else value
+              for name, value in entries or () if name.lower() == "authorization"]
+    return ", ".join(values) if values else None

@@ -24,6 +24,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.metrics import Meter
 
 from baton.v1 import router_pb2
+from services.common.auth import joined_authorization
 from services.common.errors import BatonError, InvalidArgument
 from services.router import openai_schema as schema
 from services.router.chat_template import PLAIN, ChatTemplate, template_for
@@ -281,7 +282,7 @@ class HttpApi:
 
     async def _list_models(self, request: web.Request) -> web.Response:
         try:
-            await self._service.authorize(request.headers.get("Authorization"))
+            await self._service.authorize(_authorization(request))
             await self._service.nodes_read()
         except BatonError as error:
             return _error(error)
@@ -290,7 +291,7 @@ class HttpApi:
     async def _get_model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
         try:
-            await self._service.authorize(request.headers.get("Authorization"))
+            await self._service.authorize(_authorization(request))
             await self._service.nodes_read()
             # A 404 naming the served ones; a 503 while none is served, or this one is gone for now.
             find_model(name, self._service.models, self._service.gone_model(name))
@@ -338,7 +339,7 @@ class HttpApi:
             # parsed): a caller without one is not told which models are served (a token-id prompt's context window
             # named them, helper-148) and costs the router nothing more (helper-150). The router's generate, which
             # checks it again, puts the key's tenant in the request's place.
-            key_tenant = await self._service.authorize(request.headers.get("Authorization"))
+            key_tenant = await self._service.authorize(_authorization(request))
         except BatonError as error:
             return _error(error)
         body = await _read_json(request, self._read_timeout_s)
@@ -375,7 +376,7 @@ class HttpApi:
         parsed = parse(self._template_for_model, self._context_for_model)
         builder = schema.ResponseBuilder(parsed, created=int(time.time()))
         async with aclosing(self._service.generate(parsed.request, lambda: None,
-                                                   request.headers.get("Authorization"))) as chunks:
+                                                   _authorization(request))) as chunks:
             try:
                 # Refusals (validation, admission, no node) come before the first chunk: they get
                 # their own HTTP status, streamed or not.
@@ -437,6 +438,11 @@ async def _send_events(response: web.StreamResponse, events: list[dict[str, Any]
     if events:
         await response.write(b"".join(b"data: " + json.dumps(e, ensure_ascii=False).encode() + b"\n\n"
                                       for e in events))
+
+
+def _authorization(request: web.Request) -> str | None:
+    """The request's `Authorization` header; sent several times, its values joined (and refused with --auth)."""
+    return joined_authorization(request.headers.items())
 
 
 async def _read_json(request: web.Request, timeout_s: float) -> object:

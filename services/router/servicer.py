@@ -26,6 +26,7 @@ from baton.v1 import (
     scheduler_pb2_grpc,
 )
 from services.common import etcd_keys
+from services.common.auth import joined_authorization
 from services.common.coalesce import coalesce
 from services.common.deadline import until
 from services.common.directory import ChannelPool, LeaderDirectory
@@ -479,8 +480,5 @@ def _waiting_for_leader(generation: Generation) -> str:
 
 
 def _authorization(context: grpc.aio.ServicerContext) -> str | None:
-    """The call's `authorization` metadata (the API key, with --auth), if any."""
-    for name, value in context.invocation_metadata() or ():
-        if name == "authorization":
-            return value.decode(errors="replace") if isinstance(value, bytes) else value
-    return None
+    """The call's `authorization` metadata (the API key, with --auth), if any; several entries joined."""
+    return joined_authorization(context.invocation_metadata())

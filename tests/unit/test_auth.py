@@ -29,6 +29,20 @@ def test_a_bearer_key_names_its_tenant_and_the_record_survives_etcd() -> None:
     assert record.cache_salt == TenantRecord("other", cache_group="team").cache_salt != TenantRecord("x").cache_salt
 
 
+@pytest.mark.parametrize("second", ["valid", "unknown"])
+def test_a_call_with_two_authorization_entries_is_refused_whichever_comes_first(second: str) -> None:
+    """Before, the first entry decided: a proxy that adds its own key, or a client that sends two, was served as
+    whichever came first (helper-164)."""
+    key, other = new_api_key(), new_api_key()
+    keys = index_with(TenantRecord("acme").with_key(key, 1), TenantRecord("beta").with_key(other, 1))
+    second_key = other if second == "valid" else "bt_unknown-key-material"
+    for entries in ([("authorization", f"Bearer {key}"), ("authorization", f"Bearer {second_key}")],
+                    [("authorization", f"Bearer {second_key}"), ("Authorization", f"Bearer {key}")]):
+        with pytest.raises(Unauthenticated, match="authorization: 2 values") as refused:
+            keys.tenant_from_metadata(entries)
+        assert key not in str(refused.value) and second_key not in str(refused.value)
+
+
 @pytest.mark.parametrize(("authorization", "says"), [
     (None, "authorization: missing"),
     ("Basic dXNlcjpwYXNz", "expected 'Bearer <API key>'"),

@@ -18,6 +18,7 @@ import openai
 import pytest
 from aiohttp import StreamReader, web
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
+from multidict import CIMultiDict
 from opentelemetry import trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -667,3 +668,30 @@ async def test_a_stream_and_a_kept_alive_connection_outlast_the_read_timeout_whi
                     assert ("data: [DONE]" in text) if stream else (json.loads(text)["choices"][0]["text"] == "ab")
     finally:
         await api.close()
+
+
+async def test_every_authorization_header_a_request_sends_reaches_the_key_check() -> None:
+    """Two Authorization headers reach the router's key check joined, where --auth refuses them (test_auth); before,
+    only the first did, and it decided (helper-164)."""
+    seen: list[str | None] = []
+
+    class _Recording(_FakeRouter):
+        async def authorize(self, authorization: str | None) -> str:
+            seen.append(authorization)
+            return ""
+
+        async def generate(self, request: router_pb2.GenerateRequest, time_remaining: Callable[[], float | None],
+                           authorization: str | None = None) -> AsyncIterator[router_pb2.GenerateChunk]:
+            seen.append(authorization)
+            async for chunk in super().generate(request, time_remaining, authorization):
+                yield chunk
+
+    http = TestClient(TestServer(HttpApi(_Recording(["a"]), "127.0.0.1:0", InputLimits(max_prompt_bytes=1024)).app))
+    await http.start_server()
+    try:
+        headers = CIMultiDict([("Authorization", "Bearer bt_one"), ("Authorization", "Bearer bt_two")])
+        assert (await http.get("/v1/models", headers=headers)).status == 200
+        assert (await http.post("/v1/completions", json={"model": "a", "prompt": "x"}, headers=headers)).status == 200
+    finally:
+        await http.close()
+    assert seen and all(value == "Bearer bt_one, Bearer bt_two" for value in seen), seen
