@@ -39,7 +39,8 @@ class SchedulerConfig(ServiceConfig):
     instance_id: str = doc("this replica's id in etcd (1 to 128 of letters, digits and . _ : @ -)", "scheduler-0")
     load_timeout_s: float = doc("a node silent for longer than this is no candidate", 10.0)
     kvindex_timeout_s: float = doc("deadline of an overlap query, however many replicas it asks (hedged: the next "
-                                   "one after a fifth of it); past it, place without cache info", 0.25)
+                                   "one after a fifth of it, for at most a tenth of the queries beyond 10 in 10 s); "
+                                   "past it, place without cache info", 0.25)
     max_overlap_blocks: int = doc("most leading blocks of a prompt an overlap query asks about (no more than the "
                                   "kvindexes' --max-overlap-blocks); a longer prompt's cache matches in these only",
                                   MAX_OVERLAP_BLOCKS)

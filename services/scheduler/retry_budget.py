@@ -1,4 +1,5 @@
-"""A cluster-wide budget for retries (migrations), in the spirit of gRPC retry throttling. Pure."""
+"""A budget for retries (the cluster's migrations; the leader's hedged kvindex queries), in the spirit of gRPC retry
+throttling. Pure."""
 
 from __future__ import annotations
 

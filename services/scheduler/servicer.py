@@ -84,6 +84,11 @@ _KVINDEX_AVOID_S = 5.0
 # While every kvindex replica has failed lately, how often one is asked again (each placement in between is made
 # without cache information, at once).
 _KVINDEX_PROBE_S = 1.0
+# Hedged overlap queries (a second replica asked while the first is slow) as retries are budgeted: at most a tenth
+# of the queries over 10 s, beyond 10 in each 10 s. Where every replica is slow, hedging each query doubled the
+# load on replicas that were slow already (helper-162).
+_HEDGE_RATIO = 0.1
+_HEDGE_MIN_PER_S = 1.0
 # How many cold nodes one placement may see fail to load its model before it is refused.
 _MAX_FAILED_LOADS = 2
 # Of what is left of it, what a wait for an unconfirmed lease leaves for etcd to show a successor (a quarter
@@ -190,6 +195,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._kvindex_failed_at: dict[str, float] = {}
         # When a replica that had failed lately was last asked again (this scheduler's clock).
         self._kvindex_probed_at = -math.inf
+        self._hedges = RetryBudget(_HEDGE_RATIO, _HEDGE_MIN_PER_S)
         self._attempts = itertools.count(1)  # numbers this replica's Place calls
         # The routers registered: one gone holds no stream of a request id (its node streams ended with it).
         self._routers = PrefixView(self._member.client, etcd_keys.service_prefix("router"))
@@ -413,15 +419,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             order = [min(addresses, key=lambda a: self._kvindex_failed_at[a])]
             self._kvindex_probed_at = now
         # The timeout is the query's, not each replica's: two frozen replicas cost every placement twice it for as
-        # long as they stayed registered (helper-160). The next replica is asked too (hedged) when one has not
-        # answered within a fifth of it, or failed: the first answer wins.
+        # long as they stayed registered (helper-160). The next replica is asked when the one asked failed, and too
+        # (hedged) when it has not answered within a fifth of the timeout and the hedge budget allows: the first
+        # answer wins.
+        self._hedges.record_request(now)
         loop = asyncio.get_running_loop()
         end = loop.time() + self._config.kvindex_timeout_s
         hedge_s = self._config.kvindex_timeout_s / 5
         asking: dict[asyncio.Task[kvindex_pb2.OverlapResponse], str] = {}
         try:
             while (order or asking) and (remaining := end - loop.time()) > 0:
-                if order:
+                if order and (not asking or self._hedges.try_retry(self._clock())):
                     address = order.pop(0)
                     stub = kvindex_pb2_grpc.KVIndexStub(self._kvindexes.channel(address))
                     asking[asyncio.ensure_future(stub.QueryOverlap(request, timeout=remaining))] = address

@@ -249,6 +249,56 @@ async def test_a_kvindex_replica_that_failed_is_asked_after_the_others_for_a_whi
         await live.close()
 
 
+class _SlowKVIndex(kvindex_pb2_grpc.KVIndexServicer):
+    """A replica that answers every query, later than the scheduler's hedge (a loaded one)."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.asked = 0
+        self.delay_s = delay_s
+
+    async def QueryOverlap(self, request, context):  # noqa: N802 - the generated servicer's name
+        self.asked += 1
+        await asyncio.sleep(self.delay_s)  # a slow answer, not a synchronisation
+        return kvindex_pb2.OverlapResponse(matched_blocks={"n0": len(request.block_hashes)})
+
+
+@pytest.mark.timeout(30)
+async def test_where_every_kvindex_replica_is_slow_few_placements_ask_a_second_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two replicas that each answer after the hedge's fifth of the timeout: every placement asked both, doubling
+    the load on replicas that were slow already (helper-162). Hedges are budgeted as retries: past the budget, the
+    first replica asked is waited for, and its answer still places the request with its cache information."""
+    fake_leadership(monkeypatch, lambda: True)
+    monkeypatch.setattr("services.scheduler.servicer._HEDGE_MIN_PER_S", 0.1)  # 1 hedge in 10 s, beyond a tenth
+    slow = [_SlowKVIndex(0.3), _SlowKVIndex(0.3)]
+    servers, addresses = [], []
+    for servicer in slow:
+        server = grpc.aio.server()
+        kvindex_pb2_grpc.add_KVIndexServicer_to_server(servicer, server)
+        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        await server.start()
+        servers.append(server)
+    scheduler = SchedulerService(SchedulerConfig(kvindex_timeout_s=1.0), Telemetry("scheduler/test", "none"))
+    scheduler._role.elected.set()
+    scheduler._kvindexes.addresses = lambda: list(addresses)  # type: ignore[method-assign]
+    scheduler._cluster.set_nodes([NodeSpec(node_id="n0", address="n0:1", gpu="h100", price_per_hour=1.0,
+                                           warm_models=frozenset({M}))])
+    scheduler._cluster.report_load("n0", Load(kv_blocks_total=1_000_000), time.monotonic())
+    placements = 5  # (more, never Finished, would read as a saturated node and queue)
+    try:
+        for i in range(placements):
+            placement = await scheduler.Place(scheduler_pb2.PlaceRequest(
+                request_id=f"r{i}", model=M, num_prompt_tokens=len(PROMPT) * DEFAULT_BLOCK_SIZE, max_tokens=8,
+                block_hashes=list(PROMPT)), FakeContext())  # type: ignore[arg-type]
+            assert placement.matched_blocks == len(PROMPT)  # a slow answer is still an answer
+        asked = sum(s.asked for s in slow)
+        assert asked == placements + 1, asked  # hedged once, as the budget allows (each had, before)
+    finally:
+        await scheduler.close()
+        for server in servers:
+            await server.stop(None)
+
+
 @pytest.mark.timeout(20)
 async def test_with_every_kvindex_replica_frozen_placements_go_without_cache_information_and_say_so(
         monkeypatch: pytest.MonkeyPatch) -> None:
