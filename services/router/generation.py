@@ -100,24 +100,29 @@ class Generation:
     def num_migrations(self) -> int:
         return len(self.failures)
 
-    def excluded_nodes(self, stalled_before: bool = True) -> list[str]:
+    def excluded_nodes(self, stalled_before: bool = True, stalled_last: bool = True) -> list[str]:
         """The nodes its next placement avoids: those that failed it and those that run another stream of its id and
         would not give it up. Without stalled_before, not a node that only stalled before its last failure (paused a
         moment, or slow on a loaded host: it may serve again); a node a failure of another cause left (its process
-        gone, say) stays avoided, and so does the one that failed it last. Failures of a frozen router (the node
-        well) avoid nothing."""
+        gone, say) stays avoided. Without stalled_last too, not the node whose stall was its last failure either.
+        Failures of a frozen router (the node well) avoid nothing."""
         failures = [failure for failure in self.failures if not failure.node_is_well]
         if not stalled_before:
             earlier = [failure for failure in failures[:-1] if failure.cause is not FailureCause.STALLED]
-            failures = earlier + failures[-1:]
+            last = failures[-1:] if stalled_last else [f for f in failures[-1:] if f.cause is not FailureCause.STALLED]
+            failures = earlier + last
         return sorted({failure.node_id for failure in failures} | {refusal.node_id for refusal in self.refusals})
 
     def placement_asks(self, suspects: Iterable[str]) -> list[set[str]]:
         """The node sets its next placement excludes, in the order to ask while none is left: every node it avoids
         and the router's suspects (nodes that failed any stream lately); without the suspects; without the nodes
-        that only stalled it before its last failure. A later ask is worth making only when it adds a node."""
+        that only stalled it before its last failure; without the one whose stall was its last failure. A later ask
+        is worth making only when it adds a node. The last: a pause of a second or two of the only node serving its
+        model (or the last one alive) ended every stream on it, the node healthy again half a second later
+        (helper-167); each return to it is a move, within --max-migrations."""
         excluded = set(self.excluded_nodes())
-        return [excluded | set(suspects), excluded, set(self.excluded_nodes(stalled_before=False))]
+        return [excluded | set(suspects), excluded, set(self.excluded_nodes(stalled_before=False)),
+                set(self.excluded_nodes(stalled_before=False, stalled_last=False))]
 
     def failed_on(self, node_id: str) -> bool:
         """Whether node_id failed it before (not for a frozen router's sake)."""

@@ -125,16 +125,19 @@ def test_excluded_nodes_lists_each_failed_node_once() -> None:
     assert len(generation.excluded_nodes()) == 2
 
 
-def test_the_last_ask_of_a_move_avoids_only_the_last_failed_node_and_those_whose_stream_broke() -> None:
+def test_the_last_asks_of_a_move_avoid_only_the_nodes_whose_stream_broke_and_the_last_failed_one_unless_it_stalled(
+) -> None:
     """Its placement asks: every avoided node and the suspects, then without the suspects, then without the nodes
-    that only stalled it before its last failure. A frozen router's failure (the node well) is no node's: the one
-    that failed it before that stays avoided (helper-155)."""
+    that only stalled it before its last failure, then without the one whose stall was its last failure. A frozen
+    router's failure (the node well) is no node's: the one that failed it before that stays avoided (helper-155)."""
     generation = _generation()
     for node_id, cause, well in (("a", FailureCause.STALLED, False), ("b", FailureCause.STREAM_BROKEN, False),
                                  ("c", FailureCause.STALLED, False), ("d", FailureCause.STALLED, True)):
         generation.record_failure(NodeFailure(node_id, cause, node_is_well=well), max_migrations=5)
-    assert generation.placement_asks({"s"}) == [{"a", "b", "c", "s"}, {"a", "b", "c"}, {"b", "c"}]
+    assert generation.placement_asks({"s"}) == [{"a", "b", "c", "s"}, {"a", "b", "c"}, {"b", "c"}, {"b"}]
     assert generation.failed_on("a") and not generation.failed_on("d")
+    generation.record_failure(NodeFailure("a", FailureCause.STREAM_BROKEN), max_migrations=5)
+    assert generation.placement_asks(set())[2:] == [{"a", "b"}, {"a", "b"}]  # its last failure no stall: avoided
 
 
 # --- usage --------------------------------------------------------------------------------------

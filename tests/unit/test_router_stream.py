@@ -214,9 +214,10 @@ async def test_a_reader_that_sleeps_per_message_gets_merged_tokens() -> None:
     assert len(messages) < num_tokens / 4
 
 
-async def test_a_move_with_nowhere_to_go_asks_once_and_says_what_happened() -> None:
-    """Issue 15.5: a stalled stream on a one-node cluster was placed twice (each a charge on the
-    retry budget); now once, and the status names the failure and why it could not move."""
+async def test_a_move_with_nowhere_to_go_asks_once_for_each_set_of_nodes_and_says_what_happened() -> None:
+    """Issue 15.5: a stalled stream on a one-node cluster was placed twice for the same nodes (each a charge on the
+    retry budget); now once without the node that stalled it, once with it (its stall may have been a pause), and
+    the status names the failure and why it could not move."""
     never = asyncio.Event()
 
     async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
@@ -233,7 +234,8 @@ async def test_a_move_with_nowhere_to_go_asks_once_and_says_what_happened() -> N
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             async for _ in call:
                 pass
-    assert [p.retry_cause for p in scheduler.places] == ["", "stalled"]
+    assert [(p.retry_cause, list(p.exclude_node_ids)) for p in scheduler.places] == [
+        ("", []), ("stalled", [NODE]), ("stalled", [])]
     assert _counted(reader, "baton.router.migrations") == []  # it moved nowhere (counted one: helper-116)
     assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
     details = raised.value.details() or ""
@@ -652,11 +654,13 @@ class _TwoNodeScheduler(_FakeScheduler):
     """Two live nodes, node-a and node-b (both served by the one fake node): the first not excluded; none left is
     UNAVAILABLE, as the leader answers."""
 
+    nodes = ("node-a", "node-b")
+
     async def Place(  # noqa: N802
         self, request: scheduler_pb2.PlaceRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.Placement:
         self.places.append(request)
-        left = [n for n in ("node-a", "node-b") if n not in request.exclude_node_ids]
+        left = [n for n in self.nodes if n not in request.exclude_node_ids]
         if not left:
             await abort(context, Unavailable(f"model={request.model!r}: no live node has it warm (excluded: "
                                              f"{', '.join(request.exclude_node_ids)})"))
@@ -702,6 +706,48 @@ async def test_a_node_that_only_stalled_a_stream_earlier_takes_it_again_when_no_
     # Every failed node excluded first, then only the last: node-a took it back, in place of its stalled stream.
     assert asked == [[], ["node-a"], ["node-a", "node-b"], ["node-b"]]
     assert [r.resent for r in requests] == [False, False, True]
+
+
+class _OneNodeScheduler(_TwoNodeScheduler):
+    nodes = ("node-a",)
+
+
+@pytest.mark.parametrize("stalls", [True, False])
+async def test_the_only_node_of_a_model_takes_back_a_stream_it_only_stalled(stalls: bool) -> None:
+    """A pause of a second or two of the only node serving a model (or the last one alive) ended every stream on
+    it, the node healthy again half a second later: even the loosest ask avoided the node that failed it last
+    (helper-167). A stall is no death: that node takes it back, told to take the place of the stream it may still
+    hold. One whose stream broke is still avoided."""
+    requests: list[node_agent_pb2.NodeGenerateRequest] = []
+    never = asyncio.Event()
+
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        requests.append(request)
+        yield _started()
+        yield Chunk(node_id=NODE, index=0, token_ids=[97 + request.num_resumed_tokens])
+        if len(requests) == 1:
+            if not stalls:
+                raise RuntimeError("the node died")
+            await never.wait()  # paused past the stall deadline
+        yield Chunk(node_id=NODE, index=1, token_ids=[98 + request.num_resumed_tokens],
+                    finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+    async with _router(generate, _OneNodeScheduler(), stall_floor_s=0.2) as (router, scheduler):
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=3))
+        if stalls:
+            messages = await _collect(call)
+        else:
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await _collect(call)
+    asked = [list(p.exclude_node_ids) for p in scheduler.places]
+    if not stalls:
+        assert asked == [[], ["node-a"]]
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        return
+    assert [t for m in messages for t in m.token_ids] == [97, 98, 99]
+    assert messages[-1].usage.num_migrations == 1
+    assert asked == [[], ["node-a"], []]
+    assert [r.resent for r in requests] == [False, True]
 
 
 @pytest.mark.parametrize("dropped_for_unanswered_pings", [True, False])
