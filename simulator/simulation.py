@@ -19,7 +19,7 @@ from typing import NoReturn
 
 from baton.v1 import common_pb2
 from services.common.engine_profile import EngineProfile
-from services.common.errors import BatonError, InvalidArgument, Unavailable
+from services.common.errors import BatonError, InvalidArgument, ResourceExhausted, Unavailable
 from services.common.failure_cause import FailureCause
 from services.common.load import Load
 from services.kvindex.index import KVIndex
@@ -28,6 +28,7 @@ from services.node_agent.engines.sim.models import GPU_SPECS, SimModelSpec, get_
 from services.node_agent.engines.sim.profile import configured_profile
 from services.node_agent.engines.types import EngineRequest, SamplingParams, StepResult
 from services.router.generation import Generation, NodeFailure
+from services.router.relay import MOVE_WAIT_S
 from services.scheduler.admission import Admission, Verdict
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.fleet import ClusterView, NodeSpec
@@ -241,6 +242,7 @@ class Simulation:
         # Requests queued for admission, with the options they were offered.
         self._held: dict[str, tuple[_Pending, list[Option]]] = {}
         self._suspects: dict[str, float] = {}
+        self._move_waited_s: dict[str, float] = {}  # how long each request's moves waited for the retry budget
         self._book = TokenBook()
         # Two queues: what can bring new work to a node (arrivals, failures), and step completions.
         self._events: list[tuple[float, int, Callable[[], None]]] = []
@@ -456,6 +458,13 @@ class Simulation:
             self._refuse(record, error)
             return
         except BatonError as error:
+            waited_s = self._move_waited_s.get(generation.request_id, 0.0)
+            if retry_cause and isinstance(error, ResourceExhausted) and \
+                    waited_s + error.retry_after_ms / 1000 <= MOVE_WAIT_S:  # waited out, as the router does
+                self._move_waited_s[generation.request_id] = waited_s + error.retry_after_ms / 1000
+                self._at(self._now + error.retry_after_ms / 1000,
+                         lambda: self._place(generation, record, block_hashes, retry_cause))
+                return
             self._fail(record, str(error))
             return
         self._placed_or_waiting(_Pending(plan, generation, record, block_hashes))

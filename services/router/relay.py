@@ -16,7 +16,7 @@ from opentelemetry.metrics import Meter
 from baton.protocol import LEADER_KEY, ORIGIN_KEY, is_transport_failure
 from baton.v1 import common_pb2, node_agent_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.directory import ChannelPool, LeaderDirectory, LeaderRecord
-from services.common.errors import BatonError, StreamHeld, Unavailable, from_rpc_error
+from services.common.errors import BatonError, ResourceExhausted, StreamHeld, Unavailable, from_rpc_error
 from services.common.failure_cause import FailureCause
 from services.common.request_context import context_of
 from services.common.slo import Slo, classify
@@ -356,24 +356,23 @@ class Relay:
             generation.leader_wait_since = since
 
         try:
-            placement: scheduler_pb2.Placement | None = None
-            no_node: BatonError | None = None  # the last ask's refusal: no node left
-            asked: set[str] = set()
-            for exclude in asks:
-                if no_node is not None and not asked - exclude:
-                    continue  # adds no node
-                del place.exclude_node_ids[:]
-                place.exclude_node_ids.extend(sorted(exclude))
+            waited_s = 0.0
+            while True:
                 try:
-                    placement = await self._call_scheduler(place, time_remaining(), waiting)
+                    placement = await self._ask_in_turn(place, asks, time_remaining, waiting)
                     break
-                except BatonError as error:
-                    if error.code != grpc.StatusCode.UNAVAILABLE or isinstance(error, _NoLeader):
+                except ResourceExhausted as error:
+                    # A move the cluster's retry budget (or admission) holds back for now: waited out, so that the
+                    # generation is not lost (helper-167: 10 of 60 streams of a dead node ended so), within the
+                    # client's deadline and MOVE_WAIT_S in all.
+                    wait_s = error.retry_after_ms / 1000
+                    remaining = time_remaining()
+                    if (not retry_cause or waited_s + wait_s > MOVE_WAIT_S
+                            or (remaining is not None and wait_s >= remaining)):
                         raise
-                    no_node, asked = error, exclude
-            if placement is None:
-                assert no_node is not None
-                raise no_node
+                    log.info("request %s: its move waits %.1f s: %s", generation.request_id, wait_s, error)
+                    waited_s += wait_s
+                    await asyncio.sleep(wait_s)
         except BatonError as error:
             # (NOT_FOUND for a move: every node that had the model has died or gone from etcd; an outage, not a
             # model the client got wrong.)
@@ -390,6 +389,27 @@ class Relay:
             raise
         generation.settle_model(placement.model)
         return placement
+
+    async def _ask_in_turn(self, place: scheduler_pb2.PlaceRequest, asks: list[set[str]],
+                           time_remaining: Callable[[], float | None],
+                           waiting: Callable[[float | None], None]) -> scheduler_pb2.Placement:
+        """The first placement the leader gives for the asks' node sets, in turn, each asked only when it adds a
+        node to the last one refused; the last refusal (no node left) when none gives one."""
+        no_node: BatonError | None = None  # the last ask's refusal: no node left
+        asked: set[str] = set()
+        for exclude in asks:
+            if no_node is not None and not asked - exclude:
+                continue  # adds no node
+            del place.exclude_node_ids[:]
+            place.exclude_node_ids.extend(sorted(exclude))
+            try:
+                return await self._call_scheduler(place, time_remaining(), waiting)
+            except BatonError as error:
+                if error.code != grpc.StatusCode.UNAVAILABLE or isinstance(error, _NoLeader):
+                    raise
+                no_node, asked = error, exclude
+        assert no_node is not None
+        raise no_node
 
     @overload
     async def _call_scheduler(self, request: scheduler_pb2.PlaceRequest, remaining_s: float | None,
@@ -569,6 +589,9 @@ _MAX_REDIRECTS = 3
 # under way.
 _NOTICE_WITHIN_S = 30.0
 _CLOSE_NOTICES_S = 5.0
+# The longest a move waits in all for the retry budget (or admission) to let it through, each wait as long as the
+# leader's hint: a window of the budget and then some (docs/resume.md).
+MOVE_WAIT_S = 30.0
 
 _LeaderRequest = scheduler_pb2.PlaceRequest | scheduler_pb2.FinishedRequest
 _LeaderAnswer = scheduler_pb2.Placement | scheduler_pb2.FinishedAck

@@ -46,7 +46,8 @@ class SchedulerConfig(ServiceConfig):
                                   MAX_OVERLAP_BLOCKS)
     policy: str = doc("placement policy: baton, dynamo, llm_d, sglang, least_loaded or round_robin", "baton")
     prefill_load_scale: float = doc("weight of prefill blocks in the KV/load cost (dynamo policy)", 1.0)
-    retry_ratio: float = doc("retries (migrations) allowed as a fraction of requests, over 10 s", 0.2)
+    retry_ratio: float = doc("retries (migrations) allowed as a fraction of requests over 10 s, or of the streams "
+                             "in flight when more", 0.2)
     retry_min_per_s: float = doc("retries allowed per second whatever the request rate", 5.0)
     max_queued: int = doc("most requests the admission queue holds (memory bound)", 10_000)
     model_plan_interval_s: float = doc("how often the leader plans model loads and unloads", 1.0)

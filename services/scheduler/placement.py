@@ -146,13 +146,19 @@ class Placer:
             self._refuse_the_impossible(request, models)
         charged_at = None
         if ask.retry_cause:
-            if not self.retry_budget.try_retry(now):
+            # The streams a failure may have to move: those the nodes last reported, a dead node's among them.
+            in_flight = sum(s.load.num_running + s.load.num_waiting for s in self.cluster.nodes()
+                            if s.reported_at is not None)
+            if not self.retry_budget.try_retry(now, in_flight):
                 budget = self.retry_budget
-                raise ResourceExhausted(
-                    f"cluster retry budget exhausted: {budget.num_retries(now)} retries in the last "
-                    f"{budget.window_s:.0f} s against {budget.num_requests(now)} requests (allowed: "
-                    f"{budget.min_retries_per_s:g}/s + {budget.ratio:.0%} of requests)",
-                    retry_after_ms=int(budget.window_s * 1000))
+                why = (f"cluster retry budget exhausted: {budget.num_retries(now)} retries in the last "
+                       f"{budget.window_s:.0f} s against {budget.num_requests(now)} requests placed then and "
+                       f"{in_flight} in flight (allowed: {budget.min_retries_per_s:g}/s + {budget.ratio:.0%} of the "
+                       "larger)")
+                if not budget.num_retries(now):  # none to leave the window: waiting frees nothing
+                    raise Unavailable(why)
+                # A move the router waits out (relay._place), for as long as the oldest retry stays in the window.
+                raise ResourceExhausted(why, retry_after_ms=max(1, math.ceil(budget.retry_after_s(now) * 1000)))
             charged_at = now
         else:
             self.retry_budget.record_request(now)

@@ -12,6 +12,7 @@ from google.protobuf import json_format
 
 from baton.v1 import common_pb2, scheduler_pb2
 from services.common import etcd_keys
+from services.common.load import Load
 from services.common.telemetry import Telemetry
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.policies import PlacementRequest
@@ -106,6 +107,24 @@ def test_a_mass_failure_moves_what_the_budget_allows_and_refuses_the_rest() -> N
         budget.record_request(i * 0.05)
     # Reserve 2 + 10% of 100 requests.
     assert _spend(budget, 5.0, attempts=50) == 12
+
+
+def test_the_streams_in_flight_count_when_they_are_more_than_the_requests_placed_in_the_window() -> None:
+    """Counting only the window's placements, one node's death on a fleet of long streams placed earlier refused a
+    sixth of its moves (helper-167: 10 of 60, each a generation lost)."""
+    budget = RetryBudget(ratio=0.2, min_retries_per_s=0.5, window_s=10.0)
+    budget.record_request(0.0)
+    assert budget.allowance(1.0, in_flight=60) == 5.0 + 12.0
+    assert budget.allowance(1.0, in_flight=0) == 5.0 + 0.2
+    assert sum(budget.try_retry(1.0, in_flight=60) for _ in range(30)) == 17
+
+
+def test_a_refused_retry_is_told_when_the_oldest_retry_leaves_the_window() -> None:
+    budget = RetryBudget(ratio=0.0, min_retries_per_s=0.2, window_s=10.0)
+    assert budget.retry_after_s(0.0) == 10.0  # none in the window
+    assert budget.try_retry(2.0) and budget.try_retry(3.0) and not budget.try_retry(4.0)
+    assert budget.retry_after_s(4.0) == 8.0
+    assert budget.try_retry(12.0)  # the one of 2.0 has left
 
 
 @pytest.mark.parametrize(
@@ -204,3 +223,54 @@ async def test_the_live_policy_learns_output_lengths_from_finished_notices(sched
 
 def _placement_request() -> PlacementRequest:
     return PlacementRequest(request_id="r", model="m", num_prompt_tokens=10, num_prompt_blocks=0, max_tokens=2048)
+
+
+async def test_a_move_over_the_budget_is_told_to_wait_for_the_window_and_one_no_wait_could_free_is_unavailable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router waits out a move's RESOURCE_EXHAUSTED for as long as its hint says (test_router_stream): the hint is
+    when the oldest retry leaves the window. A budget with no retry in it to leave frees nothing by waiting."""
+    fake_leadership(monkeypatch, lambda: True)
+    for reserve, code in ((0.1, grpc.StatusCode.RESOURCE_EXHAUSTED), (0.0, grpc.StatusCode.UNAVAILABLE)):
+        service = SchedulerService(SchedulerConfig(etcd="127.0.0.1:1", retry_ratio=0.0, retry_min_per_s=reserve),
+                                   Telemetry("scheduler/test", "none"))
+        info = common_pb2.NodeInfo(node_id="node-a", address="127.0.0.1:1", gpu="h100", kv_block_size=16, models=[
+            common_pb2.ModelInfo(name="m", max_context_tokens=4096, tokenizer="byte", vocab_size=257, is_warm=True,
+                                 state=common_pb2.MODEL_STATE_WARM, kv_blocks=10_000)])
+        service._on_nodes_changed({etcd_keys.node_key("node-a"): json_format.MessageToJson(info).encode()})
+        try:
+            if reserve:
+                assert (await service.Place(_move([]), _Context())).node_id == "node-a"  # type: ignore[arg-type]
+            context = _Context()
+            with pytest.raises(_Aborted):
+                await service.Place(_move([]), context)  # type: ignore[arg-type]
+            assert context.code == code, context.details
+            assert "cluster retry budget exhausted" in context.details
+            assert ("retry after" in context.details) is bool(reserve)
+        finally:
+            await service.close()
+
+
+async def test_the_streams_a_dead_node_last_reported_widen_the_budget_for_its_moves(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """60 streams running on a node when it dies, none placed in the last 10 s: each needs one move, and 10 of 60
+    were refused (helper-167). The leader counts the streams the nodes last reported."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(etcd="127.0.0.1:1", retry_ratio=0.2, retry_min_per_s=0.1),
+                               Telemetry("scheduler/test", "none"))
+    service._on_nodes_changed({etcd_keys.node_key(node_id): json_format.MessageToJson(common_pb2.NodeInfo(
+        node_id=node_id, address="127.0.0.1:1", gpu="h100", kv_block_size=16, models=[common_pb2.ModelInfo(
+            name="m", max_context_tokens=4096, tokenizer="byte", vocab_size=257, is_warm=True,
+            state=common_pb2.MODEL_STATE_WARM, kv_blocks=100_000)])).encode() for node_id in ("node-a", "node-b")})
+    service._cluster.report_load("node-a", Load(num_running=60, kv_blocks_total=100_000), time.monotonic())
+    try:
+        placed = 0
+        for i in range(20):
+            move = _move(["node-a"])
+            move.request_id = f"r{i}"
+            try:
+                placed += (await service.Place(move, _Context())).node_id == "node-b"  # type: ignore[arg-type]
+            except _Aborted:
+                pass
+        assert placed == 1 + 12  # the reserve (0.1/s over 10 s) and a fifth of the 60 in flight
+    finally:
+        await service.close()

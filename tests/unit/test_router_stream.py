@@ -47,7 +47,7 @@ from services.common.gone_from_listing import GONE_MODEL_MEMORY_S
 from services.common.telemetry import Telemetry
 from services.router.config import RouterConfig
 from services.router.http_api import HttpApi
-from services.router.relay import Ending, HeldEndings
+from services.router.relay import MOVE_WAIT_S, Ending, HeldEndings
 from services.router.servicer import RouterService
 from services.router.tokenizer import TOKENIZERS
 from services.router.validation import InputLimits
@@ -1533,3 +1533,38 @@ async def test_the_http_api_shows_the_text_up_to_a_stop_that_ends_inside_a_token
 
 async def _all(call: AsyncIterator[router_pb2.GenerateChunk]) -> list[router_pb2.GenerateChunk]:
     return [message async for message in call]
+
+
+@pytest.mark.parametrize(("hint_ms", "moves"), [(50, True), (31_000, False)])
+async def test_a_move_the_retry_budget_holds_back_waits_for_it_and_then_moves(hint_ms: int, moves: bool) -> None:
+    """A move refused RESOURCE_EXHAUSTED (the cluster's retry budget spent by the other streams of a dead node) ended
+    its stream UNAVAILABLE, the generation lost, though the budget frees up within its window (helper-167). The
+    router waits out the leader's hint, within the client's deadline and MOVE_WAIT_S in all."""
+
+    class _Budgeted(_MovingScheduler):
+        async def Place(self, request, context):  # noqa: N802
+            if request.retry_cause and not any(p.retry_cause for p in self.places):
+                self.places.append(request)
+                await abort(context, ResourceExhausted("cluster retry budget exhausted", hint_ms))
+            return await super().Place(request, context)
+
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        yield _started()
+        yield Chunk(node_id=NODE, index=0, token_ids=[97 + request.num_resumed_tokens],
+                    finish_reason=common_pb2.FINISH_REASON_LENGTH if request.num_resumed_tokens else 0)
+        if not request.num_resumed_tokens:
+            raise RuntimeError("the node died")
+
+    async with _router(generate, _Budgeted()) as (router, scheduler):
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2))
+        if not moves:  # a hint beyond MOVE_WAIT_S
+            assert hint_ms > MOVE_WAIT_S * 1000
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await _collect(call)
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "could not move it" in (failed.value.details() or "")
+            assert [p.retry_cause for p in scheduler.places] == ["", "stream_broken"]
+            return
+        messages = await _collect(call)
+    assert [t for m in messages for t in m.token_ids] == [97, 98]
+    assert [p.retry_cause for p in scheduler.places] == ["", "stream_broken", "stream_broken"]
