@@ -196,7 +196,10 @@ def test_a_budget_no_node_serving_the_model_could_meet_is_invalid_without_a_retr
     placer = _placer(_spec("a", warm=(model,)))
     for budget, match in (({"deadline_ms": 5}, r"deadline_ms=5: cannot be met by any node serving the model, even "
                                                r"idle: the first token and max_tokens=2000 take at least"),
-                          ({"ttft_budget_ms": 1}, r"ttft_budget_ms=1: cannot be met by any node serving the model")):
+                          ({"ttft_budget_ms": 1}, r"ttft_budget_ms=1: cannot be met by any node serving the model"),
+                          # (helper-166: a 1 ms TPOT budget was served, and counted late whatever happened.)
+                          ({"tpot_budget_ms": 1}, r"tpot_budget_ms=1: cannot be met by any node serving the model, "
+                                                  r"even idle: each output token takes at least")):
         with pytest.raises(InvalidArgument, match=match):
             placer.start(_ask(model=model, max_tokens=2000, **budget), 1.0)
     assert placer.retry_budget.num_requests(1.0) == 0
@@ -206,7 +209,8 @@ def test_a_budget_no_node_serving_the_model_could_meet_is_invalid_without_a_retr
     with pytest.raises(InvalidArgument, match="deadline_ms=5: cannot be met by any node"):
         placer.start(alternatives, 1.0)
     # Room to finish: admitted.
-    roomy = placer.start(_ask(model=model, max_tokens=2000, deadline_ms=600_000, ttft_budget_ms=1000), 1.0)
+    roomy = placer.start(_ask(model=model, max_tokens=2000, deadline_ms=600_000, ttft_budget_ms=1000,
+                              tpot_budget_ms=30), 1.0)
     assert placer.ticket(roomy, placer.options(roomy, lambda _: {}), 1.0) is not None
 
 
@@ -255,12 +259,14 @@ def test_the_floor_is_below_every_prediction_whatever_the_load_and_cache(launch_
     for prompt, max_tokens, matched in ((1, 1, 0), (96, 1, 0), (96, 16, 5), (3000, 200, 180), (20_000, 8, 0)):
         request = PlacementRequest(request_id="r", model=model, num_prompt_tokens=prompt,
                                    num_prompt_blocks=prompt // 16, max_tokens=max_tokens)
-        first_s, end_s = policy.floor_s(request, [NodeStatus(spec)])
+        first_s, end_s, step_s = policy.floor_s(request, [NodeStatus(spec)])
         for running, waiting, pending in ((0, 0, 0), (1, 0, 0), (8, 0, 0), (3, 2, 5000), (300, 40, 90_000)):
             status = NodeStatus(spec, load=Load(num_running=running, num_waiting=waiting, kv_blocks_total=25_000,
                                                 pending_prefill_tokens=pending, active_decode_blocks=running * 10))
             assert first_s <= policy.best_ttft_s(request, [status], {"a": matched})
             assert end_s <= policy.best_finish_s(request, [status], {"a": matched})
+            terms = policy.terms(request, status, matched)
+            assert terms is not None and step_s * 1000 <= terms.tpot_ms
 
 
 def test_a_deadline_the_fleets_load_puts_out_of_reach_is_refused_at_once_with_a_hint() -> None:

@@ -367,12 +367,12 @@ class BatonPolicy(Policy):
                 if (t := self.terms(request, s, matched_blocks.get(s.spec.node_id, 0), now))]
         return min(ends) / 1000 if ends else None
 
-    def floor_s(self, request: PlacementRequest, statuses: list[NodeStatus]) -> tuple[float, float] | None:
-        """A floor under request's first token and end (max_tokens generated) on any of statuses, whatever their
-        load, caches or models' state: its last prompt token alone to prefill (the rest cached), in the cheaper of
-        a prefill-only step and a decode step of one, then max_tokens - 1 decode steps alone. Below every terms()
-        prediction on them, so a budget under it cannot be met by asking again. None when one has no profile for
-        the model (nothing is known of it) or there are none."""
+    def floor_s(self, request: PlacementRequest, statuses: list[NodeStatus]) -> tuple[float, float, float] | None:
+        """A floor under request's first token, its end (max_tokens generated) and its time per output token on any
+        of statuses, whatever their load, caches or models' state: its last prompt token alone to prefill (the rest
+        cached), in the cheaper of a prefill-only step and a decode step of one, then max_tokens - 1 decode steps
+        alone, each one such step. Below every terms() prediction on them, so a budget under it cannot be met by
+        asking again. None when one has no profile for the model (nothing is known of it) or there are none."""
         floors = []
         for status in statuses:
             profile = status.profile(request.model)
@@ -380,11 +380,11 @@ class BatonPolicy(Policy):
                 return None
             timing = profile.timing
             first_ms = min(timing.prefill_ms([1]), timing.decode_step_ms(1, 0) + timing.riding_chunk_ms(1))
-            floors.append((first_ms, first_ms + (request.max_tokens - 1)
-                           * timing.decode_step_ms(1, request.num_prompt_tokens)))
+            step_ms = timing.decode_step_ms(1, request.num_prompt_tokens)
+            floors.append((first_ms, first_ms + (request.max_tokens - 1) * step_ms, step_ms))
         if not floors:
             return None
-        return min(f[0] for f in floors) / 1000, min(f[1] for f in floors) / 1000
+        return tuple(min(f[i] for f in floors) / 1000 for i in range(3))  # type: ignore[return-value]
 
     def best_ttft_s(self, request: PlacementRequest, candidates: list[NodeStatus],
                     matched_blocks: dict[str, int], now: float = 0.0) -> float:
