@@ -237,8 +237,9 @@ def parse_request(kind: str, body: object, headers: Mapping[str, str],
     limit_name = "max_tokens"
     if kind == CHAT and body.get("max_completion_tokens") is not None:
         limit_name = "max_completion_tokens"  # OpenAI's newer name wins over the deprecated one
-        if body.get("max_tokens") is not None:
-            _int("max_tokens", body["max_tokens"])
+        if body.get("max_tokens") is not None and _int("max_tokens", body["max_tokens"]) <= 0:
+            # Checked as if it counted, as OpenAI and vLLM check it (helper-166: -5 beside it was taken).
+            raise InvalidArgument("max_tokens", body["max_tokens"], "must be positive")
     if body.get(limit_name) is not None:
         request.max_tokens = _int(limit_name, body[limit_name])
         names["max_tokens"] = limit_name

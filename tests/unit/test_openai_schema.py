@@ -107,6 +107,10 @@ def test_chat_messages_render_with_the_plain_template_and_max_completion_tokens_
     assert parsed.request.prompt == "<|system|>\nBe brief.\n<|user name=ann|>\nHi\nthere\n<|assistant|>\n"
     assert parsed.request.max_tokens == 5
     assert parsed.names["max_tokens"] == "max_completion_tokens" and parsed.names["prompt"] == "messages"
+    for bad in (0, -5):  # checked beside it as if it counted, as OpenAI and vLLM check it (helper-166: taken)
+        refused = _refused(schema.CHAT, {"model": "m", "max_tokens": bad, "max_completion_tokens": 5,
+                                         "messages": [{"role": "user", "content": "x"}]})
+        assert refused.field == "max_tokens" and f"max_tokens={bad}: must be positive" in str(refused)
 
 
 def test_baton_fields_come_from_the_body_or_from_headers_and_the_body_wins() -> None:
