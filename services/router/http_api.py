@@ -13,6 +13,7 @@ import logging
 import ssl
 import sys
 import time
+import uuid
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
@@ -107,9 +108,16 @@ def _json_response(status: int, body: dict[str, Any], headers: Mapping[str, str]
     return web.Response(status=status, text=json.dumps(body), content_type="application/json", headers=headers)
 
 
-def _error(error: BatonError, names: Mapping[str, str] | None = None) -> web.Response:
+def _error(error: BatonError, names: Mapping[str, str] | None = None,
+           extra_headers: Mapping[str, str] | None = None) -> web.Response:
     status, body, headers = schema.error_response(error, names)
-    return _json_response(status, body, headers)
+    return _json_response(status, body, {**headers, **(extra_headers or {})})
+
+
+def _id_header(parsed: schema.ParsedRequest) -> dict[str, str]:
+    """x-request-id: the request's id; none when the id is one a header cannot carry (refused as a bad field)."""
+    request_id = parsed.request.request_id
+    return {"x-request-id": request_id} if request_id.isascii() and request_id.isprintable() else {}
 
 
 @web.middleware
@@ -343,12 +351,17 @@ class HttpApi:
         except BatonError as error:
             return _error(error)
         body = await _read_json(request, self._read_timeout_s)
+        # Its id, as the client set it (request_id, X-Baton-Request-Id) or one made here: said in every answer's
+        # x-request-id, as OpenAI's API says its own, so that a failed call can be found in the cluster's logs and
+        # traces (helper-166: no answer carried one).
+        made_id = uuid.uuid4().hex
 
         def parse(template_for_model: Callable[[str], ChatTemplate],
                   context_for_model: Callable[[str], int]) -> schema.ParsedRequest:
             parsed = schema.parse_request(kind, body, request.headers, template_for_model, context_for_model,
                                           self._limits)
             parsed.request.tenant = tenant_for(request, body)
+            parsed.request.request_id = parsed.request.request_id or made_id
             if isinstance(body, dict) and body.get(schema.TENANT_FIELD) is None:  # named as the client spelt it
                 parsed.names[schema.TENANT_FIELD] = schema.TENANT_HEADER
             return parsed
@@ -366,14 +379,15 @@ class HttpApi:
             try:
                 check_fields(early.request, self._limits)
             except BatonError as error:
-                return _error(error, early.names)
+                return _error(error, early.names, _id_header(early))
         await self._service.nodes_read()
         if early is not None and not self._service.models:
             try:
                 find_model(early.request.model, self._service.models)  # none served: the 503, to retry
             except BatonError as error:
-                return _error(error, early.names)
+                return _error(error, early.names, _id_header(early))
         parsed = parse(self._template_for_model, self._context_for_model)
+        id_header = _id_header(parsed)
         builder = schema.ResponseBuilder(parsed, created=int(time.time()))
         async with aclosing(self._service.generate(parsed.request, lambda: None,
                                                    _authorization(request))) as chunks:
@@ -382,7 +396,7 @@ class HttpApi:
                 # their own HTTP status, streamed or not.
                 first = await anext(chunks)
             except BatonError as error:
-                return _error(error, parsed.names)
+                return _error(error, parsed.names, id_header)
             if not parsed.stream:
                 try:
                     builder.add(first)
@@ -392,11 +406,11 @@ class HttpApi:
                             if chunk.finish_reason:
                                 break
                 except BatonError as error:
-                    return _error(error, parsed.names)
+                    return _error(error, parsed.names, id_header)
                 # The router counts an answer delivered once it is asked for more after its last reply, so the
                 # response is written first: a client gone by then (the write fails, as a stream's does) did
                 # not get its answer, and the stream is closed unread.
-                response = _json_response(200, builder.response())
+                response = _json_response(200, builder.response(), id_header)
                 await response.prepare(request)
                 await response.write_eof()
                 try:
@@ -410,7 +424,7 @@ class HttpApi:
                 except Exception:  # a bug, but not one to answer: the client has its response
                     log.exception("HTTP %s %s failed after its answer was written", request.method, request.path)
                 return response
-            response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+            response = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **id_header})
             await response.prepare(request)
             try:
                 await _send_events(response, builder.stream_events(first))

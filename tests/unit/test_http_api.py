@@ -695,3 +695,26 @@ async def test_every_authorization_header_a_request_sends_reaches_the_key_check(
     finally:
         await http.close()
     assert seen and all(value == "Bearer bt_one, Bearer bt_two" for value in seen), seen
+
+
+async def test_every_answer_to_a_generation_names_its_request_id_as_openai_does() -> None:
+    """No answer carried the request's id, so a failed call could not be found in the router's logs or traces, and
+    the openai client's response._request_id was None (helper-166). x-request-id is the id the client set, or the
+    one the router made."""
+    router = _FakeRouter(["a"])
+    http, client = await _client(router)
+    try:
+        whole = await client.completions.with_raw_response.create(model="a", prompt="x")
+        made = whole.headers["x-request-id"]
+        assert made and router.requests[-1].request_id == made  # the id the request runs under
+        stream = await client.completions.with_raw_response.create(model="a", prompt="x", stream=True)
+        assert stream.headers["x-request-id"] not in ("", made)
+        mine = await http.post("/v1/completions", json={"model": "a", "prompt": "x"},
+                               headers={"X-Baton-Request-Id": "job-7"})
+        assert mine.headers["x-request-id"] == "job-7"
+        router.failure = Unavailable("no node")  # refused before its first chunk
+        refused = await http.post("/v1/completions", json={"model": "a", "prompt": "x", "request_id": "job-8"})
+        assert refused.status == 503 and refused.headers["x-request-id"] == "job-8"
+    finally:
+        await client.close()
+        await http.close()
