@@ -473,7 +473,10 @@ async def _read_json(request: web.Request, timeout_s: float) -> object:
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as exc:
-        raise InvalidArgument("body", raw[:40].decode(errors="replace"), f"not valid JSON: {exc}") from None
+        reason = str(exc)
+        if "integer string conversion" in reason:  # Python's limit, and its advice to the server's programmer
+            reason = f"a number of more than {sys.get_int_max_str_digits()} digits"
+        raise InvalidArgument("body", raw[:40].decode(errors="replace"), f"not valid JSON: {reason}") from None
 
 
 def _decoded(request: web.Request, raw: bytes) -> bytes:

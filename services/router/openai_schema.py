@@ -134,7 +134,8 @@ def _int(name: str, value: object, bounds: tuple[int, int] = _INT32) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgument(name, value, f"must be an integer, not {_json_type(value)}")
+        kind = "a number with a fraction" if isinstance(value, float) else _json_type(value)  # (not "a number")
+        raise InvalidArgument(name, value, f"must be an integer, not {kind}")
     low, high = bounds
     if not low <= value <= high:
         raise InvalidArgument(name, value, f"out of range [{low}, {high}]")

@@ -718,3 +718,18 @@ async def test_every_answer_to_a_generation_names_its_request_id_as_openai_does(
     finally:
         await client.close()
         await http.close()
+
+
+async def test_a_body_with_a_number_too_long_to_read_is_refused_without_pythons_advice_to_its_programmer() -> None:
+    """A 5,001-digit integer was refused quoting Python's "use sys.set_int_max_str_digits()" (helper-166)."""
+    http, client = await _client(_FakeRouter(["a"]))
+    try:
+        response = await http.post("/v1/completions", data=b'{"model": "a", "prompt": "x", "seed": ' + b"9" * 5001
+                                   + b"}", headers={"Content-Type": "application/json"})
+        error = (await response.json())["error"]
+        assert response.status == 400 and error["param"] == "body"
+        assert "not valid JSON: a number of more than 4300 digits" in error["message"], error
+        assert "sys." not in error["message"]
+    finally:
+        await client.close()
+        await http.close()

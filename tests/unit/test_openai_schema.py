@@ -86,6 +86,7 @@ def test_token_ids_for_a_model_not_served_are_not_found_before_they_are_read() -
     ({"top_p": -1e39}, {}, "top_p=-1e+39: out of range"),
     ({}, {"X-Baton-Priority": "1_0"}, "X-Baton-Priority='1_0': must be an integer (ASCII digits)"),
     ({}, {"X-Baton-Step": "\u0661\u0662"}, "X-Baton-Step='\u0661\u0662': must be an integer"),
+    ({"n": 1.5}, {}, "n=1.5: must be an integer, not a number with a fraction"),  # ("not a number": helper-166)
 ])
 def test_a_value_is_refused_as_the_client_sent_it_not_as_the_field_would_hold_it(
         body: dict[str, Any], headers: dict[str, str], message: str) -> None:
