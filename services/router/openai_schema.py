@@ -121,7 +121,9 @@ def text_value(name: str, value: object) -> str:
     try:
         value.encode()
     except UnicodeEncodeError:
-        raise InvalidArgument(name, value, "is not valid Unicode (a lone surrogate)") from None
+        # A header's bytes that are no UTF-8 come as escaped surrogates (U+DC80..U+DCFF); JSON's "\ud800" as itself.
+        raise InvalidArgument(name, value, "is not valid UTF-8" if name.startswith("X-") and any(
+            "\udc80" <= c <= "\udcff" for c in value) else "is not valid Unicode (a lone surrogate)") from None
     return value
 
 
