@@ -166,7 +166,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 workflows = sorted({self._live_workflows[i] for i in ids if i in self._live_workflows})
                 placed = [self._placed(i) for i in ids]
                 report = scheduler_pb2.LiveRequests(
-                    router_id=self._config.instance_id, request_ids=ids, workflow_ids=workflows,
+                    router_id=self._config.instance_id, router_incarnation=self._relay.incarnation,
+                    request_ids=ids, workflow_ids=workflows,
                     tenants=[run[0] if run else "" for run in placed],
                     prompt_digests=[run[1].prompt_digest if run else 0 for run in placed])
                 try:

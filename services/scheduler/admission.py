@@ -43,6 +43,8 @@ SLOT_SMOOTHING = 0.2
 SLOT_HINT_MAX_S = 60.0
 # How often idle tenants' state is dropped (a sweep over every tenant).
 _PRUNE_EVERY_S = 10.0
+# How many processes of one router id each leader remembers (Admission.router_seen).
+_INCARNATIONS_KEPT = 4
 
 
 @dataclass(frozen=True)
@@ -236,6 +238,8 @@ class Admission:
         self._queued: dict[str, Ticket] = {}
         self._held: dict[str, _Hold] = {}
         self._pruned_at = -math.inf
+        # The router processes seen under each router id (their incarnations, the latest last; a few kept).
+        self._incarnations: dict[str, list[int]] = {}
 
     @property
     def num_queued(self) -> int:
@@ -560,6 +564,31 @@ class Admission:
         """request_id's end is known: a live report sent before it, arriving after, gives it no slot (_adopt)."""
         self._ended_at.pop(request_id, None)  # (kept in order of their ends)
         self._ended_at[request_id] = now
+
+    def router_seen(self, router_id: str, incarnation: int, now: float) -> list[str]:
+        """A call from the router process incarnation under router_id (0: not said). Seen first while another process
+        of that id was known, it is a new process in a dead one's place (a crash and restart): the dead one's streams
+        ended with it, their node streams closed with its connections. Its claims go, and the slots no other router
+        holds are freed, at once: they were held a lease (15 s) on, and a tenant at its concurrency limit was refused
+        for as long (helper-167). One of an old process still speaking (a restart that overlaps a drain) is seen
+        again, not anew: its next live report gives its streams slots again (adopt). The ids freed."""
+        if not router_id or not incarnation:
+            return []
+        seen = self._incarnations.setdefault(router_id, [])
+        if incarnation in seen:
+            return []
+        seen.append(incarnation)
+        del seen[:-_INCARNATIONS_KEPT]
+        if len(seen) == 1:  # the first this leader knows of: nothing held by an older one is known to be dead
+            return []
+        freed = []
+        for request_id, hold in list(self._held.items()):
+            if hold.holders.pop(router_id, None) is None:
+                continue
+            if not hold.held_elsewhere(router_id, now, self.lease_s, self._is_registered):
+                self.release(request_id)
+                freed.append(request_id)
+        return freed
 
     def leave_to_others(self, request_id: str, now: float) -> None:
         """A stream of request_id ended while another of its id is said to run: the slot stays held, but only for a

@@ -141,6 +141,15 @@ class AdmissionGate:
     def _admit(self, ticket: Ticket) -> None:
         self._admission.on_admitted(ticket, self._clock())
 
+    def router_seen(self, router_id: str, incarnation: int) -> None:
+        """A call from that process of router_id: the first from a new one frees the slots its dead predecessor alone
+        held (Admission.router_seen)."""
+        freed = self._admission.router_seen(router_id, incarnation, self._clock())
+        if freed:
+            log.info("router %s is a new process: freed the %d admission slots its old one alone held, e.g. %s",
+                     router_id, len(freed), freed[0][:128])
+            self.capacity_changed()
+
     def finished(self, request_id: str, another_stream_live: bool = False, holder: str = "", ran: bool = True,
                  attempt: int = 0) -> None:
         """A request ended through holder (its router): its slot is free, unless another stream of its id is said to

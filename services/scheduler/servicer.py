@@ -479,6 +479,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await self._role.wait_if_taking_over(self._config.lease_ttl_s)
             await self._wait_for_election(context.time_remaining())
             await self._confirm_leadership(context)
+            self._gate.router_seen(request.router_id, request.router_incarnation)
             changing = self._loader.changing_nodes
             while True:
                 plan = self._placer.start(ask, self._clock(), changing, self._admission.limits_refusal)
@@ -721,6 +722,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                   else min(self._config.lease_ttl_s, remaining_s))
         num_held = 0
         if self._role.is_leader:
+            self._gate.router_seen(request.router_id, request.router_incarnation)
             num_held = self._gate.renew(request.request_ids, request.router_id, request.tenants,
                                         request.prompt_digests)
             # A long step (or a retry of a lone request, whose task is its id) does not time its task out.

@@ -192,6 +192,27 @@ async def test_a_frozen_routers_notice_does_not_free_the_slot_its_clients_resume
         await service.close()
 
 
+async def test_a_live_report_from_a_router_restarted_under_its_id_frees_its_dead_predecessors_slots(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leader reads the router process from its calls (LiveRequests.router_incarnation, as a Place's): the new
+    process's first report frees the slot its dead predecessor held, without the Finished notice it never sent."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    try:
+        admission = service._admission
+        admission.set_limits(CAPPED)
+        now = service._clock()
+        admission.on_admitted(Ticket(request_id="r", tenant="t", priority=0, num_tokens=100, arrived_at=now,
+                                     holder="router-a"), now)
+        for incarnation, held in ((7, 1), (8, 0)):  # the old process reports r; the new one, restarted, reports s
+            await service.ReportLiveRequests(scheduler_pb2.LiveRequests(
+                router_id="router-a", router_incarnation=incarnation, request_ids=["r" if held else "s"]),
+                FakeContext())  # type: ignore[arg-type]
+            assert admission.num_held == held
+    finally:
+        await service.close()
+
+
 def test_a_slot_whose_one_router_ends_it_is_freed_at_once() -> None:
     """A router that placed the id and ends it, no other router holding it: freed at once, not left to others (nor
     when the other router fell silent before this one first claimed the id)."""
@@ -232,6 +253,27 @@ def test_a_router_restarted_under_its_instance_id_claims_the_id_afresh_when_it_p
     admission.renew(["r"], 4.0, "router-2")
     _placed(admission, "r", "router-1", 5.0)  # the restarted process, the same id
     assert admission.end("r", 6.0, "router-1") is True and admission.num_held == 0
+
+
+def test_a_router_process_started_in_a_dead_ones_place_frees_the_slots_the_dead_one_alone_held_at_once() -> None:
+    """router-1 crashed with two of tenant t's streams (t at its limit) and was restarted under its id: the nodes
+    ended the streams with its connections, but the slots stayed held a lease (15 s), and t was refused meanwhile
+    (helper-167). The new process's first call frees them; one a resume through router-2 holds too stays held. An
+    old process still speaking (a restart overlapping its drain) is seen again, not anew, and its next report holds
+    its streams again."""
+    admission = Admission(limits={"t": TenantLimits(max_concurrency=3)}, lease_s=15.0)
+    assert admission.router_seen("router-1", 11, 0.0) == []  # the first process this leader knows of
+    for rid in ("a", "b", "c"):
+        _placed(admission, rid, "router-1", 0.5)
+    _placed(admission, "c", "router-2", 1.0)  # c's client resumed through router-2 as well
+    admission.renew(["a", "b", "c"], 1.0, "router-1")
+    assert verdict(admission, "next", 2.0) == Verdict.REJECT
+    assert admission.router_seen("router-1", 11, 2.0) == []  # the same process again
+    assert admission.router_seen("router-1", 0, 2.0) == []  # not said (an older router)
+    assert sorted(admission.router_seen("router-1", 22, 2.0)) == ["a", "b"]  # the new process
+    assert admission.num_held == 1 and verdict(admission, "next", 2.0) == Verdict.ADMIT
+    assert admission.router_seen("router-1", 11, 2.5) == []  # the old one, draining: seen before
+    assert admission.renew(["a"], 2.5, "router-1", tenants=["t"]) == 1  # its stream holds a slot again
 
 
 def test_a_live_report_under_way_as_its_router_ended_the_id_does_not_make_it_a_holder_again() -> None:

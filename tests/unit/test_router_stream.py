@@ -1192,6 +1192,7 @@ async def test_the_router_reports_its_live_requests_to_a_new_leader_at_once() ->
         finally:
             reporting.cancel()
     assert list(report.request_ids) == ["r"]
+    assert report.router_incarnation == service._relay.incarnation != 0  # which process of the router reports
 
 
 async def test_a_router_serving_more_requests_than_one_report_holds_splits_its_report() -> None:
@@ -1568,3 +1569,5 @@ async def test_a_move_the_retry_budget_holds_back_waits_for_it_and_then_moves(hi
         messages = await _collect(call)
     assert [t for m in messages for t in m.token_ids] == [97, 98]
     assert [p.retry_cause for p in scheduler.places] == ["", "stream_broken", "stream_broken"]
+    # Each Place says which process of the router asks (a restarted one frees its dead predecessor's slots).
+    assert len({p.router_incarnation for p in scheduler.places}) == 1 and scheduler.places[0].router_incarnation
