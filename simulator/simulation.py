@@ -28,7 +28,7 @@ from services.node_agent.engines.sim.models import GPU_SPECS, SimModelSpec, get_
 from services.node_agent.engines.sim.profile import configured_profile
 from services.node_agent.engines.types import EngineRequest, SamplingParams, StepResult
 from services.router.generation import Generation, NodeFailure
-from services.router.relay import MOVE_WAIT_S
+from services.router.relay import MOVE_WAIT_S, move_wait_s
 from services.scheduler.admission import Admission, Verdict
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.fleet import ClusterView, NodeSpec
@@ -242,7 +242,10 @@ class Simulation:
         # Requests queued for admission, with the options they were offered.
         self._held: dict[str, tuple[_Pending, list[Option]]] = {}
         self._suspects: dict[str, float] = {}
-        self._move_waited_s: dict[str, float] = {}  # how long each request's moves waited for the retry budget
+        # When each move held back by the retry budget gives up (MOVE_WAIT_S from its first ask), by request and move;
+        # and the draws of its waits (move_wait_s), seeded.
+        self._move_gives_up_at: dict[tuple[str, int], float] = {}
+        self._move_draws = random.Random(f"{seed}:moves")
         self._book = TokenBook()
         # Two queues: what can bring new work to a node (arrivals, failures), and step completions.
         self._events: list[tuple[float, int, Callable[[], None]]] = []
@@ -458,15 +461,20 @@ class Simulation:
             self._refuse(record, error)
             return
         except BatonError as error:
-            waited_s = self._move_waited_s.get(generation.request_id, 0.0)
-            if retry_cause and isinstance(error, ResourceExhausted) and \
-                    waited_s + error.retry_after_ms / 1000 <= MOVE_WAIT_S:  # waited out, as the router does
-                self._move_waited_s[generation.request_id] = waited_s + error.retry_after_ms / 1000
-                self._at(self._now + error.retry_after_ms / 1000,
-                         lambda: self._place(generation, record, block_hashes, retry_cause))
-                return
+            move = (generation.request_id, generation.num_migrations)
+            if retry_cause and isinstance(error, ResourceExhausted):  # waited out, as the router does (relay._place)
+                wait_s = move_wait_s(error.retry_after_ms, self._move_draws.random())
+                gives_up_at = self._move_gives_up_at.setdefault(move, self._now + MOVE_WAIT_S)
+                deadline_ms = request.deadline_ms
+                if self._now + wait_s <= gives_up_at and (
+                        not deadline_ms or self._now + wait_s < record.arrival_s + deadline_ms / 1000):
+                    self._at(self._now + wait_s, lambda: self._place(generation, record, block_hashes, retry_cause))
+                    return
+            self._move_gives_up_at.pop(move, None)
             self._fail(record, str(error))
             return
+        if retry_cause:
+            self._move_gives_up_at.pop((generation.request_id, generation.num_migrations), None)
         self._placed_or_waiting(_Pending(plan, generation, record, block_hashes))
 
     def _placed_or_waiting(self, pending: _Pending) -> None:

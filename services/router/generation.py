@@ -104,19 +104,26 @@ class Generation:
         """The nodes its next placement avoids: those that failed it and those that run another stream of its id and
         would not give it up. Without stalled_before, not a node that only stalled before its last failure (paused a
         moment, or slow on a loaded host: it may serve again); a node a failure of another cause left (its process
-        gone, say) stays avoided. Without stalled_last too, not the node whose stall was its last failure either.
+        gone, say) stays avoided. Without stalled_last too, not the node whose stall was its last failure either,
+        if that was its first stall there.
         Failures of a frozen router (the node well) avoid nothing."""
         failures = [failure for failure in self.failures if not failure.node_is_well]
         if not stalled_before:
             earlier = [failure for failure in failures[:-1] if failure.cause is not FailureCause.STALLED]
-            last = failures[-1:] if stalled_last else [f for f in failures[-1:] if f.cause is not FailureCause.STALLED]
+            last = failures[-1:]
+            if not stalled_last and last and last[0].cause is FailureCause.STALLED and sum(
+                    f.node_id == last[0].node_id and f.cause is FailureCause.STALLED for f in failures) == 1:
+                # Its first stall there: a node that stalled it twice (cut off, or dead but still listed, for up to
+                # the leader's --load-timeout-s) is not given it a third time (helper-168).
+                last = []
             failures = earlier + last
         return sorted({failure.node_id for failure in failures} | {refusal.node_id for refusal in self.refusals})
 
     def placement_asks(self, suspects: Iterable[str]) -> list[set[str]]:
         """The node sets its next placement excludes, in the order to ask while none is left: every node it avoids
         and the router's suspects (nodes that failed any stream lately); without the suspects; without the nodes
-        that only stalled it before its last failure; without the one whose stall was its last failure. A later ask
+        that only stalled it before its last failure; without the one whose stall was its last failure (its first stall
+        there). A later ask
         is worth making only when it adds a node. The last: a pause of a second or two of the only node serving its
         model (or the last one alive) ended every stream on it, the node healthy again half a second later
         (helper-167); each return to it is a move, within --max-migrations."""

@@ -114,10 +114,12 @@ def _error(error: BatonError, names: Mapping[str, str] | None = None,
     return _json_response(status, body, {**headers, **(extra_headers or {})})
 
 
-def _id_header(parsed: schema.ParsedRequest) -> dict[str, str]:
-    """x-request-id: the request's id; none when the id is one a header cannot carry (refused as a bad field)."""
+def _id_header(parsed: schema.ParsedRequest, max_len: int) -> dict[str, str]:
+    """x-request-id: the request's id; none when the id is one a header cannot carry, or longer than an id may be
+    (refused as a bad field: an 8 KB one made the refusal unreadable to aiohttp's client, helper-168)."""
     request_id = parsed.request.request_id
-    return {"x-request-id": request_id} if request_id.isascii() and request_id.isprintable() else {}
+    fits = len(request_id) <= max_len and request_id.isascii() and request_id.isprintable()
+    return {"x-request-id": request_id} if fits else {}
 
 
 @web.middleware
@@ -379,15 +381,15 @@ class HttpApi:
             try:
                 check_fields(early.request, self._limits)
             except BatonError as error:
-                return _error(error, early.names, _id_header(early))
+                return _error(error, early.names, _id_header(early, self._limits.max_id_len))
         await self._service.nodes_read()
         if early is not None and not self._service.models:
             try:
                 find_model(early.request.model, self._service.models)  # none served: the 503, to retry
             except BatonError as error:
-                return _error(error, early.names, _id_header(early))
+                return _error(error, early.names, _id_header(early, self._limits.max_id_len))
         parsed = parse(self._template_for_model, self._context_for_model)
-        id_header = _id_header(parsed)
+        id_header = _id_header(parsed, self._limits.max_id_len)
         builder = schema.ResponseBuilder(parsed, created=int(time.time()))
         async with aclosing(self._service.generate(parsed.request, lambda: None,
                                                    _authorization(request))) as chunks:

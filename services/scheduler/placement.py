@@ -240,11 +240,10 @@ class Placer:
 
     def _refuse_the_impossible(self, request: PlacementRequest, models: list[str]) -> None:
         """Unmeetable, naming the budget (ttft_budget_ms, tpot_budget_ms, deadline_ms) that no node listing one of
-        models (those of
-        the request some node lists) could meet, even idle with the whole prompt cached (BatonPolicy.floor_s, with
-        FLOOR_MARGIN): asking again cannot help, so it gets no retry hint (a 429 had the openai client ask twice
-        more). Every node listing the model counts, live or not, busy or loading: the fleet as it is now is what a
-        retry may find changed. Nothing is refused so when one of them has no profile."""
+        models (those of the request some node lists) could meet, even idle with the whole prompt cached
+        (BatonPolicy.floor_s, with FLOOR_MARGIN): asking again cannot help, so it gets no retry hint (a 429 had the
+        openai client ask twice more). Every node listing the model counts, live or not, busy or loading: the fleet
+        as it is now is what a retry may find changed. Nothing is refused so when one of them has no profile."""
         if not (request.ttft_budget_ms or request.tpot_budget_ms or request.deadline_ms):
             return
         floors = []
@@ -261,7 +260,8 @@ class Placer:
             raise Unmeetable("ttft_budget_ms", request.ttft_budget_ms,
                              f"cannot be met by any node serving the model, even idle: its first token takes at "
                              f"least {first_ms:.1f} ms with the whole prompt cached (ask for a larger budget)")
-        if request.tpot_budget_ms and request.tpot_budget_ms < step_ms:
+        if request.tpot_budget_ms and request.max_tokens > 1 and request.tpot_budget_ms < step_ms:
+            # (One token has no time per output token: such a request is never judged on it.)
             # (helper-166: a 1 ms budget was served, and counted late whatever happened: a failed task.)
             raise Unmeetable("tpot_budget_ms", request.tpot_budget_ms,
                              f"cannot be met by any node serving the model, even idle: each output token takes at "

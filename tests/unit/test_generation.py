@@ -140,6 +140,16 @@ def test_the_last_asks_of_a_move_avoid_only_the_nodes_whose_stream_broke_and_the
     assert generation.placement_asks(set())[2:] == [{"a", "b"}, {"a", "b"}]  # its last failure no stall: avoided
 
 
+def test_a_node_that_stalled_a_stream_twice_is_not_given_it_back_a_third_time() -> None:
+    """A node cut off, or dead but still listed by the leader (up to its --load-timeout-s), stalls every stream
+    given back to it: each return is a move and a unit of the cluster's retry budget (helper-168)."""
+    generation = _generation()
+    generation.record_failure(NodeFailure("a", FailureCause.STALLED), max_migrations=5)
+    assert generation.placement_asks(set())[-1] == set()  # its first stall there: it may take it back
+    generation.record_failure(NodeFailure("a", FailureCause.STALLED), max_migrations=5)
+    assert generation.placement_asks(set())[-1] == {"a"}
+
+
 # --- usage --------------------------------------------------------------------------------------
 
 

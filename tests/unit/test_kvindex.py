@@ -292,7 +292,9 @@ async def test_where_every_kvindex_replica_is_slow_few_placements_ask_a_second_o
                 block_hashes=list(PROMPT)), FakeContext())  # type: ignore[arg-type]
             assert placement.matched_blocks == len(PROMPT)  # a slow answer is still an answer
         asked = sum(s.asked for s in slow)
-        assert asked == placements + 1, asked  # hedged once, as the budget allows (each had, before)
+        # Hedged once, as the budget allows (each had, before); a hedge cancelled before its replica took it (the
+        # first answer came) is not asked there.
+        assert scheduler._hedges.num_retries(time.monotonic()) == 1 and placements <= asked <= placements + 1, asked
     finally:
         await scheduler.close()
         for server in servers:

@@ -211,6 +211,7 @@ def test_a_budget_no_node_serving_the_model_could_meet_is_invalid_without_a_retr
     # Room to finish: admitted.
     roomy = placer.start(_ask(model=model, max_tokens=2000, deadline_ms=600_000, ttft_budget_ms=1000,
                               tpot_budget_ms=30), 1.0)
+    placer.start(_ask(model=model, max_tokens=1, tpot_budget_ms=1), 1.0)  # one token: no time per output token
     assert placer.ticket(roomy, placer.options(roomy, lambda _: {}), 1.0) is not None
 
 

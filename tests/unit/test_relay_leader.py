@@ -14,7 +14,7 @@ from services.common.errors import Unavailable
 from services.common.telemetry import Telemetry
 from services.router.config import RouterConfig
 from services.router.generation import Generation
-from services.router.relay import Ending, Relay
+from services.router.relay import MOVE_ASK_EVERY_S, Ending, Relay, move_wait_s
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -177,3 +177,13 @@ async def test_a_placement_the_live_leader_held_to_the_calls_end_is_refused_with
     assert str(refused.value) == (f"scheduler {NEW.address} did not take the placement within 60.0 s (admission "
                                   "queueing or a model load); etcd still shows it leading, so no other leader would "
                                   "take it")
+
+
+def test_the_moves_a_spent_retry_budget_holds_back_ask_again_spread_out_not_together() -> None:
+    """Every move of a dead node's streams got the same hint, woke together, and all but one were held back again a
+    millisecond later: 300 moves asked the leader 11,774 times (helper-168). Each waits at least MOVE_ASK_EVERY_S
+    and the hint, plus a share of a tenth of that drawn at random."""
+    waits = [move_wait_s(1, i / 300) for i in range(300)]
+    assert min(waits) == MOVE_ASK_EVERY_S and max(waits) < 2.2 * MOVE_ASK_EVERY_S
+    assert len({round(w, 3) for w in waits}) > 100  # spread over the range, not bunched
+    assert 10.0 <= move_wait_s(10_000, 0.0) < move_wait_s(10_000, 0.99) < 11.3

@@ -14,6 +14,7 @@ from services.common.block_hash import block_hashes
 from services.node_agent.engines.sim.models import get_model, load_time_s
 from services.scheduler.model_planner import ModelPlanner
 from services.scheduler.policies import make_policy
+from services.scheduler.retry_budget import RetryBudget
 from simulator.metrics import Slo, summarize, task_stats
 from simulator.model_study import shifted
 from simulator.simulation import RunResult, Simulation, fleet
@@ -202,6 +203,21 @@ def test_request_on_a_failed_node_completes_elsewhere() -> None:
         migrations.append(record.num_migrations)
     # Exactly one of the two kills hit the node it ran on.
     assert sorted(migrations) == [0, 1]
+
+
+def test_moves_a_spent_retry_budget_holds_back_wait_for_it_as_the_router_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router waits out a move the leader's retry budget refuses for now (relay.move_wait_s); the simulator failed
+    the request instead, as the router had lost its generation (helper-167). Four streams of a dead node, a budget of
+    two moves in 10 s: two move at once, two when the first two leave the window, and none is lost."""
+    monkeypatch.setattr("simulator.simulation.RetryBudget",
+                        lambda ratio, min_retries_per_s: RetryBudget(ratio=0.0, min_retries_per_s=0.2))
+    requests = [_request((i, i + 1), 512, f"r{i}", output_len=2048) for i in range(8)]
+    result = Simulation(fleet("2xh100"), make_policy("least_loaded"), failures=((1.0, "h100-0"),)).run(
+        Workload("moves", requests))
+    moved = sorted(r.finish_s or math.inf for r in result.records if r.num_migrations)
+    assert all(not r.failed for r in result.records) and len(moved) == 4
+    assert moved[1] + 9.0 < moved[2]  # the last two waited for the window to move on
 
 
 def _agentic_run() -> tuple[Workload, RunResult]:
