@@ -18,7 +18,14 @@ from opentelemetry.metrics import Meter
 from baton.protocol import LEADER_KEY, ORIGIN_KEY, is_transport_failure
 from baton.v1 import common_pb2, node_agent_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.directory import ChannelPool, LeaderDirectory, LeaderRecord
-from services.common.errors import BatonError, ResourceExhausted, StreamHeld, Unavailable, from_rpc_error
+from services.common.errors import (
+    BatonError,
+    DeadlineExceeded,
+    ResourceExhausted,
+    StreamHeld,
+    Unavailable,
+    from_rpc_error,
+)
 from services.common.failure_cause import FailureCause
 from services.common.request_context import context_of
 from services.common.slo import Slo, classify
@@ -341,9 +348,6 @@ class Relay:
         When it is a move (retry_cause set) that cannot happen, Unavailable says which node failed
         how, and why the generation could not move; when no node but those is left, StreamHeld says so.
         """
-        now = asyncio.get_running_loop().time()
-        self._suspects = {node: until for node, until in self._suspects.items() if until > now}
-        asks = generation.placement_asks(self._suspects)
         place = scheduler_pb2.PlaceRequest(
             request_id=generation.request_id,
             model=generation.model,
@@ -365,6 +369,9 @@ class Relay:
             loop = asyncio.get_running_loop()
             give_up_at = loop.time() + MOVE_WAIT_S
             while True:
+                # (Asked again after a wait, as the nodes' failures are then: suspects lapse, nodes fail.)
+                self._suspects = {node: until for node, until in self._suspects.items() if until > loop.time()}
+                asks = generation.placement_asks(self._suspects)
                 try:
                     placement = await self._ask_in_turn(place, asks, time_remaining, waiting)
                     break
@@ -372,11 +379,14 @@ class Relay:
                     # A move the cluster's retry budget (or admission) holds back for now: waited out, so that the
                     # generation is not lost (helper-167: 10 of 60 streams of a dead node ended so), within the
                     # client's deadline and MOVE_WAIT_S of this move's first ask.
-                    wait_s = move_wait_s(error.retry_after_ms, random.random())
-                    remaining = time_remaining()
-                    if (not retry_cause or loop.time() + wait_s > give_up_at
-                            or (remaining is not None and wait_s >= remaining)):
+                    left_s = give_up_at - loop.time()
+                    if not retry_cause or error.retry_after_ms / 1000 > left_s:
                         raise
+                    wait_s = min(move_wait_s(error.retry_after_ms, random.random()), left_s)
+                    remaining = time_remaining()
+                    if remaining is not None and wait_s >= remaining:
+                        raise DeadlineExceeded(f"request {generation.request_id}: its deadline passes before the "
+                                               f"cluster's retry budget lets its move through ({error})") from None
                     log.info("request %s: its move waits %.1f s: %s", generation.request_id, wait_s, error)
                     await asyncio.sleep(wait_s)
         except BatonError as error:

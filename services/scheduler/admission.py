@@ -45,6 +45,9 @@ SLOT_HINT_MAX_S = 60.0
 _PRUNE_EVERY_S = 10.0
 # How many processes of one router id each leader remembers (Admission.router_seen).
 _INCARNATIONS_KEPT = 4
+# How long at most the slots of a router process that a new one under its id replaced are kept for a resume or a
+# live report to take back (Admission.router_seen).
+ROUTER_GONE_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -238,8 +241,9 @@ class Admission:
         self._queued: dict[str, Ticket] = {}
         self._held: dict[str, _Hold] = {}
         self._pruned_at = -math.inf
-        # The router processes seen under each router id (their incarnations, the latest last; a few kept).
-        self._incarnations: dict[str, list[int]] = {}
+        # The router processes seen under each router id: their incarnations, when last heard from (the latest last;
+        # a few kept, and a router id silent for a lease dropped).
+        self._incarnations: dict[str, dict[int, float]] = {}
 
     @property
     def num_queued(self) -> int:
@@ -567,28 +571,35 @@ class Admission:
 
     def router_seen(self, router_id: str, incarnation: int, now: float) -> list[str]:
         """A call from the router process incarnation under router_id (0: not said). Seen first while another process
-        of that id was known, it is a new process in a dead one's place (a crash and restart): the dead one's streams
-        ended with it, their node streams closed with its connections. Its claims go, and the slots no other router
-        holds are freed, at once: they were held a lease (15 s) on, and a tenant at its concurrency limit was refused
-        for as long (helper-167). One of an old process still speaking (a restart that overlaps a drain) is seen
-        again, not anew: its next live report gives its streams slots again (adopt). The ids freed."""
+        of that id was known, it may be a new process in a dead one's place (a crash and restart), whose streams
+        ended with it (their node streams closed with its connections): its claims go, and each slot no other router
+        holds is kept only a short grace (a third of the lease, at most ROUTER_GONE_GRACE_S) unless a resume or a
+        live report takes it back. Kept the whole lease, a tenant at its concurrency limit was refused for 15 s
+        (helper-167); freed at once, a resume of the dead process's stream through the new one was a new request,
+        charged again and shed under load (helper-170). The numbers are random, so which process is the newer is not
+        known: a live one whose slots another shortened (a restart overlapping its drain, two routers under one id, a
+        leader that heard them in another order) renews them with its next report. The ids whose slots it
+        shortened."""
         if not router_id or not incarnation:
             return []
-        seen = self._incarnations.setdefault(router_id, [])
-        if incarnation in seen:
-            return []
-        seen.append(incarnation)
-        del seen[:-_INCARNATIONS_KEPT]
-        if len(seen) == 1:  # the first this leader knows of: nothing held by an older one is known to be dead
-            return []
-        freed = []
-        for request_id, hold in list(self._held.items()):
-            if hold.holders.pop(router_id, None) is None:
-                continue
-            if not hold.held_elsewhere(router_id, now, self.lease_s, self._is_registered):
-                self.release(request_id)
-                freed.append(request_id)
-        return freed
+        seen = self._incarnations.setdefault(router_id, {})
+        first = not seen
+        if seen.pop(incarnation, None) is None and not first:
+            shortened = []
+            grace_at = now + min(self.lease_s / 3, ROUTER_GONE_GRACE_S)
+            for request_id, hold in self._held.items():
+                if hold.holders.pop(router_id, None) is None:
+                    continue
+                if not hold.held_elsewhere(router_id, now, self.lease_s, self._is_registered) and \
+                        hold.expires_at > grace_at:
+                    hold.expires_at = grace_at
+                    shortened.append(request_id)
+            seen[incarnation] = now
+            while len(seen) > _INCARNATIONS_KEPT:
+                del seen[next(iter(seen))]
+            return shortened
+        seen[incarnation] = now  # (the latest seen last)
+        return []
 
     def leave_to_others(self, request_id: str, now: float) -> None:
         """A stream of request_id ended while another of its id is said to run: the slot stays held, but only for a
@@ -628,6 +639,9 @@ class Admission:
         if now - self._pruned_at >= _PRUNE_EVERY_S:
             self._pruned_at = now
             self.prune(now)
+            for router_id, seen in list(self._incarnations.items()):  # (a Deployment's pods have names of their own)
+                if max(seen.values()) <= now - self.lease_s:
+                    del self._incarnations[router_id]
         return lapsed
 
     def to_state(self, now: float, max_bytes: int) -> dict[str, Any]:
@@ -710,6 +724,7 @@ class Admission:
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             raise ValueError(f"admission state: {exc!r}") from None
         self._tenants, self._held = tenants, held
+        self._incarnations = {}  # (heard in an earlier term: a process seen since through another leader is no newer)
         return len(held)
 
     def prune(self, now: float) -> int:

@@ -13,7 +13,7 @@ from opentelemetry.metrics import Meter
 from services.common.change_signal import ChangeSignal, wait_or_timeout
 from services.common.errors import Aborted, AlreadyExists, BatonError, InvalidArgument, ResourceExhausted
 from services.common.telemetry import MAX_LABEL_VALUES, BoundedLabel
-from services.scheduler.admission import Admission, Outcome, Ticket, Verdict
+from services.scheduler.admission import ROUTER_GONE_GRACE_S, Admission, Outcome, Ticket, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -142,13 +142,13 @@ class AdmissionGate:
         self._admission.on_admitted(ticket, self._clock())
 
     def router_seen(self, router_id: str, incarnation: int) -> None:
-        """A call from that process of router_id: the first from a new one frees the slots its dead predecessor alone
-        held (Admission.router_seen)."""
-        freed = self._admission.router_seen(router_id, incarnation, self._clock())
-        if freed:
-            log.info("router %s is a new process: freed the %d admission slots its old one alone held, e.g. %s",
-                     router_id, len(freed), freed[0][:128])
-            self.capacity_changed()
+        """A call from that process of router_id: the first from a new one shortens the slots its predecessor alone
+        held to a grace (Admission.router_seen); the sweep frees those nobody took back."""
+        shortened = self._admission.router_seen(router_id, incarnation, self._clock())
+        if shortened:
+            log.info("router %s is another process now: the %d admission slots its old one alone held are kept "
+                     "%.0f s at most for a resume or a live report to take back, e.g. %s", router_id, len(shortened),
+                     min(self._admission.lease_s / 3, ROUTER_GONE_GRACE_S), shortened[0][:128])
 
     def finished(self, request_id: str, another_stream_live: bool = False, holder: str = "", ran: bool = True,
                  attempt: int = 0) -> None:

@@ -10,11 +10,15 @@ import grpc
 import pytest
 from opentelemetry.metrics import get_meter
 
+from google.protobuf import json_format
+
 from baton.protocol import LIVE_IDS_PER_REPORT
-from baton.v1 import scheduler_pb2
+from baton.v1 import common_pb2, scheduler_pb2
+from services.common import etcd_keys
 from services.common.errors import ResourceExhausted
+from services.common.load import Load
 from services.common.telemetry import Telemetry
-from services.scheduler.admission import Admission, TenantLimits, Ticket, Verdict
+from services.scheduler.admission import ROUTER_GONE_GRACE_S, Admission, TenantLimits, Ticket, Verdict
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.gate import AdmissionGate
 from services.scheduler.servicer import SchedulerService
@@ -192,23 +196,41 @@ async def test_a_frozen_routers_notice_does_not_free_the_slot_its_clients_resume
         await service.close()
 
 
-async def test_a_live_report_from_a_router_restarted_under_its_id_frees_its_dead_predecessors_slots(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The leader reads the router process from its calls (LiveRequests.router_incarnation, as a Place's): the new
-    process's first report frees the slot its dead predecessor held, without the Finished notice it never sent."""
+@pytest.mark.parametrize("resumed", [True, False])
+async def test_a_router_restarted_under_its_id_lets_its_dead_predecessors_slot_go_unless_a_resume_takes_it_back(
+        monkeypatch: pytest.MonkeyPatch, resumed: bool) -> None:
+    """The leader reads the router process from each Place and live report (router_incarnation): the new process's
+    first call keeps the slot its dead predecessor held only a grace, without the Finished notice it never sent. A
+    resume of that stream through the new process is admitted on the slot, as before (not a new request, charged
+    again: helper-170); with none, the slot lapses at the grace, not a lease later."""
     fake_leadership(monkeypatch, lambda: True)
-    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    clock = [100.0]
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"), clock=lambda: clock[0])
+    service._on_nodes_changed({etcd_keys.node_key("node-a"): json_format.MessageToJson(common_pb2.NodeInfo(
+        node_id="node-a", address="127.0.0.1:1", gpu="h100", kv_block_size=16, models=[common_pb2.ModelInfo(
+            name="m", max_context_tokens=4096, tokenizer="byte", vocab_size=257, is_warm=True,
+            state=common_pb2.MODEL_STATE_WARM, kv_blocks=100_000)])).encode()})
+    service._cluster.report_load("node-a", Load(kv_blocks_total=100_000), clock[0])
+
+    async def place(request_id: str, incarnation: int, resume: bool = False) -> None:
+        await service.Place(scheduler_pb2.PlaceRequest(
+            request_id=request_id, model="m", num_prompt_tokens=10, max_tokens=10, resumed=resume,
+            router_id="router-a", router_incarnation=incarnation, context=common_pb2.RequestContext(tenant="t")),
+            FakeContext())  # type: ignore[arg-type]
+
     try:
         admission = service._admission
         admission.set_limits(CAPPED)
-        now = service._clock()
-        admission.on_admitted(Ticket(request_id="r", tenant="t", priority=0, num_tokens=100, arrived_at=now,
-                                     holder="router-a"), now)
-        for incarnation, held in ((7, 1), (8, 0)):  # the old process reports r; the new one, restarted, reports s
-            await service.ReportLiveRequests(scheduler_pb2.LiveRequests(
-                router_id="router-a", router_incarnation=incarnation, request_ids=["r" if held else "s"]),
-                FakeContext())  # type: ignore[arg-type]
-            assert admission.num_held == held
+        await place("r", 7)  # the old process
+        if resumed:
+            await place("r", 8, resume=True)  # the new one: r's client resumes through it, t at its limit
+        else:
+            with pytest.raises(Refused, match="concurrency"):
+                await place("s", 8)  # the new one: another of t's requests, while r's slot is in its grace
+        clock[0] += ROUTER_GONE_GRACE_S + 0.1
+        service._cluster.report_load("node-a", Load(kv_blocks_total=100_000), clock[0])
+        service._gate.sweep()
+        assert admission.num_held == (1 if resumed else 0)
     finally:
         await service.close()
 
@@ -255,25 +277,39 @@ def test_a_router_restarted_under_its_instance_id_claims_the_id_afresh_when_it_p
     assert admission.end("r", 6.0, "router-1") is True and admission.num_held == 0
 
 
-def test_a_router_process_started_in_a_dead_ones_place_frees_the_slots_the_dead_one_alone_held_at_once() -> None:
-    """router-1 crashed with two of tenant t's streams (t at its limit) and was restarted under its id: the nodes
+def test_a_router_process_started_in_a_dead_ones_place_keeps_the_dead_ones_slots_only_a_grace() -> None:
+    """router-1 crashed with three of tenant t's streams (t at its limit) and was restarted under its id: the nodes
     ended the streams with its connections, but the slots stayed held a lease (15 s), and t was refused meanwhile
-    (helper-167). The new process's first call frees them; one a resume through router-2 holds too stays held. An
-    old process still speaking (a restart overlapping its drain) is seen again, not anew, and its next report holds
-    its streams again."""
+    (helper-167). The new process's first call keeps them only a grace (5 s): a resume through it takes its slot
+    back, as does a resume through router-2 (which holds c too), and the rest lapse. Freed at once instead, a resume
+    was a new request, charged again and shed under load (helper-170)."""
     admission = Admission(limits={"t": TenantLimits(max_concurrency=3)}, lease_s=15.0)
     assert admission.router_seen("router-1", 11, 0.0) == []  # the first process this leader knows of
     for rid in ("a", "b", "c"):
         _placed(admission, rid, "router-1", 0.5)
     _placed(admission, "c", "router-2", 1.0)  # c's client resumed through router-2 as well
     admission.renew(["a", "b", "c"], 1.0, "router-1")
-    assert verdict(admission, "next", 2.0) == Verdict.REJECT
     assert admission.router_seen("router-1", 11, 2.0) == []  # the same process again
     assert admission.router_seen("router-1", 0, 2.0) == []  # not said (an older router)
-    assert sorted(admission.router_seen("router-1", 22, 2.0)) == ["a", "b"]  # the new process
-    assert admission.num_held == 1 and verdict(admission, "next", 2.0) == Verdict.ADMIT
-    assert admission.router_seen("router-1", 11, 2.5) == []  # the old one, draining: seen before
-    assert admission.renew(["a"], 2.5, "router-1", tenants=["t"]) == 1  # its stream holds a slot again
+    assert sorted(admission.router_seen("router-1", 22, 2.0)) == ["a", "b"]  # the new process: a grace
+    assert admission.router_seen("router-1", 11, 2.5) == []  # the old one (or a leader that heard it late): seen
+    _placed(admission, "a", "router-1", 3.0)  # a's client resumes through the new process: its slot
+    assert verdict(admission, "next", 6.9) == Verdict.REJECT
+    assert admission.expire_holds(7.0) == ["b"]  # nobody took b back
+    assert admission.num_held == 2 and verdict(admission, "next", 7.0) == Verdict.ADMIT
+    assert admission.expire_holds(15.9) == []  # a and c keep their leases
+
+
+def test_a_live_router_whose_slots_a_process_under_its_id_shortened_takes_them_back_with_its_next_report() -> None:
+    """The processes' numbers are random: a leader that hears a live router after another under its id (a restart
+    overlapping its drain, a new leader hearing them in another order, two routers under one id) shortens the live
+    one's slots, and its next live report (every 2 s) gives them their lease back: never over the tenant's limit."""
+    admission = Admission(limits=CAPPED, lease_s=15.0)
+    assert admission.router_seen("router-1", 22, 0.0) == []
+    _placed(admission, "x", "router-1", 0.0)
+    assert admission.router_seen("router-1", 11, 1.0) == ["x"]
+    assert admission.renew(["x"], 2.0, "router-1") == 1
+    assert admission.expire_holds(16.9) == [] and verdict(admission, "next", 16.9) == Verdict.REJECT
 
 
 def test_a_live_report_under_way_as_its_router_ended_the_id_does_not_make_it_a_holder_again() -> None:
