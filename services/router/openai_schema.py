@@ -139,8 +139,9 @@ def _int(name: str, value: object, bounds: tuple[int, int] = _INT32) -> int:
         kind = "a number with a fraction" if isinstance(value, float) else _json_type(value)  # (not "a number")
         raise InvalidArgument(name, value, f"must be an integer, not {kind}")
     low, high = bounds
-    if not low <= value <= high:
-        raise InvalidArgument(name, value, f"out of range [{low}, {high}]")
+    if not low <= value <= high:  # (the side it is out on: "[-2147483648, ...]" read oddly for max_tokens=2^40)
+        raise InvalidArgument(name, value, f"out of range: at most {high}" if value > high
+                              else f"out of range: at least {low}")
     return value
 
 

@@ -87,6 +87,8 @@ def test_token_ids_for_a_model_not_served_are_not_found_before_they_are_read() -
     ({}, {"X-Baton-Priority": "1_0"}, "X-Baton-Priority='1_0': must be an integer (ASCII digits)"),
     ({}, {"X-Baton-Step": "\u0661\u0662"}, "X-Baton-Step='\u0661\u0662': must be an integer"),
     ({"n": 1.5}, {}, "n=1.5: must be an integer, not a number with a fraction"),  # ("not a number": helper-166)
+    ({"max_tokens": 1 << 40}, {}, "max_tokens=1099511627776: out of range: at most 2147483647"),  # (not "[-2147...")
+    ({"seed": -1}, {}, "seed=-1: out of range: at least 0"),
     # A header's bytes that are no UTF-8, as aiohttp hands them on ("a lone surrogate" before: helper-166).
     ({}, {"X-Baton-Workflow-Id": b"\xff".decode(errors="surrogateescape")}, "X-Baton-Workflow-Id='\\udcff': is "
      "not valid UTF-8"),
