@@ -8,6 +8,7 @@ as server-sent events, or whole), GET /health. See docs/http-api.md.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import ssl
@@ -26,7 +27,7 @@ from opentelemetry.metrics import Meter
 
 from baton.v1 import router_pb2
 from services.common.auth import joined_authorization
-from services.common.errors import BatonError, InvalidArgument
+from services.common.errors import BatonError, InvalidArgument, Unavailable
 from services.router import openai_schema as schema
 from services.router.chat_template import PLAIN, ChatTemplate, template_for
 from services.router.validation import InputLimits, ModelEntry, check_fields, find_model
@@ -436,9 +437,27 @@ class HttpApi:
                 # Past the headers a failure can only be an event; the openai client raises it.
                 _, error_body, _ = schema.error_response(error, parsed.names)
                 await _send_events(response, [error_body])
+            except asyncio.CancelledError:
+                if self._closing is not None:  # (else its client hung up: there is no one to tell)
+                    await _end_cut(response, parsed)
+                raise
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
+
+
+async def _end_cut(response: web.StreamResponse, parsed: schema.ParsedRequest) -> None:
+    """A stream the router's stop cuts at the end of its grace ends with an error event and [DONE], as a failure does:
+    cut without one, the client saw a broken connection, and over HTTP/1.0 a stream that looked whole but for its
+    missing [DONE] (helper-166). Within a second, whatever the client; a client gone is told nothing."""
+    error = Unavailable("the router is stopping: the stream was cut at the end of its grace (--shutdown-grace-s); "
+                        "send the request again")
+    _, error_body, _ = schema.error_response(error, parsed.names)
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(1.0):
+            await _send_events(response, [error_body])
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
 
 
 def _end_span(span: trace.Span, status: int, error: BaseException | None = None) -> None:

@@ -559,6 +559,10 @@ async def test_close_ends_a_stream_still_running_when_the_shutdown_timeout_passe
             assert (await response.content.readline()).startswith(b"data: ")  # the stream runs
             await api.close()
             assert ended.is_set() and second_phase == []  # its generation ended at the grace, in the first wait
+            # Its client is told, as of a failure (cut with nothing said, it saw a broken connection: helper-166).
+            rest = await response.content.read()
+    events = [line[6:] for line in rest.split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]" and b"the router is stopping" in events[-2], rest
 
 
 async def test_a_request_aiohttp_cannot_parse_is_a_400_and_one_debug_line_not_a_logged_traceback(
