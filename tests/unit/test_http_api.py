@@ -739,3 +739,30 @@ async def test_a_body_with_a_number_too_long_to_read_is_refused_without_pythons_
     finally:
         await client.close()
         await http.close()
+
+
+@pytest.mark.parametrize("size", [10**9, 20])
+async def test_a_client_that_asks_before_sending_a_body_over_the_limit_is_refused_before_it_sends_it(size: int) -> None:
+    """Told to continue, a client with `Expect: 100-continue` uploaded 8 MiB of a 1 GB body before its 413
+    (helper-166). Now the 413 comes instead of the 100; a body within the limit is still asked for."""
+    port = free_port()
+    api = HttpApi(_FakeRouter(["a"]), f"127.0.0.1:{port}", InputLimits(max_prompt_bytes=1024))
+    assert await api.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % size)
+        await writer.drain()
+        status = await asyncio.wait_for(reader.readline(), 30)
+        body = b""
+        if size > 1024:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            body = await asyncio.wait_for(reader.readexactly(length), 30)
+        writer.close()
+    finally:
+        await api.close()
+    assert status.split()[1] == (b"413" if size > 1024 else b"100"), status
+    if size > 1024:
+        assert json.loads(body)["error"]["param"] == "body"
