@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -202,6 +203,31 @@ async def test_a_place_of_a_prompt_longer_than_an_overlap_query_holds_still_find
         await kvindex.close()
 
 
+async def _serve_kvindexes(*servicers: kvindex_pb2_grpc.KVIndexServicer
+                           ) -> tuple[list[grpc.aio.Server], list[str]]:
+    """A gRPC server for each servicer, started on a free port of 127.0.0.1; the servers and their addresses."""
+    servers, addresses = [], []
+    for servicer in servicers:
+        server = grpc.aio.server()
+        kvindex_pb2_grpc.add_KVIndexServicer_to_server(servicer, server)
+        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        await server.start()
+        servers.append(server)
+    return servers, addresses
+
+
+def _scheduler_asking(addresses: list[str], config: SchedulerConfig,
+                      clock: Callable[[], float] = time.monotonic) -> SchedulerService:
+    """A leading scheduler whose kvindex replicas are at addresses, with one warm node, n0, that has reported."""
+    scheduler = SchedulerService(config, Telemetry("scheduler/test", "none"), clock=clock)
+    scheduler._role.elected.set()
+    scheduler._kvindexes.addresses = lambda: list(addresses)  # type: ignore[method-assign]
+    scheduler._cluster.set_nodes([NodeSpec(node_id="n0", address="n0:1", gpu="h100", price_per_hour=1.0,
+                                           warm_models=frozenset({M}))])
+    scheduler._cluster.report_load("n0", Load(kv_blocks_total=1_000_000), clock())
+    return scheduler
+
+
 class _FrozenKVIndex(kvindex_pb2_grpc.KVIndexServicer):
     """A replica that takes every query and answers none (SIGSTOPped, still registered)."""
 
@@ -222,19 +248,8 @@ async def test_a_kvindex_replica_that_failed_is_asked_after_the_others_for_a_whi
     frozen, live = _FrozenKVIndex(), KVIndexService(KVIndexConfig(), Telemetry("kvindex/test", "none"))
     live.caught_up.set()  # (no etcd here: no node to catch up on)
     live._index.apply("n0", M, _stored(*PROMPT))
-    servers, addresses = [], []
-    for servicer in (frozen, live):
-        server = grpc.aio.server()
-        kvindex_pb2_grpc.add_KVIndexServicer_to_server(servicer, server)
-        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
-        await server.start()
-        servers.append(server)
-    scheduler = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
-    scheduler._role.elected.set()
-    scheduler._kvindexes.addresses = lambda: list(addresses)  # type: ignore[method-assign]
-    scheduler._cluster.set_nodes([NodeSpec(node_id="n0", address="n0:1", gpu="h100", price_per_hour=1.0,
-                                           warm_models=frozenset({M}))])
-    scheduler._cluster.report_load("n0", Load(kv_blocks_total=1_000_000), time.monotonic())
+    servers, addresses = await _serve_kvindexes(frozen, live)
+    scheduler = _scheduler_asking(addresses, SchedulerConfig())
     try:
         for request_id in ("first", "second", "third"):
             placement = await scheduler.Place(scheduler_pb2.PlaceRequest(
@@ -271,19 +286,8 @@ async def test_where_every_kvindex_replica_is_slow_few_placements_ask_a_second_o
     fake_leadership(monkeypatch, lambda: True)
     monkeypatch.setattr("services.scheduler.servicer._HEDGE_MIN_PER_S", 0.1)  # 1 hedge in 10 s, beyond a tenth
     slow = [_SlowKVIndex(0.3), _SlowKVIndex(0.3)]
-    servers, addresses = [], []
-    for servicer in slow:
-        server = grpc.aio.server()
-        kvindex_pb2_grpc.add_KVIndexServicer_to_server(servicer, server)
-        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
-        await server.start()
-        servers.append(server)
-    scheduler = SchedulerService(SchedulerConfig(kvindex_timeout_s=1.0), Telemetry("scheduler/test", "none"))
-    scheduler._role.elected.set()
-    scheduler._kvindexes.addresses = lambda: list(addresses)  # type: ignore[method-assign]
-    scheduler._cluster.set_nodes([NodeSpec(node_id="n0", address="n0:1", gpu="h100", price_per_hour=1.0,
-                                           warm_models=frozenset({M}))])
-    scheduler._cluster.report_load("n0", Load(kv_blocks_total=1_000_000), time.monotonic())
+    servers, addresses = await _serve_kvindexes(*slow)
+    scheduler = _scheduler_asking(addresses, SchedulerConfig(kvindex_timeout_s=1.0))
     placements = 5  # (more, never Finished, would read as a saturated node and queue)
     try:
         for i in range(placements):
@@ -310,21 +314,9 @@ async def test_with_every_kvindex_replica_frozen_placements_go_without_cache_inf
     again once a second: the placements in between do not wait for them."""
     fake_leadership(monkeypatch, lambda: True)
     frozen = [_FrozenKVIndex(), _FrozenKVIndex()]
-    servers, addresses = [], []
-    for servicer in frozen:
-        server = grpc.aio.server()
-        kvindex_pb2_grpc.add_KVIndexServicer_to_server(servicer, server)
-        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
-        await server.start()
-        servers.append(server)
+    servers, addresses = await _serve_kvindexes(*frozen)
     clock = [100.0]
-    scheduler = SchedulerService(SchedulerConfig(kvindex_timeout_s=0.1), Telemetry("scheduler/test", "none"),
-                                 clock=lambda: clock[0])
-    scheduler._role.elected.set()
-    scheduler._kvindexes.addresses = lambda: list(addresses)  # type: ignore[method-assign]
-    scheduler._cluster.set_nodes([NodeSpec(node_id="n0", address="n0:1", gpu="h100", price_per_hour=1.0,
-                                           warm_models=frozenset({M}))])
-    scheduler._cluster.report_load("n0", Load(kv_blocks_total=1_000_000), clock[0])
+    scheduler = _scheduler_asking(addresses, SchedulerConfig(kvindex_timeout_s=0.1), lambda: clock[0])
 
     async def place(request_id: str) -> tuple[int, str]:
         """How many queries the frozen replicas took for it, and its decision's fallback."""

@@ -650,9 +650,9 @@ class _MovingScheduler(_FakeScheduler):
         return scheduler_pb2.Placement(node_id=f"node-{len(self.places)}", address=self.node_address)
 
 
-class _TwoNodeScheduler(_FakeScheduler):
-    """Two live nodes, node-a and node-b (both served by the one fake node): the first not excluded; none left is
-    UNAVAILABLE, as the leader answers."""
+class _NodesScheduler(_FakeScheduler):
+    """Live nodes, node-a and node-b unless nodes says others (all served by the one fake node): the first not
+    excluded; none left is UNAVAILABLE, as the leader answers."""
 
     nodes = ("node-a", "node-b")
 
@@ -667,13 +667,12 @@ class _TwoNodeScheduler(_FakeScheduler):
         return scheduler_pb2.Placement(node_id=left[0], address=self.node_address)
 
 
-@pytest.mark.parametrize("stalls", [True, False])
-async def test_a_node_that_only_stalled_a_stream_earlier_takes_it_again_when_no_other_is_left(stalls: bool) -> None:
-    """A generation avoided every node that had ever failed it: on two nodes, a moment's stall of each ended every
-    stream (no live node left, both live, migrations left), where a client gets the tokens so far and an error
-    (helper-154). A node that only stalled it before its last failure may take it back, told to take its place
-    from a stream it may still hold; one whose stream broke (its process gone, say) and the one that failed it
-    last are still avoided."""
+async def _stream_failing_first(nodes: tuple[str, ...], failing: int, stalls: bool, max_tokens: int) -> tuple[
+        list[router_pb2.GenerateChunk], grpc.aio.AioRpcError | None, list[list[str]],
+        list[node_agent_pb2.NodeGenerateRequest]]:
+    """A stream on a cluster of nodes (all served by the one fake node) whose first `failing` attempts fail after a
+    token each: paused past the stall deadline (stalls) or broken. Its messages, or its error; the nodes each of its
+    placements excluded; the requests the node was sent."""
     requests: list[node_agent_pb2.NodeGenerateRequest] = []
     never = asyncio.Event()
 
@@ -681,35 +680,45 @@ async def test_a_node_that_only_stalled_a_stream_earlier_takes_it_again_when_no_
         requests.append(request)
         yield _started()
         yield Chunk(node_id=NODE, index=0, token_ids=[97 + request.num_resumed_tokens])
-        if len(requests) <= 2:  # node-a, then node-b, fail it after a token each
+        if len(requests) <= failing:
             if not stalls:
                 raise RuntimeError("the node died")
             await never.wait()  # paused past the stall deadline
         yield Chunk(node_id=NODE, index=1, token_ids=[98 + request.num_resumed_tokens],
                     finish_reason=common_pb2.FINISH_REASON_LENGTH)
 
-    async with _router(generate, _TwoNodeScheduler(), stall_floor_s=0.2) as (router, scheduler):
-        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=4))
-        if stalls:
-            messages = await _collect(call)
-        else:
-            with pytest.raises(grpc.aio.AioRpcError) as failed:
-                await _collect(call)
-    asked = [list(p.exclude_node_ids) for p in scheduler.places]
+    placer = _NodesScheduler()
+    placer.nodes = nodes
+    messages: list[router_pb2.GenerateChunk] = []
+    failed: grpc.aio.AioRpcError | None = None
+    async with _router(generate, placer, stall_floor_s=0.2) as (router, scheduler):
+        try:
+            messages = await _collect(router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi",
+                                                                                max_tokens=max_tokens)))
+        except grpc.aio.AioRpcError as error:
+            failed = error
+    return messages, failed, [list(p.exclude_node_ids) for p in scheduler.places], requests
+
+
+@pytest.mark.parametrize("stalls", [True, False])
+async def test_a_node_that_only_stalled_a_stream_earlier_takes_it_again_when_no_other_is_left(stalls: bool) -> None:
+    """A generation avoided every node that had ever failed it: on two nodes, a moment's stall of each ended every
+    stream (no live node left, both live, migrations left), where a client gets the tokens so far and an error
+    (helper-154). A node that only stalled it before its last failure may take it back, told to take its place
+    from a stream it may still hold; one whose stream broke (its process gone, say) and the one that failed it
+    last are still avoided."""
+    messages, failed, asked, requests = await _stream_failing_first(("node-a", "node-b"), 2, stalls, max_tokens=4)
     if not stalls:
         assert asked == [[], ["node-a"], ["node-a", "node-b"]]
-        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "no live node has it warm (excluded: node-a, node-b)" in (failed.value.details() or "")
+        assert failed is not None and failed.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no live node has it warm (excluded: node-a, node-b)" in (failed.details() or "")
         return
+    assert failed is None
     assert [t for m in messages for t in m.token_ids] == [97, 98, 99, 100]
     assert messages[-1].usage.num_migrations == 2
     # Every failed node excluded first, then only the last: node-a took it back, in place of its stalled stream.
     assert asked == [[], ["node-a"], ["node-a", "node-b"], ["node-b"]]
     assert [r.resent for r in requests] == [False, False, True]
-
-
-class _OneNodeScheduler(_TwoNodeScheduler):
-    nodes = ("node-a",)
 
 
 @pytest.mark.parametrize("stalls", [True, False])
@@ -718,32 +727,12 @@ async def test_the_only_node_of_a_model_takes_back_a_stream_it_only_stalled(stal
     it, the node healthy again half a second later: even the loosest ask avoided the node that failed it last
     (helper-167). A stall is no death: that node takes it back, told to take the place of the stream it may still
     hold. One whose stream broke is still avoided."""
-    requests: list[node_agent_pb2.NodeGenerateRequest] = []
-    never = asyncio.Event()
-
-    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
-        requests.append(request)
-        yield _started()
-        yield Chunk(node_id=NODE, index=0, token_ids=[97 + request.num_resumed_tokens])
-        if len(requests) == 1:
-            if not stalls:
-                raise RuntimeError("the node died")
-            await never.wait()  # paused past the stall deadline
-        yield Chunk(node_id=NODE, index=1, token_ids=[98 + request.num_resumed_tokens],
-                    finish_reason=common_pb2.FINISH_REASON_LENGTH)
-
-    async with _router(generate, _OneNodeScheduler(), stall_floor_s=0.2) as (router, scheduler):
-        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=3))
-        if stalls:
-            messages = await _collect(call)
-        else:
-            with pytest.raises(grpc.aio.AioRpcError) as failed:
-                await _collect(call)
-    asked = [list(p.exclude_node_ids) for p in scheduler.places]
+    messages, failed, asked, requests = await _stream_failing_first(("node-a",), 1, stalls, max_tokens=3)
     if not stalls:
         assert asked == [[], ["node-a"]]
-        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert failed is not None and failed.code() == grpc.StatusCode.UNAVAILABLE
         return
+    assert failed is None
     assert [t for m in messages for t in m.token_ids] == [97, 98, 99]
     assert messages[-1].usage.num_migrations == 1
     assert asked == [[], ["node-a"], []]
