@@ -242,7 +242,7 @@ class Simulation:
         # Requests queued for admission, with the options they were offered.
         self._held: dict[str, tuple[_Pending, list[Option]]] = {}
         self._suspects: dict[str, float] = {}
-        # When each move held back by the retry budget gives up (MOVE_WAIT_S from its first ask), by request and move.
+        # When each move the retry budget holds back gives up (MOVE_WAIT_S from its first ask), by request and move.
         self._move_gives_up_at: dict[tuple[str, int], float] = {}
         self._seed = seed
         self._book = TokenBook()
@@ -453,30 +453,28 @@ class Simulation:
             retry_cause=retry_cause.value if retry_cause else "")
         # The scheduler sees each node's load as of now (the live one, as of its last report).
         self._refresh_loads()
+        # A move the retry budget held back gives up MOVE_WAIT_S after its first ask (kept only while it waits).
+        move = (generation.request_id, generation.num_migrations)
+        gives_up_at = self._move_gives_up_at.pop(move, self._now + MOVE_WAIT_S)
         try:
             plan = self._placer.start(ask, self._now, refused_by_limits=self._admission.limits_refusal
                                       if self._admission is not None else None)
         except Unmeetable as error:  # a budget no node could meet: refused at once, as Place does
-            self._move_gives_up_at.pop((generation.request_id, generation.num_migrations), None)
             self._refuse(record, error)
             return
         except BatonError as error:
-            move = (generation.request_id, generation.num_migrations)
             if retry_cause and isinstance(error, ResourceExhausted):  # waited out, as the router does (relay._place)
-                gives_up_at = self._move_gives_up_at.setdefault(move, self._now + MOVE_WAIT_S)
                 # Drawn per request and move, so that runs of two policies on a seed draw alike for each.
                 draw = random.Random(f"{self._seed}:{move[0]}:{move[1]}:{self._now}").random()
                 wait_s = min(move_wait_s(error.retry_after_ms, draw), gives_up_at - self._now)
                 deadline_ms = request.deadline_ms
                 if self._now + error.retry_after_ms / 1000 <= gives_up_at and (
                         not deadline_ms or self._now + wait_s < record.arrival_s + deadline_ms / 1000):
+                    self._move_gives_up_at[move] = gives_up_at
                     self._at(self._now + wait_s, lambda: self._place(generation, record, block_hashes, retry_cause))
                     return
-            self._move_gives_up_at.pop(move, None)
             self._fail(record, str(error))
             return
-        if retry_cause:
-            self._move_gives_up_at.pop((generation.request_id, generation.num_migrations), None)
         self._placed_or_waiting(_Pending(plan, generation, record, block_hashes))
 
     def _placed_or_waiting(self, pending: _Pending) -> None:

@@ -583,23 +583,21 @@ class Admission:
         if not router_id or not incarnation:
             return []
         seen = self._incarnations.setdefault(router_id, {})
-        first = not seen
-        if seen.pop(incarnation, None) is None and not first:
-            shortened = []
-            grace_at = now + min(self.lease_s / 3, ROUTER_GONE_GRACE_S)
-            for request_id, hold in self._held.items():
-                if hold.holders.pop(router_id, None) is None:
-                    continue
-                if not hold.held_elsewhere(router_id, now, self.lease_s, self._is_registered) and \
-                        hold.expires_at > grace_at:
-                    hold.expires_at = grace_at
-                    shortened.append(request_id)
-            seen[incarnation] = now
-            while len(seen) > _INCARNATIONS_KEPT:
-                del seen[next(iter(seen))]
-            return shortened
-        seen[incarnation] = now  # (the latest seen last)
-        return []
+        replaced = bool(seen) and incarnation not in seen
+        seen.pop(incarnation, None)
+        seen[incarnation] = now  # (the latest heard last)
+        while len(seen) > _INCARNATIONS_KEPT:
+            del seen[next(iter(seen))]
+        if not replaced:
+            return []
+        shortened = []
+        grace_at = now + min(self.lease_s / 3, ROUTER_GONE_GRACE_S)
+        for request_id, hold in self._held.items():
+            if (hold.holders.pop(router_id, None) is not None and hold.expires_at > grace_at
+                    and not hold.held_elsewhere(router_id, now, self.lease_s, self._is_registered)):
+                hold.expires_at = grace_at
+                shortened.append(request_id)
+        return shortened
 
     def leave_to_others(self, request_id: str, now: float) -> None:
         """A stream of request_id ended while another of its id is said to run: the slot stays held, but only for a
@@ -640,7 +638,7 @@ class Admission:
             self._pruned_at = now
             self.prune(now)
             for router_id, seen in list(self._incarnations.items()):  # (a Deployment's pods have names of their own)
-                if max(seen.values()) <= now - self.lease_s:
+                if next(reversed(seen.values())) <= now - self.lease_s:  # (the latest heard last)
                     del self._incarnations[router_id]
         return lapsed
 
