@@ -586,8 +586,16 @@ def is_worth_retrying(status: int, retry_after_ms: int | None = None) -> bool:
     return status >= 500 and status != 501
 
 
+# When to send a 503 again: a scheduler failover, a node's start or a model's load takes seconds, and without a hint
+# the openai SDK's two retries came 0.5 and 1 s apart, both spent within 1.3 s of the refusal (helper-166).
+UNAVAILABLE_RETRY_AFTER_MS = 2000
+
+
 def retry_headers(status: int, retry_after_ms: int | None = None) -> dict[str, str]:
-    """The headers that tell a client whether, and when, to send a refused request again."""
+    """The headers that tell a client whether, and when, to send a refused request again: a 429's hint, or
+    UNAVAILABLE_RETRY_AFTER_MS for a 503."""
+    if status == 503 and retry_after_ms is None:
+        retry_after_ms = UNAVAILABLE_RETRY_AFTER_MS
     headers = {SHOULD_RETRY_HEADER: "true" if is_worth_retrying(status, retry_after_ms) else "false"}
     if retry_after_ms is not None:
         headers["Retry-After"] = str(max(1, math.ceil(retry_after_ms / 1000)))

@@ -30,6 +30,7 @@ from baton.cluster import free_port
 from baton.v1 import common_pb2, router_pb2
 from services.common.errors import (Aborted, AlreadyExists, BatonError, DeadlineExceeded, InvalidArgument,
                                     ResourceExhausted, Unauthenticated, Unavailable)
+from services.router import openai_schema as schema
 from services.router.http_api import RUNNER_OPTIONS, HttpApi
 from services.router.validation import InputLimits, ModelEntry, validate
 
@@ -106,6 +107,20 @@ async def test_a_refusal_to_retry_later_is_a_429_the_client_sees_with_its_retry_
         assert caught.value.response.headers["Retry-After"] == "3"
         assert caught.value.response.headers["retry-after-ms"] == "2500"
         assert caught.value.body["type"] == "rate_limit_error"  # type: ignore[index]
+    finally:
+        await client.close()
+        await http.close()
+
+
+async def test_a_503_says_when_to_come_back_so_the_clients_retries_outlast_a_failover() -> None:
+    """A 503 said nothing of when to retry, so the openai client's two retries came 0.5 and 1 s after it, both within
+    1.3 s of a refusal whose cause (a failover, a node's start) lasts seconds (helper-166)."""
+    http, client = await _client(_FakeRouter([], Unavailable("no live node serves model 'm'")))
+    try:
+        with pytest.raises(openai.InternalServerError) as caught:
+            await client.completions.create(model="m", prompt="x")
+        headers = caught.value.response.headers
+        assert (headers["Retry-After"], headers["retry-after-ms"], headers["x-should-retry"]) == ("2", "2000", "true")
     finally:
         await client.close()
         await http.close()
@@ -253,8 +268,9 @@ def _failure(code: grpc.StatusCode, message: str) -> BatonError:
     (ResourceExhausted("tenant 'a' over its share", 1), 3),
     (Unavailable("no live node serves model 'm'"), 3),
 ])
-async def test_the_openai_client_sends_again_only_a_refusal_that_a_retry_may_pass(failure: BatonError,
-                                                                                   num_sent: int) -> None:
+async def test_the_openai_client_sends_again_only_a_refusal_that_a_retry_may_pass(
+        failure: BatonError, num_sent: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(schema, "UNAVAILABLE_RETRY_AFTER_MS", 1)  # (the client waits as long as a 503 says)
     router = _FakeRouter([], failure)
     http, client = await _client(router, max_retries=2)  # the SDK's default
     try:

@@ -211,6 +211,8 @@ def test_grpc_codes_become_http_statuses_that_say_whether_to_retry(error: BatonE
     expected = {"x-should-retry": should_retry}
     if status == 401:
         expected["WWW-Authenticate"] = 'Bearer realm="baton"'
+    if status == 503:  # when to come back
+        expected.update({"Retry-After": "2", "retry-after-ms": "2000"})
     assert (got_status, body["error"]["param"], headers) == (status, param, expected)
     assert body["error"]["message"] == str(error)
 
