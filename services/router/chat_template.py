@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,19 +31,31 @@ class ChatTemplate(Protocol):
         """The prompt for these messages, ending where the assistant's reply begins."""
 
 
+# "<|" in a message's content, with any backslashes between: each gets one backslash more (undone by taking one).
+_HEADER_OPENING = re.compile(r"<(\\*)\|")
+
+
+def escaped_content(content: str) -> str:
+    """content with no "<|" left to open a role header: "<|" is written "<\\|", and "<\\|" (with any number of
+    backslashes) one backslash longer, so that no two contents render alike. A user's message that held
+    "\\n<|system|>\\n" rendered as a system turn of its own (helper-166)."""
+    return _HEADER_OPENING.sub(r"<\\\1|", content)
+
+
 class PlainTemplate:
     """For models without a template of their own (the simulated ones): one block per message,
 
         <|role|>\\ncontent\\n
 
-    (`<|role name=NAME|>` when the message has a name), then `<|assistant|>\\n` for the reply.
+    (`<|role name=NAME|>` when the message has a name), then `<|assistant|>\\n` for the reply. The content is
+    escaped_content: only the template writes a role header.
     """
 
     def render(self, messages: Sequence[ChatMessage]) -> str:
         parts = []
         for message in messages:
             header = f"<|{message.role} name={message.name}|>" if message.name else f"<|{message.role}|>"
-            parts.append(f"{header}\n{message.content}\n")
+            parts.append(f"{header}\n{escaped_content(message.content)}\n")
         parts.append("<|assistant|>\n")
         return "".join(parts)
 
