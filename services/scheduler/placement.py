@@ -269,8 +269,8 @@ class Placer:
         if request.deadline_ms and request.deadline_ms < end_ms:
             raise Unmeetable("deadline_ms", request.deadline_ms,
                              f"cannot be met by any node serving the model, even idle: the first token and "
-                             f"max_tokens={request.max_tokens} take at least {end_ms:.0f} ms (ask for fewer "
-                             "tokens or a later deadline)")
+                             f"max_tokens={request.max_tokens} take at least {end_ms:.0f} ms with the whole prompt "
+                             "cached (ask for fewer tokens or a later deadline)")
 
     def _check_deadline(self, request: PlacementRequest, options: list[Option], now: float,
                         waited_s: float = 0.0, resumed: bool = False, models: list[str] | None = None) -> None:
