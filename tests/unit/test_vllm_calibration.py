@@ -14,7 +14,8 @@ from services.common.profile_fit import StepSample, fit_timing, relative_error
 from services.common.step_timing import TimingModel
 from services.node_agent.engines.vllm import profiler as profiler_module
 from services.node_agent.engines.vllm.calibration import StepObserver, Sweep, calibrate
-from services.node_agent.engines.vllm.profiler import MAX_SWEEPS, RESWEEP_AFTER_S, RESWEEP_ERROR, VllmProfiler
+from services.node_agent.engines.vllm.profiler import (MAX_SWEEPS, RESWEEP_AFTER_S, RESWEEP_ERROR, SWEEPS_AGREE,
+                                                       VllmProfiler)
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -83,8 +84,14 @@ def _profiler() -> tuple[VllmProfiler, list[EngineProfile]]:
     return profiler, registered
 
 
-def _calibrate(profiler: VllmProfiler, sweeps: _Sweeps, quiet: Callable[[], bool] = lambda: True) -> None:
-    asyncio.run(profiler.calibrate(None, Sweep(), 1000, quiet, lambda: 0.0, sweeps.pause))
+def _calibrate(profiler: VllmProfiler, sweeps: _Sweeps, quiet: Callable[[], bool] = lambda: True,
+               stretch: float = 0.0) -> None:
+    asyncio.run(profiler.calibrate(None, Sweep(), 1000, quiet, lambda: 0.0, sweeps.pause, lambda: stretch))
+
+
+def _slowed_evenly(factor: float) -> list[StepSample]:
+    """A sweep's readings with another process beside it all along: every step factor times too slow."""
+    return [dataclasses.replace(s, ms=s.ms * factor) for s in _sweep()]
 
 
 def test_a_sweep_slowed_in_part_by_a_neighbour_is_swept_again_and_the_better_fit_registered(
@@ -92,29 +99,47 @@ def test_a_sweep_slowed_in_part_by_a_neighbour_is_swept_again_and_the_better_fit
 ) -> None:
     assert relative_error(fit_timing(SLOWED_IN_PART), SLOWED_IN_PART) > RESWEEP_ERROR  # what the first reads
     assert relative_error(fit_timing(SLOWED_IN_PART), _sweep()) > 0.1  # and how far off a profile of it is
-    sweeps = _Sweeps(monkeypatch, [SLOWED_IN_PART, _sweep()])
+    sweeps = _Sweeps(monkeypatch, [SLOWED_IN_PART, _sweep(), _sweep()])
     profiler, registered = _profiler()
     _calibrate(profiler, sweeps)
-    assert sweeps.pauses == [RESWEEP_AFTER_S] and sweeps.seeds == [0, 1]  # other prompts: no cache hits
-    assert sweeps.yielding == [False, True]
+    # Until two sweeps that fit agree; other prompts each time: no cache hits.
+    assert sweeps.pauses == [RESWEEP_AFTER_S, 2 * RESWEEP_AFTER_S] and sweeps.seeds == [0, 1, 2]
+    assert sweeps.yielding == [False, True, True]
     assert len(registered) == 2 and relative_error(registered[-1].timing, _sweep()) < 0.01
 
 
 def test_a_worse_sweep_does_not_replace_the_registered_profile(monkeypatch: pytest.MonkeyPatch) -> None:
     worse = _sweep(slowed=range(THIRD // 2, 2 * THIRD))
     assert relative_error(fit_timing(worse), worse) > relative_error(fit_timing(SLOWED_IN_PART), SLOWED_IN_PART)
-    sweeps = _Sweeps(monkeypatch, [SLOWED_IN_PART, worse, worse])
+    sweeps = _Sweeps(monkeypatch, [SLOWED_IN_PART, worse, worse, worse])
     profiler, registered = _profiler()
     _calibrate(profiler, sweeps)
-    assert len(sweeps.seeds) == MAX_SWEEPS and sweeps.pauses == [RESWEEP_AFTER_S, 2 * RESWEEP_AFTER_S]
+    assert len(sweeps.seeds) == MAX_SWEEPS == 4
+    assert sweeps.pauses == [RESWEEP_AFTER_S, 2 * RESWEEP_AFTER_S, 3 * RESWEEP_AFTER_S]
     assert len(registered) == 1 and registered[0].timing == fit_timing(SLOWED_IN_PART)
 
 
-def test_a_quiet_sweep_runs_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    sweeps = _Sweeps(monkeypatch, [_sweep()])
+def test_two_quiet_sweeps_that_agree_end_the_calibration(monkeypatch: pytest.MonkeyPatch) -> None:
+    sweeps = _Sweeps(monkeypatch, [_sweep(), _slowed_evenly(1 + SWEEPS_AGREE / 2)])
     profiler, registered = _profiler()
     _calibrate(profiler, sweeps)
-    assert sweeps.seeds == [0] and len(registered) == 1
+    assert sweeps.seeds == [0, 1] and len(registered) == 1 and registered[0].timing == fit_timing(_sweep())
+
+
+def test_a_sweep_slowed_evenly_throughout_is_replaced_by_a_quicker_one_that_a_third_confirms(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two identical vLLM nodes calibrating side by side registered decode steps of 3.5 and 10.9 ms: the slower
+    sweep fitted its own steps within 28 %, so it was kept, and its node then got no request to correct it by
+    (helper-172)."""
+    slowed = _slowed_evenly(3.0)
+    assert relative_error(fit_timing(slowed), slowed) < RESWEEP_ERROR  # it fits well: no miss to catch it by
+    sweeps = _Sweeps(monkeypatch, [slowed, _sweep(), _slowed_evenly(2.0), _sweep()])
+    profiler, registered = _profiler()
+    _calibrate(profiler, sweeps, stretch=0.5)
+    assert sweeps.seeds == [0, 1, 2, 3]  # the quicker two disagree with the slowed ones; the fourth agrees
+    assert sweeps.pauses == [1.25 * RESWEEP_AFTER_S, 2.5 * RESWEEP_AFTER_S, 3.75 * RESWEEP_AFTER_S]
+    assert len(registered) == 2 and relative_error(registered[-1].timing, _sweep()) < 0.01
 
 
 @pytest.mark.parametrize("traffic", ["a real step observed", "a real request in flight"])
@@ -173,7 +198,7 @@ def test_a_sweep_missing_a_kind_of_step_is_registered_until_a_complete_one_repla
 ) -> None:
     prefills_only = [s for s in _sweep() if s.prefill_chunks]  # every decode reading dropped: fits perfectly
     assert relative_error(fit_timing(prefills_only), prefills_only) < 1e-6
-    sweeps = _Sweeps(monkeypatch, [prefills_only, SLOWED_IN_PART, SLOWED_IN_PART])
+    sweeps = _Sweeps(monkeypatch, [prefills_only, SLOWED_IN_PART, SLOWED_IN_PART, SLOWED_IN_PART])
     profiler, registered = _profiler()
     _calibrate(profiler, sweeps)
     assert len(registered) == 2 and registered[1].timing == fit_timing(SLOWED_IN_PART)
