@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import typing
@@ -38,6 +39,17 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
 
 
+def _parse_finite(text: str) -> float:
+    """A float flag's value: a finite number. NaN passed every check written `x <= 0` (a node agent took
+    `--heartbeat-interval-s nan`, reported itself serving, then failed every Generate; a scheduler with
+    `--load-timeout-s nan` refused every request while its status showed live nodes: helper-173), and inf
+    stood for no limit where none was meant."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+    return value
+
+
 def _converter(annotation: Any):
     """The str -> value function for a field's type (int, float, str, bool)."""
     if annotation in (bool, "bool"):
@@ -45,7 +57,7 @@ def _converter(annotation: Any):
     if annotation in (int, "int"):
         return int
     if annotation in (float, "float"):
-        return float
+        return _parse_finite
     return str
 
 

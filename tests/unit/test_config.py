@@ -116,6 +116,18 @@ def test_unconvertible_flag_exits_naming_the_flag(capsys: pytest.CaptureFixture[
     assert "--retries" in _exit_message(capsys, FlagsConfig, "BATON_TEST", ["--retries", "1.5"])
 
 
+@pytest.mark.parametrize(("cls", "flag"), [(NodeAgentConfig, "--heartbeat-interval-s"),
+                                           (SchedulerConfig, "--load-timeout-s"),
+                                           (RouterConfig, "--stream-interval-s")])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_float_flag_that_is_no_finite_number_exits_naming_it(
+        capsys: pytest.CaptureFixture[str], cls: type, flag: str, value: str) -> None:
+    """NaN passed every check written `x <= 0`: a node agent with --heartbeat-interval-s nan reported itself serving
+    and failed every Generate, a scheduler with --load-timeout-s nan refused every request (helper-173)."""
+    err = _exit_message(capsys, cls, "BATON_TEST", [f"{flag}={value}"])
+    assert f"argument {flag}: not a finite number: '{value}'" in err
+
+
 def test_unconvertible_env_var_exits_naming_the_variable(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
