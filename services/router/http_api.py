@@ -408,20 +408,22 @@ class HttpApi:
                                                    _authorization(request))) as chunks:
             try:
                 # Refusals (validation, admission, no node) come before the first chunk: they get
-                # their own HTTP status, streamed or not.
+                # their own HTTP status, streamed or not; so does a failure before a whole answer's end.
                 first = await anext(chunks)
-            except BatonError as error:
-                return _error(error, parsed.names, id_header)
-            if not parsed.stream:
-                try:
+                if not parsed.stream:
                     builder.add(first)
                     if not first.finish_reason:
                         async for chunk in chunks:
                             builder.add(chunk)
                             if chunk.finish_reason:
                                 break
-                except BatonError as error:
-                    return _error(error, parsed.names, id_header)
+            except BatonError as error:
+                return _error(error, parsed.names, id_header)
+            except asyncio.CancelledError:
+                if self._closing is not None:  # (else its client hung up: there is no one to tell)
+                    await _answer_cut(request, parsed, id_header)
+                raise
+            if not parsed.stream:
                 # The router counts an answer delivered once it is asked for more after its last reply, so the
                 # response is written first: a client gone by then (the write fails, as a stream's does) did
                 # not get its answer, and the stream is closed unread.
@@ -458,17 +460,31 @@ class HttpApi:
             return response
 
 
+def _cut(what: str) -> Unavailable:
+    return Unavailable(f"the router is stopping: the {what} was cut at the end of its grace (--shutdown-grace-s); "
+                       "send the request again")
+
+
 async def _end_cut(response: web.StreamResponse, parsed: schema.ParsedRequest) -> None:
     """A stream the router's stop cuts at the end of its grace ends with an error event and [DONE], as a failure does:
     cut without one, the client saw a broken connection, and over HTTP/1.0 a stream that looked whole but for its
     missing [DONE] (helper-166). Within a second, whatever the client; a client gone is told nothing."""
-    error = Unavailable("the router is stopping: the stream was cut at the end of its grace (--shutdown-grace-s); "
-                        "send the request again")
-    _, error_body, _ = schema.error_response(error, parsed.names)
+    _, error_body, _ = schema.error_response(_cut("stream"), parsed.names)
     with contextlib.suppress(Exception):
         async with asyncio.timeout(1.0):
             await _send_events(response, [error_body])
             await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+
+
+async def _answer_cut(request: web.Request, parsed: schema.ParsedRequest, id_header: Mapping[str, str]) -> None:
+    """A request the router's stop cuts at the end of its grace before its answer (a whole one, or a stream's first
+    chunk) is answered 503, to send again: its client got no response at all, "Remote end closed connection without
+    response" (helper-173). Within a second, as _end_cut."""
+    response = _error(_cut("request"), parsed.names, id_header)
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(1.0):
+            await response.prepare(request)
             await response.write_eof()
 
 

@@ -581,6 +581,37 @@ async def test_close_ends_a_stream_still_running_when_the_shutdown_timeout_passe
     assert events[-1] == b"[DONE]" and b"the router is stopping" in events[-2], rest
 
 
+@pytest.mark.parametrize(("stream", "first_chunk"), [(False, True), (False, False), (True, False)])
+async def test_a_request_cut_by_the_routers_stop_before_its_answer_is_answered_503(stream: bool,
+                                                                                   first_chunk: bool) -> None:
+    """A whole answer still being generated, or any request still waiting for its first token, when the router's
+    grace ended got no response at all: "Remote end closed connection without response" (helper-173)."""
+    running = asyncio.Event()
+
+    class _Endless(_FakeRouter):
+        async def generate(self, *args, **kwargs) -> AsyncIterator[router_pb2.GenerateChunk]:  # type: ignore[override]
+            running.set()
+            if first_chunk:
+                yield router_pb2.GenerateChunk(request_id="r", text="a", index=0, node_id="n", model="m")
+            await asyncio.Event().wait()  # a generation (or a placement) that outlasts any grace
+            yield router_pb2.GenerateChunk()  # (never reached)
+
+    port = free_port()
+    api = HttpApi(_Endless([]), f"127.0.0.1:{port}", InputLimits(max_prompt_bytes=1024), shutdown_timeout_s=0.2)
+    assert await api.start()
+    async with aiohttp.ClientSession() as session:
+        sent = asyncio.ensure_future(session.post(f"http://127.0.0.1:{port}/v1/completions",
+                                                  json={"model": "m", "prompt": "x", "stream": stream,
+                                                        "request_id": "job-9"}))
+        await running.wait()
+        await api.close()
+        async with await sent as response:
+            body = await response.json()
+            assert response.status == 503 and response.headers["x-request-id"] == "job-9"
+            assert response.headers["Retry-After"] == "2"
+    assert body["error"]["message"].startswith("the router is stopping: the request was cut at the end of its grace")
+
+
 async def test_a_request_aiohttp_cannot_parse_is_a_400_and_one_debug_line_not_a_logged_traceback(
         caplog: pytest.LogCaptureFixture) -> None:
     """Any client could write an ERROR with a traceback into the router's log, once per connection, with one
