@@ -478,6 +478,11 @@ def _first_cluster_state(addresses: list[str], args: argparse.Namespace
 
 def cmd_status(args: argparse.Namespace) -> int:
     if args.scheduler:
+        try:  # (a bad address was "no scheduler answered", exit 1, where generate's --router names it: helper-173)
+            check_listen("scheduler", args.scheduler)
+        except ValueError as error:
+            print(f"baton status: {error}", file=sys.stderr)
+            return 2
         addresses = [args.scheduler]
     else:
         try:
@@ -729,7 +734,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"baton {argv[0]}: interrupted", file=sys.stderr)
             return 130
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:
+        # Its reader is gone (`baton status | head`): a traceback said so (helper-173). Quiet now, and quiet when
+        # Python flushes stdout at exit; 141 as a process SIGPIPE ended.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

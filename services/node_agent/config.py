@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from services.common.config import ServiceConfig, check_instance_id, doc
+from services.node_agent.engines.sim.models import GPU_SPECS
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class NodeAgentConfig(ServiceConfig):
         super().__post_init__()
         if self.engine not in ("sim", "vllm"):
             raise ValueError(f"--engine: expected sim or vllm, got {self.engine!r}")
+        if self.gpu not in GPU_SPECS:  # (it was found only once the node was built: exit 1, no usage; helper-173)
+            raise ValueError(f"--gpu: unknown GPU {self.gpu!r}; known: {', '.join(sorted(GPU_SPECS))}")
         if self.engine == "vllm" and not self.model_dir:
             raise ValueError("--model-dir: required with --engine vllm")
         if self.engine == "vllm" and self.cold_models:

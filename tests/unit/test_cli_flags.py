@@ -355,6 +355,8 @@ def test_a_value_its_field_cannot_hold_is_refused_by_the_flags_name(
     # (helper-161).
     (["generate", "--router", "127.0.0.1:99999", "hi"], "baton generate: --router: port 99999 is past 65535"),
     (["generate", "--router", ",", "hi"], "baton generate: --router: expected host:port, got ','"),
+    # ("no scheduler answered (bogus: UNAVAILABLE)", exit 1, where generate named its flag: helper-173.)
+    (["status", "--scheduler", "bogus"], "baton status: --scheduler: expected host:port, got 'bogus'"),
     (["certs", "--days", "0", "OUT"], "baton certs: --days 0: must be 1 to 3650"),
     (["certs", "--days=-5", "OUT"], "baton certs: --days -5: must be 1 to 3650"),
 ])
@@ -377,3 +379,19 @@ def test_tenants_says_etcd_did_not_answer_instead_of_a_traceback(
         etcd = f"127.0.0.1:{listener.getsockname()[1]}"
         assert cli.main(["tenants", "--etcd", etcd, "list"]) == 1
     assert f"baton tenants list: etcd at {etcd} did not answer" in capsys.readouterr().err
+
+
+
+def test_a_reader_gone_from_the_pipe_ends_the_command_quietly() -> None:
+    """`baton status | head` ended with a BrokenPipeError traceback (helper-173)."""
+    flood = ("import sys\nfrom baton import cli\n"
+             "def flood(args):\n    for i in range(100_000):\n        print(f'node-{i}')\n    return 0\n"
+             "cli.cmd_status = flood\nsys.exit(cli.main(['status', '--scheduler', '127.0.0.1:1']))\n")
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone
+    try:
+        ended = subprocess.run([sys.executable, "-c", flood], stdout=write, stderr=subprocess.PIPE, text=True,
+                               timeout=60, cwd=Path(__file__).resolve().parents[2])
+    finally:
+        os.close(write)
+    assert (ended.returncode, ended.stderr) == (141, "")

@@ -144,6 +144,12 @@ def test_vllm_engine_needs_a_model_directory() -> None:
         NodeAgentConfig(engine="vllm", model_dir="/models/m", block_size=24)
 
 
+def test_a_node_with_an_unknown_gpu_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """It was found only once the node was built: exit 1 with no usage line (helper-173)."""
+    err = _exit_message(capsys, NodeAgentConfig, "BATON_NODE", ["--gpu", "tpu"])
+    assert "--gpu: unknown GPU 'tpu'; known: a100, a10g, a40, h100, h200, l4" in err and "usage:" in err
+
+
 @pytest.mark.parametrize("price", [-1.0, float("nan"), float("inf")])
 def test_a_node_refuses_a_price_that_is_not_one(price: float) -> None:
     from services.node_agent.config import NodeAgentConfig

@@ -33,8 +33,6 @@ def build_host(config: NodeAgentConfig) -> ModelHost:
     """The node's models: --model warm, --cold-models on local disk; SystemExit naming a bad flag."""
     if config.engine == "vllm":
         return build_vllm_host(config)
-    if config.gpu not in GPU_SPECS:
-        raise SystemExit(f"--gpu: unknown GPU {config.gpu!r}; known: {', '.join(sorted(GPU_SPECS))}")
     hbm_bytes = hbm_bytes_of(config)
     names = ([config.model] if config.model else []) + [m for m in config.cold_models.split(",") if m]
     if not names:
