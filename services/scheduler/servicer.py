@@ -700,7 +700,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                    request.outcome == _SUCCEEDED, self._clock())
             else:
                 self._tasks.record(request_task(request.request_id), 1, 1, cost, request.outcome == _SUCCEEDED,
-                                   self._clock())
+                                   self._clock(), answered=request.outcome == _LATE)
         return scheduler_pb2.FinishedAck()
 
     async def ReportLiveRequests(

@@ -126,8 +126,11 @@ class TaskLedger:
         self._ended_digests: dict[str, float] = {}
 
     def record(self, task_id: str, step: int, total_steps: int, cost_usd: float, ok: bool,
-               now: float) -> bool | None:
-        """One request of task_id ended: its GPU cost and whether it succeeded (finished in budget).
+               now: float, answered: bool = False) -> bool | None:
+        """One request of task_id ended: its GPU cost and whether it succeeded (finished in budget); answered: it
+        ran to its end, late, and its client has the answer, so a lone request's task has failed now (it stayed
+        open for --task-timeout-s, waiting for a resend that a client with its answer does not send, and an etcd
+        freeze's late requests showed as open for 5 minutes, their cost left out of the KPI: helper-173).
 
         Returns the task's outcome if this ended it (True: succeeded), None while it stays open.
         """
@@ -154,6 +157,9 @@ class TaskLedger:
         if task.total_steps and not task.failed and task.succeeded >= set(range(1, task.total_steps + 1)):
             self._end(task_id, task, True, now)
             return True
+        if answered and not ok and task_id.startswith("request:"):
+            self._end(task_id, task, False, now)
+            return False
         self._open[task_id] = task
         if len(self._open) > self._max_open:  # the least recently active gives way: it failed
             self._end(*self._open.popitem(last=False), False, now)

@@ -175,6 +175,31 @@ async def test_a_request_id_and_a_workflow_id_that_are_equal_are_two_tasks(monke
         await service.close()
 
 
+async def test_a_lone_request_answered_late_has_failed_at_once_and_one_refused_waits_for_its_resend(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The requests an etcd freeze made late were answered, yet their tasks stayed open for --task-timeout-s (5
+    minutes), waiting for a resend their clients had no reason to send, their cost out of the KPI (helper-173). A
+    request refused or failed may be sent again under its id: its task waits for that. A workflow's late step may
+    be retried: its task waits too."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    try:
+        for notice in (scheduler_pb2.FinishedRequest(request_id="late", outcome=scheduler_pb2.REQUEST_OUTCOME_LATE,
+                                                     gpu_ms_by_node={"a": 1_000}),
+                       scheduler_pb2.FinishedRequest(request_id="failed",
+                                                     outcome=scheduler_pb2.REQUEST_OUTCOME_FAILED),
+                       scheduler_pb2.FinishedRequest(request_id="step", outcome=scheduler_pb2.REQUEST_OUTCOME_LATE,
+                                                     context=common_pb2.RequestContext(workflow_id="w", step=1,
+                                                                                       total_steps=2))):
+            await service.Finished(notice, FakeContext())  # type: ignore[arg-type]
+        stats = service._tasks.stats()
+        assert (stats.succeeded, stats.failed) == (0, 1)
+        assert not service._tasks.is_open(request_task("late")) and service._tasks.is_open(request_task("failed"))
+        assert service._tasks.is_open(workflow_task("w"))
+    finally:
+        await service.close()
+
+
 def _registered(node_id: str, price: float, draining: bool = False) -> tuple[str, bytes]:
     info = common_pb2.NodeInfo(node_id=node_id, address="127.0.0.1:1", gpu="h100", price_per_hour=price,
                                draining=draining)
