@@ -15,6 +15,7 @@ import shlex
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -729,18 +730,30 @@ def main(argv: list[str] | None = None) -> int:
     studies = {"sim": simulator_main, "sim-admission": admission_study_main, "sim-models": model_study_main}
     if argv[:1] and argv[0] in studies:
         try:
-            return studies[argv[0]](argv[1:])
+            return _piped(lambda: studies[argv[0]](argv[1:]))
         except KeyboardInterrupt:  # Ctrl-C: its workers are stopped (simulator.study.run_all); no traceback
             print(f"baton {argv[0]}: interrupted", file=sys.stderr)
             return 130
     args = build_parser().parse_args(argv)
+    code = _piped(lambda: args.func(args))
+    if code == PIPE_CLOSED and args.command == "up":  # (its cluster is stopped: say why)
+        print("baton up: the reader of its output is gone (a closed pipe); the cluster was stopped", file=sys.stderr)
+    return code
+
+
+# The exit status of a command whose output's reader went away, as of a process SIGPIPE ended (128 + 13).
+PIPE_CLOSED = 141
+
+
+def _piped(run: Callable[[], int]) -> int:
+    """run(), quiet when the reader of its output is gone (`baton status | head`), where a BrokenPipeError traceback
+    said so (helper-173): PIPE_CLOSED, and stdout sent nowhere, so that Python's flush of it at exit fails no more."""
     try:
-        return args.func(args)
+        return run()
     except BrokenPipeError:
-        # Its reader is gone (`baton status | head`): a traceback said so (helper-173). Quiet now, and quiet when
-        # Python flushes stdout at exit; 141 as a process SIGPIPE ended.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+        with contextlib.suppress(OSError, ValueError):  # (stdout may be no file at all)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return PIPE_CLOSED
 
 
 if __name__ == "__main__":

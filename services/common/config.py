@@ -44,7 +44,10 @@ def _parse_finite(text: str) -> float:
     `--heartbeat-interval-s nan`, reported itself serving, then failed every Generate; a scheduler with
     `--load-timeout-s nan` refused every request while its status showed live nodes: helper-173), and inf
     stood for no limit where none was meant."""
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:  # (else argparse names this function: "invalid _parse_finite value")
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
     return value

@@ -46,8 +46,11 @@ class NodeAgentConfig(ServiceConfig):
         super().__post_init__()
         if self.engine not in ("sim", "vllm"):
             raise ValueError(f"--engine: expected sim or vllm, got {self.engine!r}")
-        if self.gpu not in GPU_SPECS:  # (it was found only once the node was built: exit 1, no usage; helper-173)
-            raise ValueError(f"--gpu: unknown GPU {self.gpu!r}; known: {', '.join(sorted(GPU_SPECS))}")
+        # The catalogue is read for a sim node's timing, and for a node's HBM and price unless given: a vllm node on
+        # another GPU gives both (found only once the node was built, an unknown GPU was exit 1, no usage; helper-173).
+        if self.gpu not in GPU_SPECS and (self.engine == "sim" or self.hbm_gb <= 0 or not self.price_per_hour):
+            raise ValueError(f"--gpu: unknown GPU {self.gpu!r}; known: {', '.join(sorted(GPU_SPECS))} (a vllm node "
+                             "on another GPU gives --hbm-gb and --price-per-hour)")
         if self.engine == "vllm" and not self.model_dir:
             raise ValueError("--model-dir: required with --engine vllm")
         if self.engine == "vllm" and self.cold_models:

@@ -62,6 +62,11 @@ RUNNER_OPTIONS: dict[str, Any] = {"auto_decompress": False}
 DEFAULT_READ_TIMEOUT_S = 30.0
 
 
+# A request's key for the status of the answer written when the router's stop cut its handler (which ends in a
+# cancellation, past the spans' and the metrics' usual accounting).
+_CUT_STATUS = web.RequestKey("baton.cut_status", int)
+
+
 class _Refused(Exception):
     """A refusal whose HTTP status no gRPC code has (413, 415): the middleware answers it as it is."""
 
@@ -181,10 +186,15 @@ def _counted(meter: Meter) -> Callable[..., Awaitable[web.StreamResponse]]:
     @web.middleware
     async def counted(request: web.Request,
                       handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        response = await handler(request)
         resource = request.match_info.route.resource
-        responses.add(1, {"route": resource.canonical if resource is not None else "unmatched",
-                          "status": str(response.status)})
+        route = resource.canonical if resource is not None else "unmatched"
+        try:
+            response = await handler(request)
+        except asyncio.CancelledError:
+            if (status := request.get(_CUT_STATUS)) is not None:  # cut by the router's stop, its answer written
+                responses.add(1, {"route": route, "status": str(status)})
+            raise
+        responses.add(1, {"route": route, "status": str(response.status)})
         return response
 
     return counted
@@ -265,6 +275,7 @@ class HttpApi:
                                      shutdown_timeout=shutdown_timeout_s, keepalive_timeout=read_timeout_s,
                                      **RUNNER_OPTIONS)
         self._closing: asyncio.Task[None] | None = None
+        self._cutting = False  # the grace has ended: the handlers still running are cut, not hung up on
 
     async def start(self) -> bool:
         """Bind and serve; False (logged) when the address cannot be bound."""
@@ -292,6 +303,7 @@ class HttpApi:
             loop.call_later(self._shutdown_timeout_s, self._cancel_in_flight)
 
     def _cancel_in_flight(self) -> None:
+        self._cutting = True
         for task in list(self._in_flight):
             task.cancel()
 
@@ -348,6 +360,10 @@ class HttpApi:
                 record_exception=False, set_status_on_exception=False) as span:
             try:
                 response = await self._generate_in_span(request, kind)
+            except asyncio.CancelledError:
+                if (status := request.get(_CUT_STATUS)) is not None:  # its answer was written: its status is that
+                    _end_span(span, status, None if status < 500 else _cut("request"))
+                raise
             except Exception as exc:  # answered by the middleware: a refusal its status, anything else 500
                 status = (schema.http_status(exc.code) if isinstance(exc, BatonError)
                           else exc.status if isinstance(exc, web.HTTPException) else 500)
@@ -420,7 +436,8 @@ class HttpApi:
             except BatonError as error:
                 return _error(error, parsed.names, id_header)
             except asyncio.CancelledError:
-                if self._closing is not None:  # (else its client hung up: there is no one to tell)
+                if self._cutting:  # (else its client hung up: there is no one to tell)
+                    request[_CUT_STATUS] = 503
                     await _answer_cut(request, parsed, id_header)
                 raise
             if not parsed.stream:
@@ -452,7 +469,8 @@ class HttpApi:
                 _, error_body, _ = schema.error_response(error, parsed.names)
                 await _send_events(response, [error_body])
             except asyncio.CancelledError:
-                if self._closing is not None:  # (else its client hung up: there is no one to tell)
+                if self._cutting:  # (else its client hung up: there is no one to tell)
+                    request[_CUT_STATUS] = 200
                     await _end_cut(response, parsed)
                 raise
             await response.write(b"data: [DONE]\n\n")

@@ -700,7 +700,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                    request.outcome == _SUCCEEDED, self._clock())
             else:
                 self._tasks.record(request_task(request.request_id), 1, 1, cost, request.outcome == _SUCCEEDED,
-                                   self._clock(), answered=request.outcome == _LATE)
+                                   # (Not while another stream of its id runs: its success would not count.)
+                                   self._clock(), answered=request.outcome == _LATE and not request.another_stream_live)
         return scheduler_pb2.FinishedAck()
 
     async def ReportLiveRequests(

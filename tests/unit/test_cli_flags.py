@@ -382,11 +382,14 @@ def test_tenants_says_etcd_did_not_answer_instead_of_a_traceback(
 
 
 
-def test_a_reader_gone_from_the_pipe_ends_the_command_quietly() -> None:
-    """`baton status | head` ended with a BrokenPipeError traceback (helper-173)."""
+@pytest.mark.parametrize(("command", "replaced"), [(["status", "--scheduler", "127.0.0.1:1"], "cmd_status"),
+                                                   (["sim"], "simulator_main")])
+def test_a_reader_gone_from_the_pipe_ends_the_command_quietly(command: list[str], replaced: str) -> None:
+    """`baton status | head` ended with a BrokenPipeError traceback (helper-173), and so did `baton sim`
+    (helper-174)."""
     flood = ("import sys\nfrom baton import cli\n"
              "def flood(args):\n    for i in range(100_000):\n        print(f'node-{i}')\n    return 0\n"
-             "cli.cmd_status = flood\nsys.exit(cli.main(['status', '--scheduler', '127.0.0.1:1']))\n")
+             f"cli.{replaced} = flood\nsys.exit(cli.main({command!r}))\n")
     read, write = os.pipe()
     os.close(read)  # the reader is gone
     try:

@@ -126,6 +126,7 @@ def test_a_float_flag_that_is_no_finite_number_exits_naming_it(
     and failed every Generate, a scheduler with --load-timeout-s nan refused every request (helper-173)."""
     err = _exit_message(capsys, cls, "BATON_TEST", [f"{flag}={value}"])
     assert f"argument {flag}: not a finite number: '{value}'" in err
+    assert f"argument {flag}: not a number: 'abc'" in _exit_message(capsys, cls, "BATON_TEST", [f"{flag}=abc"])
 
 
 def test_unconvertible_env_var_exits_naming_the_variable(
@@ -148,6 +149,11 @@ def test_a_node_with_an_unknown_gpu_exits_2_naming_the_flag(capsys: pytest.Captu
     """It was found only once the node was built: exit 1 with no usage line (helper-173)."""
     err = _exit_message(capsys, NodeAgentConfig, "BATON_NODE", ["--gpu", "tpu"])
     assert "--gpu: unknown GPU 'tpu'; known: a100, a10g, a40, h100, h200, l4" in err and "usage:" in err
+    vllm = ["--engine", "vllm", "--model-dir", "/models/m", "--gpu", "l40s"]
+    assert "--hbm-gb and --price-per-hour" in _exit_message(capsys, NodeAgentConfig, "BATON_NODE", vllm)
+    # A vllm node on a GPU outside the catalogue, with what the catalogue would have said: a label (helper-174).
+    given = parse_config(NodeAgentConfig, "BATON_NODE", [*vllm, "--hbm-gb", "48", "--price-per-hour", "1"])
+    assert given.gpu == "l40s"
 
 
 @pytest.mark.parametrize("price", [-1.0, float("nan"), float("inf")])

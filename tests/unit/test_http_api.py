@@ -596,8 +596,12 @@ async def test_a_request_cut_by_the_routers_stop_before_its_answer_is_answered_5
             await asyncio.Event().wait()  # a generation (or a placement) that outlasts any grace
             yield router_pb2.GenerateChunk()  # (never reached)
 
+    spans, reader = InMemorySpanExporter(), InMemoryMetricReader()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
     port = free_port()
-    api = HttpApi(_Endless([]), f"127.0.0.1:{port}", InputLimits(max_prompt_bytes=1024), shutdown_timeout_s=0.2)
+    api = HttpApi(_Endless([]), f"127.0.0.1:{port}", InputLimits(max_prompt_bytes=1024), shutdown_timeout_s=0.2,
+                  tracer=provider.get_tracer("test"), meter=MeterProvider(metric_readers=[reader]).get_meter("test"))
     assert await api.start()
     async with aiohttp.ClientSession() as session:
         sent = asyncio.ensure_future(session.post(f"http://127.0.0.1:{port}/v1/completions",
@@ -610,6 +614,13 @@ async def test_a_request_cut_by_the_routers_stop_before_its_answer_is_answered_5
             assert response.status == 503 and response.headers["x-request-id"] == "job-9"
             assert response.headers["Retry-After"] == "2"
     assert body["error"]["message"].startswith("the router is stopping: the request was cut at the end of its grace")
+    # Counted and traced as answered (the handler's cancellation skipped both: helper-174).
+    [span] = spans.get_finished_spans()
+    assert span.attributes["http.response.status_code"] == 503 and span.status.status_code == trace.StatusCode.ERROR
+    counts = {p.attributes["status"]: p.value for rm in reader.get_metrics_data().resource_metrics
+              for sm in rm.scope_metrics for m in sm.metrics if m.name == "baton.router.http_responses"
+              for p in m.data.data_points}
+    assert counts == {"503": 1}
 
 
 async def test_a_request_aiohttp_cannot_parse_is_a_400_and_one_debug_line_not_a_logged_traceback(

@@ -188,6 +188,9 @@ async def test_a_lone_request_answered_late_has_failed_at_once_and_one_refused_w
                                                      gpu_ms_by_node={"a": 1_000}),
                        scheduler_pb2.FinishedRequest(request_id="failed",
                                                      outcome=scheduler_pb2.REQUEST_OUTCOME_FAILED),
+                       # Sent twice: the other stream may yet succeed (helper-174).
+                       scheduler_pb2.FinishedRequest(request_id="twice", outcome=scheduler_pb2.REQUEST_OUTCOME_LATE,
+                                                     another_stream_live=True),
                        scheduler_pb2.FinishedRequest(request_id="step", outcome=scheduler_pb2.REQUEST_OUTCOME_LATE,
                                                      context=common_pb2.RequestContext(workflow_id="w", step=1,
                                                                                        total_steps=2))):
@@ -195,6 +198,11 @@ async def test_a_lone_request_answered_late_has_failed_at_once_and_one_refused_w
         stats = service._tasks.stats()
         assert (stats.succeeded, stats.failed) == (0, 1)
         assert not service._tasks.is_open(request_task("late")) and service._tasks.is_open(request_task("failed"))
+        assert service._tasks.is_open(request_task("twice"))
+        await service.Finished(scheduler_pb2.FinishedRequest(request_id="twice",
+                                                             outcome=scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED),
+                               FakeContext())  # type: ignore[arg-type]
+        assert service._tasks.stats().succeeded == 1
         assert service._tasks.is_open(workflow_task("w"))
     finally:
         await service.close()

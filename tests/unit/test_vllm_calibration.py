@@ -126,7 +126,7 @@ def test_two_quiet_sweeps_that_agree_end_the_calibration(monkeypatch: pytest.Mon
     assert sweeps.seeds == [0, 1] and len(registered) == 1 and registered[0].timing == fit_timing(_sweep())
 
 
-def test_a_sweep_slowed_evenly_throughout_is_replaced_by_a_quicker_one_that_a_third_confirms(
+def test_a_sweep_slowed_evenly_throughout_is_replaced_by_a_quicker_one_that_a_later_one_confirms(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Two identical vLLM nodes calibrating side by side registered decode steps of 3.5 and 10.9 ms: the slower
@@ -138,8 +138,39 @@ def test_a_sweep_slowed_evenly_throughout_is_replaced_by_a_quicker_one_that_a_th
     profiler, registered = _profiler()
     _calibrate(profiler, sweeps, stretch=0.5)
     assert sweeps.seeds == [0, 1, 2, 3]  # the quicker two disagree with the slowed ones; the fourth agrees
-    assert sweeps.pauses == [1.25 * RESWEEP_AFTER_S, 2.5 * RESWEEP_AFTER_S, 3.75 * RESWEEP_AFTER_S]
+    # Stretched by a random share of half RESWEEP_AFTER_S (these sweeps take no time on the test's clock).
+    assert sweeps.pauses == [RESWEEP_AFTER_S * (n + 0.25) for n in (1, 2, 3)]
     assert len(registered) == 2 and relative_error(registered[-1].timing, _sweep()) < 0.01
+
+
+def test_of_two_sweeps_that_agree_the_quicker_is_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    sweeps = _Sweeps(monkeypatch, [_slowed_evenly(1 + SWEEPS_AGREE / 2), _sweep()])
+    profiler, registered = _profiler()
+    _calibrate(profiler, sweeps)
+    assert sweeps.seeds == [0, 1] and len(registered) == 2 and registered[-1].timing == fit_timing(_sweep())
+
+
+def test_a_sweep_quick_by_chance_gives_way_to_two_that_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It stayed registered, though none confirmed it (helper-174): jitter can shorten readings too."""
+    sweeps = _Sweeps(monkeypatch, [_slowed_evenly(0.7), _sweep(), _sweep()])
+    profiler, registered = _profiler()
+    _calibrate(profiler, sweeps)
+    assert sweeps.seeds == [0, 1, 2] and len(registered) == 2 and registered[-1].timing == fit_timing(_sweep())
+
+
+def test_sweeps_agree_on_their_prefills_and_their_decodes_each_not_on_their_sum(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sweep slowed only while it prefilled agreed with one slowed only while it decoded, on the sum of their
+    steps, and the first was registered, its prefills 50 % too slow (helper-174)."""
+    slow_prefills = [dataclasses.replace(s, ms=s.ms * 1.3) if s.prefill_chunks else s for s in _sweep()]
+    slow_decodes = [s if s.prefill_chunks else dataclasses.replace(s, ms=s.ms * 1.25) for s in _sweep()]
+    sums = [sum(s.ms for s in sweep) for sweep in (slow_prefills, slow_decodes)]
+    assert abs(sums[0] - sums[1]) <= 0.01 * min(sums)  # alike on their sums
+    sweeps = _Sweeps(monkeypatch, [slow_prefills, slow_decodes, _sweep(), _sweep()])
+    profiler, registered = _profiler()
+    _calibrate(profiler, sweeps)
+    assert sweeps.seeds == [0, 1, 2, 3] and relative_error(registered[-1].timing, _sweep()) < 0.01
 
 
 @pytest.mark.parametrize("traffic", ["a real step observed", "a real request in flight"])

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import math
 import random
+from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -23,33 +24,53 @@ RESWEEP_ERROR = 0.3
 # A sweep slowed evenly throughout fits well: two identical vLLM nodes calibrating side by side on two cores
 # registered decode steps of 3.5 and 10.9 ms, the slower sweep missing its own steps by 28 %, and the slower node
 # then got no request, so online refinement never corrected it (helper-172). So the node sweeps until a fitting
-# sweep agrees with an earlier fitting one, on the time of every step either read, within SWEEPS_AGREE; of the
-# fitting ones it registers the quickest, since another process only slows a sweep. Whole sweeps are compared, not
-# single readings: a decode reading is the gap between two outputs, which delivery jitter can shorten as well as
-# lengthen, so the quickest readings would make the node look faster than it is.
+# sweep agrees with an earlier fitting one within SWEEPS_AGREE, on the time of the prefill steps and of the decode
+# steps either read, each (on their sum, decodes outweighed a sweep slowed only while it prefilled: helper-174); it
+# registers the quicker of the two, since another process only slows a sweep, and until two agree the quickest
+# fitting one. Whole sweeps are compared, not single readings: a decode reading is the gap between two outputs, which
+# delivery jitter can shorten as well as lengthen, so the quickest readings would make the node look faster than it
+# is. A sweep quick by chance is not confirmed, and gives way to the quicker of two that agree.
 SWEEPS_AGREE = 0.15
-# The pause before sweep n + 1 is n times RESWEEP_AFTER_S (a neighbour's start takes tens of seconds), stretched by
-# up to half again at random, so that nodes started together do not sweep again side by side; MAX_SWEEPS in all, each
-# on other random prompts.
+# The pause before sweep n + 1 is n times RESWEEP_AFTER_S (a neighbour's start takes tens of seconds), plus a random
+# share of three times the last sweep's length (at least half RESWEEP_AFTER_S), so that nodes started together are
+# less likely to sweep side by side again; MAX_SWEEPS in all, each on other random prompts.
 RESWEEP_AFTER_S = 10.0
 MAX_SWEEPS = 4
 
 
-def _total_ms(timing: TimingModel, samples: list[StepSample]) -> float:
-    return sum(timing.step_ms(s.num_decode_seqs, s.num_context_tokens, s.prefill_chunks) for s in samples)
+@dataclass(frozen=True)
+class _Fit:
+    """One sweep's fit, its readings and how far it misses them."""
+
+    timing: TimingModel
+    samples: list[StepSample]
+    error: float
 
 
-def _quickest(fitting: list[tuple[TimingModel, list[StepSample]]]) -> TimingModel:
+def _phases_ms(timing: TimingModel, samples: list[StepSample]) -> tuple[float, float]:
+    """The time timing gives samples' prefill steps, and their decode steps."""
+    prefill = decode = 0.0
+    for s in samples:
+        ms = timing.step_ms(s.num_decode_seqs, s.num_context_tokens, s.prefill_chunks)
+        if s.prefill_chunks:
+            prefill += ms
+        else:
+            decode += ms
+    return prefill, decode
+
+
+def _quickest(fits: list[_Fit]) -> _Fit:
     """Of sweeps' fits, the one predicting every step any of them read quickest in all."""
-    steps = [s for _, samples in fitting for s in samples]
-    return min((timing for timing, _ in fitting), key=lambda timing: _total_ms(timing, steps))
+    steps = [s for fit in fits for s in fit.samples]
+    return min(fits, key=lambda fit: sum(_phases_ms(fit.timing, steps)))
 
 
-def _agree(first: tuple[TimingModel, list[StepSample]], second: tuple[TimingModel, list[StepSample]]) -> bool:
-    """Whether two sweeps' fits predict the steps either read within SWEEPS_AGREE of each other in all."""
-    steps = first[1] + second[1]
-    a, b = _total_ms(first[0], steps), _total_ms(second[0], steps)
-    return abs(a - b) <= SWEEPS_AGREE * min(a, b)
+def _agree(first: _Fit, second: _Fit) -> bool:
+    """Whether two fits predict the prefill steps, and the decode steps, either read within SWEEPS_AGREE of each
+    other."""
+    steps = first.samples + second.samples
+    return all(abs(a - b) <= SWEEPS_AGREE * min(a, b)
+               for a, b in zip(_phases_ms(first.timing, steps), _phases_ms(second.timing, steps), strict=True))
 
 
 def _complete(samples: list[StepSample], sweep: Sweep) -> bool:
@@ -77,24 +98,27 @@ class VllmProfiler:
                         pause: Callable[[float], Awaitable[None]] = asyncio.sleep,
                         stretch: Callable[[], float] = random.random) -> EngineProfile | None:
         """Run the sweep on llm and register what it measured; sweep again later until two sweeps that fit their own
-        steps within RESWEEP_ERROR agree within SWEEPS_AGREE, registering the quickest fitting one (see both).
-        Once a profile is registered, only while the engine has been sent no real request since, and giving way
-        to the first that comes. stretch: a draw in [0, 1) that lengthens each pause by up to half."""
-        registered_error, fitting = math.inf, []
+        steps within RESWEEP_ERROR agree within SWEEPS_AGREE, and register the quicker of them (see both). Once a
+        profile is registered, only while the engine has been sent no real request since, and giving way to the
+        first that comes. stretch: a draw in [0, 1), the random share of each pause (see RESWEEP_AFTER_S)."""
+        fitting: list[_Fit] = []
+        registered: _Fit | None = None  # this calibration's registered fit
+        sweep_s = 0.0
         for number in range(1, MAX_SWEEPS + 1):
             if number > 1:
-                await pause(RESWEEP_AFTER_S * (number - 1) * (1 + stretch() / 2))
+                await pause(RESWEEP_AFTER_S * (number - 1) + stretch() * max(RESWEEP_AFTER_S / 2, 3 * sweep_s))
                 if not self._may_sweep(is_quiet):
                     break
-            registered, admitted = self.profile is not None, self._num_admitted
+            had_profile, admitted = self.profile is not None, self._num_admitted
             self._sweeping = True  # real steps read meanwhile would miss the sweep's requests beside them
             try:
                 started = clock()
                 samples = await calibrate(llm, sweep, vocab_size, is_quiet, clock, seed=number - 1,
-                                          yield_to_traffic=registered)
+                                          yield_to_traffic=had_profile)
             finally:
                 self._sweeping = False
-            if registered and not (self._may_sweep(is_quiet) and self._num_admitted == admitted):
+            sweep_s = clock() - started
+            if had_profile and not (self._may_sweep(is_quiet) and self._num_admitted == admitted):
                 break  # a real request came meanwhile: the sweep's steps may have run beside it
             samples = [s for s in samples if s.ms > 0 and math.isfinite(s.ms)]
             if not samples:
@@ -102,23 +126,29 @@ class VllmProfiler:
                 continue
             timing = fit_timing(samples)
             # A sweep missing a kind of step fits the rest well and says nothing of it: it counts as no fit.
-            error = relative_error(timing, samples) if _complete(samples, sweep) else math.inf
-            log.info("calibration sweep %d in %.1f s on %d steps: mean error %.0f%%", number, clock() - started,
-                     len(samples), 100 * error)
-            if error <= RESWEEP_ERROR:
-                fitting.append((timing, samples))
-                quickest = _quickest(fitting)
-                better = quickest is timing and (registered_error > RESWEEP_ERROR or len(fitting) > 1)
+            swept = _Fit(timing, samples, relative_error(timing, samples) if _complete(samples, sweep) else math.inf)
+            log.info("calibration sweep %d in %.1f s on %d steps: mean error %.0f%%", number, sweep_s, len(samples),
+                     100 * swept.error)
+            agreeing: list[_Fit] = []
+            if swept.error <= RESWEEP_ERROR:
+                fitting.append(swept)
+                agreeing = [fit for fit in fitting[:-1] if _agree(fit, swept)]
+                chosen = _quickest([agreeing[0], swept] if agreeing else fitting)
+            elif registered is None or (not fitting and swept.error < registered.error):
+                chosen = swept  # no fit yet: the one that misses its steps least
             else:
-                better = not fitting and error < registered_error
-            if better or not registered:
-                registered_error = error
-                self._register(timing, len(samples))
-            if any(_agree(earlier, fitting[-1]) for earlier in fitting[:-1]):
+                chosen = registered
+            if chosen is not registered:
+                registered = chosen
+                self._register(chosen.timing, len(chosen.samples))
+            if agreeing:
                 break
             if number < MAX_SWEEPS:
                 log.info("calibration: %d of %d sweeps fit their steps within %.0f%%, and no two of them agree: "
                          "sweeping again if the engine stays idle", len(fitting), number, 100 * RESWEEP_ERROR)
+        else:
+            log.info("calibration: no two of %d sweeps agreed; keeping the profile registered (online refinement "
+                     "corrects it once real requests come)", MAX_SWEEPS)
         return self.profile
 
     def _register(self, timing: TimingModel, num_samples: int) -> None:
