@@ -20,7 +20,7 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from baton.protocol import AUTHORIZATION_KEY, ORIGIN_KEY, is_transport_failure
 from baton.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.common.reconnect import CLIENT_KEEPALIVE_OPTIONS, RECONNECT_OPTIONS
+from services.common.reconnect import CLIENT_CONNECT_OPTIONS, CLIENT_KEEPALIVE_OPTIONS, RECONNECT_OPTIONS
 
 # The router a stream fails over to may be one this client could not reach a moment ago (restarting, or
 # tried first): its channel is then waiting out a reconnect backoff (about a second at most: the services'
@@ -57,14 +57,17 @@ class BatonClient:
 
     def __init__(self, addresses: str | Sequence[str], max_failovers: int = 3, *, api_key: str | None = None,
                  credentials: grpc.ChannelCredentials | None = None) -> None:
-        """api_key: the tenant's key (`baton tenants add`), for routers run with --auth; credentials: TLS
-        to the routers (grpc.ssl_channel_credentials with the cluster's CA), plaintext when None."""
-        self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
+        """addresses: one router's host:port, several comma-separated (as `baton generate --router` takes them), or
+        a sequence of them; api_key: the tenant's key (`baton tenants add`), for routers run with --auth;
+        credentials: TLS to the routers (grpc.ssl_channel_credentials with the cluster's CA), plaintext when None."""
+        # (A comma-separated string was one address, and its calls failed "Misformatted domain name": helper-176.)
+        self.addresses = [a.strip() for a in addresses.split(",") if a.strip()] if isinstance(addresses, str) \
+            else list(addresses)
         if not self.addresses:
             raise ValueError("BatonClient: at least one router address is needed")
         self.max_failovers = max_failovers
         self._metadata = ((AUTHORIZATION_KEY, f"Bearer {api_key}"),) if api_key else ()
-        options = RECONNECT_OPTIONS + CLIENT_KEEPALIVE_OPTIONS
+        options = RECONNECT_OPTIONS + CLIENT_KEEPALIVE_OPTIONS + CLIENT_CONNECT_OPTIONS
         self._channels = {address: grpc.aio.secure_channel(address, credentials, options)
                           if credentials is not None else grpc.aio.insecure_channel(address, options)
                           for address in self.addresses}
@@ -105,7 +108,10 @@ class BatonClient:
         timeout_s: float | None = None,
         **fields: object,
     ) -> AsyncIterator[router_pb2.GenerateChunk]:
-        """Chunks as the routers relay them; other GenerateRequest fields go in **fields."""
+        """Chunks as the routers relay them; other GenerateRequest fields go in **fields (a list field, such as stop
+        or alternative_models, also takes one string)."""
+        if prompt is not None and prompt_token_ids is not None:  # (the text was dropped without a word: helper-176)
+            raise ValueError("prompt and prompt_token_ids: give one of them, not both")
         request = _generate_request(model, fields)
         if prompt is not None:
             request.prompt = prompt
@@ -179,8 +185,21 @@ class BatonClient:
         return result
 
     async def list_models(self) -> list[router_pb2.ServedModel]:
-        reply = await self._stub().ListModels(router_pb2.ListModelsRequest(), timeout=5.0, metadata=self._metadata)
-        return list(reply.models)
+        """The models the cluster serves, from the first router that answers, starting at current_address (it
+        asked that one only: with the first router down, `baton generate --router A,B` took no model as known and
+        sent its default, which B's cluster did not serve; helper-176)."""
+        for tried in range(len(self.addresses)):
+            index = (self._current + tried) % len(self.addresses)
+            try:
+                reply = await router_pb2_grpc.RouterStub(self._channels[self.addresses[index]]).ListModels(
+                    router_pb2.ListModelsRequest(), timeout=5.0, metadata=self._metadata)
+            except grpc.aio.AioRpcError as error:
+                if not is_transport_failure(error) or tried == len(self.addresses) - 1:
+                    raise
+                continue
+            self._current = index
+            return list(reply.models)
+        raise AssertionError("unreachable: the last router's failure is raised")
 
     async def close(self) -> None:
         for channel in self._channels.values():
@@ -201,9 +220,16 @@ _RANGES = {
 }
 
 
+_REPEATED = frozenset(f.name for f in router_pb2.GenerateRequest.DESCRIPTOR.fields
+                      if f.is_repeated)
+
+
 def _generate_request(model: str, fields: dict[str, object]) -> router_pb2.GenerateRequest:
     """The GenerateRequest of generate()'s arguments; ValueError or TypeError naming the field whose value it cannot
     hold (protobuf's own says only "Value out of range"). What it can hold the router judges."""
+    # A list field given one string is that one string (OpenAI's API takes `stop` so): protobuf took it for a list of
+    # its characters, and stop="xyz" stopped at any of x, y and z (helper-176).
+    fields = {name: [value] if isinstance(value, str) and name in _REPEATED else value for name, value in fields.items()}
     try:
         return router_pb2.GenerateRequest(model=model, **fields)
     except (ValueError, TypeError) as exc:

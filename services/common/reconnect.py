@@ -27,6 +27,14 @@ CLIENT_KEEPALIVE_OPTIONS = (
     # the keepalive timeout never ran: any ping unanswered for that long fails the connection.
     ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
 )
+# A client's connection attempts to a router: one to a frozen router (its kernel accepts the connection, its gRPC
+# never answers) took gRPC's 20 s default before it failed and the client tried the next router, so a call to a
+# healthy second router waited 20 s behind a frozen first one (helper-176). Given up as a frozen open connection
+# is, within about KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS. (grpc.min_reconnect_backoff_ms is the time one
+# attempt may take: RECONNECT_OPTIONS.)
+CLIENT_CONNECT_OPTIONS = (
+    ("grpc.min_reconnect_backoff_ms", KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS),
+)
 # What a Baton server lets its clients ping that often while it sends nothing: by default gRPC's servers take pings
 # more often than every 5 minutes without data as abuse and answer with GOAWAY (too_many_pings), which failed a
 # stream quiet for 12 s (a long prefill, a wait in the admission queue) at about 6 s. More often is still abuse.

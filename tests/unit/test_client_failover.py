@@ -279,3 +279,68 @@ async def test_a_stream_quiet_for_longer_than_the_keepalive_is_not_taken_for_a_d
     finally:
         await client.close()
         await server.stop(0)
+
+
+class _Listing(_Router):
+    async def ListModels(self, request, context):  # noqa: N802 - the generated servicer's name
+        return router_pb2.ListModelsResponse(models=[router_pb2.ServedModel(name="m")])
+
+
+async def _serving(servicer: router_pb2_grpc.RouterServicer) -> tuple[grpc.aio.Server, str]:
+    port = free_port()
+    server = grpc.aio.server()
+    router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
+    assert server.add_insecure_port(f"127.0.0.1:{port}") == port
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def test_a_call_behind_a_frozen_first_router_reaches_the_live_one_within_its_deadline() -> None:
+    """A connection attempt to a frozen router (its kernel accepts, its gRPC never answers) took gRPC's 20 s default
+    to fail: a call with a 10 s timeout ended DEADLINE_EXCEEDED without trying the live second router (helper-176)."""
+    frozen = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)  # accepts, says nothing
+    server, live = await _serving(_Router())
+    client = BatonClient([f"127.0.0.1:{frozen.sockets[0].getsockname()[1]}", live])
+    try:
+        completion = await client.complete("m", prompt="hi", max_tokens=3, timeout_s=10)
+        assert completion.token_ids == [7, 8, 9] and client.current_address == live
+    finally:
+        await client.close()
+        await server.stop(None)
+        frozen.close()
+
+
+async def test_the_models_listing_fails_over_as_a_stream_does() -> None:
+    """It asked the first router only: with that one down, `baton generate --router A,B` took no model as known and
+    sent its default, which the cluster did not serve (helper-176)."""
+    server, live = await _serving(_Listing())
+    client = BatonClient(f"127.0.0.1:{free_port()}, {live}")  # as `baton generate --router` takes them
+    try:
+        assert client.addresses[1] == live
+        assert [m.name for m in await client.list_models()] == ["m"] and client.current_address == live
+    finally:
+        await client.close()
+        await server.stop(None)
+
+
+async def test_a_list_field_given_one_string_is_that_string_and_a_prompt_is_text_or_ids() -> None:
+    """stop="xyz" stopped at any of x, y and z (protobuf took the string for a list of its characters), and a prompt
+    given as both text and token ids lost its text without a word (helper-176)."""
+    seen: list[router_pb2.GenerateRequest] = []
+
+    class _Seeing(_Router):
+        async def Generate(self, request, context):  # noqa: N802 - the generated servicer's name
+            seen.append(request)
+            async for chunk in super().Generate(request, context):
+                yield chunk
+
+    server, live = await _serving(_Seeing())
+    client = BatonClient(live)
+    try:
+        await client.complete("m", prompt="hi", stop="xyz", alternative_models="m2")
+        assert list(seen[0].stop) == ["xyz"] and list(seen[0].alternative_models) == ["m2"]
+        with pytest.raises(ValueError, match="prompt and prompt_token_ids: give one of them"):
+            await client.complete("m", prompt="hi", prompt_token_ids=[1, 2])
+    finally:
+        await client.close()
+        await server.stop(None)
