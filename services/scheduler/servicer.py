@@ -695,13 +695,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             # this leader began), else at nothing.
             cost = sum(ms / 3_600_000 * self._prices.get(node, _price(request.price_per_hour_by_node.get(node, 0.0)))
                        for node, ms in request.gpu_ms_by_node.items() if math.isfinite(ms) and ms > 0)
+            # Answered late (its client has the answer; not while another stream of its id runs, which may yet
+            # succeed): a task whose every step is answered has failed at once.
+            answered = request.outcome == _LATE and not request.another_stream_live
             if ctx.workflow_id:
                 self._tasks.record(workflow_task(ctx.workflow_id), ctx.step, ctx.total_steps, cost,
-                                   request.outcome == _SUCCEEDED, self._clock())
+                                   request.outcome == _SUCCEEDED, self._clock(), answered=answered)
             else:
                 self._tasks.record(request_task(request.request_id), 1, 1, cost, request.outcome == _SUCCEEDED,
-                                   # (Not while another stream of its id runs: its success would not count.)
-                                   self._clock(), answered=request.outcome == _LATE and not request.another_stream_live)
+                                   self._clock(), answered=answered)
         return scheduler_pb2.FinishedAck()
 
     async def ReportLiveRequests(

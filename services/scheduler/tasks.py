@@ -64,6 +64,9 @@ class _Task:
     last_at: float = 0.0
     # The step whose total_steps is in force: the latest in the workflow's order that said one.
     total_from_step: int = 0
+    # Of the failed steps, those whose last attempt ran to its end, late: their client has its answer (not handed
+    # over: a successor waits for such a task's timeout, as before).
+    answered_late: set[int] = field(default_factory=set)
 
     def all_ok(self) -> bool:
         """Whether a task of unknown length went well: every step it numbered succeeded, or, with none
@@ -128,9 +131,10 @@ class TaskLedger:
     def record(self, task_id: str, step: int, total_steps: int, cost_usd: float, ok: bool,
                now: float, answered: bool = False) -> bool | None:
         """One request of task_id ended: its GPU cost and whether it succeeded (finished in budget); answered: it
-        ran to its end, late, and its client has the answer, so a lone request's task has failed now (it stayed
-        open for --task-timeout-s, waiting for a resend that a client with its answer does not send, and an etcd
-        freeze's late requests showed as open for 5 minutes, their cost left out of the KPI: helper-173).
+        ran to its end, late, and its client has the answer. A task whose every step has succeeded or was answered
+        late, one of them late, has failed now: it stayed open for --task-timeout-s, waiting for a resend that a
+        client with its answers does not send (an etcd freeze's late requests showed as open for 5 minutes, their
+        cost left out of the KPI, helper-173; so did a workflow whose step 2 was late, helper-176).
 
         Returns the task's outcome if this ended it (True: succeeded), None while it stays open.
         """
@@ -150,14 +154,20 @@ class TaskLedger:
         if ok and step > 0:
             task.succeeded.add(step)
             task.failed.discard(step)
+            task.answered_late.discard(step)
         elif not ok and step > 0 and step not in task.succeeded:  # a late loser does not undo a success
             task.failed.add(step)
+            if answered:
+                task.answered_late.add(step)
+            else:  # refused, failed or cancelled: it may be sent again
+                task.answered_late.discard(step)
         # Every step it has, and nothing failed (a step past total_steps, numbered by a request that did not say
         # total_steps, counted towards it: a workflow whose step 1 failed succeeded on steps 2 and 3 of 2).
         if task.total_steps and not task.failed and task.succeeded >= set(range(1, task.total_steps + 1)):
             self._end(task_id, task, True, now)
             return True
-        if answered and not ok and task_id.startswith("request:"):
+        if task.total_steps and task.failed and task.failed <= task.answered_late \
+                and task.succeeded | task.answered_late >= set(range(1, task.total_steps + 1)):
             self._end(task_id, task, False, now)
             return False
         self._open[task_id] = task

@@ -179,8 +179,8 @@ async def test_a_lone_request_answered_late_has_failed_at_once_and_one_refused_w
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The requests an etcd freeze made late were answered, yet their tasks stayed open for --task-timeout-s (5
     minutes), waiting for a resend their clients had no reason to send, their cost out of the KPI (helper-173). A
-    request refused or failed may be sent again under its id: its task waits for that. A workflow's late step may
-    be retried: its task waits too."""
+    request refused or failed may be sent again under its id: its task waits for that. So does a workflow until
+    every step is answered (helper-176: one whose step 2 was late stayed open once its step 3 had succeeded)."""
     fake_leadership(monkeypatch, lambda: True)
     service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
     try:
@@ -204,6 +204,10 @@ async def test_a_lone_request_answered_late_has_failed_at_once_and_one_refused_w
                                FakeContext())  # type: ignore[arg-type]
         assert service._tasks.stats().succeeded == 1
         assert service._tasks.is_open(workflow_task("w"))
+        step2 = scheduler_pb2.FinishedRequest(request_id="step2", outcome=scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED,
+                                              context=common_pb2.RequestContext(workflow_id="w", step=2, total_steps=2))
+        await service.Finished(step2, FakeContext())  # type: ignore[arg-type]
+        assert not service._tasks.is_open(workflow_task("w")) and service._tasks.stats().failed == 2
     finally:
         await service.close()
 

@@ -289,3 +289,18 @@ def test_a_total_said_only_by_a_late_notice_of_an_earlier_step_counts() -> None:
     wf = workflow_task("wf")
     assert ledger.record(wf, 2, 0, 0.01, ok=True, now=0.0) is None
     assert ledger.record(wf, 1, 2, 0.01, ok=True, now=1.0) is True
+
+
+def test_a_task_whose_every_step_is_answered_one_of_them_late_has_failed_at_once() -> None:
+    """Its client has every answer and sends nothing more: it stayed open for the timeout (helper-173, helper-176).
+    A step that was late and then sent again is waited for: refused, it may come again; succeeding, it counts."""
+    ledger = TaskLedger(timeout_s=300.0)
+    assert ledger.record(request_task("lone"), 1, 1, 0.01, ok=False, now=0.0, answered=True) is False
+    assert ledger.record(workflow_task("w"), 1, 3, 0.01, ok=True, now=0.0) is None
+    assert ledger.record(workflow_task("w"), 2, 3, 0.01, ok=False, now=1.0, answered=True) is None
+    assert ledger.record(workflow_task("w"), 3, 3, 0.01, ok=True, now=2.0) is False
+    assert ledger.record(workflow_task("again"), 1, 2, 0.01, ok=False, now=0.0, answered=True) is None
+    assert ledger.record(workflow_task("again"), 1, 2, 0.01, ok=False, now=1.0) is None  # its resend refused
+    assert ledger.record(workflow_task("again"), 2, 2, 0.01, ok=True, now=2.0) is None  # step 1 may come again
+    assert ledger.record(workflow_task("again"), 1, 2, 0.01, ok=True, now=3.0) is True
+    assert (ledger.stats().succeeded, ledger.stats().failed, ledger.stats().open) == (1, 2, 0)
