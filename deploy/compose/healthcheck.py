@@ -1,5 +1,10 @@
 """Container health check: exit 0 when this container's Baton service reports SERVING over gRPC health.
 
+A router, node agent or kvindex is asked of its own gRPC service, which serves once it is in the cluster (a router
+once it has read the nodes from etcd, a node agent or kvindex once it is registered there): asked of "" (the process
+is up), a container that never reached etcd showed healthy (helper-175). A scheduler is asked of "": a standby's own
+service does not serve, by design, and the standby is healthy.
+
 The port is the one in the container's BATON_<SERVICE>_LISTEN; an address given as the first
 argument overrides it. When the service serves TLS (BATON_<SERVICE>_TLS_CERT), the check speaks TLS
 too: it checks the service's certificate against BATON_<SERVICE>_TLS_CA, by the host of
@@ -15,6 +20,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 SERVICES = ("ROUTER", "SCHEDULER", "KVINDEX", "NODE")
+# The gRPC health name each is asked of.
+CHECKED = {"ROUTER": "baton.v1.Router", "SCHEDULER": "", "KVINDEX": "baton.v1.KVIndex", "NODE": "baton.v1.NodeAgent"}
 
 
 def own_prefix() -> str | None:
@@ -46,7 +53,9 @@ def main() -> int:
         address = "127.0.0.1:" + os.environ[f"{prefix}LISTEN"].rpartition(":")[2]
     with channel(address, prefix) as opened:
         try:
-            reply = health_pb2_grpc.HealthStub(opened).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            checked = CHECKED[prefix.split("_")[1]] if prefix else ""
+            reply = health_pb2_grpc.HealthStub(opened).Check(health_pb2.HealthCheckRequest(service=checked),
+                                                             timeout=2)
         except grpc.RpcError as error:
             print(f"{address}: {error.code().name} {error.details()}", file=sys.stderr)
             return 1

@@ -74,6 +74,9 @@ class LeaseSession:
         self._stale = False
         self._closed = False  # revoked: nothing is put or granted again
         self._lock = asyncio.Lock()
+        # Set once the keys were first written under a lease: the process is in the fleet (it stays set through an
+        # outage, in which the process serves on).
+        self.registered = asyncio.Event()
 
     @property
     def lease_id(self) -> int | None:
@@ -101,6 +104,8 @@ class LeaseSession:
         for key, value in list(self._keys.items()):
             await self._write(key, value, lease.id)
         self._stale = False
+        if self._keys:
+            self.registered.set()
         log.info("etcd lease %x granted with %d keys", lease.id, len(self._keys))
 
     async def keep_alive(self) -> None:
@@ -323,6 +328,11 @@ class Membership:
     def __init__(self, endpoint: str, ttl_s: int, credentials: grpc.ChannelCredentials | None = None) -> None:
         self.client = connect(endpoint, credentials=credentials)
         self._session = LeaseSession(self.client, ttl_s)
+
+    @property
+    def registered(self) -> asyncio.Event:
+        """Set once the held keys were first written to etcd."""
+        return self._session.registered
 
     def hold(self, key: str, value: bytes) -> list[Coroutine[Any, Any, None]]:
         """Loops that put key=value under the lease and keep the lease alive."""

@@ -104,6 +104,13 @@ class ServingNames:
             self.changed.notify()
 
 
+async def serve_once(ready: asyncio.Event, health: ServingNames, name: str) -> None:
+    """Publish name as serving once ready is set (a node agent's or kvindex's first registration in etcd: a container
+    that never reached etcd showed healthy, helper-175)."""
+    await ready.wait()
+    health.set(name, True)
+
+
 class Service(Protocol):
     """What a process plugs into `serve`."""
 

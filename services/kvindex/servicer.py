@@ -16,7 +16,7 @@ from services.common.directory import ChannelPool
 from services.common.errors import BatonError, InvalidArgument, Unavailable, abort
 from services.common.etcd_session import Membership, PrefixView
 from services.common.kv_event_proto import event_from_proto
-from services.common.server import ServingNames
+from services.common.server import ServingNames, serve_once
 from services.common.telemetry import Telemetry
 from services.kvindex.config import KVIndexConfig
 from services.kvindex.index import KVIndex
@@ -29,7 +29,8 @@ class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
 
     def __init__(self, config: KVIndexConfig, telemetry: Telemetry) -> None:
         self._config = config
-        self.health = ServingNames()  # serves while its process does
+        # baton.v1.KVIndex serves once this replica is registered in etcd (helper-175); "" says the process is up.
+        self.health = ServingNames(not_serving=self.service_names)
         self._index = KVIndex()
         # Per node: the last batch folded into the index.
         self._last_seq: dict[str, int] = {}
@@ -55,6 +56,7 @@ class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
         config = self._config
         return [
             *self._member.hold_service("kvindex", config.instance_id, config.address),
+            serve_once(self._member.registered, self.health, self.service_names[0]),
             self._nodes.run(),
             self._resync_rejoined(),
             self._catch_up_at_start(),

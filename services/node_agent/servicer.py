@@ -18,7 +18,7 @@ from services.common.directory import ServiceDirectory
 from services.common.errors import Aborted, AlreadyExists, BatonError, Drained, InvalidArgument, StreamHeld, abort
 from services.common.etcd_session import Membership
 from services.common.sampling_checks import check_node_sampling
-from services.common.server import ServingNames
+from services.common.server import ServingNames, serve_once
 from services.common.telemetry import Telemetry
 from services.node_agent.config import NodeAgentConfig
 from services.node_agent.engines.base import Engine, EngineInputError
@@ -106,7 +106,9 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
 
     def __init__(self, config: NodeAgentConfig, host: ModelHost, telemetry: Telemetry) -> None:
         self._config = config
-        self.health = ServingNames()  # serves while its process does
+        # baton.v1.NodeAgent serves once the node is registered in etcd (a container that never reached etcd showed
+        # healthy, helper-175); through a later outage it serves on. "" says the process is up.
+        self.health = ServingNames(not_serving=self.service_names)
         self._host = host
         self._member = Membership(config.etcd, config.lease_ttl_s, config.etcd_credentials())
         # Replicas whose lease lapsed are kept a TTL: an etcd freeze must not cut load or KV streams.
@@ -146,6 +148,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         return [
             self._host.run(),
             *self._member.hold(etcd_keys.node_key(self._config.node_id), self._registration()),
+            serve_once(self._member.registered, self.health, self.service_names[0]),
             self._keep_registration_current(),
             self._schedulers.run(),
             self._kvindexes.run(),

@@ -6,15 +6,18 @@ import asyncio
 import functools
 import json
 import signal
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.client import BatonClient
-from baton.cluster import ClusterSpec, LocalCluster, ManagedProcess, StartError, start_etcd
+from baton.cluster import (ClusterSpec, LocalCluster, ManagedProcess, StartError, free_port, start_etcd,
+                           wait_grpc_serving)
 from baton.v1 import kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common import etcd_keys
 from services.common.block_hash import block_hashes
@@ -111,6 +114,33 @@ async def test_grpc_health_tells_the_leading_scheduler_from_a_standby(tmp_path_f
         assert cluster.cluster_state().leader_id == standby.name
     finally:
         cluster.stop()
+
+
+async def test_a_node_agent_or_kvindex_serves_its_own_name_only_once_registered_in_etcd(
+        etcd: ManagedProcess, tmp_path: Path) -> None:
+    """A compose container whose service never reached etcd showed healthy: the health check asked of "" (the
+    process is up), and a node agent's and a kvindex's own names served from the start (helper-175)."""
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    etcd.signal(signal.SIGSTOP)  # unreachable: it accepts connections and answers nothing
+    processes = []
+    for name, module in (("node-0", "services.node_agent"), ("kvindex-0", "services.kvindex")):
+        address = f"127.0.0.1:{free_port()}"
+        processes.append(ManagedProcess(name=name, log_path=tmp_path / f"{name}.log", address=address, args=[
+            sys.executable, "-m", module, "--listen", address, "--etcd", etcd.address, "--lease-ttl-s", "3"]))
+    try:
+        for process in processes:
+            process.start()
+            wait_grpc_serving(process, 30)  # "": the process is up
+        names = ("baton.v1.NodeAgent", "baton.v1.KVIndex")
+        assert [scheduler_health(p, name) for p, name in zip(processes, names, strict=True)] == [not_serving] * 2
+        etcd.signal(signal.SIGCONT)
+        for process, name in zip(processes, names, strict=True):
+            await eventually(functools.partial(lambda p, n: scheduler_health(p, n) == serving, process, name), 30,
+                             f"{process.name} to serve {name} once registered")
+    finally:
+        etcd.signal(signal.SIGCONT)
+        for process in processes:
+            process.stop()
 
 
 async def test_a_third_scheduler_joins_and_survives_the_other_two(tmp_path_factory: pytest.TempPathFactory) -> None:
