@@ -23,6 +23,7 @@ from services.common.change_signal import ChangeSignal, wait_or_timeout
 from services.common.etcd_tls import TlsEtcdClient
 from services.common.lapsed_keys import LapsedKeys
 from services.common.reconnect import RECONNECT_OPTIONS
+from services.common.repeats import Repeats
 from services.common.timeouts import within
 
 log = logging.getLogger(__name__)
@@ -233,6 +234,7 @@ class PrefixView:
         self.create_revisions: dict[str, int] = {}
         self.synced = asyncio.Event()
         self._changed = asyncio.Condition()
+        self._failures = Repeats(log)
 
     async def run(self) -> None:
         """List, then watch from the listing's revision; relist after any error."""
@@ -250,7 +252,8 @@ class PrefixView:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - etcd down: keep the last view, retry
-                log.warning("etcd watch on %s failed (%s); keeping last view", self._prefix, exc)
+                self._failures.failed("etcd watch on %s failed (%s); %s", self._prefix, exc,
+                                      "keeping the last view" if self.synced.is_set() else "no view yet")
                 await asyncio.sleep(_RETRY_S)
 
     async def _list_and_watch(self) -> None:
@@ -261,6 +264,7 @@ class PrefixView:
         watch = await self._client.watch_prefix(
             self._prefix.encode(), start_revision=listing.header.revision + 1
         )
+        self._failures.succeeded("etcd watch on %s listed and watching again", self._prefix)
         try:
             async for event in watch:
                 key = event.kv.key.decode()

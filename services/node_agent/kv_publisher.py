@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from baton.v1 import kvindex_pb2, kvindex_pb2_grpc, node_agent_pb2
 from services.common.directory import ServiceDirectory, for_each_instance
 from services.common.kv_event_proto import event_to_proto
+from services.common.repeats import Repeats
 from services.node_agent.engines.types import KVEvent
 from services.node_agent.model_host import ModelHost
 
@@ -74,18 +75,32 @@ class KvEventLog:
                 yield batch
 
 
+async def _once_sent(batches: AsyncIterator[kvindex_pb2.KVEventBatch],
+                     sent: Callable[[], None]) -> AsyncIterator[kvindex_pb2.KVEventBatch]:
+    """batches, calling sent() once the first is out (gRPC asked for the next one): the stream is up."""
+    first = True
+    async for batch in batches:
+        yield batch
+        if first:
+            first = False
+            sent()
+
+
 async def publish(events: KvEventLog, kvindexes: ServiceDirectory) -> None:
     """Keep one Publish stream open to every registered kvindex replica."""
 
     async def publish_to(address: str) -> None:
         stub = kvindex_pb2_grpc.KVIndexStub(kvindexes.channel(address))
+        failures = Repeats(log)  # (a kvindex away for 15 s was 60 lines of this node's log: helper-175)
         while True:
-            log.info("publishing kv events to kvindex %s", address)
+            if not failures.failing:
+                log.info("publishing kv events to kvindex %s", address)
             try:
-                await stub.Publish(events.stream())
+                await stub.Publish(_once_sent(events.stream(), lambda: failures.succeeded(
+                    "publishing kv events to kvindex %s again", address)))
             except grpc.aio.AioRpcError as exc:
                 # Its reason too: at start-up a kvindex may not yet have seen this node's registration in etcd.
-                log.warning("kv event stream to %s broke: %s: %s", address, exc.code().name, exc.details())
+                failures.failed("kv event stream to %s broke: %s: %s", address, exc.code().name, exc.details())
             except LogOverrun as exc:
                 log.warning("kvindex %s fell behind (%s); it will catch up from a snapshot", address, exc)
             await asyncio.sleep(_RETRY_S)
