@@ -38,9 +38,10 @@ def deployment(compose_images: Images) -> Iterator[Deployment]:
         yield started
 
 
-async def stream(client: BatonClient, prompt: str, on_chunk=None, **fields: object) -> Completion:
+async def stream(client: BatonClient, prompt: str, on_chunk=None, max_tokens: int = NUM_TOKENS,
+                 timeout_s: float = 120, **fields: object) -> Completion:
     result = Completion()
-    async for chunk in client.generate(MODEL, prompt, max_tokens=NUM_TOKENS, ignore_eos=True, timeout_s=120,
+    async for chunk in client.generate(MODEL, prompt, max_tokens=max_tokens, ignore_eos=True, timeout_s=timeout_s,
                                        **fields):
         result.add(chunk)
         if on_chunk is not None:
@@ -96,3 +97,27 @@ async def test_requests_keep_succeeding_when_the_leading_scheduler_container_die
         await load.stop()
         shown = await asyncio.to_thread(deployment.failover_log)
         raise AssertionError(f"{failed}\nthe leader was killed at {killed_at}; the logs:\n{shown}") from failed
+
+
+async def test_a_router_container_stopped_with_a_stream_in_flight_drains_and_exits_0(deployment: Deployment) -> None:
+    """Docker's default stop timeout, 10 s, equal to the router's grace, SIGKILLed a router stopped with a stream in
+    flight: exit 137, its streams' Finished notices unsent (helper-175)."""
+    [router] = deployment.container_ids("router-1")
+    stopped: list[float] = []
+
+    async def stop_its_router(received: Completion) -> None:
+        if not stopped and len(received.token_ids) >= 10:
+            stopped.append(time.monotonic())
+            await asyncio.to_thread(deployment, "stop", "router-1", timeout_s=90)
+
+    try:
+        async with BatonClient(deployment.routers) as client:  # router-1 first: the stream starts there
+            # Longer than the router's grace (10 s): cut at its end, the stream moves to router-2.
+            done = await stream(client, "compose stream: through a router that stops", stop_its_router,
+                                max_tokens=NUM_TOKENS * 3, timeout_s=300)
+        assert stopped and done.finish_reason == common_pb2.FINISH_REASON_LENGTH and done.is_exact
+        code = run(["docker", "inspect", "--format", "{{.State.ExitCode}}", router], deployment.log).stdout.strip()
+        assert code == "0", deployment("logs", "--no-color", "--tail", "30", "router-1", check=False).stdout
+    finally:
+        deployment("start", "router-1")
+        await eventually(deployment.are_all_healthy, 90, "router-1 to be healthy again")
