@@ -53,12 +53,20 @@ def _parse_finite(text: str) -> float:
     return value
 
 
+def _parse_int(text: str) -> int:
+    """An int flag's value (Python's "invalid literal for int() with base 10" was the reason given: helper-175)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
 def _converter(annotation: Any):
     """The str -> value function for a field's type (int, float, str, bool)."""
     if annotation in (bool, "bool"):
         return _parse_bool
     if annotation in (int, "int"):
-        return int
+        return _parse_int
     if annotation in (float, "float"):
         return _parse_finite
     return str

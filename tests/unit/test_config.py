@@ -133,7 +133,11 @@ def test_unconvertible_env_var_exits_naming_the_variable(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("BATON_ROUTER_LEASE_TTL_S", "abc")
-    assert "BATON_ROUTER_LEASE_TTL_S" in _exit_message(capsys, RouterConfig, PREFIX, [])
+    # (Its reason was Python's "invalid literal for int() with base 10": helper-175.)
+    assert "BATON_ROUTER_LEASE_TTL_S='abc': not an integer: 'abc'" in _exit_message(capsys, RouterConfig, PREFIX, [])
+    monkeypatch.delenv("BATON_ROUTER_LEASE_TTL_S")
+    assert "argument --lease-ttl-s: not an integer: '1.5'" in _exit_message(capsys, RouterConfig, PREFIX,
+                                                                           ["--lease-ttl-s=1.5"])
 
 
 def test_vllm_engine_needs_a_model_directory() -> None:
