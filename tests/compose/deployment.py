@@ -63,10 +63,10 @@ class Deployment:
     def num_registered_nodes(self) -> int:
         return len(self.etcdctl("get", "--prefix", "--keys-only", "/baton/nodes/").split())
 
-    def are_all_healthy(self) -> bool:
-        """Every long-running service's containers are healthy."""
-        one_shot = {i for service in self.one_shot for i in self.container_ids(service)}
-        ids = [i for i in self.container_ids() if i not in one_shot]
+    def are_all_healthy(self, service: str = "") -> bool:
+        """Every long-running service's containers are healthy (service's only, when named)."""
+        one_shot = {i for name in self.one_shot for i in self.container_ids(name)}
+        ids = [i for i in self.container_ids(service) if i not in one_shot]
         states = subprocess.run(
             ["docker", "inspect", "-f", "{{if .State.Health}}{{.State.Health.Status}}{{else}}none{{end}}", *ids],
             capture_output=True, text=True, timeout=30).stdout.split()
