@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 
-from baton.protocol import AUTHORIZATION_KEY, ORIGIN_KEY, is_transport_failure
+from baton.protocol import AUTHORIZATION_KEY, ORIGIN_KEY, is_baton_status, is_transport_failure
 from baton.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.common.reconnect import CLIENT_CONNECT_OPTIONS, CLIENT_KEEPALIVE_OPTIONS, RECONNECT_OPTIONS
 
@@ -194,7 +194,10 @@ class BatonClient:
                 reply = await router_pb2_grpc.RouterStub(self._channels[self.addresses[index]]).ListModels(
                     router_pb2.ListModelsRequest(), timeout=5.0, metadata=self._metadata)
             except grpc.aio.AioRpcError as error:
-                if not is_transport_failure(error) or tried == len(self.addresses) - 1:
+                # A router that let the call's time pass without a status of its own (frozen) is tried no more than
+                # one that went away: the listing is a read, safe to ask again elsewhere (helper-177).
+                timed_out = error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not is_baton_status(error)
+                if not (is_transport_failure(error) or timed_out) or tried == len(self.addresses) - 1:
                     raise
                 continue
             self._current = index
@@ -229,7 +232,8 @@ def _generate_request(model: str, fields: dict[str, object]) -> router_pb2.Gener
     hold (protobuf's own says only "Value out of range"). What it can hold the router judges."""
     # A list field given one string is that one string (OpenAI's API takes `stop` so): protobuf took it for a list of
     # its characters, and stop="xyz" stopped at any of x, y and z (helper-176).
-    fields = {name: [value] if isinstance(value, str) and name in _REPEATED else value for name, value in fields.items()}
+    fields = {name: [value] if isinstance(value, str) and name in _REPEATED else value
+              for name, value in fields.items()}
     try:
         return router_pb2.GenerateRequest(model=model, **fields)
     except (ValueError, TypeError) as exc:

@@ -25,11 +25,16 @@ DEFAULT_TENANT = "default"
 MAX_ALTERNATIVE_MODELS = 16
 
 
+def is_baton_status(error: grpc.aio.AioRpcError) -> bool:
+    """The status is one a Baton service returned on purpose (it says so in ORIGIN_KEY)."""
+    return any(key == ORIGIN_KEY for key, _ in (error.trailing_metadata() or ()))
+
+
 def is_transport_failure(error: grpc.aio.AioRpcError) -> bool:
     """The peer went away (crash, network) rather than answering with a status of its own."""
     if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
                             grpc.StatusCode.INTERNAL):
         return False
-    return not any(key == ORIGIN_KEY for key, _ in (error.trailing_metadata() or ()))
+    return not is_baton_status(error)
 # Request metadata carrying a tenant's API key, as HTTP carries it: "authorization: Bearer <key>".
 AUTHORIZATION_KEY = "authorization"

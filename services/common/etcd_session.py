@@ -75,7 +75,7 @@ class LeaseSession:
         self._stale = False
         self._closed = False  # revoked: nothing is put or granted again
         self._lock = asyncio.Lock()
-        # Set once the keys were first written under a lease: the process is in the fleet (it stays set through an
+        # Set once a key was first written under a lease: the process is in the fleet (it stays set through an
         # outage, in which the process serves on).
         self.registered = asyncio.Event()
 
@@ -105,8 +105,6 @@ class LeaseSession:
         for key, value in list(self._keys.items()):
             await self._write(key, value, lease.id)
         self._stale = False
-        if self._keys:
-            self.registered.set()
         log.info("etcd lease %x granted with %d keys", lease.id, len(self._keys))
 
     async def keep_alive(self) -> None:
@@ -179,9 +177,11 @@ class LeaseSession:
         if key not in self._taken:
             await self._client.put(key.encode(), value, lease=lease_id)
             self._taken.add(key)
+            self.registered.set()  # (also when a first write that failed is put again by keep_alive: helper-177)
             return
         for holder in (lease_id, 0):
             if await self._put_if_under(key, value, lease_id, holder):
+                self.registered.set()
                 if key in self._given_up:
                     self._given_up.discard(key)
                     log.info("etcd key %s: the process that took it over has gone; holding it again", key)

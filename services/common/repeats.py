@@ -24,6 +24,7 @@ class Repeats:
         self._every_s = every_s
         self._clock = clock
         self._said_at: float | None = None  # when the run of failures was last logged; None: no run
+        self._said = ""  # what was logged then
         self._unsaid = 0  # failures since
 
     @property
@@ -31,17 +32,19 @@ class Repeats:
         return self._said_at is not None
 
     def failed(self, message: str, *args: object) -> None:
-        """A WARNING of message % args, unless one of this run was logged within every_s."""
+        """A WARNING of message % args, unless the same was logged within every_s (another failure is said at once)."""
         now = self._clock()
-        if self._said_at is not None and now - self._said_at < self._every_s:
+        said = message % args
+        if self._said_at is not None and now - self._said_at < self._every_s and said == self._said:
             self._unsaid += 1
             return
-        more = f" ({self._unsaid} more failures since the last logged)" if self._unsaid else ""
-        self._log.warning(message + "%s", *args, more)
-        self._said_at, self._unsaid = now, 0
+        more = f" (after {self._unsaid} more like the last logged)" if self._unsaid else ""
+        self._log.warning("%s%s", said, more)
+        self._said_at, self._said, self._unsaid = now, said, 0
 
     def succeeded(self, message: str, *args: object) -> None:
-        """An INFO of message % args if a run of failures ends here."""
+        """An INFO of message % args if a run of failures ends here, with the count of those not logged."""
         if self._said_at is not None:
-            self._log.info(message, *args)
-        self._said_at, self._unsaid = None, 0
+            more = f" ({self._unsaid} more failures not logged)" if self._unsaid else ""
+            self._log.info("%s%s", message % args, more)
+        self._said_at, self._said, self._unsaid = None, "", 0

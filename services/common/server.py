@@ -104,10 +104,11 @@ class ServingNames:
             self.changed.notify()
 
 
-async def serve_once(ready: asyncio.Event, health: ServingNames, name: str) -> None:
-    """Publish name as serving once ready is set (a node agent's or kvindex's first registration in etcd: a container
-    that never reached etcd showed healthy, helper-175)."""
-    await ready.wait()
+async def serve_once(health: ServingNames, name: str, *ready: asyncio.Event) -> None:
+    """Publish name as serving once every one of ready is set (a node agent's first registration in etcd; a
+    kvindex's, and its catch-up on the nodes: a container that never reached etcd showed healthy, helper-175)."""
+    for event in ready:
+        await event.wait()
     health.set(name, True)
 
 

@@ -29,7 +29,8 @@ class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
 
     def __init__(self, config: KVIndexConfig, telemetry: Telemetry) -> None:
         self._config = config
-        # baton.v1.KVIndex serves once this replica is registered in etcd (helper-175); "" says the process is up.
+        # baton.v1.KVIndex serves once this replica is registered in etcd and has caught up on the nodes listed
+        # there (helper-175, helper-177); "" says the process is up.
         self.health = ServingNames(not_serving=self.service_names)
         self._index = KVIndex()
         # Per node: the last batch folded into the index.
@@ -56,7 +57,7 @@ class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
         config = self._config
         return [
             *self._member.hold_service("kvindex", config.instance_id, config.address),
-            serve_once(self._member.registered, self.health, self.service_names[0]),
+            serve_once(self.health, self.service_names[0], self._member.registered, self.caught_up),
             self._nodes.run(),
             self._resync_rejoined(),
             self._catch_up_at_start(),

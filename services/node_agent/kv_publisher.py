@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -19,6 +19,8 @@ from services.node_agent.model_host import ModelHost
 log = logging.getLogger(__name__)
 
 _RETRY_S = 0.5
+# How long a Publish stream must last to count as up (its failures' run ends: services/common/repeats.py).
+STREAM_UP_S = 5.0
 
 
 class LogOverrun(Exception):
@@ -75,17 +77,6 @@ class KvEventLog:
                 yield batch
 
 
-async def _once_sent(batches: AsyncIterator[kvindex_pb2.KVEventBatch],
-                     sent: Callable[[], None]) -> AsyncIterator[kvindex_pb2.KVEventBatch]:
-    """batches, calling sent() once the first is out (gRPC asked for the next one): the stream is up."""
-    first = True
-    async for batch in batches:
-        yield batch
-        if first:
-            first = False
-            sent()
-
-
 async def publish(events: KvEventLog, kvindexes: ServiceDirectory) -> None:
     """Keep one Publish stream open to every registered kvindex replica."""
 
@@ -95,14 +86,21 @@ async def publish(events: KvEventLog, kvindexes: ServiceDirectory) -> None:
         while True:
             if not failures.failing:
                 log.info("publishing kv events to kvindex %s", address)
+            call = asyncio.ensure_future(stub.Publish(events.stream()))
             try:
-                await stub.Publish(_once_sent(events.stream(), lambda: failures.succeeded(
-                    "publishing kv events to kvindex %s again", address)))
+                # Up once it has lasted STREAM_UP_S: a kvindex that takes the first batch and then refuses the stream
+                # (this node not in its view yet) ends it at once, every retry (helper-177).
+                done, _ = await asyncio.wait({call}, timeout=STREAM_UP_S)
+                if not done:
+                    failures.succeeded("publishing kv events to kvindex %s again", address)
+                await call
             except grpc.aio.AioRpcError as exc:
                 # Its reason too: at start-up a kvindex may not yet have seen this node's registration in etcd.
                 failures.failed("kv event stream to %s broke: %s: %s", address, exc.code().name, exc.details())
             except LogOverrun as exc:
                 log.warning("kvindex %s fell behind (%s); it will catch up from a snapshot", address, exc)
+            finally:
+                call.cancel()
             await asyncio.sleep(_RETRY_S)
 
     await for_each_instance(kvindexes, publish_to)

@@ -148,7 +148,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         return [
             self._host.run(),
             *self._member.hold(etcd_keys.node_key(self._config.node_id), self._registration()),
-            serve_once(self._member.registered, self.health, self.service_names[0]),
+            serve_once(self.health, self.service_names[0], self._member.registered),
             self._keep_registration_current(),
             self._schedulers.run(),
             self._kvindexes.run(),

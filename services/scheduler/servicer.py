@@ -74,6 +74,7 @@ _ENDED_DIGESTS_HANDED_OVER = 3_000
 _MAX_FLEET_GAP_S = 600.0
 _SUCCEEDED = scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED
 _LATE = scheduler_pb2.REQUEST_OUTCOME_LATE
+_CANCELLED = scheduler_pb2.REQUEST_OUTCOME_CANCELLED
 # How long a Place without a deadline is held while the leader's lease is unconfirmed.
 _UNCONFIRMED_HOLD_S = 30.0
 # A node that reported within this long is taken as alive when a placement excludes it (nodes report load every
@@ -700,10 +701,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             answered = request.outcome == _LATE and not request.another_stream_live
             if ctx.workflow_id:
                 self._tasks.record(workflow_task(ctx.workflow_id), ctx.step, ctx.total_steps, cost,
-                                   request.outcome == _SUCCEEDED, self._clock(), answered=answered)
+                                   request.outcome == _SUCCEEDED, self._clock(), answered=answered,
+                                   cancelled=request.outcome == _CANCELLED)
             else:
                 self._tasks.record(request_task(request.request_id), 1, 1, cost, request.outcome == _SUCCEEDED,
-                                   self._clock(), answered=answered)
+                                   self._clock(), answered=answered, cancelled=request.outcome == _CANCELLED)
         return scheduler_pb2.FinishedAck()
 
     async def ReportLiveRequests(

@@ -129,12 +129,13 @@ class TaskLedger:
         self._ended_digests: dict[str, float] = {}
 
     def record(self, task_id: str, step: int, total_steps: int, cost_usd: float, ok: bool,
-               now: float, answered: bool = False) -> bool | None:
+               now: float, answered: bool = False, cancelled: bool = False) -> bool | None:
         """One request of task_id ended: its GPU cost and whether it succeeded (finished in budget); answered: it
         ran to its end, late, and its client has the answer. A task whose every step has succeeded or was answered
         late, one of them late, has failed now: it stayed open for --task-timeout-s, waiting for a resend that a
         client with its answers does not send (an etcd freeze's late requests showed as open for 5 minutes, their
-        cost left out of the KPI, helper-173; so did a workflow whose step 2 was late, helper-176).
+        cost left out of the KPI, helper-173; so did a workflow whose step 2 was late, helper-176). cancelled: an attempt
+        its client gave up (a frozen router's, reported when it wakes), which leaves a late answer of its step standing.
 
         Returns the task's outcome if this ended it (True: succeeded), None while it stays open.
         """
@@ -159,7 +160,7 @@ class TaskLedger:
             task.failed.add(step)
             if answered:
                 task.answered_late.add(step)
-            else:  # refused, failed or cancelled: it may be sent again
+            elif not cancelled:  # refused or failed: it may be sent again
                 task.answered_late.discard(step)
         # Every step it has, and nothing failed (a step past total_steps, numbered by a request that did not say
         # total_steps, counted towards it: a workflow whose step 1 failed succeeded on steps 2 and 3 of 2).

@@ -287,10 +287,9 @@ class _Listing(_Router):
 
 
 async def _serving(servicer: router_pb2_grpc.RouterServicer) -> tuple[grpc.aio.Server, str]:
-    port = free_port()
     server = grpc.aio.server()
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
-    assert server.add_insecure_port(f"127.0.0.1:{port}") == port
+    port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
 
@@ -314,13 +313,19 @@ async def test_the_models_listing_fails_over_as_a_stream_does() -> None:
     """It asked the first router only: with that one down, `baton generate --router A,B` took no model as known and
     sent its default, which the cluster did not serve (helper-176)."""
     server, live = await _serving(_Listing())
+    frozen = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)  # accepts, says nothing
     client = BatonClient(f"127.0.0.1:{free_port()}, {live}")  # as `baton generate --router` takes them
+    # (Its 5 s ran out before the 6 s connection attempt to a frozen router failed: helper-177.)
+    behind_frozen = BatonClient([f"127.0.0.1:{frozen.sockets[0].getsockname()[1]}", live])
     try:
         assert client.addresses[1] == live
-        assert [m.name for m in await client.list_models()] == ["m"] and client.current_address == live
+        for listing in (client, behind_frozen):
+            assert [m.name for m in await listing.list_models()] == ["m"] and listing.current_address == live
     finally:
         await client.close()
+        await behind_frozen.close()
         await server.stop(None)
+        frozen.close()
 
 
 async def test_a_list_field_given_one_string_is_that_string_and_a_prompt_is_text_or_ids() -> None:

@@ -17,3 +17,7 @@ def test_every_baton_service_has_longer_to_stop_than_a_router_takes_to_drain() -
     baton = COMPOSE.read_text().split("x-baton: &baton\n", 1)[1].split("\nx-", 1)[0]  # the anchor every service uses
     [seconds] = re.findall(r"^  stop_grace_period: (\d+)s$", baton, re.MULTILINE)
     assert int(seconds) > ROUTER_STOP_S
+    # The vLLM override's node, which does not take the anchor (helper-177).
+    vllm = (COMPOSE.parent / "docker-compose.vllm-cpu.yml").read_text().split("\n  node-vllm-cpu:\n", 1)[1]
+    [seconds] = re.findall(r"^    stop_grace_period: (\d+)s$", vllm.split("\n\n", 1)[0], re.MULTILINE)
+    assert int(seconds) > ROUTER_STOP_S

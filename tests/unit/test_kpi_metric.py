@@ -204,6 +204,11 @@ async def test_a_lone_request_answered_late_has_failed_at_once_and_one_refused_w
                                FakeContext())  # type: ignore[arg-type]
         assert service._tasks.stats().succeeded == 1
         assert service._tasks.is_open(workflow_task("w"))
+        # A frozen router's attempt at step 1, told when it wakes: given up by its client (helper-177).
+        await service.Finished(scheduler_pb2.FinishedRequest(
+            request_id="step-frozen", outcome=scheduler_pb2.REQUEST_OUTCOME_CANCELLED,
+            context=common_pb2.RequestContext(workflow_id="w", step=1, total_steps=2)),
+            FakeContext())  # type: ignore[arg-type]
         step2 = scheduler_pb2.FinishedRequest(request_id="step2", outcome=scheduler_pb2.REQUEST_OUTCOME_SUCCEEDED,
                                               context=common_pb2.RequestContext(workflow_id="w", step=2, total_steps=2))
         await service.Finished(step2, FakeContext())  # type: ignore[arg-type]
