@@ -33,5 +33,10 @@ def check_context(source: Any) -> None:
     for name in ("ttft_budget_ms", "tpot_budget_ms", "deadline_ms", "step", "total_steps"):
         if getattr(source, name) < 0:
             raise InvalidArgument(name, getattr(source, name), "must not be negative")
+    if not source.workflow_id:  # (taken and ignored, the request counted as a task of one step: helper-176)
+        for name in ("step", "total_steps"):
+            if getattr(source, name):
+                raise InvalidArgument(name, getattr(source, name), "needs a workflow_id: a request without one is a "
+                                      "task of its own, of one step")
     if source.total_steps and not 1 <= source.step <= source.total_steps:
         raise InvalidArgument("step", source.step, f"must be 1 to total_steps={source.total_steps}")

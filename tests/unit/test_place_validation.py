@@ -33,7 +33,8 @@ GOOD = {"request_id": "r", "model": MODEL, "num_prompt_tokens": 16, "max_tokens"
     ({"context": common_pb2.RequestContext(tpot_budget_ms=-5)}, "tpot_budget_ms=-5"),
     ({"context": common_pb2.RequestContext(ttft_budget_ms=-1)}, "ttft_budget_ms=-1"),
     ({"context": common_pb2.RequestContext(deadline_ms=-2)}, "deadline_ms=-2"),
-    ({"context": common_pb2.RequestContext(step=4, total_steps=3)}, "step=4"),
+    ({"context": common_pb2.RequestContext(step=4, total_steps=3, workflow_id="w")}, "step=4"),
+    ({"context": common_pb2.RequestContext(step=1)}, "step=1: needs a workflow_id"),
     # One key per full 16-token block of the prompt: 100,000 claimed for 2 tokens counted as load on the node.
     ({"num_prompt_tokens": 2, "block_hashes": range(100_000)}, "block_hashes='100000 hashes': more than the 0"),
     ({"num_prompt_tokens": 47, "block_hashes": range(3)}, "block_hashes='3 hashes': more than the 2 full blocks"),

@@ -59,8 +59,11 @@ REJECTIONS = [
     ("deadline just below the floor", {"deadline_ms": 9}, "deadline_ms=9: below the floor of 10 ms"),
     # The leader admitted a 7 ms TTFT budget, run late, and answered 5 ms with a retry hint (helper-115).
     ("TTFT budget below the floor", {"ttft_budget_ms": 7}, "ttft_budget_ms=7: below the floor of 10 ms"),
-    ("step beyond total", {"step": 4, "total_steps": 3}, "step=4"),
-    ("step 0 of a workflow with steps", {"step": 0, "total_steps": 3}, "step=0"),
+    ("step beyond total", {"step": 4, "total_steps": 3, "workflow_id": "w"}, "step=4"),
+    ("step 0 of a workflow with steps", {"step": 0, "total_steps": 3, "workflow_id": "w"}, "step=0"),
+    # Taken and ignored: the request counted as a task of one step (helper-176).
+    ("step without a workflow", {"step": 2}, "step=2: needs a workflow_id"),
+    ("total_steps without a workflow", {"total_steps": 3}, "total_steps=3: needs a workflow_id"),
     ("long request_id", {"request_id": "r" * 129}, "request_id='rrrr"),
     ("ESC in tenant", {"tenant": "a\x1b[2J"}, "tenant='a\\x1b[2J': control character '\\x1b' at 1: not allowed"),
     ("newline in request_id", {"request_id": "r\nINFO forged"}, "request_id='r\\nINFO forged': control character"),
