@@ -437,7 +437,6 @@ class HttpApi:
                 return _error(error, parsed.names, id_header)
             except asyncio.CancelledError:
                 if self._cutting:  # (else its client hung up: there is no one to tell)
-                    request[_CUT_STATUS] = 503
                     await _answer_cut(request, parsed, id_header)
                 raise
             if not parsed.stream:
@@ -470,8 +469,7 @@ class HttpApi:
                 await _send_events(response, [error_body])
             except asyncio.CancelledError:
                 if self._cutting:  # (else its client hung up: there is no one to tell)
-                    request[_CUT_STATUS] = 200
-                    await _end_cut(response, parsed)
+                    await _end_cut(request, response, parsed)
                 raise
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
@@ -483,27 +481,40 @@ def _cut(what: str) -> Unavailable:
                        "send the request again")
 
 
-async def _end_cut(response: web.StreamResponse, parsed: schema.ParsedRequest) -> None:
-    """A stream the router's stop cuts at the end of its grace ends with an error event and [DONE], as a failure does:
-    cut without one, the client saw a broken connection, and over HTTP/1.0 a stream that looked whole but for its
-    missing [DONE] (helper-166). Within a second, whatever the client; a client gone is told nothing."""
-    _, error_body, _ = schema.error_response(_cut("stream"), parsed.names)
+async def _say_cut(request: web.Request, status: int, say: Callable[[], Awaitable[None]]) -> None:
+    """say() to the client of a request the router's stop cut, within a second whatever the client (a client gone is
+    told nothing); the request's status, status, is counted and traced as its answer's (_CUT_STATUS)."""
+    request[_CUT_STATUS] = status
     with contextlib.suppress(Exception):
         async with asyncio.timeout(1.0):
-            await _send_events(response, [error_body])
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
+            await say()
+
+
+async def _end_cut(request: web.Request, response: web.StreamResponse, parsed: schema.ParsedRequest) -> None:
+    """A stream the router's stop cuts at the end of its grace ends with an error event and [DONE], as a failure does:
+    cut without one, the client saw a broken connection, and over HTTP/1.0 a stream that looked whole but for its
+    missing [DONE] (helper-166)."""
+    _, error_body, _ = schema.error_response(_cut("stream"), parsed.names)
+
+    async def say() -> None:
+        await _send_events(response, [error_body])
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+
+    await _say_cut(request, response.status, say)
 
 
 async def _answer_cut(request: web.Request, parsed: schema.ParsedRequest, id_header: Mapping[str, str]) -> None:
     """A request the router's stop cuts at the end of its grace before its answer (a whole one, or a stream's first
     chunk) is answered 503, to send again: its client got no response at all, "Remote end closed connection without
-    response" (helper-173). Within a second, as _end_cut."""
+    response" (helper-173)."""
     response = _error(_cut("request"), parsed.names, id_header)
-    with contextlib.suppress(Exception):
-        async with asyncio.timeout(1.0):
-            await response.prepare(request)
-            await response.write_eof()
+
+    async def say() -> None:
+        await response.prepare(request)
+        await response.write_eof()
+
+    await _say_cut(request, response.status, say)
 
 
 def _end_span(span: trace.Span, status: int, error: BaseException | None = None) -> None:

@@ -696,16 +696,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             # this leader began), else at nothing.
             cost = sum(ms / 3_600_000 * self._prices.get(node, _price(request.price_per_hour_by_node.get(node, 0.0)))
                        for node, ms in request.gpu_ms_by_node.items() if math.isfinite(ms) and ms > 0)
+            task = (workflow_task(ctx.workflow_id), ctx.step, ctx.total_steps) if ctx.workflow_id \
+                else (request_task(request.request_id), 1, 1)
             # Answered late (its client has the answer; not while another stream of its id runs, which may yet
             # succeed): a task whose every step is answered has failed at once.
-            answered = request.outcome == _LATE and not request.another_stream_live
-            if ctx.workflow_id:
-                self._tasks.record(workflow_task(ctx.workflow_id), ctx.step, ctx.total_steps, cost,
-                                   request.outcome == _SUCCEEDED, self._clock(), answered=answered,
-                                   cancelled=request.outcome == _CANCELLED)
-            else:
-                self._tasks.record(request_task(request.request_id), 1, 1, cost, request.outcome == _SUCCEEDED,
-                                   self._clock(), answered=answered, cancelled=request.outcome == _CANCELLED)
+            self._tasks.record(*task, cost, request.outcome == _SUCCEEDED, self._clock(),
+                               answered=request.outcome == _LATE and not request.another_stream_live,
+                               cancelled=request.outcome == _CANCELLED)
         return scheduler_pb2.FinishedAck()
 
     async def ReportLiveRequests(

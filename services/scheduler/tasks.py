@@ -134,8 +134,8 @@ class TaskLedger:
         ran to its end, late, and its client has the answer. A task whose every step has succeeded or was answered
         late, one of them late, has failed now: it stayed open for --task-timeout-s, waiting for a resend that a
         client with its answers does not send (an etcd freeze's late requests showed as open for 5 minutes, their
-        cost left out of the KPI, helper-173; so did a workflow whose step 2 was late, helper-176). cancelled: an attempt
-        its client gave up (a frozen router's, reported when it wakes), which leaves a late answer of its step standing.
+        cost left out of the KPI, helper-173; so did a workflow whose step 2 was late, helper-176). cancelled: an
+        attempt its client gave up (a frozen router's, reported when it wakes): a late answer of its step stands.
 
         Returns the task's outcome if this ended it (True: succeeded), None while it stays open.
         """
