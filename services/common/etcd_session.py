@@ -114,7 +114,7 @@ class LeaseSession:
         that once etcd answers again a lapsed lease is re-granted and its keys re-put at once.
         """
         delay_s = self._ttl_s / 3
-        num_failures = 0
+        failures = Repeats(log)
         while True:
             await asyncio.sleep(delay_s)
             delay_s = min(self._ttl_s / 3, _QUICK_RETRY_S)
@@ -138,15 +138,11 @@ class LeaseSession:
                             for key in list(self._given_up):
                                 await self._write(key, self._keys[key], self._lease_id)
                 delay_s = self._ttl_s / 3
-                if num_failures:
-                    log.info("etcd keep-alive works again after %d failed tries", num_failures)
-                num_failures = 0
+                failures.succeeded("etcd keep-alive works again")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - etcd down: keep serving, retry
-                num_failures += 1
-                log.log(logging.WARNING if num_failures == 1 else logging.DEBUG,
-                        "etcd keep-alive failed (%s); retrying every %.1f s", exc, delay_s)
+                failures.failed("etcd keep-alive failed (%s); retrying every %.1f s", exc, delay_s)
 
     async def revoke(self) -> None:
         """Drop the lease and so every key under it; best effort at shutdown.
