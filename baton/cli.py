@@ -40,7 +40,7 @@ from baton.state_files import (
     write_record,
 )
 from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from services.common.config import check_listen, check_otel_exporter
+from services.common.config import check_etcd, check_listen, check_otel_exporter
 from services.common.profile_proto import profile_from_proto
 from services.common.tls import TlsFiles, channel_credentials, generate_throwaway_pki
 from services.node_agent.engines.sim.models import GPU_SPECS, SIM_MODELS
@@ -104,7 +104,7 @@ def invalid_up_flag(args: argparse.Namespace) -> str | None:
     elif args.cold_models:
         return f"--cold-models {args.cold_models!r}: only sim nodes take cold models (vllm serves its " \
                f"--model-dir warm only)"
-    for flag in ("nodes", "routers", "schedulers", "kvindexes", "lease_ttl_s"):
+    for flag in ("nodes", "routers", "schedulers", "kvindexes", "etcd_members", "lease_ttl_s"):
         if getattr(args, flag) < 1:
             return f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1"
     for flag in ("speed", "timeout_s"):  # float flags: nan and inf parse, and would start a cluster
@@ -148,6 +148,7 @@ def up_spec(args: argparse.Namespace) -> ClusterSpec:
         num_routers=args.routers,
         num_schedulers=args.schedulers,
         num_kvindexes=args.kvindexes,
+        etcd_members=args.etcd_members,
         gpus=tuple(_split(args.gpus)),
         model=vllm_model if is_vllm_only else args.model,
         engine="vllm" if is_vllm_only else "sim",
@@ -351,7 +352,7 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         print("baton tenants: no --etcd given and no running `baton up` found", file=sys.stderr)
         return 2
     try:
-        check_listen("etcd", etcd)  # (127.0.0.1:99999 dialled 34463, helper-163)
+        check_etcd("etcd", etcd)  # (127.0.0.1:99999 dialled 34463, helper-163)
     except ValueError as error:
         print(f"baton tenants: {error}", file=sys.stderr)
         return 2
@@ -634,6 +635,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "between them), on --router-port and the ports after it")
     up.add_argument("--schedulers", type=int, default=1, help="scheduler replicas (one leads, elected in etcd)")
     up.add_argument("--kvindexes", type=int, default=1, help="kvindex replicas (all active)")
+    up.add_argument("--etcd-members", type=int, default=1, help="members of the local etcd cluster (3 keeps a "
+                    "quorum when one dies; every service is given all and moves off a failed one)")
     up.add_argument("--gpus", default="h100", help="GPU generations, cycled over the nodes (default: h100; "
                     f"known: {', '.join(GPU_SPECS)})")
     up.add_argument("--model", default=_SIM_MODEL, help="simulated model the sim nodes serve; in a vllm-only "

@@ -259,29 +259,49 @@ ETCD_COMPACTION = ("--auto-compaction-mode", "periodic", "--auto-compaction-rete
 def start_etcd(workdir: Path, timeout_s: float = 30.0, pki: ThrowawayPki | None = None) -> ManagedProcess:
     """A single-member etcd on free loopback ports with its data under workdir, once healthy; with pki,
     its client port speaks TLS only and requires a client certificate the CA signed."""
-    client_port, peer_port = free_port(), free_port()
+    return start_etcd_members(workdir, 1, timeout_s, pki)[0]
+
+
+def etcd_data_dirs(workdir: Path, count: int) -> list[Path]:
+    """Where each of count etcd members keeps its data under workdir."""
+    return [workdir / "etcd"] if count == 1 else [workdir / f"etcd-{i}" for i in range(count)]
+
+
+def start_etcd_members(workdir: Path, count: int, timeout_s: float = 30.0,
+                       pki: ThrowawayPki | None = None) -> list[ManagedProcess]:
+    """An etcd cluster of count members on free loopback ports, data under workdir, once each is healthy (so a
+    leader is elected); with pki, as start_etcd."""
     scheme = "https" if pki is not None else "http"
-    client_url, peer_url = f"{scheme}://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
     tls_args = ["--cert-file", pki.service.cert, "--key-file", pki.service.key, "--trusted-ca-file", str(pki.ca),
                 "--client-cert-auth"] if pki is not None else []
-    etcd = ManagedProcess(
-        name="etcd",
-        args=[
-            etcd_binary(), "--name", "baton-local", "--data-dir", str(workdir / "etcd"),
-            "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
-            "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"baton-local={peer_url}", "--log-level", "warn", *ETCD_COMPACTION, *tls_args,
-        ],
-        log_path=workdir / "etcd.log",
-        address=f"127.0.0.1:{client_port}",
-    )
-    etcd.start()
+    names = ["baton-local"] if count == 1 else [f"baton-local-{i}" for i in range(count)]
+    client_ports = [free_port() for _ in names]
+    peer_urls = [f"http://127.0.0.1:{free_port()}" for _ in names]
+    initial_cluster = ",".join(f"{name}={url}" for name, url in zip(names, peer_urls, strict=True))
+    members = []
+    for i, (name, data_dir) in enumerate(zip(names, etcd_data_dirs(workdir, count), strict=True)):
+        client_url = f"{scheme}://127.0.0.1:{client_ports[i]}"
+        members.append(ManagedProcess(
+            name="etcd" if count == 1 else f"etcd-{i}",
+            args=[
+                etcd_binary(), "--name", name, "--data-dir", str(data_dir),
+                "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+                "--listen-peer-urls", peer_urls[i], "--initial-advertise-peer-urls", peer_urls[i],
+                "--initial-cluster", initial_cluster, "--log-level", "warn", *ETCD_COMPACTION, *tls_args,
+            ],
+            log_path=workdir / ("etcd.log" if count == 1 else f"etcd-{i}.log"),
+            address=f"127.0.0.1:{client_ports[i]}",
+        ))
     try:
-        wait_etcd_healthy(etcd, timeout_s, pki.client if pki is not None else None)
+        for member in members:  # all before any is waited for: a member is healthy once a quorum elected a leader
+            member.start()
+        for member in members:
+            wait_etcd_healthy(member, timeout_s, pki.client if pki is not None else None)
     except BaseException:
-        etcd.stop()
+        for member in members:
+            member.stop()
         raise
-    return etcd
+    return members
 
 
 @dataclass
@@ -292,6 +312,8 @@ class ClusterSpec:
     num_routers: int = 1
     num_schedulers: int = 1
     num_kvindexes: int = 1
+    # Members of the etcd cluster; every service is given all of them and moves to another when its own fails.
+    etcd_members: int = 1
     gpus: tuple[str, ...] = ("h100",)
     model: str = "sim-llama-3-8b"
     # The nodes' engine: sim, or vllm serving model_dir under the name `model`.
@@ -328,8 +350,9 @@ class LocalCluster:
         self._own_workdir = workdir is None
         self.workdir = Path(tempfile.mkdtemp(prefix="baton-")) if workdir is None else workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
+        # Every etcd member's host:port, comma-separated (each service's --etcd).
         self.etcd_endpoint = ""
-        self.etcd: ManagedProcess | None = None
+        self.etcd_members: list[ManagedProcess] = []
         self.kvindexes: list[ManagedProcess] = []
         self.schedulers: list[ManagedProcess] = []
         self.routers: list[ManagedProcess] = []
@@ -347,6 +370,11 @@ class LocalCluster:
     def router(self) -> ManagedProcess | None:
         """The first router (`baton up` prints its address)."""
         return self.routers[0] if self.routers else None
+
+    @property
+    def etcd(self) -> ManagedProcess | None:
+        """The first etcd member (the only one unless spec.etcd_members)."""
+        return self.etcd_members[0] if self.etcd_members else None
 
     @property
     def scheduler(self) -> ManagedProcess | None:
@@ -385,10 +413,11 @@ class LocalCluster:
             self.pki = generate_throwaway_pki(self.workdir / "tls")
         # A new cluster, not the last one of this workdir again: its etcd would hand the new leader the old
         # cluster's task ledger (its successes, costs and open tasks) and tenants.
-        _refuse_a_live_etcd(self.workdir / "etcd")
-        shutil.rmtree(self.workdir / "etcd", ignore_errors=True)
-        self.etcd = start_etcd(self.workdir, timeout_s, self.pki)
-        self.etcd_endpoint = self.etcd.address
+        for data_dir in etcd_data_dirs(self.workdir, spec.etcd_members):
+            _refuse_a_live_etcd(data_dir)
+            shutil.rmtree(data_dir, ignore_errors=True)
+        self.etcd_members = start_etcd_members(self.workdir, spec.etcd_members, timeout_s, self.pki)
+        self.etcd_endpoint = ",".join(member.address for member in self.etcd_members)
         if spec.auth:
             self.admin_key = self.add_tenant("admin", is_admin=True)
 
@@ -462,7 +491,7 @@ class LocalCluster:
         """Start a stopped or killed process again, same flags and address, and wait until it is ready."""
         process.stop()
         process.start()
-        if process is self.etcd:
+        if process in self.etcd_members:
             wait_etcd_healthy(process, timeout_s, self.pki.client if self.pki is not None else None)
         else:
             wait_grpc_serving(process, timeout_s, self.client_credentials)
@@ -519,8 +548,7 @@ class LocalCluster:
     @property
     def processes(self) -> list[ManagedProcess]:
         """Every process started, in the order they stop: routers first, etcd last."""
-        return [p for p in [*self.routers, *reversed(self.nodes), *self.schedulers, *self.kvindexes, self.etcd]
-                if p is not None]
+        return [*self.routers, *reversed(self.nodes), *self.schedulers, *self.kvindexes, *self.etcd_members]
 
     def metrics_urls(self) -> dict[str, str]:
         """Each service's Prometheus endpoint, by process name (none unless spec.metrics)."""

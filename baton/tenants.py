@@ -142,7 +142,8 @@ def cmd_tenants(args: argparse.Namespace, etcd: str, credentials: grpc.ChannelCr
 def add_parser(commands: Any) -> argparse.ArgumentParser:
     """The `tenants` subcommand and its actions, under commands (argparse subparsers)."""
     tenants = commands.add_parser("tenants", help="API keys, limits and weights per tenant (stored hashed in etcd)")
-    tenants.add_argument("--etcd", default="", help="etcd host:port (default: the running `baton up`'s)")
+    tenants.add_argument("--etcd", default="", help="etcd host:port, or several members' comma-separated "
+                         "(default: the running `baton up`'s)")
     actions = tenants.add_subparsers(dest="action", required=True)
     add = actions.add_parser("add", help="issue a new API key for a tenant (creating it); prints the key once")
     add.add_argument("tenant")

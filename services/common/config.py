@@ -14,6 +14,7 @@ from typing import Any, ClassVar, TypeVar
 
 import grpc
 
+from services.common.etcd_client import split_endpoints
 from services.common.tls import TlsFiles, channel_credentials, server_credentials
 
 # A service's or node's id keys its etcd records, labels metrics and travels in gRPC metadata and messages (a node's in
@@ -121,7 +122,8 @@ class ServiceConfig:
     listen: str = doc("host:port to serve gRPC on", "127.0.0.1:0")
     advertise: str = doc("host:port other services dial this one at, as registered in etcd (empty: --listen); "
                          "set it when --listen is a wildcard such as 0.0.0.0:PORT, e.g. in a container", "")
-    etcd: str = doc("etcd endpoint host:port", "127.0.0.1:2379")
+    etcd: str = doc("etcd endpoint host:port, or the members of an etcd cluster as host:port,host:port,...: this "
+                    "process talks to one member and moves to the next when a call to it fails", "127.0.0.1:2379")
     lease_ttl_s: int = doc("etcd lease TTL in seconds; a dead process leaves the cluster within it", 3)
     shutdown_grace_s: float = doc("on SIGTERM, how long calls in flight may run on before they are cut; a node agent "
                                   "hands the streams still running a moment before (its router moves them, cause "
@@ -153,7 +155,7 @@ class ServiceConfig:
             raise ValueError("--tls-ca needs --tls-cert and --tls-key: a service shows its own certificate")
         TlsFiles(ca=self.etcd_ca)  # ValueError when the file is missing
         check_listen("listen", self.listen)
-        check_listen("etcd", self.etcd)
+        check_etcd("etcd", self.etcd)
         if self.advertise:
             check_listen("advertise", self.advertise)
         if self.lease_ttl_s < 1:
@@ -207,6 +209,18 @@ def check_otel_exporter(value: str) -> None:
         if sep and host and port.isdigit():
             return
     raise ValueError(f"--otel-exporter: expected none, console, file:PATH or otlp:HOST:PORT, got {value!r}")
+
+
+def check_etcd(name: str, value: str) -> None:
+    """Raise ValueError unless value is host:port or several, comma-separated, naming the one that is not."""
+    endpoints = split_endpoints(value)
+    for endpoint in endpoints:
+        try:
+            check_listen(name, endpoint)
+        except ValueError as exc:
+            raise ValueError(f"{exc}{f' (in {value!r})' if len(endpoints) > 1 else ''}") from None
+    if len(set(endpoints)) < len(endpoints):
+        raise ValueError(f"--{name.replace('_', '-')}: an endpoint is given twice, in {value!r}")
 
 
 def check_listen(name: str, value: str) -> None:

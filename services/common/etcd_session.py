@@ -20,9 +20,8 @@ import grpc
 
 from services.common import etcd_keys
 from services.common.change_signal import ChangeSignal, wait_or_timeout
-from services.common.etcd_tls import TlsEtcdClient
+from services.common.etcd_client import EtcdClient, split_endpoints
 from services.common.lapsed_keys import LapsedKeys
-from services.common.reconnect import RECONNECT_OPTIONS
 from services.common.repeats import Repeats
 from services.common.timeouts import within
 
@@ -34,13 +33,10 @@ _RETRY_S = 0.5
 _QUICK_RETRY_S = 0.2
 
 
-def connect(endpoint: str, timeout_s: float = 2.0, credentials: grpc.ChannelCredentials | None = None) -> aetcd.Client:
-    """An etcd client for host:port (connection is lazy); over TLS with credentials."""
-    host, _, port = endpoint.rpartition(":")
-    if credentials is not None:
-        return TlsEtcdClient(host=host, port=int(port), timeout=timeout_s, options=dict(RECONNECT_OPTIONS),
-                             credentials=credentials)
-    return aetcd.Client(host=host, port=int(port), timeout=timeout_s, options=dict(RECONNECT_OPTIONS))
+def connect(endpoints: str, timeout_s: float = 2.0, credentials: grpc.ChannelCredentials | None = None) -> EtcdClient:
+    """An etcd client for host:port, or for several members' host:port comma-separated (connection is lazy); over
+    TLS with credentials."""
+    return EtcdClient(split_endpoints(endpoints), timeout_s, credentials)
 
 
 class _LeaseOf(aetcd.transactions.BaseCompare):

@@ -202,6 +202,40 @@ async def test_an_etcd_outage_under_load_fails_no_request_and_the_cluster_reconv
     assert len(state.nodes) == 3 and state.leader_id in (leader, *[p.name for p in cluster.schedulers])
 
 
+async def test_the_mesh_lives_through_the_death_of_the_etcd_member_every_service_talks_to(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    cluster = start(tmp_path_factory, etcd_members=3, num_nodes=2)
+    try:
+        first, _, last = cluster.etcd_members
+        load = SteadyLoad([router.address for router in cluster.routers])
+        load.start()
+        await load.wait_completed(5)
+        leader = cluster.cluster_state().leader_id
+
+        first.signal(signal.SIGKILL)  # every service was given it first, and talks to it
+        # Twice the lease TTL: a service still bound to the dead member would have left etcd, its leader lost.
+        await asyncio.sleep(4 * TTL_S)  # the outage's length: a fault's duration, not a synchronisation
+        cluster.restart(cluster.nodes[0])  # a process started now finds a live member past the dead first one
+
+        # Each service that ran through the death still holds its keys (node-0 was restarted since).
+        expected = {f"{etcd_keys.NODES}node-1",
+                    *(etcd_keys.service_key(kind, f"{kind}-0") for kind in ("scheduler", "kvindex", "router"))}
+        client = connect(last.address)
+        try:
+            listing = await client.get_prefix(etcd_keys.PREFIX.encode())
+            assert expected <= {kv.key.decode() for kv in listing}, "a service left etcd with its member's death"
+            await eventually(lambda: cluster.cluster_state().leader_id == leader and
+                             len(cluster.cluster_state().nodes) == 2, 20, "the leader to see both nodes")
+        finally:
+            await client.close()
+        await load.wait_completed(10)
+        await load.stop()
+        assert load.failures == []
+    finally:
+        cluster.stop()
+
+
 async def overlaps(address: str, prompts: list[str]) -> list[dict[str, int]]:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = kvindex_pb2_grpc.KVIndexStub(channel)

@@ -62,6 +62,7 @@ def record(state_dir: Path, name: str, pid: int, routers: Sequence[str] = ("127.
     (["--policy", "fastest"], "--policy 'fastest': unknown; known: round_robin"),
     (["--nodes", "0"], "--nodes 0: must be at least 1"),
     (["--routers", "0"], "--routers 0: must be at least 1"),
+    (["--etcd-members", "0"], "--etcd-members 0: must be at least 1"),
     (["--engines", "sim,tpu"], "--engines 'sim,tpu': unknown engine 'tpu'; known: sim, vllm"),
     (["--engines", "sim,vllm"], "--model-dir: required when a node runs --engine vllm"),
     (["--engine", "sim", "--engines", "sim,vllm"], "--engine 'sim' and --engines 'sim,vllm': give one"),

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from services.common.config import doc, parse_config
+from services.common.etcd_session import connect
 from services.kvindex.config import KVIndexConfig
 from services.node_agent.config import NodeAgentConfig
 from services.node_agent.engines.factory import build_host, node_info
@@ -217,6 +218,21 @@ def test_a_node_registers_its_advertised_address_not_a_wildcard_listen() -> None
 def test_a_bad_advertise_address_exits_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     message = _exit_message(capsys, RouterConfig, PREFIX, ["--advertise", "router-1"])
     assert "--advertise: expected host:port, got 'router-1'" in message
+
+
+@pytest.mark.parametrize(("value", "named"), [
+    ("127.0.0.1:2379,", "--etcd: expected host:port, got '' (in '127.0.0.1:2379,')"),
+    ("a:2379,b", "--etcd: expected host:port, got 'b' (in 'a:2379,b')"),
+    ("a:2379,a:2379", "--etcd: an endpoint is given twice, in 'a:2379,a:2379'"),
+])
+def test_a_bad_etcd_member_list_exits_naming_the_endpoint(value: str, named: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert named in _exit_message(capsys, RouterConfig, PREFIX, ["--etcd", value])
+
+
+def test_an_etcd_member_list_is_taken_with_spaces_after_its_commas() -> None:
+    config = parse_config(RouterConfig, PREFIX, ["--etcd", "etcd-0:2379, etcd-1:2379,etcd-2:2379"])
+    assert connect(config.etcd).endpoints == ("etcd-0:2379", "etcd-1:2379", "etcd-2:2379")
 
 
 @pytest.mark.parametrize("field", ["heartbeat_interval_s", "load_report_interval_s"])

@@ -1,0 +1,156 @@
+"""The etcd client every Baton process uses: aetcd's, over one or several members of an etcd cluster, plaintext or TLS.
+
+aetcd 1.0.0 (pinned in pyproject.toml) dials one host:port over a plaintext channel. A service given only the member
+that then died lost etcd for as long as that member stayed down, though the cluster's other members kept its quorum:
+its lease lapsed, it left the fleet, a leader lost its election (helper-173, left out until now). Given several
+endpoints (`--etcd a:2379,b:2379,c:2379`), a client talks to one member at a time and moves to the next when a call to
+it fails for want of that member:
+
+- UNAVAILABLE: the member is gone (refused, reset) or has no raft leader (calls carry etcd's `hasleader` metadata, so a
+  member cut off from the quorum refuses them, and ends the watches open on it, rather than serve a stale view);
+- DEADLINE_EXCEEDED: the member or its host is frozen (every call has the client's timeout; a watch has none, but a
+  process's lease is refreshed every third of its TTL, and that call times out).
+
+Moving ends the old member's watches as a clean end of stream, which every watcher in Baton answers with a fresh
+listing and watch (on the next member), and closes the old channel once its calls have had their timeout to end.
+The lease, the keys and the election's records are the cluster's, not a member's: they live on through the move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import aetcd
+import grpc
+from aetcd import rpc, watcher
+
+from services.common.reconnect import RECONNECT_OPTIONS
+from services.common.timeouts import within
+
+log = logging.getLogger(__name__)
+
+# The codes that say the member a call went to cannot serve it, where another member may.
+_MEMBER_FAILED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# etcd refuses a call that carries this while it has no raft leader, and ends a watch that carries it once it loses
+# its leader (etcd's clientv3 WithRequireLeader).
+_REQUIRE_LEADER = (("hasleader", "true"),)
+
+
+def split_endpoints(value: str) -> tuple[str, ...]:
+    """The comma-separated host:port endpoints of --etcd, each stripped of spaces."""
+    return tuple(part.strip() for part in value.split(","))
+
+
+class EtcdClient(aetcd.Client):
+    """aetcd.Client over one or several etcd members' endpoints; a TLS channel when credentials are given.
+
+    connect() is aetcd 1.0.0's own, with the channel built here (plaintext or TLS, with the failover interceptor) and
+    without username/password authentication, which Baton does not use.
+    """
+
+    def __init__(self, endpoints: Sequence[str], timeout_s: float,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        host, _, port = endpoints[0].rpartition(":")
+        super().__init__(host=host, port=int(port), timeout=timeout_s, options=dict(RECONNECT_OPTIONS))
+        self.endpoints = tuple(endpoints)
+        self._at = 0
+        self._credentials = credentials
+        # Counts the channels built: a failure moves on only from the channel it happened on, so that the calls
+        # that fail together on a dead member move the client once, not once each.
+        self._channel_number = 0
+        self._closing: set[asyncio.Task[None]] = set()
+
+    @property
+    def endpoint(self) -> str:
+        """The member this client talks to now."""
+        return self.endpoints[self._at]
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:
+            await within(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            self._channel_number += 1
+            interceptors = [_Failover(self._failed, self._channel_number)]
+            options = list(self._options.items())
+            if self._credentials is not None:
+                self.channel = grpc.aio.secure_channel(self.endpoint, self._credentials, options=options,
+                                                       interceptors=interceptors)
+            else:
+                self.channel = grpc.aio.insecure_channel(self.endpoint, options=options, interceptors=interceptors)
+            self.metadata = _REQUIRE_LEADER
+            self.kvstub = rpc.KVStub(self.channel)
+            self.clusterstub = rpc.ClusterStub(self.channel)
+            self.leasestub = rpc.LeaseStub(self.channel)
+            self.maintenancestub = rpc.MaintenanceStub(self.channel)
+            self._watcher = watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout,
+                                            metadata=self.metadata)
+            self._connected.set()
+        finally:
+            self._is_connecting = False
+
+    def _failed(self, channel_number: int, code: grpc.StatusCode, details: str | None) -> None:
+        """A call on channel channel_number failed with code: move to the next member, once per channel."""
+        if (len(self.endpoints) == 1 or code not in _MEMBER_FAILED or channel_number != self._channel_number
+                or not self._connected.is_set()):
+            return  # one member: gRPC reconnects its channel when it is back
+        failed = self.endpoint
+        self._at = (self._at + 1) % len(self.endpoints)
+        log.warning("etcd member %s failed a call (%s: %s); moving to %s", failed, code.name, details, self.endpoint)
+        old_channel, old_watcher = self.channel, self._watcher
+        self._init_channel_attrs()
+        self._connected.clear()  # the next call connects to self.endpoint
+        task = asyncio.get_running_loop().create_task(self._close_old(old_channel, old_watcher))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _close_old(self, channel: grpc.aio.Channel, old_watcher: watcher.Watcher | None) -> None:
+        """End the old member's watches, as a clean end of stream, and close its channel once every other call
+        on it has had its timeout to end: a call cut by the channel's closing raised CancelledError in its
+        caller's task, which no etcd loop of Baton takes for an etcd failure."""
+        try:
+            if old_watcher is not None:
+                await old_watcher.shutdown()
+            await channel.close(grace=(self._timeout or 0) + 1.0)
+        except Exception as exc:  # noqa: BLE001 - the old member's channel is being dropped either way
+            log.debug("closing the channel to a failed etcd member: %s", exc)
+
+    async def close(self) -> None:
+        await super().close()
+        for task in list(self._closing):
+            task.cancel()
+
+
+class _Failover(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
+    """Tells the client of each call on one channel that failed (etcd's API has only these two kinds of call)."""
+
+    def __init__(self, failed: Callable[[int, grpc.StatusCode, str | None], None], channel_number: int) -> None:
+        self._failed = failed
+        self._channel_number = channel_number
+
+    async def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        call = await continuation(client_call_details, request)
+        try:
+            await call
+        except grpc.aio.AioRpcError as exc:
+            self._failed(self._channel_number, exc.code(), exc.details())
+        return call  # awaited again by the caller: the same response or error
+
+    async def intercept_stream_stream(self, continuation: Any, client_call_details: Any,
+                                      request_iterator: Any) -> AsyncIterator[Any]:
+        call = await continuation(client_call_details, request_iterator)
+        return self._watched(call)
+
+    async def _watched(self, call: Any) -> AsyncIterator[Any]:
+        try:
+            async for response in call:
+                yield response
+        except grpc.aio.AioRpcError as exc:
+            self._failed(self._channel_number, exc.code(), exc.details())
+            raise
