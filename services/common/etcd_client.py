@@ -77,7 +77,7 @@ class EtcdClient(aetcd.Client):
         try:
             self._is_connecting = True
             self._channel_number += 1
-            interceptors = [_Failover(self._failed, self._channel_number)]
+            interceptors = _Failover(self._failed, self._channel_number).interceptors()
             options = list(self._options.items())
             if self._credentials is not None:
                 self.channel = grpc.aio.secure_channel(self.endpoint, self._credentials, options=options,
@@ -127,20 +127,39 @@ class EtcdClient(aetcd.Client):
             task.cancel()
 
 
-class _Failover(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
-    """Tells the client of each call on one channel that failed (etcd's API has only these two kinds of call)."""
+class _Failover:
+    """Tells the client of each call on one channel that failed (etcd's API has unary and stream-stream calls only).
+    One interceptor object per kind of call: grpc.aio files an interceptor under the first kind it implements only,
+    so one that implemented both saw no stream (a member frozen while a lease keep-alive was the only call to it was
+    never left: the compose test's paused member)."""
 
     def __init__(self, failed: Callable[[int, grpc.StatusCode, str | None], None], channel_number: int) -> None:
         self._failed = failed
         self._channel_number = channel_number
+
+    def interceptors(self) -> list[grpc.aio.ClientInterceptor]:
+        return [_UnaryFailover(self), _StreamFailover(self)]
+
+    def saw(self, error: grpc.aio.AioRpcError) -> None:
+        self._failed(self._channel_number, error.code(), error.details())
+
+
+class _UnaryFailover(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, failover: _Failover) -> None:
+        self._failover = failover
 
     async def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
         call = await continuation(client_call_details, request)
         try:
             await call
         except grpc.aio.AioRpcError as exc:
-            self._failed(self._channel_number, exc.code(), exc.details())
+            self._failover.saw(exc)
         return call  # awaited again by the caller: the same response or error
+
+
+class _StreamFailover(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, failover: _Failover) -> None:
+        self._failover = failover
 
     async def intercept_stream_stream(self, continuation: Any, client_call_details: Any,
                                       request_iterator: Any) -> AsyncIterator[Any]:
@@ -152,5 +171,5 @@ class _Failover(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.StreamStreamClien
             async for response in call:
                 yield response
         except grpc.aio.AioRpcError as exc:
-            self._failed(self._channel_number, exc.code(), exc.details())
+            self._failover.saw(exc)
             raise

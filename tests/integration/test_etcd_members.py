@@ -8,6 +8,7 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
+import aetcd
 import pytest
 
 from baton.cluster import ManagedProcess, start_etcd_members
@@ -72,5 +73,20 @@ async def test_a_client_whose_first_member_is_down_uses_the_next(members: list[M
                     await asyncio.sleep(0.1)
         assert (await client.get(b"/test/key")).value == b"value"
         assert client.endpoint == members[1].address
+    finally:
+        await client.close()
+
+
+async def test_a_lease_kept_alive_on_a_frozen_member_moves_to_the_next(members: list[ManagedProcess]) -> None:
+    """A keep-alive (a stream) that timed out did not move the client: a node whose member froze while its lease's
+    keep-alive was its only call to etcd left the fleet (the compose test's paused member)."""
+    client = connect(",".join(member.address for member in members))
+    try:
+        lease = await client.lease(TTL_S * 3)
+        members[0].signal(signal.SIGSTOP)
+        with pytest.raises(aetcd.exceptions.ConnectionTimeoutError):
+            await client.refresh_lease(lease.id)
+        assert client.endpoint == members[1].address
+        assert (await client.refresh_lease(lease.id)).TTL > 0
     finally:
         await client.close()
