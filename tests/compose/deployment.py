@@ -41,8 +41,8 @@ class Deployment:
     def container_ids(self, service: str = "") -> list[str]:
         return self("ps", "-q", *([service] if service else [])).stdout.split()
 
-    def etcdctl(self, *args: str) -> str:
-        return self("exec", "-T", "etcd-1", "/usr/local/bin/etcdctl", *args).stdout
+    def etcdctl(self, *args: str, member: str = "etcd-1") -> str:
+        return self("exec", "-T", member, "/usr/local/bin/etcdctl", *args).stdout
 
     def failover_log(self) -> str:
         """What a failed failover test shows (CI keeps no compose log): the schedulers' and routers' last
@@ -61,7 +61,12 @@ class Deployment:
         return json.loads(values[0])["instance_id"] if values else ""
 
     def num_registered_nodes(self) -> int:
-        return len(self.etcdctl("get", "--prefix", "--keys-only", "/baton/nodes/").split())
+        return len(self.registered_nodes())
+
+    def registered_nodes(self, member: str = "etcd-1") -> set[str]:
+        """The ids of the nodes registered in etcd, as member lists them."""
+        keys = self.etcdctl("get", "--prefix", "--keys-only", "/baton/nodes/", member=member).split()
+        return {key.removeprefix("/baton/nodes/") for key in keys}
 
     def are_all_healthy(self, service: str = "") -> bool:
         """Every long-running service's containers are healthy (service's only, when named)."""

@@ -100,6 +100,30 @@ async def test_requests_keep_succeeding_when_the_leading_scheduler_container_die
         raise AssertionError(f"{failed}\nthe leader was killed at {killed_at}; the logs:\n{shown}") from failed
 
 
+async def test_no_service_leaves_the_fleet_while_an_etcd_member_container_is_paused(deployment: Deployment) -> None:
+    """Each service talked to one etcd member: pausing etcd-2 for 15 s under load took the two nodes bound to it out
+    of the fleet (helper-175). Each is now given every member and moves off the paused one."""
+    load = SteadyLoad(deployment.routers, num_workers=3)
+    load.start()
+    try:
+        await load.wait_completed(6, timeout_s=60)
+        running = deployment.container_ids()  # a node's id ends in its container's short id (a prefix of these)
+        nodes = {node for node in deployment.registered_nodes("etcd-3")
+                 if any(container.startswith(node.rpartition("-")[2]) for container in running)}
+        assert len(nodes) >= 3, nodes
+        deployment("pause", "etcd-2")
+        try:
+            await asyncio.sleep(15)  # the fault's length: five lease TTLs, not a synchronisation
+            assert deployment.registered_nodes("etcd-3") >= nodes
+        finally:
+            deployment("unpause", "etcd-2")
+        await load.wait_completed(6, timeout_s=60)
+        await load.stop()
+        assert load.failures == []
+    finally:
+        await load.stop()
+
+
 async def test_a_router_container_stopped_with_a_stream_in_flight_drains_and_exits_0(deployment: Deployment) -> None:
     """Docker's default stop timeout, 10 s, equal to the router's grace, SIGKILLed a router stopped with a stream in
     flight: exit 137, its streams' Finished notices unsent (helper-175)."""
