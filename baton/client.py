@@ -72,6 +72,7 @@ class BatonClient:
                           if credentials is not None else grpc.aio.insecure_channel(address, options)
                           for address in self.addresses}
         self._current = 0
+        self._plaintext = credentials is None
 
     @property
     def current_address(self) -> str:
@@ -130,6 +131,7 @@ class BatonClient:
         failovers = 0
         # This stream's router: its own, as other streams of the client fail over at the same time.
         index = self._current
+        failed: dict[str, grpc.aio.AioRpcError] = {}  # each router's last transport failure, in the order tried
         connect_budget_s = FAILOVER_CONNECT_S
         while True:
             if received:
@@ -169,8 +171,11 @@ class BatonClient:
                     yield chunk
                 return
             except grpc.aio.AioRpcError as error:
-                if not is_transport_failure(error) or failovers >= self.max_failovers:
+                if not is_transport_failure(error):
                     raise
+                failed[self.addresses[index]] = error
+                if failovers >= self.max_failovers:
+                    raise self._every_router_failed(failed) from None
                 failovers += 1
                 index = (index + 1) % len(self.addresses)
                 self._current = index  # new calls start where this stream went
@@ -188,6 +193,7 @@ class BatonClient:
         """The models the cluster serves, from the first router that answers, starting at current_address (it
         asked that one only: with the first router down, `baton generate --router A,B` took no model as known and
         sent its default, which B's cluster did not serve; helper-176)."""
+        failed: dict[str, grpc.aio.AioRpcError] = {}
         for tried in range(len(self.addresses)):
             index = (self._current + tried) % len(self.addresses)
             try:
@@ -197,12 +203,31 @@ class BatonClient:
                 # A router that let the call's time pass without a status of its own (frozen) is tried no more than
                 # one that went away: the listing is a read, safe to ask again elsewhere (helper-177).
                 timed_out = error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not is_baton_status(error)
-                if not (is_transport_failure(error) or timed_out) or tried == len(self.addresses) - 1:
+                if not (is_transport_failure(error) or timed_out):
                     raise
+                failed[self.addresses[index]] = error
+                if tried == len(self.addresses) - 1:
+                    raise self._every_router_failed(failed) from None
                 continue
             self._current = index
             return list(reply.models)
         raise AssertionError("unreachable: the last router's failure is raised")
+
+    def _every_router_failed(self, failed: dict[str, grpc.aio.AioRpcError]) -> grpc.aio.AioRpcError:
+        """What a call raises when no router it tried answered: the last failure's code and metadata, its details
+        naming each router's failure (it named the last router's only, so the first one's cause was lost:
+        helper-176), with a word on TLS where a plaintext client's connection was closed at once (all that a router
+        serving TLS says to one: helper-175)."""
+        last = list(failed.values())[-1]
+        tls_hint = self._plaintext and any("Socket closed" in (error.details() or "") for error in failed.values())
+        if len(failed) == 1 and not tls_hint:
+            return last
+        details = "; ".join(f"{address}: {error.code().name}: {error.details()}" for address, error in failed.items())
+        if tls_hint:
+            details += (" (a router that serves TLS closes a plaintext connection so; if it does, connect with its CA: "
+                        "`credentials=` here, `--tls-ca` for baton generate)")
+        return grpc.aio.AioRpcError(last.code(), last.initial_metadata(), last.trailing_metadata(),
+                                    details=f"no router answered: {details}", debug_error_string=last.debug_error_string())
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import types
+from pathlib import Path
 
 import grpc
 import pytest
@@ -14,6 +16,7 @@ from baton.cluster import free_port
 from baton.protocol import ORIGIN_KEY, is_transport_failure
 from baton.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.common.reconnect import SERVER_KEEPALIVE_OPTIONS
+from services.common.tls import generate_throwaway_pki
 
 
 class _Router(router_pb2_grpc.RouterServicer):
@@ -346,6 +349,31 @@ async def test_a_list_field_given_one_string_is_that_string_and_a_prompt_is_text
         assert list(seen[0].stop) == ["xyz"] and list(seen[0].alternative_models) == ["m2"]
         with pytest.raises(ValueError, match="prompt and prompt_token_ids: give one of them"):
             await client.complete("m", prompt="hi", prompt_token_ids=[1, 2])
+    finally:
+        await client.close()
+        await server.stop(None)
+
+
+async def test_with_every_router_failing_the_error_names_each_and_a_tls_router_is_hinted_at(tmp_path) -> None:
+    """A stream or listing that no router answered raised the last router's failure only: a plaintext client whose
+    first router serves TLS (it closes the connection, "Socket closed") saw the second's "Connection refused"
+    (helper-175, helper-176)."""
+    pki = generate_throwaway_pki(tmp_path)
+    server = grpc.aio.server()
+    tls_port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials(
+        [(Path(pki.service.key).read_bytes(), Path(pki.service.cert).read_bytes())]))
+    await server.start()
+    tls_router, down = f"127.0.0.1:{tls_port}", f"127.0.0.1:{free_port()}"
+    client = BatonClient([tls_router, down], max_failovers=1)
+    try:
+        for call in (functools.partial(client.complete, "m", prompt="hi", max_tokens=3), client.list_models):
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await asyncio.wait_for(call(), 30)
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+            details = failed.value.details() or ""
+            assert f"{tls_router}: UNAVAILABLE" in details and "Socket closed" in details, details
+            assert f"{down}: UNAVAILABLE" in details, details
+            assert "a router that serves TLS closes a plaintext connection" in details
     finally:
         await client.close()
         await server.stop(None)
