@@ -22,7 +22,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from baton import tenants as tenants_cli
-from baton.client import BatonClient, finish_reason_of
+from baton.client import EVERY_ROUTER_FAILED, BatonClient, finish_reason_of
 from baton.cluster import ClusterSpec, LocalCluster, ManagedProcess, StartError, sync_channel
 from baton.flag_types import INT32, UINT64, DefaultsShown, int_in, top_p
 from baton.protocol import AUTHORIZATION_KEY, is_transport_failure
@@ -440,8 +440,10 @@ async def _generate(routers: list[str], origin: str, args: argparse.Namespace) -
                           f"{usage.completion_tokens}; GPU time {usage.gpu_ms:.1f} ms]", file=sys.stderr)
         except grpc.aio.AioRpcError as exc:
             details = exc.details() or ""
-            if is_transport_failure(exc):  # no router answered: say which were tried, and from where
-                details = f"no router answered at {', '.join(routers)}{origin}: {details}"
+            if details.startswith(EVERY_ROUTER_FAILED):  # the client named each router tried: say from where
+                details = f"{EVERY_ROUTER_FAILED}{origin}{details.removeprefix(EVERY_ROUTER_FAILED)}"
+            elif is_transport_failure(exc):  # no router answered: say which were tried, and from where
+                details = f"{EVERY_ROUTER_FAILED} at {', '.join(routers)}{origin}: {details}"
             if args.json:
                 print(json.dumps({"error": {"code": exc.code().name, "message": details}}), flush=True)
             print(f"\nbaton generate: {exc.code().name}: {details}", file=sys.stderr)

@@ -29,6 +29,8 @@ from services.common.reconnect import CLIENT_CONNECT_OPTIONS, CLIENT_KEEPALIVE_O
 # request, never past its deadline. A call to one that did not connect fails as to a down router; with
 # every router down, a request fails this much later than it would without the wait.
 FAILOVER_CONNECT_S = 3.0
+# How the details of a call's error begin when no router it tried answered (each router's failure follows).
+EVERY_ROUTER_FAILED = "no router answered"
 
 
 class FinishReason(enum.IntEnum):
@@ -227,7 +229,8 @@ class BatonClient:
             details += (" (a router that serves TLS closes a plaintext connection so; if it does, connect with its CA: "
                         "`credentials=` here, `--tls-ca` for baton generate)")
         return grpc.aio.AioRpcError(last.code(), last.initial_metadata(), last.trailing_metadata(),
-                                    details=f"no router answered: {details}", debug_error_string=last.debug_error_string())
+                                    details=f"{EVERY_ROUTER_FAILED}: {details}",
+                                    debug_error_string=last.debug_error_string())
 
     async def close(self) -> None:
         for channel in self._channels.values():

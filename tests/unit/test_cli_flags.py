@@ -399,3 +399,13 @@ def test_a_reader_gone_from_the_pipe_ends_the_command_quietly(command: list[str]
     finally:
         os.close(write)
     assert (ended.returncode, ended.stderr) == (141, "")
+
+
+def test_generate_names_each_of_several_routers_that_did_not_answer_once(
+        state_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ports = [free_port(), free_port()]  # nothing listens there
+    path = record(state_dir, "lab", os.getpid(), [f"127.0.0.1:{port}" for port in ports])
+    assert cli.main(["generate", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert f"UNAVAILABLE: no router answered (cluster 'lab', recorded in {path}): 127.0.0.1:{ports[0]}: " in err
+    assert f"; 127.0.0.1:{ports[1]}: UNAVAILABLE" in err and err.count("no router answered") == 1, err
