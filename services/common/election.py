@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import aetcd
 
 from services.common.change_signal import ChangeSignal, wait_or_timeout
+from services.common.etcd_session import QUICK_RETRY_S
 from services.common.lease_deadline import LeaseDeadline
 from services.common.timeouts import within
 
@@ -58,6 +59,8 @@ class Election:
         self._prefix = prefix
         self._ttl_s = ttl_s
         self._clock = clock
+        # The state the last failed keep-alive was logged with ("" since a refresh got an answer).
+        self._failing = ""
         self._deadline = LeaseDeadline(ttl_s / 4 if margin_s is None else margin_s)
         self._leadership: Leadership | None = None
         # This candidate's key while it campaigns or leads.
@@ -147,28 +150,37 @@ class Election:
                 async for event in watch:
                     if event.kind == "DELETE" and event.kv.key in (predecessor, key.encode()):
                         break
+            except Exception as exc:  # noqa: BLE001 - the watch broke: list again (raises if etcd is down)
+                # (A broken watch failed the campaign, which gave up its place in the election: when the etcd member
+                # it watched on died, the client moved to another and could have watched on there: helper-178.)
+                log.info("election watch on %s ended (%s); listing again", self._prefix, exc)
             finally:
                 await watch.cancel()
 
     async def keep_alive(self) -> None:
-        """Refresh the candidate's lease every third of its TTL (see refresh)."""
+        """Refresh the candidate's lease every third of its TTL (see refresh); after a failure, again within
+        QUICK_RETRY_S: the next try a third of the TTL later came after a 3 s lease had run out, where the client
+        had moved off a frozen etcd member within a second (helper-178)."""
+        delay_s = self._ttl_s / 3
         while True:
-            await asyncio.sleep(self._ttl_s / 3)
-            await self.refresh()
+            await asyncio.sleep(delay_s)
+            delay_s = self._ttl_s / 3 if await self.refresh() else min(self._ttl_s / 3, QUICK_RETRY_S)
 
-    async def refresh(self) -> None:
+    async def refresh(self) -> bool:
         """Refresh the candidate's lease once: success extends the lease deadline, a refusal (TTL 0)
         means leadership is lost.
 
         etcd being unreachable is not a loss: the leader stays elected, but acts only until its
         lease deadline passes, and again once a refresh succeeds.
+
+        Returns whether etcd answered (False: it did not, and the next refresh should come soon).
         """
         candidate = self._candidate
         if candidate is None:
-            return
+            return True
         sent_at = self._clock()
         try:
-            reply = await self._client.refresh_lease(candidate.lease_id)
+            reply = await self._client.refresh_lease(candidate.lease_id, ttl_s=self._ttl_s)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - etcd down: the deadline decides
@@ -178,15 +190,19 @@ class Election:
                 state = "leading until the lease deadline"
             else:  # (it said 'leading until the lease deadline' every time, long past it: helper-120)
                 state = "not acting as leader: the lease deadline has passed"
-            log.warning("election keep-alive failed (%s); %s", exc, state)
-            return
+            # Said once per state: retried every QUICK_RETRY_S, it would fill the log through an outage.
+            (log.warning if state != self._failing else log.debug)("election keep-alive failed (%s); %s", exc, state)
+            self._failing = state
+            return False
+        self._failing = ""
         if self._candidate is not candidate:
-            return  # resigned or lost meanwhile
+            return True  # resigned or lost meanwhile
         if reply is None or reply.TTL <= 0:
             self._drop(f"election lease {candidate.lease_id:x} expired")
         else:
             self._deadline.renewed(sent_at, reply.TTL)
             self._changed.notify()
+        return True
 
     def key_deleted(self, key: str) -> None:
         """etcd showed key deleted: if it is this candidate's, its claim is gone."""

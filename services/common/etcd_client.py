@@ -25,7 +25,7 @@ from typing import Any
 
 import aetcd
 import grpc
-from aetcd import rpc, watcher
+from aetcd import rpc, rtypes, watcher
 
 from services.common.reconnect import RECONNECT_OPTIONS
 from services.common.timeouts import within
@@ -34,6 +34,13 @@ log = logging.getLogger(__name__)
 
 # The codes that say the member a call went to cannot serve it, where another member may.
 _MEMBER_FAILED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# etcd's own UNAVAILABLE refusals begin so. Only "no leader" is the member's alone: "leader changed" and "request
+# timed out, possibly due to previous leader failure" come from every member while the cluster elects a leader, and
+# moving on them sent clients off healthy members, as likely onto the dead one (helper-178).
+_ETCD_REFUSAL = "etcdserver: "
+_NO_LEADER = "etcdserver: no leader"
+# A member a call failed on is passed over while others have not failed for this long.
+_PASS_OVER_S = 10.0
 # etcd refuses a call that carries this while it has no raft leader, and ends a watch that carries it once it loses
 # its leader (etcd's clientv3 WithRequireLeader).
 _REQUIRE_LEADER = (("hasleader", "true"),)
@@ -61,7 +68,8 @@ class EtcdClient(aetcd.Client):
         # Counts the channels built: a failure moves on only from the channel it happened on, so that the calls
         # that fail together on a dead member move the client once, not once each.
         self._channel_number = 0
-        self._closing: set[asyncio.Task[None]] = set()
+        self._failed_at: dict[str, float] = {}  # endpoint: when a call on it last failed (loop time)
+        self._closing: dict[asyncio.Task[None], grpc.aio.Channel] = {}
 
     @property
     def endpoint(self) -> str:
@@ -96,19 +104,30 @@ class EtcdClient(aetcd.Client):
             self._is_connecting = False
 
     def _failed(self, channel_number: int, code: grpc.StatusCode, details: str | None) -> None:
-        """A call on channel channel_number failed with code: move to the next member, once per channel."""
-        if (len(self.endpoints) == 1 or code not in _MEMBER_FAILED or channel_number != self._channel_number
+        """A call on channel channel_number failed with code: move to another member, once per channel."""
+        if (len(self.endpoints) == 1 or not moves_on(code, details) or channel_number != self._channel_number
                 or not self._connected.is_set()):
             return  # one member: gRPC reconnects its channel when it is back
         failed = self.endpoint
-        self._at = (self._at + 1) % len(self.endpoints)
+        now = asyncio.get_running_loop().time()
+        self._failed_at[failed] = now
+        self._at = self._next_member(now)
         log.warning("etcd member %s failed a call (%s: %s); moving to %s", failed, code.name, details, self.endpoint)
         old_channel, old_watcher = self.channel, self._watcher
         self._init_channel_attrs()
         self._connected.clear()  # the next call connects to self.endpoint
         task = asyncio.get_running_loop().create_task(self._close_old(old_channel, old_watcher))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        self._closing[task] = old_channel
+        task.add_done_callback(lambda done: self._closing.pop(done, None))
+
+    def _next_member(self, now: float) -> int:
+        """The next member round the list that no call failed on lately; the next one if every other did."""
+        count = len(self.endpoints)
+        for step in range(1, count):
+            at = (self._at + step) % count
+            if now - self._failed_at.get(self.endpoints[at], -_PASS_OVER_S) >= _PASS_OVER_S:
+                return at
+        return (self._at + 1) % count
 
     async def _close_old(self, channel: grpc.aio.Channel, old_watcher: watcher.Watcher | None) -> None:
         """End the old member's watches, as a clean end of stream, and close its channel once every other call
@@ -123,8 +142,63 @@ class EtcdClient(aetcd.Client):
 
     async def close(self) -> None:
         await super().close()
-        for task in list(self._closing):
+        for task, channel in list(self._closing.items()):  # the client is done: no call of it is left to end
             task.cancel()
+            await channel.close()
+
+    @aetcd.client._handle_errors
+    @aetcd.client._ensure_connected
+    async def refresh_lease(self, lease_id: int, ttl_s: float | None = None) -> Any:
+        """One keep-alive of lease_id: etcd's reply (TTL 0: the lease is gone), or None. With ttl_s, and other
+        members to move to, it waits a quarter of ttl_s at most, not the client's timeout: a keep-alive sent a third
+        of the TTL after the last one, to a member that froze, failed only as the lease ran out (helper-178)."""
+        timeout_s = self._timeout
+        if ttl_s is not None and len(self.endpoints) > 1:
+            timeout_s = min(timeout_s or ttl_s, ttl_s / 4)
+        async for reply in self.leasestub.LeaseKeepAlive([rpc.LeaseKeepAliveRequest(ID=lease_id)],
+                                                          timeout=timeout_s, metadata=self.metadata):
+            return reply
+        return None
+
+    @aetcd.client._handle_errors
+    async def watch(self, key: bytes, **options: Any) -> rtypes.Watch:
+        """aetcd's watch (options as its), whose cancel goes to the watcher that made the watch. aetcd's looked the
+        client's watcher up when called: after a move it raised AttributeError (there was none yet, and the
+        scheduler's campaign failed and gave up its place: helper-178), or cancelled a watch of the next member's
+        stream that had the same id."""
+        await self.connect()
+        own = self._watcher
+        assert own is not None
+        events: asyncio.Queue[Any] = asyncio.Queue()
+        callback = await own.add_callback(key, events.put, **options)
+        ended = asyncio.Event()
+
+        @aetcd.client._handle_errors
+        async def iterate() -> AsyncIterator[Any]:
+            while not ended.is_set():
+                event = await events.get()
+                if event is None:  # cancelled, or the watcher shut down (a move, a close)
+                    ended.set()
+                elif isinstance(event, Exception):
+                    ended.set()
+                    raise event
+                else:
+                    yield event
+
+        async def cancel() -> None:
+            ended.set()
+            events.put_nowait(None)
+            await own.cancel(callback.watch_id)
+
+        return rtypes.Watch(iterate, cancel, callback.watch_id)
+
+
+def moves_on(code: grpc.StatusCode, details: str | None) -> bool:
+    """Whether a call that failed with code and details says its member cannot serve where another may."""
+    if code not in _MEMBER_FAILED:
+        return False
+    text = details or ""
+    return not text.startswith(_ETCD_REFUSAL) or text.startswith(_NO_LEADER)
 
 
 class _Failover:

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 _RETRY_S = 0.5
 # Keep-alive retry after a failure: short, so a lease that lapsed while etcd was frozen is
 # re-granted within a moment of etcd answering again.
-_QUICK_RETRY_S = 0.2
+QUICK_RETRY_S = 0.2
 
 
 def connect(endpoints: str, timeout_s: float = 2.0, credentials: grpc.ChannelCredentials | None = None) -> EtcdClient:
@@ -106,14 +106,14 @@ class LeaseSession:
     async def keep_alive(self) -> None:
         """Refresh the lease every third of its TTL; never raises on etcd errors.
 
-        After a failure it tries again within _QUICK_RETRY_S rather than a third of the TTL, so
+        After a failure it tries again within QUICK_RETRY_S rather than a third of the TTL, so
         that once etcd answers again a lapsed lease is re-granted and its keys re-put at once.
         """
         delay_s = self._ttl_s / 3
         failures = Repeats(log)
         while True:
             await asyncio.sleep(delay_s)
-            delay_s = min(self._ttl_s / 3, _QUICK_RETRY_S)
+            delay_s = min(self._ttl_s / 3, QUICK_RETRY_S)
             try:
                 async with self._lock:
                     if self._closed:
@@ -121,7 +121,7 @@ class LeaseSession:
                     if self._lease_id is None:
                         await self._grant()
                     else:
-                        reply = await self._client.refresh_lease(self._lease_id)
+                        reply = await self._client.refresh_lease(self._lease_id, ttl_s=self._ttl_s)
                         if reply is None or reply.TTL <= 0:
                             log.warning("etcd lease %x expired; re-registering", self._lease_id)
                             self._lease_id = None

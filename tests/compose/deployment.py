@@ -3,6 +3,7 @@ and the images every project of the run shares."""
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import time
@@ -63,10 +64,13 @@ class Deployment:
     def num_registered_nodes(self) -> int:
         return len(self.registered_nodes())
 
-    def registered_nodes(self, member: str = "etcd-1") -> set[str]:
-        """The ids of the nodes registered in etcd, as member lists them."""
-        keys = self.etcdctl("get", "--prefix", "--keys-only", "/baton/nodes/", member=member).split()
-        return {key.removeprefix("/baton/nodes/") for key in keys}
+    def registered_nodes(self, member: str = "etcd-1") -> dict[str, int]:
+        """The ids of the nodes registered in etcd, as member lists them, and the lease each is held under."""
+        output = self.etcdctl("get", "--prefix", "/baton/nodes/", "-w", "json", member=member)
+        # (Its own log lines come with it, such as a retry while etcd elected a leader.)
+        listing = json.loads(next(line for line in reversed(output.splitlines()) if line.startswith('{"header"')))
+        return {base64.b64decode(kv["key"]).decode().removeprefix("/baton/nodes/"): kv.get("lease", 0)
+                for kv in listing.get("kvs", [])}
 
     def are_all_healthy(self, service: str = "") -> bool:
         """Every long-running service's containers are healthy (service's only, when named)."""

@@ -69,7 +69,7 @@ class FakeEtcd:
     async def get_prefix(self, prefix: bytes) -> list[SimpleNamespace]:
         return [] if self.key_deleted else [SimpleNamespace(key=k, create_revision=r) for k, r in self.keys.items()]
 
-    async def refresh_lease(self, lease_id: int) -> SimpleNamespace:
+    async def refresh_lease(self, lease_id: int, ttl_s: float | None = None) -> SimpleNamespace:
         return SimpleNamespace(TTL=self.refresh_ttl)
 
     async def revoke_lease(self, lease_id: int) -> None:
@@ -126,7 +126,7 @@ async def test_a_leader_cut_off_from_etcd_says_it_stopped_acting_once_its_lease_
     election = Election(etcd, "/e/", ttl_s=3, margin_s=0.5, clock=clock)  # type: ignore[arg-type]
     await election.campaign(b"me")
 
-    async def unreachable(lease_id: int) -> SimpleNamespace:
+    async def unreachable(lease_id: int, ttl_s: float | None = None) -> SimpleNamespace:
         raise ConnectionError("etcd unreachable")
 
     etcd.refresh_lease = unreachable  # type: ignore[method-assign]

@@ -25,7 +25,7 @@ class _Etcd:
         if self.puts == 1:
             raise ConnectionError("etcd went away")
 
-    async def refresh_lease(self, lease_id: int) -> types.SimpleNamespace:
+    async def refresh_lease(self, lease_id: int, ttl_s: float | None = None) -> types.SimpleNamespace:
         return types.SimpleNamespace(TTL=3)
 
 
