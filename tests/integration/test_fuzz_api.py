@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from baton.cluster import ClusterSpec, LocalCluster
@@ -96,8 +96,15 @@ def assert_names_a_field(message: str, fields: set[str]) -> None:
 GRPC_FIELDS = {f.name for f in router_pb2.GenerateRequest.DESCRIPTOR.fields}
 
 
+# Found by this test in CI: a workflow's step saying total_steps=2147483647 had the leader build the set of its
+# 2,147,483,647 step numbers, and the leader answered no one again.
+HUGE_WORKFLOW = router_pb2.GenerateRequest(model=MODEL, prompt_token_ids={"ids": [30, 143, 0, 0]},
+                                           workflow_id="\u00a2", step=1, total_steps=2147483647)
+
+
 @FUZZ
 @given(request=generate_requests())
+@example(request=HUGE_WORKFLOW)
 def test_grpc_generate_answers_any_request_with_tokens_or_a_refusal_naming_the_field(
         fuzz_cluster: LocalCluster, request: router_pb2.GenerateRequest) -> None:
     assert fuzz_cluster.router is not None
