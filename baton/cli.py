@@ -7,10 +7,12 @@ import argparse
 import asyncio
 import contextlib
 import importlib.util
+import io
 import json
 import math
 import os
 import queue
+import select
 import shlex
 import signal
 import sys
@@ -752,13 +754,30 @@ PIPE_CLOSED = 141
 
 def _piped(run: Callable[[], int]) -> int:
     """run(), quiet when the reader of its output is gone (`baton status | head`), where a BrokenPipeError traceback
-    said so (helper-173): PIPE_CLOSED, and stdout sent nowhere, so that Python's flush of it at exit fails no more."""
+    said so (helper-173): PIPE_CLOSED, and stdout sent nowhere, so that Python's flush of it at exit fails no more.
+    A broken pipe of anything else (a socket the command wrote to) is said on stderr, exit 1: it was taken for the
+    reader gone, and the command ended without a word."""
     try:
         return run()
-    except BrokenPipeError:
+    except BrokenPipeError as error:
+        if not _stdout_reader_gone():
+            print(f"baton: {error}", file=sys.stderr)
+            return 1
         with contextlib.suppress(OSError, ValueError):  # (stdout may be no file at all)
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return PIPE_CLOSED
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (the kernel reports an error on its write end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except io.UnsupportedOperation:  # no file behind it (captured): no pipe to lose
+        return False
+    except (OSError, ValueError):  # closed: it cannot be written either
+        return True
 
 
 if __name__ == "__main__":

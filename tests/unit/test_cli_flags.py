@@ -409,3 +409,15 @@ def test_generate_names_each_of_several_routers_that_did_not_answer_once(
     err = capsys.readouterr().err
     assert f"UNAVAILABLE: no router answered (cluster 'lab', recorded in {path}): 127.0.0.1:{ports[0]}: " in err
     assert f"; 127.0.0.1:{ports[1]}: UNAVAILABLE" in err and err.count("no router answered") == 1, err
+
+
+def test_a_broken_pipe_not_of_its_output_is_said_not_taken_for_the_reader_gone(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any BrokenPipeError ended the command quietly with 141, as if `| head` had closed its output: one from a
+    socket the command wrote to was lost without a word."""
+    def writes_to_a_closed_socket(args: object) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "cmd_status", writes_to_a_closed_socket)
+    assert cli.main(["status", "--scheduler", "127.0.0.1:1"]) == 1
+    assert "baton: [Errno 32] Broken pipe" in capsys.readouterr().err
