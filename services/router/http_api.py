@@ -55,6 +55,8 @@ _BODY_BYTES_PER_PROMPT_BYTE = 8
 # A request body's Content-Encoding -> zlib's wbits for it. aiohttp's own decoding is off: it answers a body that
 # does not decode with a 500 and a logged traceback, and br or zstd (their libraries not installed) in plain text.
 _ZLIB_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+# The most gzip members a body may hold (a client that compresses a body writes one; concatenated files, a few).
+_MAX_GZIP_MEMBERS = 16
 # How the app is served beyond aiohttp's defaults (tests serve HttpApi.app with these too): bodies reach it as sent,
 # for _decoded to decode.
 RUNNER_OPTIONS: dict[str, Any] = {"auto_decompress": False}
@@ -560,7 +562,9 @@ async def _read_json(request: web.Request, timeout_s: float) -> object:
 def _decoded(request: web.Request, raw: bytes) -> bytes:
     """The body as its Content-Encoding (none, identity, gzip or deflate; a list naming one of them beside identity)
     says to decode it, no longer than the body limit once decoded; refused naming the header or the body otherwise.
-    A gzip body may hold several members, one after another, as RFC 1952 allows (helper-150: refused before)."""
+    A gzip body may hold several members, one after another, as RFC 1952 allows (helper-150: refused before), up to
+    _MAX_GZIP_MEMBERS: each member's decoding copied what was decoded and what was left, so 360,000 tiny members
+    (8 MB) held the router's event loop for 84 s, every other request with it (helper-179)."""
     header = request.headers.get("Content-Encoding", "")
     codings = [c for c in (part.strip().lower() for part in header.split(",")) if c and c != "identity"]
     if not codings:
@@ -573,16 +577,21 @@ def _decoded(request: web.Request, raw: bytes) -> bytes:
     if encoding == "deflate" and raw and raw[0] & 0x0F != 8:
         wbits = -zlib.MAX_WBITS  # a raw deflate stream without zlib's header, which clients send too
     limit = request.client_max_size
-    decoded = b""
+    pieces: list[bytes] = []
+    size = 0
     rest = raw
-    while True:
+    for member in range(_MAX_GZIP_MEMBERS + 1):
+        if member == _MAX_GZIP_MEMBERS:
+            raise InvalidArgument("body", f"{len(raw)} bytes", f"more than {_MAX_GZIP_MEMBERS} gzip members "
+                                  f"(Content-Encoding: {encoding}): send it as one")
         decompressor = zlib.decompressobj(wbits)
         try:
-            decoded += decompressor.decompress(rest, limit + 1 - len(decoded))
+            pieces.append(decompressor.decompress(rest, limit + 1 - size))
         except zlib.error as exc:
             raise InvalidArgument("body", f"{len(raw)} bytes", f"not valid {encoding} data (Content-Encoding: "
                                   f"{encoding}): {exc}") from None
-        if len(decoded) > limit:
+        size += len(pieces[-1])
+        if size > limit:
             raise _Refused(413, schema.refusal("body", f"{len(raw)} bytes {encoding}-encoded",
                                                f"longer than {limit} bytes once decoded", 413))
         rest = decompressor.unused_data
@@ -591,4 +600,4 @@ def _decoded(request: web.Request, raw: bytes) -> bytes:
     if not decompressor.eof or rest:
         raise InvalidArgument("body", f"{len(raw)} bytes", f"not valid {encoding} data (Content-Encoding: "
                               f"{encoding}): {'it is cut short' if not decompressor.eof else 'data after its end'}")
-    return decoded
+    return b"".join(pieces)
