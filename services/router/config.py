@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from services.common.config import ServiceConfig, check_instance_id, check_listen, doc
+from services.common.sampling_checks import NODE_MAX_STOP_SEQUENCES, NODE_MAX_STOP_TOKENS
 from services.common.slo import DEFAULT_TPOT_BUDGET_MS, DEFAULT_TTFT_BUDGET_MS, Slo
 from services.common.telemetry import MAX_LABEL_VALUES
 from services.router.connection_rate import ConnectionRates
@@ -92,6 +93,13 @@ class RouterConfig(ServiceConfig):
         if not 0 <= self.max_requests_per_connection_per_s < math.inf:
             raise ValueError("--max-requests-per-connection-per-s: must be 0 (no limit) or positive, got "
                              f"{self.max_requests_per_connection_per_s}")
+        # What the router lets through, a node must take: a stop string's tokens are at most its bytes and one more
+        # (a tokenizer's leading word mark), so half the node's tokens leave room for both.
+        for name, most in (("max_stop_sequences", NODE_MAX_STOP_SEQUENCES),
+                           ("max_stop_bytes", NODE_MAX_STOP_TOKENS // 2)):
+            if getattr(self, name) > most:
+                raise ValueError(f"--{name.replace('_', '-')}: at most {most} (what a node agent takes), "
+                                 f"got {getattr(self, name)}")
         for name in ("live_report_interval_s", "max_prompt_bytes", "max_stop_sequences", "max_stop_bytes",
                      "max_id_len", "connection_request_burst", "slo_ttft_ms", "slo_tpot_ms"):
             if getattr(self, name) <= 0:

@@ -272,3 +272,12 @@ def test_an_instance_id_that_cannot_key_etcd_or_travel_as_router_id_is_refused(m
 def test_an_http_read_timeout_that_is_not_positive_and_finite_is_refused_naming_the_flag(value: float) -> None:
     with pytest.raises(ValueError, match="--http-read-timeout-s: must be positive"):
         RouterConfig(http_read_timeout_s=value)
+
+
+@pytest.mark.parametrize(("flag", "value", "named"), [
+    ("--max-stop-sequences", "257", "--max-stop-sequences: at most 256 (what a node agent takes), got 257"),
+    ("--max-stop-bytes", "8193", "--max-stop-bytes: at most 8192 (what a node agent takes), got 8193"),
+])
+def test_a_router_lets_through_no_more_stop_sequences_than_a_node_takes(
+        flag: str, value: str, named: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert named in _exit_message(capsys, RouterConfig, PREFIX, [flag, value])
