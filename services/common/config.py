@@ -115,6 +115,11 @@ def doc(text: str, default: Any = dataclasses.MISSING) -> Any:
     return dataclasses.field(default=default, metadata={"help": text})
 
 
+# The highest price per GPU-hour (USD) Baton takes, from a flag or a message: a whole 8-GPU host costs about 100.
+# A notice's GPU time at a price near the float's limit made the cost per task infinite for good (helper-179).
+MAX_PRICE_PER_HOUR = 10_000.0
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     """Fields every service has; subclasses override `listen`'s default and add their own."""

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from services.common.config import ServiceConfig, check_instance_id, doc
+from services.common.config import MAX_PRICE_PER_HOUR, ServiceConfig, check_instance_id, doc
 from services.node_agent.engines.sim.models import GPU_SPECS
 
 
@@ -64,8 +63,8 @@ class NodeAgentConfig(ServiceConfig):
             raise ValueError(f"--gpu-memory-utilization: expected a share in (0, 1], got {self.gpu_memory_utilization}")
         if self.speed < 0:
             raise ValueError(f"--speed: must be 0 or more, got {self.speed}")
-        if not (math.isfinite(self.price_per_hour) and self.price_per_hour >= 0):
-            raise ValueError(f"--price-per-hour: must be a finite 0 or more (0: the catalogue price), got "
+        if not 0 <= self.price_per_hour <= MAX_PRICE_PER_HOUR:
+            raise ValueError(f"--price-per-hour: must be 0 to {MAX_PRICE_PER_HOUR:g} (0: the catalogue price), got "
                              f"{self.price_per_hour}")
         if self.kv_blocks < 0:
             raise ValueError(f"--kv-blocks: must be 0 or more, got {self.kv_blocks}")

@@ -22,6 +22,7 @@ from baton.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2, s
 from services.common import etcd_keys
 from services.common.auth import TenantKeys
 from services.common.change_signal import ChangeSignal, wait_or_timeout
+from services.common.config import MAX_PRICE_PER_HOUR
 from services.common.directory import ChannelPool, ServiceDirectory
 from services.common.errors import BatonError, FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable, abort
 from services.common.etcd_session import Membership, PrefixView
@@ -122,10 +123,10 @@ def place_ask(request: scheduler_pb2.PlaceRequest) -> PlaceAsk:
 
 
 def _price(price_per_hour: float) -> float:
-    """A registration's or a notice's price as the ledger counts it: one not finite or below 0 (a node agent checks
-    its own flag; a registration or notice from elsewhere may not) counts as nothing, not as a ledger poisoned for
-    good."""
-    return price_per_hour if math.isfinite(price_per_hour) and price_per_hour >= 0 else 0.0
+    """A registration's or a notice's price as the ledger counts it: one not finite, below 0 or above
+    MAX_PRICE_PER_HOUR (a node agent checks its own flag; a registration from elsewhere may not) counts as nothing,
+    not as a ledger poisoned for good."""
+    return price_per_hour if 0 <= price_per_hour <= MAX_PRICE_PER_HOUR else 0.0
 
 
 def node_spec(info: common_pb2.NodeInfo) -> NodeSpec:

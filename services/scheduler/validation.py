@@ -9,8 +9,6 @@ at once with INVALID_ARGUMENT.
 
 from __future__ import annotations
 
-import math
-
 from baton.protocol import MAX_ALTERNATIVE_MODELS
 from baton.v1 import scheduler_pb2
 from services.common.block_hash import DEFAULT_BLOCK_SIZE
@@ -68,6 +66,11 @@ def check_place(request: scheduler_pb2.PlaceRequest, max_context_tokens: int | N
     check_context(request.context)
 
 
+# The most GPU time one request's notice may charge to a node: 1e308 ms made the cost per successful task infinite
+# for good (helper-179). (A notice's price is counted as nothing past MAX_PRICE_PER_HOUR: servicer._price.)
+MAX_GPU_MS = 7 * 24 * 3_600_000
+
+
 def check_finished(request: scheduler_pb2.FinishedRequest, max_context_tokens: int | None) -> None:
     """Refuse a Finished notice that would skew the ledger or the policy, naming the first such field and its value.
 
@@ -79,8 +82,8 @@ def check_finished(request: scheduler_pb2.FinishedRequest, max_context_tokens: i
         raise InvalidArgument("outcome", request.outcome, "not a RequestOutcome (0 to "
                               f"{max(scheduler_pb2.RequestOutcome.values())})")
     for node, ms in request.gpu_ms_by_node.items():
-        if not (math.isfinite(ms) and ms >= 0):
-            raise InvalidArgument(f"gpu_ms_by_node[{node!r}]", ms, "must be finite and not negative")
+        if not 0 <= ms <= MAX_GPU_MS:  # (NaN fails it too)
+            raise InvalidArgument(f"gpu_ms_by_node[{node!r}]", ms, f"must be 0 to {MAX_GPU_MS} (a week)")
     if request.ttft_ms < 0:
         raise InvalidArgument("ttft_ms", request.ttft_ms, "must not be negative (0: no first token)")
     # The policy learns how long outputs run from this count: one past the context would skew every estimate after.

@@ -161,7 +161,7 @@ def test_a_node_with_an_unknown_gpu_exits_2_naming_the_flag(capsys: pytest.Captu
     assert given.gpu == "l40s"
 
 
-@pytest.mark.parametrize("price", [-1.0, float("nan"), float("inf")])
+@pytest.mark.parametrize("price", [-1.0, float("nan"), float("inf"), 10_001.0])
 def test_a_node_refuses_a_price_that_is_not_one(price: float) -> None:
     from services.node_agent.config import NodeAgentConfig
 
