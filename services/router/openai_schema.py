@@ -127,8 +127,15 @@ def text_value(name: str, value: object) -> str:
     return value
 
 
+# How much of an unknown key a refusal shows.
+_KEY_SHOWN = 80
+
+
 def _key(prefix: str, key: str) -> str:
-    """An unknown key as a field name: itself when it reads as one, else JSON-quoted ("", "a b")."""
+    """An unknown key as a field name: itself when it reads as one, else JSON-quoted ("", "a b"); cut after
+    _KEY_SHOWN characters, as a value is (a 900 KB key came back whole, twice: helper-179)."""
+    if len(key) > _KEY_SHOWN:
+        key = f"{key[:_KEY_SHOWN]}... ({len(key)} characters)"
     return prefix + (key if _NAME.fullmatch(key) else json.dumps(key))
 
 

@@ -347,3 +347,12 @@ def test_top_p_zero_is_refused_not_run_as_one(top_p: float) -> None:
     field held it, with the gRPC API's "0 means 1")."""
     refused = _refused(schema.COMPLETIONS, {"model": "m", "prompt": "x", "top_p": top_p})
     assert refused.field == "top_p" and "must be greater than 0 and at most 1" in str(refused)
+
+
+def test_an_unknown_key_is_shown_cut_as_a_value_is() -> None:
+    """A 900 KB unknown key came back whole in the refusal, twice (message and param): a 1.8 MB answer to an 0.9 MB
+    request (helper-179)."""
+    key = "k" * 900_000
+    refused = _refused(schema.COMPLETIONS, {"model": "m", "prompt": "x", key: 1})
+    assert str(refused).startswith(f'"{"k" * 80}... (900000 characters)"=1: unknown field')
+    assert len(str(refused)) < 300
