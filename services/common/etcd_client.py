@@ -2,7 +2,7 @@
 
 aetcd 1.0.0 (pinned in pyproject.toml) dials one host:port over a plaintext channel. A service given only the member
 that then died lost etcd for as long as that member stayed down, though the cluster's other members kept its quorum:
-its lease lapsed, it left the fleet, a leader lost its election (helper-173, left out until now). Given several
+its lease lapsed, it left the fleet, a leader lost its election (helper-175). Given several
 endpoints (`--etcd a:2379,b:2379,c:2379`), a client talks to one member at a time and moves to the next when a call to
 it fails for want of that member:
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -105,7 +106,7 @@ class EtcdClient(aetcd.Client):
 
     def _failed(self, channel_number: int, code: grpc.StatusCode, details: str | None) -> None:
         """A call on channel channel_number failed with code: move to another member, once per channel."""
-        if (len(self.endpoints) == 1 or not moves_on(code, details) or channel_number != self._channel_number
+        if (len(self.endpoints) == 1 or not _moves_on(code, details) or channel_number != self._channel_number
                 or not self._connected.is_set()):
             return  # one member: gRPC reconnects its channel when it is back
         failed = self.endpoint
@@ -125,7 +126,7 @@ class EtcdClient(aetcd.Client):
         count = len(self.endpoints)
         for step in range(1, count):
             at = (self._at + step) % count
-            if now - self._failed_at.get(self.endpoints[at], -_PASS_OVER_S) >= _PASS_OVER_S:
+            if now - self._failed_at.get(self.endpoints[at], -math.inf) >= _PASS_OVER_S:
                 return at
         return (self._at + 1) % count
 
@@ -193,7 +194,7 @@ class EtcdClient(aetcd.Client):
         return rtypes.Watch(iterate, cancel, callback.watch_id)
 
 
-def moves_on(code: grpc.StatusCode, details: str | None) -> bool:
+def _moves_on(code: grpc.StatusCode, details: str | None) -> bool:
     """Whether a call that failed with code and details says its member cannot serve where another may."""
     if code not in _MEMBER_FAILED:
         return False

@@ -8,14 +8,11 @@ import types
 import grpc
 import pytest
 
-from services.common.etcd_client import moves_on
 from services.common.etcd_session import connect
 
 
 async def test_calls_failing_together_on_one_member_move_the_client_once() -> None:
-    client = connect("127.0.0.1:1,127.0.0.1:2,127.0.0.1:3")
-    try:
-        await client.connect()
+    async with connect("127.0.0.1:1,127.0.0.1:2,127.0.0.1:3") as client:
         failing_channel = client._channel_number
         client._failed(failing_channel, grpc.StatusCode.UNAVAILABLE, "connection refused")
         client._failed(failing_channel, grpc.StatusCode.DEADLINE_EXCEEDED, "a second call on the same channel")
@@ -26,55 +23,38 @@ async def test_calls_failing_together_on_one_member_move_the_client_once() -> No
         await client.connect()
         client._failed(client._channel_number, grpc.StatusCode.UNAVAILABLE, "etcdserver: no leader")
         assert client.endpoint == "127.0.0.1:1"  # round again to the first
-    finally:
-        await client.close()
 
 
-async def test_a_refusal_of_the_call_itself_does_not_move_the_client() -> None:
-    client = connect("127.0.0.1:1,127.0.0.1:2")
-    try:
-        await client.connect()
-        for code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-                     grpc.StatusCode.CANCELLED, grpc.StatusCode.OUT_OF_RANGE):
-            client._failed(client._channel_number, code, "the call's own fault")
+@pytest.mark.parametrize(("code", "details"), [
+    # What every member says while etcd elects a raft leader: moving on it sent clients off healthy members, as
+    # likely onto the dead one (helper-178).
+    (grpc.StatusCode.UNAVAILABLE, "etcdserver: leader changed"),
+    (grpc.StatusCode.UNAVAILABLE, "etcdserver: request timed out, possibly due to previous leader failure"),
+    # The call's own fault.
+    (grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: key is not provided"),
+    (grpc.StatusCode.FAILED_PRECONDITION, "etcdserver: requested lease not found"),
+    (grpc.StatusCode.CANCELLED, "cancelled by its caller"),
+    (grpc.StatusCode.OUT_OF_RANGE, "etcdserver: mvcc: required revision has been compacted"),
+])
+async def test_a_failure_that_is_not_the_members_does_not_move_the_client(code: grpc.StatusCode, details: str) -> None:
+    async with connect("127.0.0.1:1,127.0.0.1:2") as client:
+        client._failed(client._channel_number, code, details)
         assert client.endpoint == "127.0.0.1:1"
-    finally:
-        await client.close()
 
 
 async def test_a_client_of_one_member_stays_with_it() -> None:
-    client = connect("127.0.0.1:1")
-    try:
-        await client.connect()
-        assert client.channel is not None
+    async with connect("127.0.0.1:1") as client:
         channel = client.channel
+        assert channel is not None
         client._failed(client._channel_number, grpc.StatusCode.UNAVAILABLE, "down")
         assert client.endpoint == "127.0.0.1:1" and client.channel is channel  # gRPC reconnects it when back
-    finally:
-        await client.close()
-
-
-async def test_what_every_member_says_while_etcd_elects_a_leader_does_not_move_the_client() -> None:
-    """Moving on these sent clients off healthy members during a raft election, as likely onto the dead one
-    (helper-178); a member without a leader, a gone one and a frozen one are left."""
-    assert not moves_on(grpc.StatusCode.UNAVAILABLE, "etcdserver: leader changed")
-    assert not moves_on(grpc.StatusCode.UNAVAILABLE, "etcdserver: request timed out, possibly due to previous leader "
-                                                     "failure")
-    assert moves_on(grpc.StatusCode.UNAVAILABLE, "etcdserver: no leader")
-    assert moves_on(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last error: Connection refused")
-    assert moves_on(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-    assert not moves_on(grpc.StatusCode.NOT_FOUND, "requested lease not found")
 
 
 async def test_a_move_passes_over_a_member_a_call_failed_on_lately() -> None:
-    client = connect("127.0.0.1:1,127.0.0.1:2,127.0.0.1:3")
-    try:
-        await client.connect()
+    async with connect("127.0.0.1:1,127.0.0.1:2,127.0.0.1:3") as client:
         client._failed_at["127.0.0.1:2"] = asyncio.get_running_loop().time()  # as if a call on it had just failed
         client._failed(client._channel_number, grpc.StatusCode.UNAVAILABLE, "connection refused")
         assert client.endpoint == "127.0.0.1:3"
-    finally:
-        await client.close()
 
 
 class _KeepAliveStub:
@@ -98,12 +78,8 @@ async def test_a_keep_alive_with_another_member_to_move_to_waits_a_quarter_of_th
     """Sent a third of a 3 s TTL after the last, to a member that froze, a keep-alive that waited the client's 2 s
     failed as the lease ran out, too late to move to another member (helper-178). Alone, a member is waited for as
     long as before: there is nowhere to move."""
-    client = connect(endpoints)
-    try:
-        await client.connect()
+    async with connect(endpoints) as client:
         stub = _KeepAliveStub()
         client.leasestub = stub
         assert (await client.refresh_lease(7, ttl_s=3)).TTL == 3
         assert stub.timeouts == [expected_s]
-    finally:
-        await client.close()
