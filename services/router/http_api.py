@@ -580,10 +580,7 @@ def _decoded(request: web.Request, raw: bytes) -> bytes:
     pieces: list[bytes] = []
     size = 0
     rest = raw
-    for member in range(_MAX_GZIP_MEMBERS + 1):
-        if member == _MAX_GZIP_MEMBERS:
-            raise InvalidArgument("body", f"{len(raw)} bytes", f"more than {_MAX_GZIP_MEMBERS} gzip members "
-                                  f"(Content-Encoding: {encoding}): send it as one")
+    for _ in range(_MAX_GZIP_MEMBERS):
         decompressor = zlib.decompressobj(wbits)
         try:
             pieces.append(decompressor.decompress(rest, limit + 1 - size))
@@ -597,6 +594,9 @@ def _decoded(request: web.Request, raw: bytes) -> bytes:
         rest = decompressor.unused_data
         if not decompressor.eof or not rest or wbits != _ZLIB_WBITS["gzip"]:
             break
+    else:  # a whole member each time, and more after the last
+        raise InvalidArgument("body", f"{len(raw)} bytes", f"more than {_MAX_GZIP_MEMBERS} gzip members "
+                              f"(Content-Encoding: {encoding}): send it as one")
     if not decompressor.eof or rest:
         raise InvalidArgument("body", f"{len(raw)} bytes", f"not valid {encoding} data (Content-Encoding: "
                               f"{encoding}): {'it is cut short' if not decompressor.eof else 'data after its end'}")
