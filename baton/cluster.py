@@ -262,9 +262,14 @@ def start_etcd(workdir: Path, timeout_s: float = 30.0, pki: ThrowawayPki | None 
     return start_etcd_members(workdir, 1, timeout_s, pki)[0]
 
 
+def _etcd_suffixes(count: int) -> list[str]:
+    """What tells count etcd members' names, data and logs apart: nothing for a single one."""
+    return [""] if count == 1 else [f"-{i}" for i in range(count)]
+
+
 def etcd_data_dirs(workdir: Path, count: int) -> list[Path]:
     """Where each of count etcd members keeps its data under workdir."""
-    return [workdir / "etcd"] if count == 1 else [workdir / f"etcd-{i}" for i in range(count)]
+    return [workdir / f"etcd{suffix}" for suffix in _etcd_suffixes(count)]
 
 
 def start_etcd_members(workdir: Path, count: int, timeout_s: float = 30.0,
@@ -274,23 +279,23 @@ def start_etcd_members(workdir: Path, count: int, timeout_s: float = 30.0,
     scheme = "https" if pki is not None else "http"
     tls_args = ["--cert-file", pki.service.cert, "--key-file", pki.service.key, "--trusted-ca-file", str(pki.ca),
                 "--client-cert-auth"] if pki is not None else []
-    names = ["baton-local"] if count == 1 else [f"baton-local-{i}" for i in range(count)]
-    client_ports = [free_port() for _ in names]
-    peer_urls = [f"http://127.0.0.1:{free_port()}" for _ in names]
-    initial_cluster = ",".join(f"{name}={url}" for name, url in zip(names, peer_urls, strict=True))
+    suffixes = _etcd_suffixes(count)
+    peer_urls = [f"http://127.0.0.1:{free_port()}" for _ in suffixes]
+    initial_cluster = ",".join(f"baton-local{suffix}={url}" for suffix, url in zip(suffixes, peer_urls, strict=True))
     members = []
-    for i, (name, data_dir) in enumerate(zip(names, etcd_data_dirs(workdir, count), strict=True)):
-        client_url = f"{scheme}://127.0.0.1:{client_ports[i]}"
+    for suffix, peer_url in zip(suffixes, peer_urls, strict=True):
+        address = f"127.0.0.1:{free_port()}"
+        client_url = f"{scheme}://{address}"
         members.append(ManagedProcess(
-            name="etcd" if count == 1 else f"etcd-{i}",
+            name=f"etcd{suffix}",
             args=[
-                etcd_binary(), "--name", name, "--data-dir", str(data_dir),
+                etcd_binary(), "--name", f"baton-local{suffix}", "--data-dir", str(workdir / f"etcd{suffix}"),
                 "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
-                "--listen-peer-urls", peer_urls[i], "--initial-advertise-peer-urls", peer_urls[i],
+                "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
                 "--initial-cluster", initial_cluster, "--log-level", "warn", *ETCD_COMPACTION, *tls_args,
             ],
-            log_path=workdir / ("etcd.log" if count == 1 else f"etcd-{i}.log"),
-            address=f"127.0.0.1:{client_ports[i]}",
+            log_path=workdir / f"etcd{suffix}.log",
+            address=address,
         ))
     try:
         for member in members:  # all before any is waited for: a member is healthy once a quorum elected a leader
