@@ -85,7 +85,11 @@ async def test_a_node_calibrated_slower_gets_the_long_prompts_less_often(cluster
     with grpc.insecure_channel(cluster.scheduler.address) as channel:
         recent = scheduler_pb2_grpc.SchedulerStub(channel).GetRecentDecisions(
             scheduler_pb2.GetRecentDecisionsRequest(limit=NUM_LONG_PROMPTS), timeout=5)
-    assert all(d.fallback == "" and len(d.candidates) == 2 for d in recent.decisions)  # predicted, not fallen back
+    assert all(len(d.candidates) == 2 for d in recent.decisions)  # predicted, not fallen back
+    # node-0, idle on its start-up calibration, was given one request as a trial (its refinement needs real steps),
+    # and the decision says so; every other decision followed the profiles.
+    trials = [d for d in recent.decisions if d.fallback]
+    assert [(d.node_id, d.fallback.startswith("a trial of node-0")) for d in trials] == [("node-0", True)], trials
 
     status = subprocess.run([sys.executable, "-m", "baton.cli", "status", "--scheduler", cluster.scheduler.address],
                             capture_output=True, text=True, timeout=60)

@@ -7,13 +7,14 @@ import random
 
 import pytest
 
+from services.common.engine_profile import ProfileSource
 from services.common.load import Load
 from services.node_agent.engines.sim.core import SimEngineCore
 from services.node_agent.engines.sim.models import SIM_MODELS
 from services.node_agent.engines.types import EngineRequest, SamplingParams
 from services.scheduler.fleet import NodeSpec, NodeStatus
 from services.scheduler.policies import Option, PlacementRequest, make_policy
-from services.scheduler.policies.baton import BatonPolicy
+from services.scheduler.policies.baton import TRIAL_EVERY_S, BatonPolicy
 from tests.unit.sim_profiles import sim_profiles
 
 MODEL = "sim-llama-3.1-8b"
@@ -344,3 +345,46 @@ def test_a_node_whose_measured_steps_run_past_the_budget_loses_its_cached_prefix
     stale = node("h1", "h100")
     stale = dataclasses.replace(stale, load=dataclasses.replace(stale.load, recent_decode_step_ms=500.0))
     assert chosen(policy, short, [stale, node("h2", "h100")], {"h1": 100}) == "h1"
+
+
+def calibrated(node_id: str, gpu: str, slower: float = 1.0, **load: int) -> NodeStatus:
+    """A node whose profile is its start-up calibration's (as a vLLM engine registers it), slower times gpu's."""
+    status = node(node_id, gpu, **load)
+    profile = status.spec.profiles[MODEL]
+    timing = dataclasses.replace(profile.timing, **{f.name: getattr(profile.timing, f.name) * slower
+                                                    for f in dataclasses.fields(profile.timing)})
+    profiles = {MODEL: dataclasses.replace(profile, timing=timing, source=ProfileSource.CALIBRATED, num_samples=40)}
+    return dataclasses.replace(status, spec=dataclasses.replace(status.spec, profiles=profiles))
+
+
+def test_an_idle_node_calibrated_slower_than_the_busy_best_is_tried_once_and_the_decision_says_so() -> None:
+    """helper-172: two identical vLLM nodes calibrated side by side registered decode steps of 3.5 and 10.9 ms, and the
+    one that looked slower got no request, so online refinement never corrected it. An idle node on its start-up
+    calibration gets a request it is predicted to meet the SLO with, at most once every TRIAL_EVERY_S."""
+    policy = BatonPolicy()
+    fast = calibrated("fast", "h100", num_running=1, active_decode_blocks=8)
+    slow = calibrated("slow", "h100", slower=3.0)
+    scores = {t.node_id: t.score for t in (policy.terms(request(200), n, 0) for n in (fast, slow)) if t}
+    assert scores["slow"] > scores["fast"]  # on its profile alone it would lose
+    first = policy.choose(request(200), [fast, slow], {}, 100.0)
+    assert first.node_id == "slow"
+    assert "a trial of slow" in first.fallback and "start-up calibration" in first.fallback
+    assert policy.choose(request(200), [fast, slow], {}, 100.0 + TRIAL_EVERY_S - 1).node_id == "fast"
+    assert policy.choose(request(200), [fast, slow], {}, 100.0 + TRIAL_EVERY_S).node_id == "slow"
+
+
+def test_no_trial_of_a_busy_node_a_refined_one_one_that_would_miss_or_one_without_the_cached_prefix() -> None:
+    fast = calibrated("fast", "h100", num_running=1, active_decode_blocks=8)
+    assert chosen(BatonPolicy(), request(200), [fast, calibrated("slow", "h100", 3.0, num_waiting=1)]) == "fast"
+    refined = node("slow", "h100")  # its engine's profile, refined online (or configured): placed on merit
+    refined.spec.profiles[MODEL] = dataclasses.replace(calibrated("slow", "h100", 3.0).spec.profiles[MODEL],
+                                                       source=ProfileSource.ONLINE)
+    assert chosen(BatonPolicy(), request(200), [fast, refined]) == "fast"
+    # The idle node would surely miss a 300 ms TTFT budget on its 40-fold slower profile.
+    assert chosen(BatonPolicy(), request(4000, ttft_budget_ms=300), [fast, calibrated("slow", "h100", 40.0)]) == "fast"
+    # The busy node holds the prompt's prefix: a trial would throw the cache away.
+    assert chosen(BatonPolicy(), request(2000), [fast, calibrated("slow", "h100", 3.0)], {"fast": 100}) == "fast"
+    # A workflow's later step (what its earlier steps spent is at stake) is not a trial.
+    policy = BatonPolicy()
+    policy.workflow_spent["w"] = 0.01
+    assert chosen(policy, request(200, workflow="w"), [fast, calibrated("slow", "h100", 3.0)]) == "fast"

@@ -46,17 +46,36 @@ make it end later; a tight budget pays for a fast GPU; a late step of an
 expensive workflow, or a high-priority request, buys certainty; a cold node wins only when the
 warm ones would likely miss a budget that allows the load. Nodes without KV room are avoided.
 Every decision keeps its per-axis terms (`last_terms()`).
+
+A node whose profile is only its start-up sweep's (a vLLM engine's calibration, not yet refined from
+real steps) may be slower on paper than it is: a sweep slowed by a neighbour. Such a node would get
+no request while faster ones have room, and so never be corrected. So when it is idle, predicted to
+meet the request's SLO and to cache no less of the prompt than the best node, it is given the
+request as a trial (not a workflow's later step nor a prioritised request), at most once every
+`TRIAL_EVERY_S`, and the decision says so. Once its engine has
+refined the profile online, it is placed like any other.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict, deque
 
 from services.common.block_hash import DEFAULT_BLOCK_SIZE
+from services.common.engine_profile import ProfileSource
 from services.common.slo import DEFAULT_TPOT_BUDGET_MS, DEFAULT_TTFT_BUDGET_MS
 from services.scheduler.fleet import NodeStatus
-from services.scheduler.policies.base import Decision, Option, PlacementRequest, Policy, Terms, decision, warm_first
+from services.scheduler.policies.base import (
+    Decision,
+    Option,
+    PlacementRequest,
+    Policy,
+    Terms,
+    decision,
+    num_in_flight,
+    warm_first,
+)
 from services.scheduler.policies.kv_load import KvLoadPolicy
 from services.scheduler.policies.node_timing import TimingModel, noting_unprofiled
 
@@ -94,6 +113,11 @@ LATENCY_PRICE_SHARE = 1.0
 PRIORITY_STAKE = 1.0
 # Workflows whose spend is remembered; the least recently active are forgotten first.
 MAX_WORKFLOWS = 100_000
+# A node whose profile is its start-up calibration's gets a request as a trial at most this often, and only one
+# predicted to meet its SLO there with at least this chance (see the module docstring). 30 s is the online
+# refinement's least interval between refits; the first refit comes after 64 observed steps.
+TRIAL_EVERY_S = 30.0
+TRIAL_MIN_SUCCESS = 0.9
 # Expected output length before any request of a model has ended, and how fast the average follows them.
 DEFAULT_OUTPUT_TOKENS = 256.0
 OUTPUT_SMOOTHING = 0.02
@@ -164,6 +188,8 @@ class BatonPolicy(Policy):
         # Per node: (when, uncached prompt tokens) of the placements of the last RATE_WINDOW_S, and their sum.
         self._sent: dict[str, deque[tuple[float, int]]] = {}
         self._sent_tokens: dict[str, int] = {}
+        # Per node: when it was last given a request as a trial of its calibrated profile.
+        self._tried: dict[str, float] = {}
 
     def _prefill_rate(self, node_id: str, now: float) -> float:
         """Prompt tokens a second this policy has lately sent node_id to prefill."""
@@ -326,6 +352,9 @@ class BatonPolicy(Policy):
             return index, noting_unprofiled(chosen, everyone, NO_PROFILE_FALLBACK, none_scored=True)
         roomy = [entry for entry in scored if entry[0].has_kv_room] or scored
         best_terms, index, best = min(roomy, key=lambda e: (e[0].score, e[0].ttft_ms, e[1], e[2].spec.node_id))
+        trial = self._trial(roomy, options, best_terms, now)
+        if trial is not None:
+            best_terms, index, best = trial
         self._last_terms = [t for t, _, _ in scored]
         request = options[index].request
         self._record_sent(best.spec.node_id, request.num_prompt_tokens - best_terms.cached_tokens, now)
@@ -334,8 +363,32 @@ class BatonPolicy(Policy):
             self.workflow_spent.move_to_end(request.workflow_id)
             if len(self.workflow_spent) > MAX_WORKFLOWS:
                 self.workflow_spent.popitem(last=False)
-        return index, noting_unprofiled(decision(best, options[index].matched_blocks, best_terms.score), everyone,
-                                        NOT_SCORED, none_scored=False)
+        chosen = decision(best, options[index].matched_blocks, best_terms.score)
+        if trial is not None:
+            chosen = dataclasses.replace(chosen, fallback=(
+                f"a trial of {best.spec.node_id}: its profile is its start-up calibration's, not yet refined from "
+                f"real steps; idle, predicted to meet the SLO with chance {best_terms.success:.2f}"))
+        return index, noting_unprofiled(chosen, everyone, NOT_SCORED, none_scored=False)
+
+    def _trial(self, scored: list[tuple[Terms, int, NodeStatus]], options: list[Option], best: Terms,
+               now: float) -> tuple[Terms, int, NodeStatus] | None:
+        """An idle node whose profile is its start-up calibration's, to be tried instead of best (see the module
+        docstring); None when there is none, or when best is one (its trial is counted). Never a request with more at
+        stake than its own cost: a workflow's later step, or one with a priority."""
+
+        def untried(index: int, status: NodeStatus) -> bool:
+            profile = status.profile(options[index].request.model)
+            return profile is not None and profile.source is ProfileSource.CALIBRATED
+
+        trials = [(t, i, s) for t, i, s in scored
+                  if untried(i, s) and t.warm and num_in_flight(s) == 0 and t.success >= TRIAL_MIN_SUCCESS
+                  and t.cached_tokens >= best.cached_tokens and t.at_risk == 0
+                  and now - self._tried.get(s.spec.node_id, -math.inf) >= TRIAL_EVERY_S]
+        if not trials:
+            return None
+        trial = min(trials, key=lambda e: (e[0] is not best, e[0].score, e[2].spec.node_id))
+        self._tried[trial[2].spec.node_id] = now
+        return None if trial[0] is best else trial
 
     def last_terms(self) -> list[Terms]:
         return self._last_terms
