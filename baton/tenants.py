@@ -46,7 +46,12 @@ async def _change(client: Any, tenant: str, change: Callable[[TenantRecord | Non
     tx = client.transactions
     for _ in range(_MAX_TRIES):
         kv = await client.get(key)
-        record = change(TenantRecord.from_json(kv.value) if kv is not None and kv.value else None)
+        try:
+            stored = TenantRecord.from_json(kv.value) if kv is not None and kv.value else None
+        except ValueError as exc:
+            raise ValueError(f"tenant {tenant!r}: its record in etcd is not one Baton wrote ({exc}); its keys are "
+                             f"refused; remove it with `etcdctl del {key.decode()}`") from None
+        record = change(stored)
         unchanged = tx.mod(key) == kv.mod_revision if kv is not None else tx.version(key) == 0
         written, _ = await client.transaction(compare=[unchanged], success=[tx.put(key, record.to_json())],
                                               failure=[])
@@ -82,10 +87,25 @@ async def add_tenant(etcd: str, tenant: str, *, weight: float | None = None, max
     return record, key
 
 
-async def list_tenants(etcd: str, credentials: grpc.ChannelCredentials | None = None) -> list[TenantRecord]:
+async def list_tenants(etcd: str, credentials: grpc.ChannelCredentials | None = None
+                       ) -> tuple[list[TenantRecord], list[str]]:
+    """The tenants' records, and a line for each record under /baton/tenants/ that is not one (whose keys every
+    router and scheduler refuses)."""
     async with connect(etcd, credentials=credentials) as client:
         listing = await client.get_prefix(etcd_keys.TENANTS.encode())
-    return sorted((TenantRecord.from_json(kv.value) for kv in listing if kv.value), key=lambda r: r.tenant)
+    records, unreadable = [], []
+    for kv in listing:
+        key = kv.key.decode(errors="replace")
+        try:
+            record = TenantRecord.from_json(kv.value)
+        except ValueError as exc:
+            unreadable.append(f"{key}: not a tenant record ({exc}); its keys are refused")
+            continue
+        if etcd_keys.tenant_key(record.tenant) != key:
+            unreadable.append(f"{key}: holds tenant {record.tenant!r}, not its own name's; its keys are refused")
+        else:
+            records.append(record)
+    return sorted(records, key=lambda r: r.tenant), sorted(unreadable)
 
 
 async def revoke(etcd: str, tenant: str, key_id: str | None = None,
@@ -125,8 +145,11 @@ def cmd_tenants(args: argparse.Namespace, etcd: str, credentials: grpc.ChannelCr
             print("the new key (shown once; etcd keeps only its hash):", file=sys.stderr)
             print(key)
         elif args.action == "list":
-            for record in run_sync(list_tenants(etcd, credentials)):
+            records, unreadable = run_sync(list_tenants(etcd, credentials))
+            for record in records:
                 print(_describe(record))
+            for line in unreadable:
+                print(f"baton tenants list: {line}", file=sys.stderr)
         else:
             record = run_sync(revoke(etcd, args.tenant, args.key_id, credentials))
             print(_describe(record))

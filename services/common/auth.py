@@ -19,13 +19,18 @@ import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 
-from services.common.errors import Unauthenticated
+from services.common.errors import Unauthenticated, shown
+from services.common.etcd_records import json_object
 
 KEY_PREFIX = "bt_"
 _KEY_ID_CHARS = 12
 # Limits are kept as JSON in etcd and read by every scheduler; beyond int64 other clients cannot hold them.
 _INT64_MAX = (1 << 63) - 1
 _BEARER = "bearer "
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def hash_api_key(key: str) -> str:
@@ -51,6 +56,13 @@ class ApiKey:
     # 0 while the key is valid.
     revoked_at_ms: int = 0
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.key_hash, str):
+            raise ValueError(f"key_hash={shown(self.key_hash)}: not a string")
+        for name in ("created_at_ms", "revoked_at_ms"):
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"{name}={shown(getattr(self, name))}: not an integer")
+
     @property
     def key_id(self) -> str:
         return key_id_of(self.key_hash)
@@ -74,6 +86,18 @@ class TenantRecord:
     is_admin: bool = False
 
     def __post_init__(self) -> None:
+        # Read back from etcd, where anyone may have written anything: a list for a name crashed every router's
+        # view of the tenants (helper-181).
+        if not isinstance(self.tenant, str):
+            raise ValueError(f"tenant={shown(self.tenant)}: not a string")
+        if not isinstance(self.cache_group, str):
+            raise ValueError(f"cache_group={shown(self.cache_group)}: not a string")
+        if not isinstance(self.is_admin, bool):
+            raise ValueError(f"is_admin={shown(self.is_admin)}: not true or false")
+        if not all(isinstance(k, ApiKey) for k in self.keys):
+            raise ValueError("keys: not all keys")
+        if isinstance(self.weight, bool) or not isinstance(self.weight, int | float):
+            raise ValueError(f"weight={shown(self.weight)}: not a number")
         if not self.tenant or "/" in self.tenant:
             raise ValueError(f"tenant={self.tenant!r}: must be non-empty and contain no '/'")
         # (JSON has no Infinity or NaN: a record holding one would not be read back by other clients.)
@@ -81,7 +105,7 @@ class TenantRecord:
             raise ValueError(f"weight={self.weight!r}: must be positive and finite")
         for name in ("max_concurrency", "tokens_per_minute"):
             value = getattr(self, name)
-            if value is not None and not 1 <= value <= _INT64_MAX:
+            if value is not None and not (_is_int(value) and 1 <= value <= _INT64_MAX):
                 raise ValueError(f"{name}={value!r}: must be at least 1 and at most {_INT64_MAX} "
                                  "(or unset: unlimited)")
 
@@ -106,9 +130,15 @@ class TenantRecord:
 
     @classmethod
     def from_json(cls, data: bytes) -> TenantRecord:
-        raw = json.loads(data)
-        keys = tuple(ApiKey(**k) for k in raw.pop("keys", ()))
-        return cls(keys=keys, **raw)
+        """The record data holds; ValueError saying why it is not one."""
+        raw = json_object(data)
+        keys = raw.pop("keys", [])
+        if not isinstance(keys, list) or not all(isinstance(k, dict) for k in keys):
+            raise ValueError(f"keys={shown(keys)}: not a list of keys")
+        try:
+            return cls(keys=tuple(ApiKey(**k) for k in keys), **raw)
+        except TypeError as exc:  # a field missing, or one a record has not
+            raise ValueError(f"not a tenant record: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -137,11 +167,14 @@ class TenantKeys:
     def from_etcd_items(cls, items: Mapping[str, bytes]) -> TenantKeys:
         """From the values under /baton/tenants/; a record that does not parse is skipped (logged by the caller)."""
         records = []
-        for value in items.values():
+        for key, value in items.items():
             try:
-                records.append(TenantRecord.from_json(value))
-            except (ValueError, TypeError, KeyError):
+                record = TenantRecord.from_json(value)
+            except ValueError:
                 continue
+            # One under another tenant's name would hold that tenant's keys, never revoked by its name.
+            if record.tenant == key.rpartition("/")[2]:
+                records.append(record)
         return cls.from_records(records)
 
     def tenant_from_key(self, key: str) -> TenantRecord:

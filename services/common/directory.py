@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ import aetcd
 import grpc
 
 from services.common import etcd_keys
+from services.common.etcd_records import address_of
 from services.common.etcd_session import PrefixView
 from services.common.reconnect import RECONNECT_OPTIONS
 from services.common.telemetry import Telemetry
@@ -56,9 +56,9 @@ class ServiceDirectory:
         result = []
         for _, value in sorted(self._view.items.items()):
             try:
-                result.append(json.loads(value)["address"])
-            except (ValueError, KeyError):
-                log.warning("malformed %s registration: %r", self.kind, value)
+                result.append(address_of(value))
+            except ValueError as exc:
+                log.warning("malformed %s registration: %s", self.kind, exc)
         return result
 
     def channel(self, address: str) -> grpc.aio.Channel:
@@ -101,9 +101,9 @@ class LeaderDirectory:
             return None
         key, value = first
         try:
-            address = json.loads(value)["address"]
-        except (ValueError, KeyError):
-            log.warning("malformed leader record at %s: %r", key, value)
+            address = address_of(value)
+        except ValueError as exc:
+            log.warning("malformed leader record at %s: %s", key, exc)
             return None
         return LeaderRecord(key, self._view.create_revisions.get(key, 0), address)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
@@ -14,6 +13,7 @@ from baton.v1 import kvindex_pb2, kvindex_pb2_grpc, node_agent_pb2, node_agent_p
 from services.common import etcd_keys
 from services.common.directory import ChannelPool
 from services.common.errors import BatonError, InvalidArgument, Unavailable, abort
+from services.common.etcd_records import address_of
 from services.common.etcd_session import Membership, PrefixView
 from services.common.kv_event_proto import event_from_proto
 from services.common.server import ServingNames, serve_once
@@ -80,9 +80,9 @@ class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
         addresses = {}
         for key, value in items.items():
             try:
-                addresses[key.removeprefix(etcd_keys.NODES)] = json.loads(value)["address"]
-            except (ValueError, KeyError):
-                log.warning("malformed node registration at %s", key)
+                addresses[key.removeprefix(etcd_keys.NODES)] = address_of(value)
+            except ValueError as exc:
+                log.warning("malformed node registration at %s: %s", key, exc)
         live = set(addresses)
         for node_id in live - set(self._node_addresses):
             if node_id in self._departed:

@@ -12,6 +12,8 @@ import aetcd
 
 from services.common import etcd_keys
 from services.common.election import Election, NotLeader
+from services.common.errors import shown
+from services.common.etcd_records import address_of, json_object
 from services.common.etcd_session import PrefixView
 from services.common.timeouts import within
 
@@ -48,6 +50,8 @@ class LeaderRole:
         self._view = PrefixView(client, etcd_keys.SCHEDULER_ELECTION, self._on_election_changed)
         # This replica's election key once the view has shown it: its absence later means deletion.
         self._key_seen: str | None = None
+        # The malformed election record last warned of (leader() is asked often).
+        self._malformed: str | None = None
         self._save_state = save_state
         self._restore_state = restore_state
         self._persist_interval_s = persist_interval_s
@@ -115,8 +119,17 @@ class LeaderRole:
         first = self._view.first()
         if first is None:
             return None
-        record = json.loads(first[1])
-        return record["instance_id"], record["address"]
+        try:
+            record = json_object(first[1])
+            instance_id, address = record.get("instance_id"), address_of(first[1])
+            if not isinstance(instance_id, str):
+                raise ValueError(f"instance_id={shown(instance_id)}: not a string")
+        except ValueError as exc:  # no replica wrote it: none leads while it stands first (helper-181)
+            if self._malformed != first[0]:
+                self._malformed = first[0]
+                log.warning("malformed election record at %s, first in line: %s", first[0], exc)
+            return None
+        return instance_id, address
 
     async def fenced_put(self, key: str, value: bytes) -> None:
         await self._election.fenced_put(key, value)
@@ -153,8 +166,9 @@ class LeaderRole:
             return
         if stored is not None:
             try:
-                self._restore_state(json.loads(stored.value))
-            except (ValueError, KeyError) as exc:
+                self._restore_state(json_object(stored.value))
+            except Exception as exc:  # noqa: BLE001 - a record that is not a state (`5` crashed every replica in
+                # turn as each took over, helper-181): start from nothing rather than not at all
                 log.warning("ignoring unreadable predecessor state: %s", exc)
 
     async def _lead(self) -> None:

@@ -10,6 +10,7 @@ import pytest
 from baton.client import BatonClient, Completion
 from baton.cluster import ClusterSpec, LocalCluster
 from baton.v1 import common_pb2
+from services.common.etcd_session import connect
 from tests.integration.conftest import MODEL, wait_until
 from tests.reference import reference_completion
 
@@ -64,3 +65,29 @@ async def test_sigterm_finishes_in_flight_streams_then_deregisters(small_cluster
     assert serving.proc is not None and serving.proc.wait(10) == 0
     wait_until(lambda: serving.name not in node_ids(small_cluster), 10, f"{serving.name} to deregister")
 
+
+
+# Records no Baton process wrote, where services and nodes are listed: JSON that is not an object.
+JUNK_RECORDS = {"/baton/services/scheduler/zz-junk": b"[]", "/baton/services/kvindex/zz-junk": b"5",
+                "/baton/nodes/zz-junk": b"5"}
+
+
+async def test_records_that_are_not_registrations_are_skipped_and_the_cluster_serves_on(
+        small_cluster: LocalCluster) -> None:
+    """One `[]` under /baton/services/scheduler/ killed every node agent within half a second, and a `5` under
+    /baton/nodes/ froze the kvindex's view of the nodes (helper-181). Each reader now skips such a record, saying so."""
+    async with connect(small_cluster.etcd_endpoint) as client:
+        for key, value in JUNK_RECORDS.items():
+            await client.put(key.encode(), value)
+    for process, line in [*((node, "malformed scheduler registration") for node in small_cluster.nodes),
+                          *((node, "malformed kvindex registration") for node in small_cluster.nodes),
+                          (small_cluster.kvindex, "malformed node registration at /baton/nodes/zz-junk")]:
+        assert process is not None
+        wait_until(lambda p=process, line=line: line in p.log_path.read_text(errors="replace"), 15,
+                   f"{process.name} to read the junk record")
+    assert small_cluster.router is not None
+    async with BatonClient(small_cluster.router.address) as client:
+        results = [await client.complete(MODEL, f"beside the junk {i}", max_tokens=4) for i in range(6)]
+    assert all(r.finish_reason for r in results)
+    assert all(p.proc is not None and p.proc.poll() is None for p in small_cluster.processes)
+    assert node_ids(small_cluster) == {"node-0", "node-1", "node-2"}

@@ -32,7 +32,7 @@ async def test_a_key_added_while_another_is_revoked_leaves_that_one_revoked(
 
     monkeypatch.setattr(TenantRecord, "with_key", with_key_while_revoked)
     record, second_key = await tenants.add_tenant(etcd.address, "acme")
-    (listed,) = await tenants.list_tenants(etcd.address)
+    (listed,), _ = await tenants.list_tenants(etcd.address)
     assert listed == record
     revoked = {key.key_hash: bool(key.revoked_at_ms) for key in listed.keys}
     assert revoked == {hash_api_key(first_key): True, hash_api_key(second_key): False}
@@ -44,4 +44,4 @@ async def test_a_tenant_no_router_would_take_is_not_created(etcd: ManagedProcess
     """A 200-character tenant was created, and its key then refused on every request (helper-164)."""
     with pytest.raises(ValueError, match=why):
         await tenants.add_tenant(etcd.address, tenant)
-    assert await tenants.list_tenants(etcd.address) == []
+    assert await tenants.list_tenants(etcd.address) == ([], [])

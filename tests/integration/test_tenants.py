@@ -13,6 +13,9 @@ from baton.cli import main as baton_main
 from baton.client import BatonClient, Completion
 from baton.cluster import ClusterSpec, LocalCluster
 from baton.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.common import etcd_keys
+from services.common.auth import TenantRecord
+from services.common.etcd_session import connect
 from services.router.request_scope import cluster_request_id
 from tests.integration.conftest import MODEL, eventually, wait_until
 from tests.reference import reference_completion
@@ -124,6 +127,49 @@ async def test_a_key_revoked_with_the_cli_is_refused_as_revoked(
 
     await eventually(refused_as_revoked, 10, "the revoked key to be refused")
     assert key not in (await refusal(secured, key)).details()
+
+
+# Records under /baton/tenants/ no `baton tenants` wrote: not an object, a list for a name, and one that holds another
+# tenant's name (and so would hold its keys, which a revocation by that name would never reach).
+JUNK_RECORDS = {"zz-five": b"5", "zz-list": b'{"tenant": ["x"]}', "zz-impostor": None}
+
+
+async def test_records_that_are_not_tenants_are_named_and_a_revocation_still_takes_effect(
+        secured: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One record of `5` made every router's and scheduler's view of the tenants fail to update, so a key revoked
+    meanwhile was still taken, and a new tenant's refused (helper-181)."""
+    cli = ["--state", str(tmp_path / "none.json"), "tenants", "--etcd", secured.etcd_endpoint]
+    assert baton_main([*cli, "add", "mallory"]) == 0
+    key = capsys.readouterr().out.strip()
+    wait_known(secured, key)
+    async with connect(secured.etcd_endpoint) as client:
+        mallory = TenantRecord.from_json((await client.get(etcd_keys.tenant_key("mallory").encode())).value)
+        for name, value in JUNK_RECORDS.items():
+            await client.put(etcd_keys.tenant_key(name).encode(), value or mallory.to_json())
+        try:
+            assert baton_main([*cli, "revoke", "mallory"]) == 0
+            newcomer = add_tenant(secured, "newcomer")  # known to the router and the scheduler, junk and all
+
+            async def refused_as_revoked() -> bool:
+                try:
+                    await complete(secured, key, "still welcome?")
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code() == grpc.StatusCode.UNAUTHENTICATED and "revoked" in exc.details()
+                return False
+
+            await eventually(refused_as_revoked, 10, "the revoked key to be refused")
+            assert (await complete(secured, newcomer, "welcome?")).finish_reason
+            capsys.readouterr()
+            assert baton_main([*cli, "list"]) == 0
+            listed = capsys.readouterr()
+            assert "mallory: weight 1" in listed.out and "newcomer" in listed.out
+            for name, why in (("zz-five", "a JSON number (5), not an object"),
+                              ("zz-list", "tenant=['x']: not a string"),
+                              ("zz-impostor", "holds tenant 'mallory', not its own name's")):
+                assert f"/baton/tenants/{name}: " in listed.err and why in listed.err, listed.err
+        finally:
+            for name in JUNK_RECORDS:
+                await client.delete(etcd_keys.tenant_key(name).encode())
 
 
 async def test_another_tenants_identical_prompt_finds_nothing_cached(secured: LocalCluster) -> None:

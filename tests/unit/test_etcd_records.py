@@ -1,0 +1,80 @@
+"""Records read from etcd that no Baton process wrote: each reader skips such a record, saying why, and goes on
+(helper-181: one `5` killed every node agent, another every scheduler replica in turn as each took over)."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from services.common.auth import TenantKeys, TenantRecord
+from services.common.etcd_records import address_of, json_object
+from services.scheduler.leadership import LeaderRole
+
+NOT_OBJECTS = [(b"5", "a JSON number (5), not an object"), (b"[]", "a JSON array ([]), not an object"),
+               (b'"x"', "a JSON string ('x'), not an object"), (b"null", "a JSON null (null), not an object"),
+               (b"true", "a JSON boolean (true), not an object"), (b"{", "Expecting"), (b"\xff", "decode"),
+               (b"[" * 100_000, "nested too deeply")]
+
+
+@pytest.mark.parametrize(("value", "why"), NOT_OBJECTS)
+def test_what_is_not_a_json_object_is_a_value_error_saying_why(value: bytes, why: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(why)):
+        json_object(value)
+
+
+@pytest.mark.parametrize("value", [b'{"address": 5}', b'{"address": ""}', b'{"addr": "h:1"}', b"5"])
+def test_a_record_without_a_string_address_has_none(value: bytes) -> None:
+    with pytest.raises(ValueError):
+        address_of(value)
+    assert address_of(b'{"address": "127.0.0.1:1", "more": [1]}') == "127.0.0.1:1"
+
+
+def role(restored: list[dict[str, Any]], stored: bytes | None = None) -> LeaderRole:
+    async def get(key: bytes) -> SimpleNamespace | None:
+        return None if stored is None else SimpleNamespace(value=stored)
+
+    def restore(state: dict[str, Any]) -> None:
+        restored.append(state)
+        state["nodes"].items()  # as a real restore reads it: a record without it raises
+
+    return LeaderRole(SimpleNamespace(get=get), "me", "127.0.0.1:1", 3,  # type: ignore[arg-type]
+                      save_state=dict, restore_state=restore)
+
+
+@pytest.mark.parametrize("stored", [b"5", b"[1]", b'{"no": "nodes"}', b'{"nodes": 5}'])
+async def test_a_predecessor_state_that_is_not_one_is_ignored_and_the_leader_starts_fresh(stored: bytes) -> None:
+    restored: list[dict[str, Any]] = []
+    await role(restored, stored)._take_over()
+    assert len(restored) == (stored.startswith(b"{") and 1 or 0)
+    await role(restored, b'{"nodes": {}}')._take_over()
+    assert restored[-1] == {"nodes": {}}
+
+
+@pytest.mark.parametrize("first", [b"5", b"junk", b'{"address": "h:1"}', b'{"instance_id": 3, "address": "h:1"}'])
+def test_an_election_record_first_in_line_that_no_replica_wrote_shows_no_leader(first: bytes) -> None:
+    leader = role([])
+    leader._view.items = {"/baton/election/scheduler/a": first,
+                          "/baton/election/scheduler/b": b'{"instance_id": "s1", "address": "h:2"}'}
+    leader._view.create_revisions = {"/baton/election/scheduler/a": 1, "/baton/election/scheduler/b": 2}
+    assert leader.leader() is None
+    leader._view.create_revisions["/baton/election/scheduler/a"] = 3
+    assert leader.leader() == ("s1", "h:2")
+
+
+def tenant_items(**values: bytes) -> dict[str, bytes]:
+    return {f"/baton/tenants/{name}": value for name, value in values.items()}
+
+
+def test_tenant_records_that_are_not_tenants_are_skipped_and_the_others_kept() -> None:
+    alice = TenantRecord("alice").with_key("bt_a", 1)
+    keys = TenantKeys.from_etcd_items(tenant_items(
+        alice=alice.to_json(), five=b"5", listed=b'{"tenant": ["x"]}', admin=b'{"tenant": "admin", "is_admin": 1}',
+        weighty=b'{"tenant": "weighty", "weight": "9"}', keyless=b'{"tenant": "keyless", "keys": [5]}',
+        extra=b'{"tenant": "extra", "color": "red"}', impostor=TenantRecord("alice").with_key("bt_b", 1).to_json()))
+    assert set(keys.records) == {"alice"}
+    assert keys.tenant_from_key("bt_a") == alice
+    with pytest.raises(Exception, match="unknown"):
+        keys.tenant_from_key("bt_b")  # held under another tenant's name: never that tenant's key
