@@ -12,7 +12,7 @@ import grpc
 from baton.v1 import kvindex_pb2, kvindex_pb2_grpc, node_agent_pb2, node_agent_pb2_grpc
 from services.common import etcd_keys
 from services.common.directory import ChannelPool
-from services.common.errors import BatonError, InvalidArgument, Unavailable, abort
+from services.common.errors import BatonError, InvalidArgument, Unavailable, abort, shown
 from services.common.etcd_records import address_of
 from services.common.etcd_session import Membership, PrefixView
 from services.common.kv_event_proto import event_from_proto
@@ -22,6 +22,16 @@ from services.kvindex.config import KVIndexConfig
 from services.kvindex.index import KVIndex
 
 log = logging.getLogger(__name__)
+
+# The most block hashes one batch of KV events may hold: an engine's batch is a few steps' blocks. 1,000,000 in one
+# batch held the kvindex 1.8 s and grew it by 385 MB, and two such let its own etcd lease lapse (helper-181). A node
+# refused one opens its stream again and catches up from a snapshot.
+MAX_BATCH_BLOCKS = 1 << 16
+
+
+def _num_hashes(event: kvindex_pb2.KVEvent) -> int:
+    kind = event.WhichOneof("event")
+    return len(getattr(event, kind).block_hashes) if kind in ("stored", "removed") else 0
 
 
 class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
@@ -121,6 +131,10 @@ class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
         is_synced = False
         async for batch in request_iterator:
             node_id = batch.node_id
+            if (blocks := sum(_num_hashes(event) for event in batch.events)) > MAX_BATCH_BLOCKS:
+                await abort(context, InvalidArgument(f"events (node {shown(node_id)}, seq {batch.seq})",
+                                                     f"{blocks} block hashes", f"more than {MAX_BATCH_BLOCKS} in one "
+                                                     "batch; a node that made it catches up from a snapshot"))
             last = self._last_seq.get(node_id)
             if not is_synced or last is None or batch.seq > last + 1:
                 try:
@@ -128,6 +142,12 @@ class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
                 except BatonError as error:
                     await abort(context, error)
                 is_synced = True
+                if batch.seq > last:
+                    # It came before the snapshot was asked for, so the snapshot holds it and its seq: a node's
+                    # batch never outruns its own snapshot. One that does would have every later real batch dropped
+                    # as "already in the snapshot" (seq 2^64 - 1 froze a node's entries, helper-181).
+                    await abort(context, InvalidArgument(f"seq (node {shown(node_id)})", batch.seq,
+                                                         f"beyond the node's own snapshot (seq {last})"))
             if batch.seq <= last:
                 continue  # the snapshot already holds it
             for message in batch.events:
@@ -140,12 +160,12 @@ class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
         """Replace node_id's blocks with a snapshot from the node; the snapshot's seq."""
         address = self._node_addresses.get(node_id)
         if address is None:
-            raise Unavailable(f"node {node_id} is not registered in etcd; cannot take its KV snapshot")
+            raise Unavailable(f"node {shown(node_id)} is not registered in etcd; cannot take its KV snapshot")
         stub = node_agent_pb2_grpc.NodeAgentStub(self._node_channels.get(address))
         try:
             snapshot = await stub.GetKVSnapshot(node_agent_pb2.GetKVSnapshotRequest(), timeout=5.0)
         except grpc.aio.AioRpcError as exc:
-            raise Unavailable(f"KV snapshot of node {node_id} failed: {exc.code().name}") from None
+            raise Unavailable(f"KV snapshot of node {shown(node_id)} failed: {exc.code().name}") from None
         self._index.reset_node(node_id, snapshot.model, list(snapshot.block_hashes))
         self._last_seq[node_id] = snapshot.seq
         self._snapshots.add(1, {"node": node_id})

@@ -9,9 +9,11 @@ from services.router.validation import ModelEntry
 
 def models_from_registrations(items: dict[str, bytes], lapsed: frozenset[str] = frozenset()) -> dict[str, ModelEntry]:
     """One entry per model name, counting the nodes where it is warm; lapsed registrations (held
-    for their grace period) and draining nodes keep a model served but count no warm node."""
+    for their grace period) and draining nodes keep a model served but count no warm node. Its context is the
+    largest any node registers, as the scheduler takes it (one node registering 0 made the router refuse every
+    request for the model, helper-181); its tokenizer and vocabulary the first node's, in node-id order."""
     entries: dict[str, ModelEntry] = {}
-    for key, value in items.items():
+    for key, value in sorted(items.items()):
         info = parse_node_info(key, value)
         if info is None:
             continue
@@ -21,9 +23,9 @@ def models_from_registrations(items: dict[str, bytes], lapsed: frozenset[str] = 
             warm = (known.num_warm_nodes if known else 0) + int(counts)
             entries[model.name] = ModelEntry(
                 name=model.name,
-                max_context_tokens=model.max_context_tokens,
-                tokenizer=model.tokenizer,
-                vocab_size=model.vocab_size,
+                max_context_tokens=max(model.max_context_tokens, known.max_context_tokens if known else 0),
+                tokenizer=known.tokenizer if known else model.tokenizer,
+                vocab_size=known.vocab_size if known else model.vocab_size,
                 num_warm_nodes=warm,
             )
     return entries

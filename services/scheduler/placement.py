@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from baton.protocol import DEFAULT_TENANT
 from services.common.block_hash import DEFAULT_BLOCK_SIZE
-from services.common.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from services.common.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unavailable, shown
 from services.common.load import Load
 from services.scheduler.admission import Outcome, Ticket
 from services.scheduler.fleet import ClusterView, NodeStatus, saturation
@@ -133,15 +133,15 @@ class Placer:
                   if self.cluster.has_model(m, now)]
         if not models and not any(self.cluster.is_listed(s, now) for s in self.cluster.nodes()):
             # None registered yet, or every one gone: either passes, and NOT_FOUND is a code no client retries.
-            raise Unavailable(f"model={request.model!r}: no node is registered with this cluster now (starting, or "
-                              "all gone); retry")
-        alternatives = f" (nor {', '.join(ask.alternative_models)})" if ask.alternative_models else ""
+            raise Unavailable(f"model={shown(request.model)}: no node is registered with this cluster now "
+                              "(starting, or all gone); retry")
+        alternatives = f" (nor {', '.join(map(shown, ask.alternative_models))})" if ask.alternative_models else ""
         if not models and any(self.cluster.served_lately(m, now) for m in (request.model, *ask.alternative_models)):
             # Their nodes died, drained or restart: an outage to retry through, not a name the client got wrong.
-            raise Unavailable(f"model={request.model!r}{alternatives}: served by this cluster lately, by no node now "
-                              "(its nodes are gone or restarting); retry")
+            raise Unavailable(f"model={shown(request.model)}{alternatives}: served by this cluster lately, by no node "
+                              "now (its nodes are gone or restarting); retry")
         if not models:
-            raise NotFound(f"model={request.model!r}: no registered node has it{alternatives}")
+            raise NotFound(f"model={shown(request.model)}: no registered node has it{alternatives}")
         if not ask.retry_cause and not ask.resumed:  # before it counts, waits or makes room for anything
             self._refuse_the_impossible(request, models)
         charged_at = None
@@ -204,8 +204,8 @@ class Placer:
     def no_candidates(self, plan: Plan, waited_s: float = 0.0) -> Unavailable:
         """waited_s: how long the request waited for the model planner to make room for its model."""
         excluded = plan.ask.exclude
-        return Unavailable(f"model={plan.ask.request.model!r}: no live node has it warm, or a free GPU to load it, "
-                           f"with KV cache for {plan.needed_blocks * DEFAULT_BLOCK_SIZE} tokens"
+        return Unavailable(f"model={shown(plan.ask.request.model)}: no live node has it warm, or a free GPU to load "
+                           f"it, with KV cache for {plan.needed_blocks * DEFAULT_BLOCK_SIZE} tokens"
                            + (f" (excluded: {', '.join(sorted(excluded))})" if excluded else "")
                            + (f"; waited {waited_s:.1f} s for the model planner to load it on a node, and none was "
                               "given it" if waited_s >= 0.05 else ""))
@@ -332,7 +332,7 @@ class Placer:
         fresh = [dataclasses.replace(o, candidates=plan.candidates[o.request.model]) for o in options]
         fresh = [o for o in fresh if o.candidates]
         if not fresh:
-            raise Unavailable(f"model={plan.ask.request.model!r}: no live node left for it after queueing")
+            raise Unavailable(f"model={shown(plan.ask.request.model)}: no live node left for it after queueing")
         self._check_deadline(plan.ask.request, fresh, now, waited_s=now - plan.started_at, resumed=plan.ask.resumed)
         return fresh
 

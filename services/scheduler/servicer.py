@@ -24,12 +24,20 @@ from services.common.auth import TenantKeys
 from services.common.change_signal import ChangeSignal, wait_or_timeout
 from services.common.config import MAX_PRICE_PER_HOUR
 from services.common.directory import ChannelPool, ServiceDirectory
-from services.common.errors import BatonError, FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable, abort
+from services.common.errors import (
+    BatonError,
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    Unavailable,
+    abort,
+    shown,
+)
 from services.common.etcd_session import Membership, PrefixView
 from services.common.failure_cause import RETRY_CAUSES
 from services.common.load import load_from_proto, load_to_proto
 from services.common.node_registration import parse_node_info
-from services.common.profile_proto import profile_from_proto
+from services.common.profile_proto import profile_from_proto, profile_problem
 from services.common.request_context import context_fields, context_of
 from services.common.server import ServingNames
 from services.common.telemetry import Telemetry
@@ -42,12 +50,19 @@ from services.scheduler.gate import AdmissionGate
 from services.scheduler.leadership import LeaderRole
 from services.scheduler.model_loader import ModelLoader
 from services.scheduler.model_planner import ModelAction, ModelPlanner
-from services.scheduler.placement import (DeadlineOutOfReach, LeftOutOfReach, PlaceAsk, Placer, Plan, Unmeetable,
-                                         ticket_of)
+from services.scheduler.placement import (
+    DeadlineOutOfReach,
+    LeftOutOfReach,
+    PlaceAsk,
+    Placer,
+    Plan,
+    Unmeetable,
+    ticket_of,
+)
 from services.scheduler.policies import Decision, PlacementRequest, make_policy
 from services.scheduler.retry_budget import RetryBudget
 from services.scheduler.tasks import TaskLedger, json_str_bytes, request_task, workflow_task
-from services.scheduler.validation import check_finished, check_live_requests, check_place
+from services.scheduler.validation import check_finished, check_live_requests, check_load, check_place
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +146,10 @@ def _price(price_per_hour: float) -> float:
 
 def node_spec(info: common_pb2.NodeInfo) -> NodeSpec:
     profiles = {m.name: p for m in info.models if (p := profile_from_proto(m)) is not None}
+    for m in info.models:
+        if m.HasField("profile") and (problem := profile_problem(m.profile)):
+            log.warning("node %s registered a profile for %s that cannot be used (%s): placed as a node without one",
+                        shown(info.node_id), shown(m.name), problem)
     # A step's token budget is the warm model's engine's (chunked prefill); 2048 until it registers one.
     warm = [profiles[m.name] for m in info.models if m.is_warm and m.name in profiles]
     return NodeSpec(
@@ -873,6 +892,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self, request_iterator: AsyncIterator[common_pb2.NodeLoad], context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ReportLoadAck:
         async for load in request_iterator:
+            try:
+                check_load(load)
+            except BatonError as error:  # the stream ends; the node's reports before it stand
+                log.warning("refused a load report: %s", error)
+                await abort(context, error)
             if load.node_id in self._draining_infos:
                 self._draining_loads[load.node_id] = (load, self._clock())
                 continue

@@ -10,10 +10,10 @@ at once with INVALID_ARGUMENT.
 from __future__ import annotations
 
 from baton.protocol import MAX_ALTERNATIVE_MODELS
-from baton.v1 import scheduler_pb2
+from baton.v1 import common_pb2, scheduler_pb2
 from services.common.block_hash import DEFAULT_BLOCK_SIZE
 from services.common.config import MAX_INSTANCE_ID_LEN
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, shown
 from services.common.failure_cause import RETRY_CAUSES
 from services.common.request_context import check_context
 
@@ -91,6 +91,26 @@ def check_finished(request: scheduler_pb2.FinishedRequest, max_context_tokens: i
         raise InvalidArgument("num_output_tokens", request.num_output_tokens,
                               f"must be 0 to {request.model}'s context ({max_context_tokens})" if max_context_tokens
                               else "must not be negative")
+
+
+# The largest count a load report may hold (KV blocks, prompt tokens, requests): far beyond any engine's, and small
+# enough that the placement's sums of them stay exact and within int64 (kv_blocks_used=-2**63 made every Place fail
+# UNKNOWN on the overflow, helper-181). A decode step's reported time: at most an hour.
+MAX_LOAD_COUNT = 1 << 48
+MAX_STEP_MS = 3_600_000.0
+
+
+def check_load(load: common_pb2.NodeLoad) -> None:
+    """Refuse a load report no engine makes (a count below 0 or past MAX_LOAD_COUNT, a step time not finite or
+    past MAX_STEP_MS), naming its node, the field and its value."""
+    for field in ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "active_decode_blocks",
+                  "pending_prefill_tokens", *(("num_received",) if load.HasField("num_received") else ())):
+        value = getattr(load, field)
+        if not 0 <= value <= MAX_LOAD_COUNT:
+            raise InvalidArgument(f"{field} (node {shown(load.node_id)})", value, f"must be 0 to {MAX_LOAD_COUNT}")
+    if not 0 <= load.recent_decode_step_ms <= MAX_STEP_MS:  # (NaN fails it too)
+        raise InvalidArgument(f"recent_decode_step_ms (node {shown(load.node_id)})", load.recent_decode_step_ms,
+                              f"must be 0 to {MAX_STEP_MS:.0f} ms")
 
 
 def check_live_requests(request: scheduler_pb2.LiveRequests, max_live_ids: int, max_id_len: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
@@ -18,7 +18,7 @@ from services.common.load import Load
 from services.common.telemetry import Telemetry
 from services.kvindex.config import KVIndexConfig
 from services.kvindex.index import KVIndex
-from services.kvindex.servicer import KVIndexService
+from services.kvindex.servicer import MAX_BATCH_BLOCKS, KVIndexService
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.fleet import NodeSpec
 from services.scheduler.servicer import SchedulerService
@@ -341,3 +341,66 @@ async def test_with_every_kvindex_replica_frozen_placements_go_without_cache_inf
         await scheduler.close()
         for server in servers:
             await server.stop(None)
+
+
+def _service_with_node_a(monkeypatch: pytest.MonkeyPatch, snapshot_seq: int) -> KVIndexService:
+    """A replica whose node a, when asked for a snapshot, holds PROMPT's blocks at snapshot_seq."""
+    service = KVIndexService(KVIndexConfig(), Telemetry("kvindex/test", "none"))
+    service.caught_up.set()
+
+    async def catch_up(node_id: str) -> int:
+        service._index.reset_node(node_id, M, list(PROMPT))
+        service._last_seq[node_id] = snapshot_seq
+        return snapshot_seq
+
+    monkeypatch.setattr(service, "_catch_up", catch_up)
+    return service
+
+
+async def publish(service: KVIndexService, *batches: kvindex_pb2.KVEventBatch) -> kvindex_pb2.PublishAck:
+    async def stream() -> AsyncIterator[kvindex_pb2.KVEventBatch]:
+        for batch in batches:
+            yield batch
+
+    return await service.Publish(stream(), FakeContext())  # type: ignore[arg-type]
+
+
+def stored_batch(seq: int, *hashes: int) -> kvindex_pb2.KVEventBatch:
+    return kvindex_pb2.KVEventBatch(node_id="a", model=M, seq=seq, events=[event_to_proto(_stored(*hashes))])
+
+
+@pytest.mark.timeout(10)
+async def test_a_batch_beyond_the_nodes_own_snapshot_is_refused_and_the_nodes_real_batches_still_count(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of seq 2^64 - 1 was taken, and every real batch of that node dropped after it as "already in the
+    snapshot": its new prefixes never reached placement (helper-181). No node's batch outruns its own snapshot."""
+    service = _service_with_node_a(monkeypatch, snapshot_seq=7)
+    try:
+        with pytest.raises(Refused) as refused:
+            await publish(service, kvindex_pb2.KVEventBatch(node_id="a", model=M, seq=2**64 - 1))
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "seq (node 'a')=18446744073709551615: beyond the node's own snapshot (seq 7)" in str(refused.value)
+        ack = await publish(service, kvindex_pb2.KVEventBatch(node_id="a", model=M, seq=7), stored_batch(8, 99))
+        assert ack.last_seq == 8
+        assert service._index.overlap(M, [99]) == {"a": 1}
+    finally:
+        await service.close()
+
+
+@pytest.mark.timeout(10)
+async def test_a_batch_of_more_block_hashes_than_an_engine_makes_is_refused_naming_its_size(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """1,000,000 hashes in one batch held the kvindex 1.8 s and two such let its etcd lease lapse (helper-181)."""
+    service = _service_with_node_a(monkeypatch, snapshot_seq=1)
+    try:
+        with pytest.raises(Refused) as refused:
+            await publish(service, kvindex_pb2.KVEventBatch(node_id="a", model=M, seq=1),
+                          stored_batch(2, *range(1, MAX_BATCH_BLOCKS + 2)))
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"'{MAX_BATCH_BLOCKS + 1} block hashes': more than {MAX_BATCH_BLOCKS} in one batch" in str(refused.value)
+        assert service._index.num_blocks("a") == len(PROMPT)
+        ack = await publish(service, kvindex_pb2.KVEventBatch(node_id="a", model=M, seq=1),
+                            stored_batch(2, *range(1, MAX_BATCH_BLOCKS + 1)))
+        assert ack.last_seq == 2
+    finally:
+        await service.close()

@@ -90,3 +90,16 @@ def test_a_lapsed_registration_keeps_its_model_served_but_counts_no_warm_node() 
     assert models_from_registrations(items)["m"].num_warm_nodes == 2
     held = models_from_registrations(items, frozenset({"/baton/nodes/a", "/baton/nodes/b"}))
     assert held["m"].num_warm_nodes == 0
+
+
+def test_the_routers_context_for_a_model_is_the_largest_its_nodes_register_whichever_is_read_last() -> None:
+    """One extra registration saying 0 made every request for the model `does not fit the context window of 0`,
+    where two nodes served it at 8,192 (helper-181): the router took whichever record it read last."""
+    def with_context(node_id: str, context: int) -> bytes:
+        info = common_pb2.NodeInfo(node_id=node_id, models=[common_pb2.ModelInfo(
+            name="m", is_warm=True, max_context_tokens=context, tokenizer="t", vocab_size=256)])
+        return json_format.MessageToJson(info).encode()
+
+    for last in ("a", "z"):
+        items = {"/baton/nodes/b": with_context("b", 8192), f"/baton/nodes/{last}": with_context(last, 0)}
+        assert models_from_registrations(items)["m"].max_context_tokens == 8192

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -16,7 +17,7 @@ from services.common.load import Load
 from services.common.telemetry import Telemetry
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.fleet import NodeSpec
-from services.scheduler.servicer import SchedulerService
+from services.scheduler.servicer import SchedulerService, node_spec
 from tests.unit.leading import fake_leadership
 from tests.unit.sim_profiles import sim_profiles
 from tests.unit.test_place_during_election import FakeContext, Refused
@@ -191,3 +192,59 @@ async def test_a_retry_cause_no_router_sends_is_refused_and_labels_no_metric(mon
                   for p in m.data.data_points) == [
         ("INVALID_ARGUMENT", "unknown", 3), *(("OK", cause, 1) for cause in sorted(RETRY_CAUSES))]
 
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"kv_blocks_used": -2**63}, "kv_blocks_used (node 'n0')=-9223372036854775808: must be 0 to"),
+    ({"kv_blocks_total": 2**62}, "kv_blocks_total (node 'n0')=4611686018427387904: must be 0 to"),
+    ({"num_running": -1}, "num_running (node 'n0')=-1"),
+    ({"pending_prefill_tokens": -5}, "pending_prefill_tokens (node 'n0')=-5"),
+    ({"num_received": -1}, "num_received (node 'n0')=-1"),
+    ({"recent_decode_step_ms": float("nan")}, "recent_decode_step_ms (node 'n0')=nan: must be 0 to 3600000 ms"),
+    ({"recent_decode_step_ms": -1.0}, "recent_decode_step_ms (node 'n0')=-1.0"),
+])
+@pytest.mark.timeout(10)
+async def test_a_load_report_no_engine_makes_is_refused_by_name_and_placement_goes_on(
+        monkeypatch: pytest.MonkeyPatch, fields: dict, named: str) -> None:
+    """One report of kv_blocks_used=-2^63 made every Place fail UNKNOWN (an int64 overflow in the decision's record)
+    while the router waited for "a leader" (helper-181). It is refused, and the node's last good report stands."""
+    fake_leadership(monkeypatch, lambda: True)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    service._role.elected.set()
+    service._cluster.set_nodes([NodeSpec(node_id="n0", address="n0:1", gpu="h100", price_per_hour=1.0,
+                                         warm_models=frozenset({MODEL}), profiles=sim_profiles("h100", MODEL))])
+
+    async def reports() -> AsyncIterator[common_pb2.NodeLoad]:
+        yield common_pb2.NodeLoad(node_id="n0", kv_blocks_total=1000, num_running=2)
+        yield common_pb2.NodeLoad(node_id="n0", **{"kv_blocks_total": 1000, **fields})
+
+    try:
+        with pytest.raises(Refused) as refused:
+            await service.ReportLoad(reports(), FakeContext())  # type: ignore[arg-type]
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert named in str(refused.value)
+        assert service._cluster.get("n0").load.num_running == 2  # type: ignore[union-attr]
+        placement = await service.Place(scheduler_pb2.PlaceRequest(**GOOD), FakeContext())  # type: ignore[arg-type]
+        assert placement.node_id == "n0"
+    finally:
+        await service.close()
+
+
+@pytest.mark.parametrize(("profile", "why"), [
+    ({"a_ms": float("nan")}, "a_ms=nan: not a finite time of 0 or more"),
+    ({"d_ms": -1e6, "b_ms_per_tok": -5.0}, "b_ms_per_tok=-5.0: not a finite time of 0 or more"),
+    ({"f_ms_per_ctx_tok": float("inf")}, "f_ms_per_ctx_tok=inf"),
+    ({"num_kv_blocks": -1}, "num_kv_blocks=-1: negative"),
+    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens=0: not positive"),
+])
+def test_a_registered_profile_no_engine_measures_is_not_used(profile: dict, why: str,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A NaN or negative profile took every placement: the NaN score compared first won the minimum (helper-181).
+    Such a profile is not used, and the scheduler says why: the node is placed as one without a profile."""
+    good = dict(a_ms=5.0, b_ms_per_tok=0.1, max_num_batched_tokens=2048, kv_block_size=16, num_kv_blocks=100,
+                source=common_pb2.PROFILE_SOURCE_CALIBRATED)
+    models = [common_pb2.ModelInfo(name=MODEL, is_warm=True, profile=common_pb2.EngineProfile(**{**good, **profile})),
+              common_pb2.ModelInfo(name="other", profile=common_pb2.EngineProfile(**good))]
+    spec = node_spec(common_pb2.NodeInfo(node_id="bad", address="bad:1", gpu="h100", models=models))
+    assert set(spec.profiles) == {"other"}
+    assert f"node 'bad' registered a profile for 'm' that cannot be used ({why}" in caplog.text

@@ -99,7 +99,7 @@ def test_a_model_whose_nodes_are_all_gone_is_unavailable_to_retry_while_others_s
     with pytest.raises(NotFound, match="model='x': no registered node has it"):
         placer.start(_ask(model="x"), 11.0)
     # Nor when a router placed it for its alternative that has gone, its own model long gone (or unknown here).
-    with pytest.raises(Unavailable, match=r"model='x' \(nor m\): served by this cluster lately"):
+    with pytest.raises(Unavailable, match=r"model='x' \(nor 'm'\): served by this cluster lately"):
         placer.start(dataclasses.replace(_ask(model="x"), alternative_models=(M,)), 11.0)
     with pytest.raises(NotFound, match="model='m': no registered node has it"):
         placer.start(_ask(), 10.0 + GONE_MODEL_MEMORY_S + 1)
