@@ -440,6 +440,9 @@ async def _generate(routers: list[str], origin: str, args: argparse.Namespace) -
                     print(f"\n[{chunk.request_id} on {chunk.node_id}: {finish_reason_of(chunk)}; "
                           f"prompt {usage.prompt_tokens}, cached {usage.cached_tokens}, completion "
                           f"{usage.completion_tokens}; GPU time {usage.gpu_ms:.1f} ms]", file=sys.stderr)
+        except ValueError as exc:  # a field the request cannot hold: a non-UTF-8 argument (a traceback, helper-182)
+            print(f"baton generate: {exc}", file=sys.stderr)
+            return 2
         except grpc.aio.AioRpcError as exc:
             details = exc.details() or ""
             if details.startswith(EVERY_ROUTER_FAILED):  # the client named each router tried: say from where

@@ -20,6 +20,7 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from baton.protocol import AUTHORIZATION_KEY, ORIGIN_KEY, is_baton_status, is_transport_failure
 from baton.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.common.errors import shown
 from services.common.reconnect import CLIENT_CONNECT_OPTIONS, CLIENT_KEEPALIVE_OPTIONS, RECONNECT_OPTIONS
 
 # The router a stream fails over to may be one this client could not reach a moment ago (restarting, or
@@ -117,7 +118,10 @@ class BatonClient:
             raise ValueError("prompt and prompt_token_ids: give one of them, not both")
         request = _generate_request(model, fields)
         if prompt is not None:
-            request.prompt = prompt
+            try:
+                request.prompt = prompt
+            except ValueError as exc:  # a lone surrogate (a non-UTF-8 argument, decoded by Python)
+                raise ValueError(f"prompt={shown(prompt)}: {exc}") from None
         if prompt_token_ids is not None:
             request.prompt_token_ids.ids.extend(prompt_token_ids)
         if not request.request_id:
@@ -127,7 +131,12 @@ class BatonClient:
         # deadline_ms counts from the request's arrival at a router: a resumed stream sends the part left of it,
         # not the whole again (each router counts from its own arrival).
         deadline_ms = request.deadline_ms
-        received: list[int] = []
+        # A caller resuming a stream itself (resume=...) sends the tokens it has and the times of its first send: on
+        # a failover they are sent again with those received since, the times still counted from that first send
+        # (only those received here were, and the stream went on as if the caller's had never been: helper-182).
+        received: list[int] = list(request.resume.token_ids)
+        before_ms = request.resume.elapsed_ms
+        had_first_token = request.resume.HasField("first_token_ms")
         first_token_at: float | None = None
         last_token_at: float | None = None
         failovers = 0
@@ -140,9 +149,10 @@ class BatonClient:
                 del request.resume.token_ids[:]
                 request.resume.token_ids.extend(received)
             if failovers and first_token_at is not None:  # its TTFT was what it was, wherever it resumes
-                request.resume.first_token_ms = int((first_token_at - sent) * 1000)
+                if not had_first_token:
+                    request.resume.first_token_ms = before_ms + int((first_token_at - sent) * 1000)
                 assert last_token_at is not None
-                request.resume.last_token_ms = int((last_token_at - sent) * 1000)
+                request.resume.last_token_ms = before_ms + int((last_token_at - sent) * 1000)
             channel = self._channels[self.addresses[index]]
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             if failovers and deadline_ms:  # what is left of it; passed while the stream moved: ended, tokens kept
@@ -155,7 +165,7 @@ class BatonClient:
             if failovers and deadline_ms:  # after any wait for the channel: that time is gone too
                 request.deadline_ms = self._deadline_left_ms(deadline_ms, sent, request.request_id, len(received))
             if failovers:  # its TTFT and TPOT are judged from when it was first sent
-                request.resume.elapsed_ms = max(int((time.monotonic() - sent) * 1000),
+                request.resume.elapsed_ms = max(before_ms + int((time.monotonic() - sent) * 1000),
                                                 request.resume.first_token_ms)
             call = router_pb2_grpc.RouterStub(channel).Generate(request, timeout=remaining, metadata=self._metadata)
             try:
@@ -185,8 +195,9 @@ class BatonClient:
                 call.cancel()
 
     async def complete(self, model: str, prompt: str | None = None, **kwargs: object) -> Completion:
-        """The whole completion at once."""
-        result = Completion()
+        """The whole completion at once; with resume=, the part after the resumed tokens (from first_index)."""
+        resume = kwargs.get("resume")
+        result = Completion(first_index=len(resume.token_ids) if isinstance(resume, router_pb2.Resume) else 0)
         async for chunk in self.generate(model, prompt, **kwargs):
             result.add(chunk)
         return result
@@ -264,16 +275,18 @@ def _generate_request(model: str, fields: dict[str, object]) -> router_pb2.Gener
               for name, value in fields.items()}
     try:
         return router_pb2.GenerateRequest(model=model, **fields)
-    except (ValueError, TypeError) as exc:
-        for name, value in fields.items():
+    except (ValueError, TypeError):
+        for name, value in {"model": model, **fields}.items():
             try:
                 router_pb2.GenerateRequest(**{name: value})
-            except (ValueError, TypeError):
+            except (ValueError, TypeError) as own:
                 field = router_pb2.GenerateRequest.DESCRIPTOR.fields_by_name.get(name)
                 bounds = _RANGES.get(field.type) if field is not None else None
                 if bounds is not None and isinstance(value, int) and not bounds[0] <= value <= bounds[1]:
                     raise ValueError(f"{name}={value!r}: out of range [{bounds[0]}, {bounds[1]}]") from None
-                raise type(exc)(f"{name}={value!r}: {exc}") from None
+                # (not type(exc): a UnicodeEncodeError, a lone surrogate's, takes five arguments: helper-182)
+                raise (ValueError if isinstance(own, ValueError) else TypeError)(f"{name}={shown(value)}: {own}") \
+                    from None
         raise
 
 
@@ -287,9 +300,11 @@ def _deadline_passed(deadline_ms: int, request_id: str, num_received: int) -> gr
 
 
 class Completion:
-    """A whole streamed completion, assembled from its chunks."""
+    """A whole streamed completion, assembled from its chunks: token_ids and text from first_index on (a resumed
+    stream's chunks start after the resumed tokens)."""
 
-    def __init__(self) -> None:
+    def __init__(self, first_index: int = 0) -> None:
+        self.first_index = first_index
         self.token_ids: list[int] = []
         self.text = ""
         self.request_id = ""
@@ -302,8 +317,9 @@ class Completion:
         self.is_exact = True
 
     def add(self, chunk: router_pb2.GenerateChunk) -> None:
-        if chunk.index != len(self.token_ids):
-            raise ValueError(f"chunk index {chunk.index} but {len(self.token_ids)} tokens received")
+        if chunk.index != self.first_index + len(self.token_ids):
+            raise ValueError(f"chunk index {chunk.index} but {len(self.token_ids)} tokens received after index "
+                             f"{self.first_index}")
         self.token_ids.extend(chunk.token_ids)
         self.text += chunk.text
         self.num_chunks += 1

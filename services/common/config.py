@@ -233,5 +233,7 @@ def check_listen(name: str, value: str) -> None:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"--{name.replace('_', '-')}: expected host:port, got {value!r}")
+    if not host.isprintable():  # a control character, or a non-UTF-8 argument's lone surrogate (helper-182)
+        raise ValueError(f"--{name.replace('_', '-')}: the host in {value!r} is not printable UTF-8")
     if int(port) > 65535:  # (gRPC took 99999 for 34463, helper-161)
         raise ValueError(f"--{name.replace('_', '-')}: port {port} is past 65535, in {value!r}")

@@ -468,10 +468,10 @@ class HttpApi:
             except BatonError as error:
                 # Past the headers a failure can only be an event; the openai client raises it.
                 _, error_body, _ = schema.error_response(error, parsed.names)
-                await _send_events(response, [error_body])
+                await _send_events(response, [*builder.held_events(), error_body])
             except asyncio.CancelledError:
                 if self._cutting:  # (else its client hung up: there is no one to tell)
-                    await _end_cut(request, response, parsed)
+                    await _end_cut(request, response, parsed, builder)
                 raise
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
@@ -492,14 +492,15 @@ async def _say_cut(request: web.Request, status: int, say: Callable[[], Awaitabl
             await say()
 
 
-async def _end_cut(request: web.Request, response: web.StreamResponse, parsed: schema.ParsedRequest) -> None:
+async def _end_cut(request: web.Request, response: web.StreamResponse, parsed: schema.ParsedRequest,
+                   builder: schema.ResponseBuilder) -> None:
     """A stream the router's stop cuts at the end of its grace ends with an error event and [DONE], as a failure does:
     cut without one, the client saw a broken connection, and over HTTP/1.0 a stream that looked whole but for its
     missing [DONE] (helper-166)."""
     _, error_body, _ = schema.error_response(_cut("stream"), parsed.names)
 
     async def say() -> None:
-        await _send_events(response, [error_body])
+        await _send_events(response, [*builder.held_events(), error_body])
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
 

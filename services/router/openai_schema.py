@@ -425,6 +425,11 @@ class StopTrimmer:
                     return out[:-len(stop)]
         return out
 
+    def held(self) -> str:
+        """The text held back, now given up: the stream ends without a finish (an error), so no stop completed."""
+        out, self._pending = self._pending, ""
+        return out
+
 
 def usage_json(usage: common_pb2.Usage) -> dict[str, Any]:
     return {
@@ -502,6 +507,15 @@ class ResponseBuilder:
             if self._include_usage:
                 events.append({**self._envelope(True), "choices": [], "usage": usage_json(chunk.usage)})
         return events
+
+    def held_events(self) -> list[dict[str, Any]]:
+        """The event of the text held back for a stop string, for a stream that ends with an error event instead of a
+        finish: what was generated before the failure is sent before it (helper-182: up to the longest stop's
+        length was lost, where the same request without stop got its text)."""
+        text = self._trimmer.held()
+        if not text or not self._id:
+            return []
+        return [self._chunk_event({"content": text} if self._kind == CHAT else text, None)]
 
     def _chunk_event(self, delta: dict[str, Any] | str, finish: str | None) -> dict[str, Any]:
         if self._kind == CHAT:

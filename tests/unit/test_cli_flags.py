@@ -421,3 +421,20 @@ def test_a_broken_pipe_not_of_its_output_is_said_not_taken_for_the_reader_gone(
     monkeypatch.setattr(cli, "cmd_status", writes_to_a_closed_socket)
     assert cli.main(["status", "--scheduler", "127.0.0.1:1"]) == 1
     assert "baton: [Errno 32] Broken pipe" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["caf\udce9"], "prompt='caf\\udce9'"), (["--model", "caf\udce9", "hi"], "model='caf\\udce9'"),
+    (["--stop", "caf\udce9", "hi"], "stop=['caf\\udce9']"), (["--tenant", "caf\udce9", "hi"], "tenant='caf\\udce9'"),
+])
+def test_generate_refuses_an_argument_that_is_not_utf8_naming_it(
+        argv: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Latin-1 terminal's "café" printed a traceback (three chained ones for --stop and --tenant: helper-182)."""
+    assert cli.main(["generate", "--router", f"127.0.0.1:{free_port()}", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"baton generate: {named}: ") and "Traceback" not in err, err
+
+
+def test_generate_refuses_a_router_address_that_is_not_utf8(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["generate", "--router", "caf\udce9:1", "hi"]) == 2
+    assert "--router: the host in 'caf\\udce9:1' is not printable UTF-8" in capsys.readouterr().err

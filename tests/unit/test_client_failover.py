@@ -162,25 +162,27 @@ def _as_seen(request: router_pb2.GenerateRequest) -> Seen:
 
 
 async def _fail_over_at(monkeypatch: pytest.MonkeyPatch, dies_after_s: float, deadline_ms: int,
-                        seen: list[Seen], received: list[int]) -> None:
+                        seen: list[Seen], received: list[int], resume: router_pb2.Resume | None = None) -> None:
     """A stream with deadline_ms whose router dies dies_after_s (on the client's clock) after the request was
     sent, with tokens [7] (at once) and [8] (just before it dies) out, and a router that finishes it with [9].
     seen: each router's _as_seen of the request as it was called; received: the tokens the client got, up to an
-    error if one ended it."""
+    error if one ended it. resume: the caller's own (its tokens come before [7])."""
     clock = [100.0]
     monkeypatch.setattr("baton.client.time", types.SimpleNamespace(monotonic=lambda: clock[0]))
 
     class Dying(router_pb2_grpc.RouterServicer):
         async def Generate(self, request, context):  # noqa: N802 - the generated servicer's name
             seen.append(_as_seen(request))
-            yield router_pb2.GenerateChunk(request_id=request.request_id, token_ids=[7], index=0, node_id="n1")
-            yield router_pb2.GenerateChunk(request_id=request.request_id, token_ids=[8], index=1, node_id="n1")
+            at = len(request.resume.token_ids)
+            yield router_pb2.GenerateChunk(request_id=request.request_id, token_ids=[7], index=at, node_id="n1")
+            yield router_pb2.GenerateChunk(request_id=request.request_id, token_ids=[8], index=at + 1, node_id="n1")
             await context.abort(grpc.StatusCode.UNAVAILABLE, "router going away")
 
     class Live(router_pb2_grpc.RouterServicer):
         async def Generate(self, request, context):  # noqa: N802 - the generated servicer's name
             seen.append(_as_seen(request))
-            yield router_pb2.GenerateChunk(request_id=request.request_id, token_ids=[9], index=2, node_id="n2",
+            yield router_pb2.GenerateChunk(request_id=request.request_id, token_ids=[9],
+                                           index=len(request.resume.token_ids), node_id="n2",
                                            finish_reason=common_pb2.FINISH_REASON_LENGTH)
 
     servers, addresses = [], []
@@ -194,7 +196,8 @@ async def _fail_over_at(monkeypatch: pytest.MonkeyPatch, dies_after_s: float, de
     client = BatonClient(addresses, max_failovers=1)
     try:
         async with asyncio.timeout(30):
-            async for chunk in client.generate("m", prompt="hi", max_tokens=3, deadline_ms=deadline_ms):
+            async for chunk in client.generate("m", prompt="hi", max_tokens=3, deadline_ms=deadline_ms,
+                                               **({"resume": resume} if resume is not None else {})):
                 if not received:  # its router dies this long after the first chunk reached the client
                     clock[0] += dies_after_s
                 received.extend(chunk.token_ids)
@@ -216,6 +219,21 @@ async def test_a_resumed_stream_sends_the_part_of_its_deadline_left_not_the_whol
     assert received == [7, 8, 9]
     # Its first token came at once, its last 3 s in; it was sent again then.
     assert seen == [(4000, [], 0, None, None), (1000, [7, 8], 3000, 0, 3000)]
+
+
+@pytest.mark.asyncio
+async def test_a_stream_the_caller_resumed_fails_over_with_the_callers_tokens_and_times_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The caller resumes a stream itself (its first token 200 ms, its last 400 ms after its first send, 500 ms
+    before this call). The failover sent only the tokens received since, and the next router generated the
+    caller's part over again: 220 tokens where the run has 200, silently different (helper-182)."""
+    seen: list[Seen] = []
+    received: list[int] = []
+    resume = router_pb2.Resume(token_ids=[1, 2], elapsed_ms=500, first_token_ms=200, last_token_ms=400)
+    await _fail_over_at(monkeypatch, 3.0, 0, seen, received, resume)
+    assert received == [7, 8, 9]
+    assert seen == [(0, [1, 2], 500, 200, 400), (0, [1, 2, 7, 8], 3500, 200, 3500)]
 
 
 @pytest.mark.asyncio
@@ -249,6 +267,43 @@ async def test_a_value_the_request_cannot_hold_is_a_value_error_naming_its_field
                 pass
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize("value", ["a\ud800", "caf\udce9"])
+@pytest.mark.parametrize("field", ["prompt", "model", "stop", "tenant", "request_id", "alternative_models"])
+async def test_a_string_that_is_not_utf8_is_a_value_error_naming_its_field(field: str, value: str) -> None:
+    """A lone surrogate (a non-UTF-8 argument as Python decodes it) raised `TypeError: function takes exactly 5
+    arguments (1 given)`, or protobuf's own error naming no field (helper-182)."""
+    client = BatonClient("127.0.0.1:1")
+    args = {"model": "m", "prompt": "hi", field: value}
+    try:
+        with pytest.raises(ValueError, match=rf"^{field}=.*surrogates not allowed"):
+            async for _ in client.generate(args.pop("model"), args.pop("prompt"), **args):
+                pass
+    finally:
+        await client.close()
+
+
+class _ResumingRouter(router_pb2_grpc.RouterServicer):
+    async def Generate(self, request, context):  # noqa: N802 - the generated servicer's name
+        yield router_pb2.GenerateChunk(request_id=request.request_id, token_ids=[7, 8],
+                                       index=len(request.resume.token_ids), node_id="n1",
+                                       finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+
+async def test_a_resumed_completion_holds_the_part_after_the_resumed_tokens() -> None:
+    """complete() with resume= raised `chunk index 3 but 0 tokens received` once the tokens were generated and paid
+    for (helper-182)."""
+    port, server = free_port(), grpc.aio.server()
+    router_pb2_grpc.add_RouterServicer_to_server(_ResumingRouter(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    try:
+        async with BatonClient(f"127.0.0.1:{port}") as client:
+            result = await client.complete("m", "hi", resume=router_pb2.Resume(token_ids=[1, 2, 3]))
+        assert (result.first_index, result.token_ids) == (3, [7, 8])
+    finally:
+        await server.stop(None)
 
 
 class _QuietRouter(router_pb2_grpc.RouterServicer):

@@ -318,6 +318,28 @@ async def test_a_failure_mid_stream_reaches_the_client_as_an_error_after_the_tex
         await http.close()
 
 
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+async def test_a_failure_mid_stream_sends_the_text_held_back_for_a_stop_before_its_error(kind: str) -> None:
+    """Text that might begin a stop string is held back until the next shows it does not; a stream ending with an
+    error gave that text up, where the same request without stop got it (helper-182: 0 characters of 88 tokens)."""
+    http, client = await _client(_FakeRouter(["Hel", "lo"], DeadlineExceeded("deadline_ms=1450: passed")))
+    received = []
+    try:
+        if kind == "chat":
+            stream = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                                          stream=True, stop=["Q" * 300])
+        else:
+            stream = await client.completions.create(model="m", prompt="x", stream=True, stop=["Q" * 300])
+        with pytest.raises(openai.APIError) as caught:
+            async for event in stream:
+                received.append(event.choices[0].delta.content or "" if kind == "chat" else event.choices[0].text)
+        assert "deadline_ms=1450: passed" in caught.value.message
+        assert "".join(received) == "Hello"
+    finally:
+        await client.close()
+        await http.close()
+
+
 @pytest.mark.parametrize(("method", "path", "data", "status", "param"), [
     ("POST", "/v1/completions", b"{not json", 400, "body"),
     ("POST", "/v1/completions", b"\xff\xfe\x00", 400, "body"),
