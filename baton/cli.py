@@ -73,6 +73,11 @@ def node_engines(args: argparse.Namespace) -> list[str]:
 
 def invalid_up_flag(args: argparse.Namespace) -> str | None:
     """What is wrong with `baton up`'s flags, named, before anything starts (None: nothing)."""
+    # Cycled over the nodes: an empty entry would shift every node after it (it was dropped without a word, where
+    # `baton sim --loads 1,,2` is refused: helper-182).
+    for flag, value in (("--gpus", args.gpus), ("--engines", args.engines or "")):
+        if value and any(not item.strip() for item in value.split(",")):
+            return f"{flag} {value!r}: an empty entry between commas"
     gpus = _split(args.gpus)
     unknown = [g for g in gpus if g not in GPU_SPECS]
     if not gpus or unknown:

@@ -57,6 +57,8 @@ def record(state_dir: Path, name: str, pid: int, routers: Sequence[str] = ("127.
 
 @pytest.mark.parametrize(("flags", "named"), [
     (["--gpus", "h100,rtx4090"], "--gpus 'h100,rtx4090': unknown GPU 'rtx4090'; known: "),
+    (["--gpus", "h100,,l4"], "--gpus 'h100,,l4': an empty entry between commas"),
+    (["--engines", "sim,"], "--engines 'sim,': an empty entry between commas"),
     (["--model", "gpt-9"], "--model 'gpt-9': not a simulated model; known: "),
     (["--cold-models", "sim-llama-2-7b,nope"], "--cold-models 'nope': not a simulated model"),
     (["--policy", "fastest"], "--policy 'fastest': unknown; known: round_robin"),
