@@ -196,8 +196,9 @@ class BatonClient:
 
     async def complete(self, model: str, prompt: str | None = None, **kwargs: object) -> Completion:
         """The whole completion at once; with resume=, the part after the resumed tokens (from first_index)."""
-        resume = kwargs.get("resume")
-        result = Completion(first_index=len(resume.token_ids) if isinstance(resume, router_pb2.Resume) else 0)
+        resume = kwargs.get("resume")  # a Resume, or its fields as a dict (protobuf takes either)
+        result = Completion(first_index=0 if resume is None else len(_generate_request(model, {
+            "resume": resume}).resume.token_ids))
         async for chunk in self.generate(model, prompt, **kwargs):
             result.add(chunk)
         return result

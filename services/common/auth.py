@@ -19,6 +19,7 @@ import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 
+from services.common import etcd_keys
 from services.common.errors import Unauthenticated, shown
 from services.common.etcd_records import json_object
 
@@ -172,8 +173,9 @@ class TenantKeys:
                 record = TenantRecord.from_json(value)
             except ValueError:
                 continue
-            # One under another tenant's name would hold that tenant's keys, never revoked by its name.
-            if record.tenant == key.rpartition("/")[2]:
+            # One under another tenant's name, or a copy further down (/baton/tenants/old/alice), would hold that
+            # tenant's keys, never revoked by its name (helper-183).
+            if key == etcd_keys.tenant_key(record.tenant):
                 records.append(record)
         return cls.from_records(records)
 

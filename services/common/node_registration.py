@@ -20,7 +20,7 @@ def parse_node_info(key: str, value: bytes, quiet: bool = False) -> common_pb2.N
     """
     try:
         return json_format.Parse(value, common_pb2.NodeInfo(), ignore_unknown_fields=True)
-    except json_format.ParseError:
+    except (json_format.ParseError, ValueError):  # (bytes not UTF-8 raised past it and froze the view: helper-183)
         if not quiet:
             log.warning("malformed node registration at %s", key)
         return None

@@ -41,6 +41,8 @@ class NodeSpec:
     # policies predict from. A model without one (an engine still calibrating) is placed by a fallback.
     engine: str = ""
     profiles: dict[str, EngineProfile] = field(default_factory=dict, compare=False)
+    # Each model's context window here, in tokens (absent or 0: not registered; taken to fit).
+    context_tokens: dict[str, int] = field(default_factory=dict, compare=False)
 
     def has(self, model: str) -> bool:
         """model is warm here or on the node's disk (loading, or cold)."""
@@ -92,6 +94,12 @@ class NodeStatus:
         needed_block_size tokens (this node's blocks may be larger: vLLM's are 32 tokens on CPU); True if unknown."""
         capacity = self.kv_capacity(model)
         return capacity is None or capacity * self.spec.kv_block_size >= needed_blocks * needed_block_size
+
+    def fits(self, model: str, tokens: int) -> bool:
+        """Whether tokens (prompt + max_tokens) fit model's context window here; True if unknown. In a fleet whose
+        nodes run a model with different windows, the router and Place check against the largest (helper-183)."""
+        context = self.spec.context_tokens.get(model, 0)
+        return context <= 0 or tokens <= context
 
     def idle_s(self, now: float) -> float:
         """How long the node has had nothing in flight and nothing placed (0 while it has)."""
@@ -195,24 +203,26 @@ class ClusterView:
         return not status.is_lapsed or self.is_live(status, now)
 
     def candidates(self, model: str, now: float, exclude: frozenset[str] = frozenset(),
-                   needed_blocks: int = 0) -> list[NodeStatus]:
-        """Live nodes with model warm whose KV cache could hold needed_blocks, in node-id order."""
+                   needed_blocks: int = 0, needed_tokens: int = 0) -> list[NodeStatus]:
+        """Live nodes with model warm whose KV cache could hold needed_blocks and whose context window
+        needed_tokens, in node-id order."""
         return [
             status
             for node_id, status in sorted(self._nodes.items())
             if model in status.spec.warm_models and node_id not in exclude and self.is_live(status, now)
-            and status.can_hold(model, needed_blocks)
+            and status.can_hold(model, needed_blocks) and status.fits(model, needed_tokens)
         ]
 
     def cold_candidates(self, model: str, now: float, exclude: frozenset[str] = frozenset(),
-                        needed_blocks: int = 0) -> list[NodeStatus]:
+                        needed_blocks: int = 0, needed_tokens: int = 0) -> list[NodeStatus]:
         """Live nodes that could serve model once it is loaded: it is on their disk and their GPU is
-        free (or already loading it), and its KV cache there could hold needed_blocks. They serve
-        nothing until warm."""
+        free (or already loading it), and its KV cache there could hold needed_blocks and its context
+        window needed_tokens. They serve nothing until warm."""
         return [
             status
             for node_id, status in sorted(self._nodes.items())
-            if node_id not in exclude and self.is_live(status, now) and status.can_hold(model, needed_blocks) and (
+            if node_id not in exclude and self.is_live(status, now) and status.can_hold(model, needed_blocks)
+            and status.fits(model, needed_tokens) and (
                 model in status.spec.loading_models or (model in status.spec.cold_models and status.spec.is_empty))
         ]
 

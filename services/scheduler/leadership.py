@@ -168,8 +168,10 @@ class LeaderRole:
             try:
                 self._restore_state(json_object(stored.value))
             except Exception as exc:  # noqa: BLE001 - a record that is not a state (`5` crashed every replica in
-                # turn as each took over, helper-181): start from nothing rather than not at all
-                log.warning("ignoring unreadable predecessor state: %s", exc)
+                # turn as each took over, helper-181): lead on what was read before it rather than not at all
+                log.warning("unreadable predecessor state (%s: %s): leading on what was read of it before that (the "
+                            "retry budget, workflows and demand whole, or none of them), the rest from nothing",
+                            type(exc).__name__, exc)
 
     async def _lead(self) -> None:
         """Persist state until leadership is lost."""

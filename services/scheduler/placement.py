@@ -182,16 +182,17 @@ class Placer:
         plan.candidates = {}
         for m in plan.models:
             exclude = plan.ask.exclude | changing(m)
-            plan.candidates[m] = (self.candidates(m, now, exclude | draining, plan.needed_blocks)
-                                  or self.candidates(m, now, exclude, plan.needed_blocks))
+            plan.candidates[m] = (self.candidates(m, now, exclude | draining, plan)
+                                  or self.candidates(m, now, exclude, plan))
 
-    def candidates(self, model: str, now: float, exclude: frozenset[str], needed_blocks: int) -> list[NodeStatus]:
+    def candidates(self, model: str, now: float, exclude: frozenset[str], plan: Plan) -> list[NodeStatus]:
         """Nodes with model warm; with those whose free GPU could load it when the policy weighs load
-        time or no node has it warm. Never a node whose KV cache for model is too small."""
-        warm = self.cluster.candidates(model, now, exclude, needed_blocks)
+        time or no node has it warm. Never a node whose KV cache or context window for model is too small."""
+        tokens = plan.ask.request.num_prompt_tokens + plan.ask.request.max_tokens
+        warm = self.cluster.candidates(model, now, exclude, plan.needed_blocks, tokens)
         if warm and not self.policy.weighs_cold_nodes:
             return warm
-        return warm + self.cluster.cold_candidates(model, now, exclude, needed_blocks)
+        return warm + self.cluster.cold_candidates(model, now, exclude, plan.needed_blocks, tokens)
 
     def is_saturated(self, now: float) -> bool:
         """Whether the fleet has no room for more: llm-d's saturation of the live nodes that have reported

@@ -146,10 +146,6 @@ def _price(price_per_hour: float) -> float:
 
 def node_spec(info: common_pb2.NodeInfo) -> NodeSpec:
     profiles = {m.name: p for m in info.models if (p := profile_from_proto(m)) is not None}
-    for m in info.models:
-        if m.HasField("profile") and (problem := profile_problem(m.profile)):
-            log.warning("node %s registered a profile for %s that cannot be used (%s): placed as a node without one",
-                        shown(info.node_id), shown(m.name), problem)
     # A step's token budget is the warm model's engine's (chunked prefill); 2048 until it registers one.
     warm = [profiles[m.name] for m in info.models if m.is_warm and m.name in profiles]
     return NodeSpec(
@@ -166,6 +162,7 @@ def node_spec(info: common_pb2.NodeInfo) -> NodeSpec:
         kv_blocks={m.name: m.kv_blocks for m in info.models},
         engine=info.engine,
         profiles=profiles,
+        context_tokens={m.name: m.max_context_tokens for m in info.models},
         **({"max_num_batched_tokens": warm[0].max_num_batched_tokens} if warm else {}),
     )
 
@@ -196,6 +193,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._gate = AdmissionGate(self._admission, self._is_saturated, telemetry.meter, clock,
                                    config.max_tenant_labels)
         self._node_infos: dict[str, common_pb2.NodeInfo] = {}
+        # (node, model, why) of the registered profiles that cannot be used, as last logged.
+        self._unusable_profiles: set[tuple[str, str, str]] = set()
         # Nodes draining out of the fleet (SIGTERM), and the last load each reported with when (the clock's): no
         # candidates, but running their streams and paid for, so GetClusterState shows them (it left them out while
         # their streams ran on, helper-158).
@@ -333,11 +332,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                         "price_per_hour": self.fleet_price_per_hour()})
             log.info("leading again on its own state (no other leader wrote one since)")
             return
+        # Read whole before any is applied: a record that is not a state leaves them as they were (helper-183).
         budget = state["retry_budget"]
-        self._retry_budget.restore(int(budget["requests"]), int(budget["retries"]), self._clock())
-        self._policy.restore_workflow_state({k: float(v) for k, v in state.get("workflow_spent", {}).items()})
-        self._planner.restore_demand({k: float(v) for k, v in state.get("model_demand_age_s", {}).items()},
-                                     self._clock())
+        requests, retries = int(budget["requests"]), int(budget["retries"])
+        workflow_spent = {k: float(v) for k, v in state.get("workflow_spent", {}).items()}
+        demand = {k: float(v) for k, v in state.get("model_demand_age_s", {}).items()}
+        self._retry_budget.restore(requests, retries, self._clock())
+        self._policy.restore_workflow_state(workflow_spent)
+        self._planner.restore_demand(demand, self._clock())
         if "admission" in state:
             self._take_over_admission(state["admission"])
         if "tasks" in state:
@@ -369,10 +371,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     def _on_nodes_changed(self, items: dict[str, bytes]) -> None:
         specs, infos, lapsed, draining_price, draining = [], {}, set(), 0.0, {}
+        unusable = set()
         for key, value in items.items():
             info = parse_node_info(key, value)
             if info is None:
                 continue
+            for m in info.models:  # said once a registration, not again at every change of another node's
+                if m.HasField("profile") and (problem := profile_problem(m.profile)):
+                    unusable.add(entry := (info.node_id, m.name, problem))
+                    if entry not in self._unusable_profiles:
+                        log.warning("node %s registered a profile for %s that cannot be used (%s): placed as a node "
+                                    "without one", shown(info.node_id), shown(m.name), problem)
             if info.draining:  # leaving cleanly: its streams finish, nothing new goes there; still paid for
                 # Its streams' GPU time is charged at its price.
                 price = self._prices[info.node_id] = _price(info.price_per_hour)
@@ -385,6 +394,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if key in self._nodes.lapsed:
                 lapsed.add(info.node_id)
         self._node_infos = infos
+        self._unusable_profiles = unusable
         self._draining_price_per_hour = draining_price
         self._draining_infos = draining
         self._draining_loads = {n: load for n, load in self._draining_loads.items() if n in draining}

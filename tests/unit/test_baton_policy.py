@@ -384,7 +384,38 @@ def test_no_trial_of_a_busy_node_a_refined_one_one_that_would_miss_or_one_withou
     assert chosen(BatonPolicy(), request(4000, ttft_budget_ms=300), [fast, calibrated("slow", "h100", 40.0)]) == "fast"
     # The busy node holds the prompt's prefix: a trial would throw the cache away.
     assert chosen(BatonPolicy(), request(2000), [fast, calibrated("slow", "h100", 3.0)], {"fast": 100}) == "fast"
-    # A workflow's later step (what its earlier steps spent is at stake) is not a trial.
+    # A workflow's later step (what its earlier steps spent is at stake) is not a trial, nor a prioritised request.
     policy = BatonPolicy()
     policy.workflow_spent["w"] = 0.01
     assert chosen(policy, request(200, workflow="w"), [fast, calibrated("slow", "h100", 3.0)]) == "fast"
+    prioritised = dataclasses.replace(request(200), priority=1)
+    assert chosen(BatonPolicy(), prioritised, [fast, calibrated("slow", "h100", 3.0)]) == "fast"
+    # A node where the model is cold is no trial: it would be loaded for it.
+    cold_slow = calibrated("slow", "h100", 3.0)
+    cold_slow = dataclasses.replace(cold_slow, spec=dataclasses.replace(cold_slow.spec, warm_models=frozenset()))
+    assert chosen(BatonPolicy(), request(200), [fast, cold_slow]) == "fast"
+
+
+def test_a_trial_keeps_the_model_and_its_note_beside_an_unprofiled_candidate() -> None:
+    """helper-183: a trial could move a request to another model it accepts on a node of that model; and the note
+    of a candidate without a profile replaced the trial's."""
+    other = "sim-llama-3-8b"
+    fast = calibrated("fast", "h100", num_running=1, active_decode_blocks=8)
+    profile = sim_profiles("h100", other)[other]
+    slower = dataclasses.replace(profile.timing, **{f.name: 3 * getattr(profile.timing, f.name)
+                                                    for f in dataclasses.fields(profile.timing)})
+    slow_other = NodeStatus(spec=NodeSpec("slow-other", "slow-other", "h100", PRICE["h100"], frozenset({other}),
+                                          profiles={other: dataclasses.replace(profile, timing=slower,
+                                                                               source=ProfileSource.CALIBRATED),
+                                                    **calibrated("x", "h100", 3.0).spec.profiles}),
+                            load=Load(kv_blocks_total=25_000))
+    options = [Option(request(200), [fast], {}),
+               Option(dataclasses.replace(request(200), model=other), [slow_other], {})]
+    assert BatonPolicy().choose(request(200), [fast], {}, 0.0).node_id == "fast"
+    index, placed = BatonPolicy().choose_among(options, 0.0)
+    assert (index, placed.node_id, placed.fallback) == (0, "fast", "")
+    bare = NodeStatus(spec=NodeSpec("bare", "bare", "h100", PRICE["h100"], frozenset({MODEL})),
+                      load=Load(kv_blocks_total=25_000))
+    placed = BatonPolicy().choose(request(200), [fast, calibrated("slow", "h100", 3.0), bare], {}, 0.0)
+    assert placed.node_id == "slow"
+    assert placed.fallback.startswith("a trial of slow") and "no engine profile registered by bare" in placed.fallback

@@ -291,16 +291,17 @@ class _ResumingRouter(router_pb2_grpc.RouterServicer):
                                        finish_reason=common_pb2.FINISH_REASON_LENGTH)
 
 
-async def test_a_resumed_completion_holds_the_part_after_the_resumed_tokens() -> None:
+@pytest.mark.parametrize("resume", [router_pb2.Resume(token_ids=[1, 2, 3]), {"token_ids": [1, 2, 3]}])
+async def test_a_resumed_completion_holds_the_part_after_the_resumed_tokens(resume: object) -> None:
     """complete() with resume= raised `chunk index 3 but 0 tokens received` once the tokens were generated and paid
-    for (helper-182)."""
+    for (helper-182), and with the Resume's fields as a dict after the first fix (helper-183)."""
     port, server = free_port(), grpc.aio.server()
     router_pb2_grpc.add_RouterServicer_to_server(_ResumingRouter(), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     try:
         async with BatonClient(f"127.0.0.1:{port}") as client:
-            result = await client.complete("m", "hi", resume=router_pb2.Resume(token_ids=[1, 2, 3]))
+            result = await client.complete("m", "hi", resume=resume)
         assert (result.first_index, result.token_ids) == (3, [7, 8])
     finally:
         await server.stop(None)

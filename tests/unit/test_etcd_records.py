@@ -3,14 +3,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from google.protobuf import json_format
 
+from baton.v1 import common_pb2
 from services.common.auth import TenantKeys, TenantRecord
 from services.common.etcd_records import address_of, json_object
+from services.common.etcd_session import PrefixView
+from services.common.node_registration import parse_node_info
+from services.router.catalogue import models_from_registrations
 from services.scheduler.leadership import LeaderRole
 
 NOT_OBJECTS = [(b"5", "a JSON number (5), not an object"), (b"[]", "a JSON array ([]), not an object"),
@@ -78,3 +85,49 @@ def test_tenant_records_that_are_not_tenants_are_skipped_and_the_others_kept() -
     assert keys.tenant_from_key("bt_a") == alice
     with pytest.raises(Exception, match="unknown"):
         keys.tenant_from_key("bt_b")  # held under another tenant's name: never that tenant's key
+
+
+def test_a_tenant_record_copied_below_its_name_holds_no_key() -> None:
+    """A stale copy at /baton/tenants/old/alice kept alice's revoked key valid: the name was checked against the key's
+    last part only (helper-183)."""
+    alice = TenantRecord("alice").with_key("bt_a", 1)
+    keys = TenantKeys.from_etcd_items({"/baton/tenants/alice": alice.revoked(2).to_json(),
+                                       "/baton/tenants/old/alice": alice.to_json()})
+    with pytest.raises(Exception, match="revoked"):
+        keys.tenant_from_key("bt_a")
+
+
+def test_a_node_registration_that_is_not_utf8_is_skipped() -> None:
+    """Bytes not UTF-8 raised past the parse's own error, and the scheduler's and every router's view of the nodes
+    stayed as it was (helper-183)."""
+    good = json_format.MessageToJson(common_pb2.NodeInfo(node_id="a", models=[common_pb2.ModelInfo(name="m")]))
+    assert parse_node_info("/baton/nodes/x", b"\xff") is None
+    assert set(models_from_registrations({"/baton/nodes/x": b"\xff", "/baton/nodes/a": good.encode()})) == {"m"}
+
+
+class _Listing(list):
+    header = SimpleNamespace(revision=1)
+
+
+async def test_a_key_that_is_not_utf8_is_listed_and_the_view_syncs() -> None:
+    """A key not UTF-8 under a watched prefix failed every listing, and the view stayed as it was for good
+    (helper-183)."""
+    listing = _Listing([SimpleNamespace(key=b"/baton/tenants/\xff", value=b"5", create_revision=1),
+                        SimpleNamespace(key=b"/baton/tenants/alice", value=b"{}", create_revision=1)])
+    never = asyncio.Event()
+
+    async def get_prefix(prefix: bytes) -> _Listing:
+        return listing
+
+    async def watch_prefix(prefix: bytes, start_revision: int) -> AsyncIterator[object]:
+        await never.wait()
+        yield None
+
+    view = PrefixView(SimpleNamespace(get_prefix=get_prefix, watch_prefix=watch_prefix),  # type: ignore[arg-type]
+                      "/baton/tenants/")
+    running = asyncio.create_task(view.run())
+    try:
+        await asyncio.wait_for(view.synced.wait(), 5)
+        assert set(view.items) == {"/baton/tenants/\ufffd", "/baton/tenants/alice"}
+    finally:
+        running.cancel()

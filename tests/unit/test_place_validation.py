@@ -8,16 +8,18 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from google.protobuf import json_format
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from baton.v1 import common_pb2, scheduler_pb2
+from services.common import etcd_keys
 from services.common.failure_cause import RETRY_CAUSES
 from services.common.load import Load
 from services.common.telemetry import Telemetry
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.fleet import NodeSpec
-from services.scheduler.servicer import SchedulerService, node_spec
+from services.scheduler.servicer import SchedulerService
 from tests.unit.leading import fake_leadership
 from tests.unit.sim_profiles import sim_profiles
 from tests.unit.test_place_during_election import FakeContext, Refused
@@ -237,14 +239,23 @@ async def test_a_load_report_no_engine_makes_is_refused_by_name_and_placement_go
     ({"num_kv_blocks": -1}, "num_kv_blocks=-1: negative"),
     ({"max_num_batched_tokens": 0}, "max_num_batched_tokens=0: not positive"),
 ])
-def test_a_registered_profile_no_engine_measures_is_not_used(profile: dict, why: str,
-                                                              caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_registered_profile_no_engine_measures_is_not_used(profile: dict, why: str,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
     """A NaN or negative profile took every placement: the NaN score compared first won the minimum (helper-181).
-    Such a profile is not used, and the scheduler says why: the node is placed as one without a profile."""
+    Such a profile is not used, and the scheduler says why once: the node is placed as one without a profile."""
     good = dict(a_ms=5.0, b_ms_per_tok=0.1, max_num_batched_tokens=2048, kv_block_size=16, num_kv_blocks=100,
                 source=common_pb2.PROFILE_SOURCE_CALIBRATED)
     models = [common_pb2.ModelInfo(name=MODEL, is_warm=True, profile=common_pb2.EngineProfile(**{**good, **profile})),
               common_pb2.ModelInfo(name="other", profile=common_pb2.EngineProfile(**good))]
-    spec = node_spec(common_pb2.NodeInfo(node_id="bad", address="bad:1", gpu="h100", models=models))
-    assert set(spec.profiles) == {"other"}
-    assert f"node 'bad' registered a profile for 'm' that cannot be used ({why}" in caplog.text
+    info = common_pb2.NodeInfo(node_id="bad", address="bad:1", gpu="h100", models=models)
+    service = SchedulerService(SchedulerConfig(), Telemetry("scheduler/test", "none"))
+    registration = {etcd_keys.node_key("bad"): json_format.MessageToJson(info).encode()}
+    try:
+        service._on_nodes_changed(registration)
+        assert set(service._cluster.get("bad").spec.profiles) == {"other"}  # type: ignore[union-attr]
+        warning = f"node 'bad' registered a profile for 'm' that cannot be used ({why}"
+        assert warning in caplog.text
+        service._on_nodes_changed(registration)  # another node's change: not said again
+        assert caplog.text.count(warning) == 1
+    finally:
+        await service.close()

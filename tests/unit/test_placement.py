@@ -479,3 +479,15 @@ def test_a_deadline_out_of_reach_for_the_prompts_just_sent_is_told_to_retry_once
     placer.cluster.report_load("a", Load(kv_blocks_total=100_000, num_running=1), 11.0)
     plan = placer.start(ask, 11.0)
     assert placer.ticket(plan, placer.options(plan, lambda _: {}), 11.0) is not None
+
+
+def test_a_request_goes_only_to_a_node_whose_context_window_holds_it() -> None:
+    """Nodes may run a model with different windows (vLLM's --max-model-len); the router and Place check a request
+    against the largest, and placement then chose among every node, the engine of a smaller one refusing it
+    (helper-183)."""
+    small = dataclasses.replace(_spec("a"), context_tokens={M: 200})
+    large = dataclasses.replace(_spec("b"), context_tokens={M: 4096})
+    # 160 + 16 tokens fit both: the tie goes to a; 160 + 64 only b's.
+    assert _place(_placer(small, large), _ask(max_tokens=16)) == "a"
+    assert _place(_placer(small, large), _ask(max_tokens=64)) == "b"
+    assert _place(_placer(small, large), _ask(max_tokens=64), overlap={"a": 10}) == "b"

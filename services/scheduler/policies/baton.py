@@ -352,7 +352,7 @@ class BatonPolicy(Policy):
             return index, noting_unprofiled(chosen, everyone, NO_PROFILE_FALLBACK, none_scored=True)
         roomy = [entry for entry in scored if entry[0].has_kv_room] or scored
         best_terms, index, best = min(roomy, key=lambda e: (e[0].score, e[0].ttft_ms, e[1], e[2].spec.node_id))
-        trial = self._trial(roomy, options, best_terms, now)
+        trial = self._trial(roomy, options, best_terms, index, now)
         if trial is not None:
             best_terms, index, best = trial
         self._last_terms = [t for t, _, _ in scored]
@@ -370,19 +370,21 @@ class BatonPolicy(Policy):
                 f"real steps; idle, predicted to meet the SLO with chance {best_terms.success:.2f}"))
         return index, noting_unprofiled(chosen, everyone, NOT_SCORED, none_scored=False)
 
-    def _trial(self, scored: list[tuple[Terms, int, NodeStatus]], options: list[Option], best: Terms,
+    def _trial(self, scored: list[tuple[Terms, int, NodeStatus]], options: list[Option], best: Terms, index: int,
                now: float) -> tuple[Terms, int, NodeStatus] | None:
-        """An idle node whose profile is its start-up calibration's, to be tried instead of best (see the module
-        docstring); None when there is none, or when best is one (its trial is counted). Never a request with more at
-        stake than its own cost: a workflow's later step, or one with a priority."""
+        """An idle node whose profile is its start-up calibration's, to be tried instead of best (the best of option
+        index; see the module docstring); None when there is none, or when best is one (its trial is counted). Of the
+        same model only: a trial never changes which model answers. Never a request with more at stake than its own
+        cost: a workflow's later step, or one with a priority."""
+        model = options[index].request.model
 
-        def untried(index: int, status: NodeStatus) -> bool:
-            profile = status.profile(options[index].request.model)
+        def is_calibrated(status: NodeStatus) -> bool:
+            profile = status.profile(model)
             return profile is not None and profile.source is ProfileSource.CALIBRATED
 
         trials = [(t, i, s) for t, i, s in scored
-                  if untried(i, s) and t.warm and num_in_flight(s) == 0 and t.success >= TRIAL_MIN_SUCCESS
-                  and t.cached_tokens >= best.cached_tokens and t.at_risk == 0
+                  if i == index and is_calibrated(s) and t.warm and num_in_flight(s) == 0
+                  and t.success >= TRIAL_MIN_SUCCESS and t.cached_tokens >= best.cached_tokens and t.at_risk == 0
                   and now - self._tried.get(s.spec.node_id, -math.inf) >= TRIAL_EVERY_S]
         if not trials:
             return None

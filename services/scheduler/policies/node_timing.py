@@ -52,4 +52,5 @@ def noting_unprofiled(decision: Decision, candidates: Iterable[tuple[str, NodeSt
         note = f"no engine profile registered by any candidate ({', '.join(missing)}): placed by {fallback}"
     else:
         note = f"no engine profile registered by {', '.join(missing)}: {fallback}"
-    return dataclasses.replace(decision, fallback=note)
+    # After what the policy already said of it (a trial of a node: it was replaced, helper-183).
+    return dataclasses.replace(decision, fallback="; ".join(n for n in (decision.fallback, note) if n))
