@@ -362,8 +362,9 @@ class Admission:
         if limits.tokens_per_minute is not None and ticket.num_tokens > limits.tokens_per_minute:
             return Outcome(Verdict.REJECT, f"with its prompt, {ticket.num_tokens} tokens, more than the whole limit "
                                            f"of tenant {ticket.tenant!r}, {limits.tokens_per_minute} tokens per "
-                                           "minute: no wait would let it in", kind="tenant tokens per minute limit",
-                           never=True)
+                                           "minute: no wait would let it in",
+                           # Its own reason: refused INVALID_ARGUMENT, not the 429 of the limit (helper-185).
+                           kind="tenant tokens per minute less than the request", never=True)
         waiting_tokens = sum(t.num_tokens for t in waiting)
         if (limits.tokens_per_minute is not None
                 and tenant.served_tokens + waiting_tokens + ticket.num_tokens > limits.tokens_per_minute):

@@ -114,6 +114,18 @@ def test_a_tenant_over_its_tokens_per_minute_is_told_when_enough_of_them_expire(
     assert admission.offer(ticket("d", tenant="t", tokens=500), 70.0, False, 0.1).verdict == Verdict.ADMIT
 
 
+def test_a_request_larger_than_its_tenants_whole_minute_is_refused_under_a_reason_of_its_own() -> None:
+    """Refused INVALID_ARGUMENT (no wait lets it in), it was counted under the limit's own reason, beside the 429s
+    (helper-185: the scheduler's metric showed 3 such refusals, where clients got 2 429s and one 400)."""
+    admission = Admission(limits={"t": TenantLimits(tokens_per_minute=1000)})
+    never = admission.offer(ticket("big", tenant="t", tokens=5000), 0.0, False, 0.1)
+    assert (never.verdict, never.never, never.kind) == (Verdict.REJECT, True,
+                                                        "tenant tokens per minute less than the request")
+    admission.on_admitted(ticket("a", tenant="t", tokens=900), 0.0)
+    later = admission.offer(ticket("b", tenant="t", tokens=500), 1.0, False, 0.1)
+    assert (later.verdict, later.never, later.kind) == (Verdict.REJECT, False, "tenant tokens per minute limit")
+
+
 def test_a_tenants_limits_count_its_requests_waiting_for_admission() -> None:
     """On a saturated fleet requests queue, and each takes a slot and its tokens when dispatched: counted only once
     admitted, a tenant at max_concurrency 1 had all three of its requests queued and then run (helper-125)."""

@@ -171,3 +171,26 @@ async def test_a_node_shutting_down_stays_draining_when_its_models_change() -> N
     async with _node() as node:
         await node.before_stop()
         assert json.loads(node._registration())["draining"] is True
+
+
+@pytest.mark.parametrize("speed", [4.0, 50.0])
+async def test_a_sped_up_engine_reports_the_gpu_time_its_steps_took_here(speed: float) -> None:
+    """At --speed 4 the streams were charged their modelled GPU time while the fleet was charged wall time: one node
+    3.5 times the time it existed, the busy-time floor above the whole fleet's cost (helper-185)."""
+    async def gpu_ms(engine_speed: float) -> float:
+        engine = _one_at_a_time(MODEL, engine_speed)
+        runner = asyncio.create_task(engine.run())
+        try:
+            last = None
+            async for output in engine.generate(EngineRequest("r", tuple(range(40)), SamplingParams(
+                    max_tokens=8, ignore_eos=True)), 5.0):
+                if output is not None:
+                    last = output
+            assert last is not None and last.finish_reason is not None
+            return last.gpu_ms
+        finally:
+            runner.cancel()
+
+    modelled = await gpu_ms(0.0)  # no time passes: the modelled time is all there is
+    assert modelled > 0
+    assert await gpu_ms(speed) == pytest.approx(modelled / speed)
