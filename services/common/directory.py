@@ -54,11 +54,11 @@ class ServiceDirectory:
     def addresses(self) -> list[str]:
         """Addresses of the registered instances, in instance-id order."""
         result = []
-        for _, value in sorted(self._view.items.items()):
+        for key, value in sorted(self._view.items.items()):
             try:
                 result.append(address_of(value))
             except ValueError as exc:
-                log.warning("malformed %s registration: %s", self.kind, exc)
+                log.warning("malformed %s registration at %s: %s", self.kind, key, exc)
         return result
 
     def channel(self, address: str) -> grpc.aio.Channel:

@@ -138,7 +138,8 @@ class Election:
         """
         while True:
             listing = await self._client.get_prefix(self._prefix.encode())
-            if not any(kv.key.decode() == key and kv.create_revision == revision for kv in listing):
+            # (Compared as bytes: a key not UTF-8 under the prefix, no candidate's, failed the decoding: helper-186.)
+            if not any(kv.key == key.encode() and kv.create_revision == revision for kv in listing):
                 raise NotLeader(f"election key {key}@{revision} was deleted while campaigning (lease expired)")
             earlier = [kv for kv in listing if kv.create_revision < revision]
             if not earlier:

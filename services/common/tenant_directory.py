@@ -10,7 +10,7 @@ import aetcd
 
 from services.common import etcd_keys
 from services.common.auth import TenantKeys, TenantRecord
-from services.common.errors import Unavailable
+from services.common.errors import Unavailable, shown
 from services.common.etcd_session import PrefixView
 from services.common.timeouts import within
 
@@ -31,9 +31,11 @@ class TenantDirectory:
 
     def _changed(self, items: dict[str, bytes]) -> None:
         self.keys = TenantKeys.from_etcd_items(items)
-        if len(self.keys.records) < len(items):
-            log.warning("%d tenant records under %s do not parse; their keys are refused",
-                        len(items) - len(self.keys.records), etcd_keys.TENANTS)
+        skipped = sorted(key for key in items if key.removeprefix(etcd_keys.TENANTS) not in self.keys.records)
+        if skipped:  # named, as `baton tenants list` names them with why (a count alone said which to no one)
+            log.warning("%d records under %s are not tenant records at their own key, and their keys are refused: "
+                        "%s (`baton tenants list` says why)", len(skipped), etcd_keys.TENANTS,
+                        ", ".join(shown(key) for key in skipped[:5]) + (", ..." if len(skipped) > 5 else ""))
         if self._on_change is not None:
             self._on_change(self.keys)
 

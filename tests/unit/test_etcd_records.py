@@ -14,9 +14,11 @@ from google.protobuf import json_format
 
 from baton.v1 import common_pb2
 from services.common.auth import TenantKeys, TenantRecord
+from services.common.election import Election
 from services.common.etcd_records import address_of, json_object
 from services.common.etcd_session import PrefixView
 from services.common.node_registration import parse_node_info
+from services.common.tenant_directory import TenantDirectory
 from services.router.catalogue import models_from_registrations
 from services.scheduler.leadership import LeaderRole
 
@@ -131,3 +133,24 @@ async def test_a_key_that_is_not_utf8_is_listed_and_the_view_syncs() -> None:
         assert set(view.items) == {"/baton/tenants/\ufffd", "/baton/tenants/alice"}
     finally:
         running.cancel()
+
+
+def test_the_tenant_view_names_the_records_it_skips(caplog: pytest.LogCaptureFixture) -> None:
+    """It logged only how many, and no operator could tell which (helper-186)."""
+    directory = TenantDirectory(None)  # type: ignore[arg-type]
+    directory._changed(tenant_items(alice=TenantRecord("alice").to_json(), five=b"5"))
+    assert set(directory.keys.records) == {"alice"}
+    assert "1 records under /baton/tenants/ are not tenant records at their own key" in caplog.text
+    assert "'/baton/tenants/five'" in caplog.text
+
+
+async def test_a_candidate_waits_out_its_predecessors_beside_a_key_that_is_not_utf8() -> None:
+    """Its listing decoded every key, and one not UTF-8 under the prefix failed every campaign (helper-186)."""
+    listing = _Listing([SimpleNamespace(key=b"/e/\xff", value=b"5", create_revision=9),
+                        SimpleNamespace(key=b"/e/own", value=b"{}", create_revision=5)])
+
+    async def get_prefix(prefix: bytes) -> _Listing:
+        return listing
+
+    election = Election(SimpleNamespace(get_prefix=get_prefix), "/e/", 3)  # type: ignore[arg-type]
+    await asyncio.wait_for(election._wait_for_predecessors("/e/own", 5), 5)
