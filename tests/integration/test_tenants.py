@@ -73,6 +73,19 @@ async def refusal(cluster: LocalCluster, key: str | None) -> grpc.aio.AioRpcErro
     return refused.value
 
 
+async def wait_refused_as_revoked(cluster: LocalCluster, key: str) -> None:
+    """Until a request with key is refused UNAUTHENTICATED as revoked (the revocation reaches the router through an
+    etcd watch)."""
+    async def refused_as_revoked() -> bool:
+        try:
+            await complete(cluster, key, "still welcome?")
+        except grpc.aio.AioRpcError as exc:
+            return exc.code() == grpc.StatusCode.UNAUTHENTICATED and "revoked" in exc.details()
+        return False
+
+    await eventually(refused_as_revoked, 10, "the revoked key to be refused")
+
+
 def recent_decisions(cluster: LocalCluster, key: str) -> list[scheduler_pb2.PlacementDecision]:
     assert cluster.scheduler is not None
     with grpc.insecure_channel(cluster.scheduler.address) as channel:
@@ -117,15 +130,7 @@ async def test_a_key_revoked_with_the_cli_is_refused_as_revoked(
     assert key not in capsys.readouterr().out  # only key ids are ever shown
 
     assert baton_main([*cli, "revoke", "leaver"]) == 0
-
-    async def refused_as_revoked() -> bool:
-        try:
-            await complete(secured, key, "still welcome?")
-        except grpc.aio.AioRpcError as exc:
-            return exc.code() == grpc.StatusCode.UNAUTHENTICATED and "revoked" in exc.details()
-        return False
-
-    await eventually(refused_as_revoked, 10, "the revoked key to be refused")
+    await wait_refused_as_revoked(secured, key)
     assert key not in (await refusal(secured, key)).details()
 
 
@@ -149,15 +154,7 @@ async def test_records_that_are_not_tenants_are_named_and_a_revocation_still_tak
         try:
             assert baton_main([*cli, "revoke", "mallory"]) == 0
             newcomer = add_tenant(secured, "newcomer")  # known to the router and the scheduler, junk and all
-
-            async def refused_as_revoked() -> bool:
-                try:
-                    await complete(secured, key, "still welcome?")
-                except grpc.aio.AioRpcError as exc:
-                    return exc.code() == grpc.StatusCode.UNAUTHENTICATED and "revoked" in exc.details()
-                return False
-
-            await eventually(refused_as_revoked, 10, "the revoked key to be refused")
+            await wait_refused_as_revoked(secured, key)
             assert (await complete(secured, newcomer, "welcome?")).finish_reason
             capsys.readouterr()
             assert baton_main([*cli, "list"]) == 0
