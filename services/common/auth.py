@@ -141,6 +141,16 @@ class TenantRecord:
         except TypeError as exc:  # a field missing, or one a record has not
             raise ValueError(f"not a tenant record: {exc}") from None
 
+    @classmethod
+    def at_key(cls, key: str, data: bytes) -> TenantRecord:
+        """The record etcd holds at key; ValueError saying why it is none there: not a record, or one under another
+        name than its own, or a copy further down (/baton/tenants/old/alice), which would hold that tenant's keys
+        where a revocation by its name never reaches them (helper-183)."""
+        record = cls.from_json(data)
+        if key != etcd_keys.tenant_key(record.tenant):
+            raise ValueError(f"holds tenant {record.tenant!r}, not its own name's")
+        return record
+
 
 @dataclass(frozen=True)
 class _Entry:
@@ -170,13 +180,9 @@ class TenantKeys:
         records = []
         for key, value in items.items():
             try:
-                record = TenantRecord.from_json(value)
+                records.append(TenantRecord.at_key(key, value))
             except ValueError:
                 continue
-            # One under another tenant's name, or a copy further down (/baton/tenants/old/alice), would hold that
-            # tenant's keys, never revoked by its name (helper-183).
-            if key == etcd_keys.tenant_key(record.tenant):
-                records.append(record)
         return cls.from_records(records)
 
     def tenant_from_key(self, key: str) -> TenantRecord:

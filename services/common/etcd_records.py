@@ -29,9 +29,14 @@ def json_object(value: bytes | str) -> dict[str, Any]:
     return parsed
 
 
+def text_field(record: dict[str, Any], name: str) -> str:
+    """record's field name, a non-empty string; ValueError saying what it is otherwise."""
+    value = record.get(name)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name}={shown(value)}: not a non-empty string")
+    return value
+
+
 def address_of(value: bytes | str) -> str:
     """The "address" of a service's, a node's or a leader's record; ValueError when it has none that is a string."""
-    address = json_object(value).get("address")
-    if not isinstance(address, str) or not address:
-        raise ValueError(f"address={shown(address)}: not a host:port")
-    return address
+    return text_field(json_object(value), "address")

@@ -12,8 +12,7 @@ import aetcd
 
 from services.common import etcd_keys
 from services.common.election import Election, NotLeader
-from services.common.errors import shown
-from services.common.etcd_records import address_of, json_object
+from services.common.etcd_records import json_object, text_field
 from services.common.etcd_session import PrefixView
 from services.common.timeouts import within
 
@@ -121,9 +120,7 @@ class LeaderRole:
             return None
         try:
             record = json_object(first[1])
-            instance_id, address = record.get("instance_id"), address_of(first[1])
-            if not isinstance(instance_id, str):
-                raise ValueError(f"instance_id={shown(instance_id)}: not a string")
+            instance_id, address = text_field(record, "instance_id"), text_field(record, "address")
         except ValueError as exc:  # no replica wrote it: none leads while it stands first (helper-181)
             if self._malformed != first[0]:
                 self._malformed = first[0]

@@ -108,7 +108,7 @@ class SimEngine:
         """output with its GPU time as the steps took it here: the modelled time over speed, as the fleet's own time
         is counted (at --speed 4 a node's streams were charged 3.5 times the wall time it existed, and the busy-time
         floor came out above the whole fleet's cost: helper-185). Unchanged at speed 0, where no time passes."""
-        if self._speed <= 0 or self._speed == 1:
+        if self._speed <= 0:
             return output
         return dataclasses.replace(output, gpu_ms=output.gpu_ms / self._speed)
 
