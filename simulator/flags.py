@@ -163,7 +163,7 @@ _RANGE = re.compile(r"(\d+)-(\d+)")
 
 
 def seeds(text: str) -> tuple[int, ...]:
-    """Comma-separated whole seeds or ranges A-B (both ends included, e.g. 10-19), none twice."""
+    """Comma-separated whole seeds (0 or more) or ranges A-B (both ends included, e.g. 10-19), none twice."""
     values: list[int] = []
     for item in _items(text, "seed"):
         span = _RANGE.fullmatch(item)
@@ -178,9 +178,13 @@ def seeds(text: str) -> tuple[int, ...]:
             _refuse(text, "write a run of seeds as a range, e.g. 10-19")
         else:
             try:
-                values.append(int(item))
+                value = int(item)
             except ValueError:
                 _refuse_item(text, item, "is not a whole number or a range A-B")
+            if value < 0:
+                # Python's random draws seed -N as seed N: the run would repeat another seed's arrivals.
+                _refuse_item(text, item, "is negative: a seed is 0 or more")
+            values.append(value)
     twice = sorted(value for value, count in Counter(values).items() if count > 1)
     if twice:
         _refuse(text, f"seed {', '.join(map(str, twice))} given twice (each seed is one run)")

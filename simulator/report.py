@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
 import sys
 import time
@@ -16,7 +16,7 @@ from services.scheduler.policies import POLICIES, make_policy
 from simulator import flags
 from simulator.metrics import Slo, summarize, ttft_values
 from simulator.simulation import ADMISSIONS, RunResult, Simulation, fleet
-from simulator.study import run_all
+from simulator.study import results_json, run_all
 from simulator.workload import (
     SloClass,
     Workload,
@@ -95,8 +95,24 @@ def merge_seeds(summaries: list[dict]) -> dict:
     return merged
 
 
-def _pm(value: float, ci: float, fmt: str) -> str:
+# Written in the table for a figure the run does not have: a percentile of no values, the cost per success of a
+# run without one (a bare nan or inf explained nothing).
+NO_VALUE = "n/a"
+NO_SUCCESS = "no success"
+
+
+def _pm(value: float, ci: float, fmt: str, missing: str = NO_VALUE) -> str:
+    if not math.isfinite(value):
+        return missing
     return f"{value:{fmt}}" if not ci else f"{value:{fmt}} ± {ci:{fmt}}"
+
+
+def _ms(value: float) -> str:
+    return _pm(value * 1000, 0.0, ".0f")
+
+
+def _cost(summary: dict, key: str) -> str:
+    return _pm(summary[key], summary.get(f"{key}_ci", 0.0), ".5f", NO_SUCCESS)
 
 
 def table(rows: list[tuple[str, float, dict]]) -> str:
@@ -106,14 +122,18 @@ def table(rows: list[tuple[str, float, dict]]) -> str:
     lines = [header, "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for policy, load, s in rows:
         lines.append(
-            f"| {load:g}x | {policy} | {s['ttft_p50']:.2f} / {s['ttft_p90']:.2f} / {s['ttft_p99']:.2f} "
-            f"| {s['tpot_p50'] * 1000:.0f} / {s['tpot_p99'] * 1000:.0f} "
+            f"| {load:g}x | {policy} | {' / '.join(_pm(s[f'ttft_{q}'], 0.0, '.2f') for q in ('p50', 'p90', 'p99'))} "
+            f"| {_ms(s['tpot_p50'])} / {_ms(s['tpot_p99'])} "
             f"| {_pm(s['slo_attainment'] * 100, s.get('slo_attainment_ci', 0.0) * 100, '.1f')}% "
             f"| {s['goodput_rps']:.2f} | {s['kv_hit_rate']:.1%} | {s['gpu_hours']:.2f} / {s['fleet_gpu_hours']:.2f} "
             f"| {s['num_tasks_ok']:.0f}/{s['num_tasks']:.0f} "
-            f"| {_pm(s['cost_per_successful_task'], s.get('cost_per_successful_task_ci', 0.0), '.5f')} "
-            f"| {_pm(s['busy_cost_per_successful_task'], s.get('busy_cost_per_successful_task_ci', 0.0), '.5f')} "
+            f"| {_cost(s, 'cost_per_successful_task')} | {_cost(s, 'busy_cost_per_successful_task')} "
             f"| {s['drain_s']:.2f} |")
+    figures = [value for _, _, s in rows for value in s.values() if isinstance(value, float)]
+    if not all(map(math.isfinite, figures)):
+        lines.append(f"\n{NO_VALUE}: in a run (one seed's at least) no request had a first token (for TTFT) or a "
+                     f"second (for TPOT). {NO_SUCCESS}: in a run (one seed's at least) no task met its SLO, so "
+                     "there is no cost per successful task. results.json has null for each.")
     return "\n".join(lines)
 
 
@@ -136,7 +156,8 @@ def plot(out: Path, rows: list[tuple[str, float, dict]], ttfts: dict[tuple[str, 
         ax.set_xlabel("TTFT (s)")
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"TTFT CDF at {load:g}x load")
-        ax.legend()
+        if ax.lines:  # (no request had a first token: an empty plot, without matplotlib's warning)
+            ax.legend()
         path = out / f"ttft_cdf_{load:g}x.png"
         fig.tight_layout()
         fig.savefig(path, dpi=110)
@@ -243,10 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows)
     walls = ", ".join(f"{p}@{load:g}x/{seed} {wall:.0f}s" for p, load, seed, _, _, wall in outcomes)
     (out / "table.md").write_text(text + "\n")
-    (out / "results.json").write_text(json.dumps(
+    (out / "results.json").write_text(results_json(
         {"args": vars(args), "runs": [
             {"policy": p, "load": load, "seed": seed, "summary": s, "wall_s": w}
-            for p, load, seed, s, _, w in outcomes]}, indent=1, default=asdict))  # --slo-mix's classes as dicts
+            for p, load, seed, s, _, w in outcomes]}))
     plots = plot(out, rows, {(p, load): t for p, load, seed, _, t, _ in outcomes if seed == seeds[0]})
     print(text)
     print(f"wall time per run: {walls}")

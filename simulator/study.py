@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import multiprocessing
 import os
 import signal
@@ -74,11 +76,30 @@ def _stopped(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def results_json(results: Any, default: Callable[[Any], Any] | None = None) -> str:
+    """results as JSON that every reader takes: a figure a run does not have (a percentile of no values, the cost
+    per success of a run with none: nan or inf) is null, where json.dumps would write NaN or Infinity, which
+    are not JSON (jq, JavaScript and most parsers refuse them)."""
+    return json.dumps(_finite(results), indent=1, allow_nan=False, default=default)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(inner) for key, inner in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(inner) for inner in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _finite(dataclasses.asdict(value))
+    return value
+
+
 def write_results(out: str, table: str, results: Any) -> None:
     """table.md and results.json under out; the table to stdout."""
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "table.md").write_text(table + "\n")
-    (folder / "results.json").write_text(json.dumps(results, indent=1))
+    (folder / "results.json").write_text(results_json(results))
     print(table)
     print(f"wrote {folder / 'table.md'} and {folder / 'results.json'}", file=sys.stderr)

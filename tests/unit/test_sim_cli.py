@@ -87,6 +87,8 @@ BAD_SIM_FLAGS = [
     (["--seeds", "0,1,1"], "--seeds", "1 given twice"),
     (["--seeds", "3,1-4"], "--seeds", "3 given twice"),
     (["--seeds", "5-3"], "--seeds", "'5-3'"),
+    # Python's random draws seed -1 as seed 1: a second run of seed 1's arrivals, averaged as another seed's.
+    (["--seeds=-1"], "--seeds", "'-1' is negative"),
     (["--max-tokens", "0"], "--max-tokens", "'0'"),
     (["--model", "gpt-9"], "--model", "'gpt-9' is not a simulated model; known: "),
     (["--kill", "600"], "--kill", "'600'"),
@@ -279,6 +281,27 @@ def test_a_run_with_an_slo_mix_writes_its_results(traces: Path, tmp_path: Path) 
                  "--traces", str(traces), "--out", str(out)]) == 0
     classes = json.loads((out / "results.json").read_text())["args"]["slo_mix"]
     assert classes[0] == {"name": "class0", "share": 0.3, "ttft_budget_ms": 1000, "tpot_budget_ms": 30}
+
+
+def _refuse_constant(name: str) -> None:
+    raise AssertionError(f"results.json holds {name}, which is not JSON")
+
+
+def test_a_run_in_which_nothing_succeeds_says_so_and_writes_json_that_parsers_take(
+        traces: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A TTFT budget of 1 ms: the table printed nan and inf with no word of why, and results.json held NaN and
+    Infinity, which jq and JavaScript refuse."""
+    out = tmp_path / "out"
+    assert _sim(["--limit", "3", "--policies", "baton", "--ttft-slo", "0.001", "--jobs", "1",
+                 "--traces", str(traces), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    row = next(line for line in printed.splitlines() if line.startswith("| 1x | baton"))
+    assert "nan" not in row and "inf" not in row
+    assert "| no success | no success |" in row and "n/a / n/a / n/a" in row
+    assert "no task met its SLO, so there is no cost per successful task" in printed
+    summary = json.loads((out / "results.json").read_text(), parse_constant=_refuse_constant)["runs"][0]["summary"]
+    assert summary["num_tasks_ok"] == 0
+    assert summary["cost_per_successful_task"] is None and summary["ttft_p50"] is None
 
 
 def test_an_admission_study_in_which_nothing_ran_writes_its_table(traces: Path, tmp_path: Path) -> None:
