@@ -31,15 +31,17 @@ class ChatTemplate(Protocol):
         """The prompt for these messages, ending where the assistant's reply begins."""
 
 
-# "<|" in a message's content, with any backslashes between: each gets one backslash more (undone by taking one).
-_HEADER_OPENING = re.compile(r"<(\\*)\|")
+# "<|" in a message's content, with any backslashes between: each gets one backslash more (undone by taking one),
+# written after its "<" (a fixed replacement: a group reference in it cost 0.8 us a match, 3 s for a 7 MB body of
+# "<|" that blocked the router, helper-188).
+_HEADER_OPENING = re.compile(r"<(?=\\*\|)")
 
 
 def escaped_content(content: str) -> str:
     """content with no "<|" left to open a role header: "<|" is written "<\\|", and "<\\|" (with any number of
     backslashes) one backslash longer, so that no two contents render alike. A user's message that held
     "\\n<|system|>\\n" rendered as a system turn of its own (helper-166)."""
-    return _HEADER_OPENING.sub(r"<\\\1|", content)
+    return _HEADER_OPENING.sub(r"<\\", content)
 
 
 class PlainTemplate:

@@ -240,10 +240,14 @@ def parse_request(kind: str, body: object, headers: Mapping[str, str],
         if options and not stream:  # as vLLM refuses it: it would be silently ignored
             raise InvalidArgument("stream_options", options, "only allowed when stream is true")
         for key in options:
-            if key != "include_usage":
+            if key not in ("include_usage", "include_obfuscation"):
                 raise InvalidArgument(_key("stream_options.", key), options[key], "unknown field")
         if options.get("include_usage") is not None:
             include_usage = _bool("stream_options.include_usage", options["include_usage"])
+        if options.get("include_obfuscation") is not None:
+            # OpenAI pads each chunk against a side channel unless told false; Baton pads none, so either value asks
+            # for what it gives (the openai client offers the field: false was refused, helper-188).
+            _bool("stream_options.include_obfuscation", options["include_obfuscation"])
 
     limit_name = "max_tokens"
     if kind == CHAT and body.get("max_completion_tokens") is not None:
@@ -297,16 +301,16 @@ def parse_request(kind: str, body: object, headers: Mapping[str, str],
             request.alternative_models.extend(_strings(spelled, value, limits.max_alternative_models, "models"))
 
     if kind == COMPLETIONS:
-        _set_prompt(request, body.get("prompt"), names, context_for_model)
+        _set_prompt(request, body.get("prompt"), names, context_for_model, limits.max_prompt_bytes)
     else:
-        messages = _messages(body.get("messages"), limits.max_messages)
+        messages = _messages(body.get("messages"), limits.max_messages, limits.max_prompt_bytes)
         request.prompt = template_for_model(request.model).render(messages)
         names["prompt"] = "messages"
     return ParsedRequest(kind=kind, request=request, stream=stream, include_usage=include_usage, names=names)
 
 
 def _set_prompt(request: router_pb2.GenerateRequest, prompt: object, names: dict[str, str],
-                context_for_model: Callable[[str], int]) -> None:
+                context_for_model: Callable[[str], int], max_tokens: int) -> None:
     """A completions prompt: text, token ids, or a batch of one of either."""
     if prompt is None:
         raise InvalidArgument("prompt", None, "required")
@@ -323,6 +327,12 @@ def _set_prompt(request: router_pb2.GenerateRequest, prompt: object, names: dict
     spelled = names.setdefault("prompt_token_ids", "prompt")
     if not isinstance(prompt, list):
         raise InvalidArgument(spelled, prompt, f"must be a string or an array of token ids, not {_json_type(prompt)}")
+    if len(prompt) > max_tokens:
+        # Whatever the model's context, which is not known while the router serves no model (3.9 million ids were
+        # each converted, then answered 503 to retry, helper-188): as many as a text prompt can have, a token
+        # being a byte at least.
+        raise InvalidArgument(spelled, f"{len(prompt)} tokens", f"more than {max_tokens}, the most a text prompt "
+                              "within --max-prompt-bytes can have")
     context = context_for_model(request.model)
     if len(prompt) >= context:  # as the router's validation refuses it, but before a single id is converted
         raise InvalidArgument(spelled, f"{len(prompt)} tokens", f"does not fit the context window of {context}")
@@ -331,7 +341,10 @@ def _set_prompt(request: router_pb2.GenerateRequest, prompt: object, names: dict
         request.prompt_token_ids.SetInParent()
 
 
-def _messages(value: object, max_messages: int) -> list[ChatMessage]:
+def _messages(value: object, max_messages: int, max_prompt_bytes: int) -> list[ChatMessage]:
+    """The chat's messages, refused by their content's size before the template renders them: rendering costs time in
+    proportion to it (one 7 MB body held the router 3 s, every stream beside it stalled, helper-188), and only adds
+    to it (headers, escapes), so content over the prompt's limit is a prompt over it."""
     if value is None:
         raise InvalidArgument("messages", None, "required")
     if not isinstance(value, list):
@@ -341,6 +354,7 @@ def _messages(value: object, max_messages: int) -> list[ChatMessage]:
     if len(value) > max_messages:
         raise InvalidArgument("messages", f"{len(value)} messages", f"at most {max_messages}")
     num_parts = 0
+    num_characters = 0  # (characters bound a text's UTF-8 bytes from below)
     messages = []
     for i, message in enumerate(value):
         where = f"messages[{i}]"
@@ -349,11 +363,20 @@ def _messages(value: object, max_messages: int) -> list[ChatMessage]:
         for key in message:
             if key not in ("role", "content", "name", "tool_calls", "tool_call_id", "refusal"):
                 raise InvalidArgument(_key(f"{where}.", key), message[key], "unknown field")
-            if key in ("tool_calls", "tool_call_id", "refusal") and message[key] not in (None, [], ""):
+            if key in ("tool_calls", "refusal") and message[key] not in (None, [], ""):
                 raise InvalidArgument(f"{where}.{key}", message[key], "not supported by Baton")
         role = text_value(f"{where}.role", message.get("role"))
         if role not in _ROLES:
             raise InvalidArgument(f"{where}.role", role, f"must be one of {', '.join(_ROLES)}")
+        # A tool's answer names the call it answers, as OpenAI's API asks (a tool message with its id was refused and
+        # one without served, helper-188); the id itself is not rendered, as no call of Baton's made it.
+        call_id = message.get("tool_call_id")
+        if role == "tool":
+            if call_id is None or call_id == "":
+                raise InvalidArgument(f"{where}.tool_call_id", call_id, "required for a tool message")
+            text_value(f"{where}.tool_call_id", call_id)
+        elif call_id not in (None, ""):
+            raise InvalidArgument(f"{where}.tool_call_id", call_id, "only a tool message has one")
         name = "" if message.get("name") is None else text_value(f"{where}.name", message["name"])
         if name and not _MESSAGE_NAME.fullmatch(name):
             raise InvalidArgument(f"{where}.name", name, "must be 1 to 64 of a-z, A-Z, 0-9, '_' and '-'")
@@ -365,7 +388,12 @@ def _messages(value: object, max_messages: int) -> list[ChatMessage]:
             if num_parts > max_messages:
                 raise InvalidArgument(f"{where}.content", f"{len(content)} parts",
                                       f"more than {max_messages} content parts in all messages")
-        messages.append(ChatMessage(role=role, content=_content(where, content), name=name))
+        text = _content(where, content)
+        num_characters += len(text)
+        if num_characters > max_prompt_bytes:
+            raise InvalidArgument("messages", f"{num_characters}+ characters of content",
+                                  f"longer than {max_prompt_bytes} bytes, the most a prompt may have")
+        messages.append(ChatMessage(role=role, content=text, name=name))
     return messages
 
 

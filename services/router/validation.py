@@ -205,6 +205,10 @@ def check_fields(request: router_pb2.GenerateRequest, limits: InputLimits = DEFA
         if bad := _CONTROL.search(getattr(request, field)):
             raise InvalidArgument(field, getattr(request, field),
                                   f"control character {bad.group()!r} at {bad.start()}: not allowed")
+        if getattr(request, field) != getattr(request, field).strip():
+            # An HTTP header drops it: the openai client read x-request-id " ab " as "ab", an id no log had
+            # (helper-188); and " alice" would be a tenant of its own.
+            raise InvalidArgument(field, getattr(request, field), "must not begin or end with white space")
     _check_stop_sizes(request, limits)
     if len(request.alternative_models) > limits.max_alternative_models:
         raise InvalidArgument("alternative_models", f"{len(request.alternative_models)} models",

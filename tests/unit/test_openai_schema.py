@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from baton.v1 import common_pb2, router_pb2
 from services.common.errors import BatonError, DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted
 from services.router import openai_schema as schema
 from services.router.chat_template import PLAIN, ChatMessage, template_for
+from services.router.validation import InputLimits
 
 
 def _parse(kind: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> schema.ParsedRequest:
@@ -356,3 +358,62 @@ def test_an_unknown_key_is_shown_cut_as_a_value_is() -> None:
     refused = _refused(schema.COMPLETIONS, {"model": "m", "prompt": "x", key: 1})
     assert str(refused).startswith(f'"{"k" * 80}... (900000 characters)"=1: unknown field')
     assert len(str(refused)) < 300
+
+
+def test_a_chat_over_the_prompt_limit_is_refused_by_its_content_before_the_template_renders_it() -> None:
+    """One 7 MB body of "<|" took the router 3 s to render, every stream beside it stalled, then was refused for its
+    size (helper-188)."""
+    class Counting:
+        calls = 0
+
+        def render(self, messages: list[ChatMessage]) -> str:
+            Counting.calls += 1
+            return PLAIN.render(messages)
+
+    limits = InputLimits(max_prompt_bytes=1000)
+    body = {"model": "m", "messages": [{"role": "user", "content": "<|" * 300}] * 2}
+    with pytest.raises(InvalidArgument) as caught:
+        schema.parse_request(schema.CHAT, body, {}, lambda model: Counting(), lambda model: 64, limits)
+    assert str(caught.value).startswith("messages='1200+ characters of content': longer than 1000 bytes")
+    assert Counting.calls == 0
+    schema.parse_request(schema.CHAT, {"model": "m", "messages": body["messages"][:1]}, {}, lambda model: Counting(),
+                         lambda model: 64, limits)
+    assert Counting.calls == 1
+
+
+def test_token_ids_beyond_any_prompt_are_refused_before_they_are_read_while_the_context_is_not_known() -> None:
+    """While a router serves no model its context is not known: 3.9 million ids were each converted (2.2 s), then
+    answered 503, which the openai client retried twice (helper-188)."""
+    limits = InputLimits(max_prompt_bytes=100)
+    with pytest.raises(InvalidArgument) as caught:
+        schema.parse_request(schema.COMPLETIONS, {"model": "m", "prompt": [1] * 101 + ["x"]}, {}, lambda model: PLAIN,
+                             lambda model: sys.maxsize, limits)
+    assert str(caught.value).startswith("prompt='102 tokens': more than 100, the most a text prompt within "
+                                        "--max-prompt-bytes can have")
+    parsed = schema.parse_request(schema.COMPLETIONS, {"model": "m", "prompt": [1] * 100}, {}, lambda model: PLAIN,
+                                  lambda model: sys.maxsize, limits)
+    assert len(parsed.request.prompt_token_ids.ids) == 100
+
+
+def test_a_tool_message_needs_the_id_of_the_call_it_answers_as_openai_asks() -> None:
+    """A tool message with its tool_call_id was refused, and one without served (helper-188)."""
+    user = {"role": "user", "content": "What is the weather?"}
+    tool = {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+    parsed = _parse(schema.CHAT, {"model": "m", "messages": [user, tool]})
+    assert parsed.request.prompt == "<|user|>\nWhat is the weather?\n<|tool|>\nsunny\n<|assistant|>\n"
+    for call_id in (None, ""):
+        refused = _refused(schema.CHAT, {"model": "m", "messages": [user, tool | {"tool_call_id": call_id}]})
+        assert refused.field == "messages[1].tool_call_id" and "required for a tool message" in str(refused)
+    refused = _refused(schema.CHAT, {"model": "m", "messages": [user | {"tool_call_id": "call_1"}]})
+    assert refused.field == "messages[0].tool_call_id" and "only a tool message has one" in str(refused)
+
+
+@pytest.mark.parametrize("value", [False, True])
+def test_stream_options_include_obfuscation_is_taken_as_baton_pads_nothing(value: bool) -> None:
+    """The openai client offers it, and OpenAI suggests false to save bandwidth: it was an unknown field."""
+    parsed = _parse(schema.CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True,
+                                  "stream_options": {"include_obfuscation": value, "include_usage": True}})
+    assert parsed.include_usage
+    refused = _refused(schema.CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True,
+                                     "stream_options": {"include_obfuscation": "no"}})
+    assert refused.field == "stream_options.include_obfuscation"

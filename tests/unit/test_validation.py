@@ -68,6 +68,10 @@ REJECTIONS = [
     ("ESC in tenant", {"tenant": "a\x1b[2J"}, "tenant='a\\x1b[2J': control character '\\x1b' at 1: not allowed"),
     ("newline in request_id", {"request_id": "r\nINFO forged"}, "request_id='r\\nINFO forged': control character"),
     ("C1 in workflow_id", {"workflow_id": "w\x9b2J"}, "workflow_id='w\\x9b2J': control character"),
+    # An HTTP header drops it: the openai client read x-request-id " ab " as "ab", which no log had (helper-188).
+    ("spaces around request_id", {"request_id": " ab "}, "request_id=' ab ': must not begin or end with white space"),
+    ("only a space as request_id", {"request_id": " "}, "request_id=' ': must not begin or end with white space"),
+    ("space after tenant", {"tenant": "alice "}, "tenant='alice ': must not begin or end"),
 ]
 
 
