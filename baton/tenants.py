@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import aetcd
 import grpc
 
-from baton.flag_types import INT64, int_in, positive_finite
+from baton.flag_types import INT32, INT64, int_in, positive_finite
 from services.common import etcd_keys
 from services.common.auth import TenantRecord, new_api_key
 from services.common.errors import shown
@@ -60,9 +60,32 @@ async def _change(client: Any, tenant: str, change: Callable[[TenantRecord | Non
     raise RuntimeError(f"tenant {tenant!r}: its record changed under every one of {_MAX_TRIES} tries; try again")
 
 
+# A limit flag's value that removes the limit (`baton tenants set --max-concurrency unlimited`).
+UNLIMITED = "unlimited"
+
+
+def _with_fields(record: TenantRecord, fields: dict[str, Any]) -> TenantRecord:
+    """record with the fields given replacing its own (None: not given; UNLIMITED: the limit removed)."""
+    given = {name: None if value == UNLIMITED else value for name, value in fields.items() if value is not None}
+    return TenantRecord(**{**record.__dict__, **given})
+
+
+async def set_tenant(etcd: str, tenant: str, fields: dict[str, Any],
+                     credentials: grpc.ChannelCredentials | None = None) -> TenantRecord:
+    """Change a tenant's limits, weight, cache group, priority or role, issuing no key (adding one to change a limit
+    left every earlier key valid, and a limit could never be removed: helper-189); LookupError for no such tenant."""
+    def change(record: TenantRecord | None) -> TenantRecord:
+        if record is None:
+            raise LookupError(f"tenant {tenant!r}: no such tenant (`baton tenants add` creates one, with a key)")
+        return _with_fields(record, fields)
+
+    async with connect(etcd, credentials=credentials) as client:
+        return await _change(client, tenant, change)
+
+
 async def add_tenant(etcd: str, tenant: str, *, weight: float | None = None, max_concurrency: int | None = None,
                      tokens_per_minute: int | None = None, cache_group: str | None = None,
-                     is_admin: bool | None = None,
+                     is_admin: bool | None = None, max_priority: int | None = None,
                      credentials: grpc.ChannelCredentials | None = None) -> tuple[TenantRecord, str]:
     """Issue a new API key for tenant (creating it); the fields given replace the record's. Returns the
     record and the key, which exists nowhere else: etcd keeps only its hash."""
@@ -74,13 +97,11 @@ async def add_tenant(etcd: str, tenant: str, *, weight: float | None = None, max
     if any(ord(c) < 0x20 or 0x7f <= ord(c) <= 0x9f for c in tenant):
         raise ValueError(f"tenant {shown(tenant)}: holds a control character")
     fields = {"weight": weight, "max_concurrency": max_concurrency, "tokens_per_minute": tokens_per_minute,
-              "cache_group": cache_group, "is_admin": is_admin}
+              "cache_group": cache_group, "is_admin": is_admin, "max_priority": max_priority}
     key = new_api_key()
 
     def add(record: TenantRecord | None) -> TenantRecord:
-        record = record or TenantRecord(tenant=tenant)
-        record = TenantRecord(**{**record.__dict__, **{k: v for k, v in fields.items() if v is not None}})
-        return record.with_key(key, _now_ms())
+        return _with_fields(record or TenantRecord(tenant=tenant), fields).with_key(key, _now_ms())
 
     async with connect(etcd, credentials=credentials) as client:
         record = await _change(client, tenant, add)
@@ -122,7 +143,8 @@ async def revoke(etcd: str, tenant: str, key_id: str | None = None,
 
 def _describe(record: TenantRecord) -> str:
     limits = ", ".join(f"{name} {value}" for name, value in (
-        ("max_concurrency", record.max_concurrency), ("tokens_per_minute", record.tokens_per_minute)) if value)
+        ("max_concurrency", record.max_concurrency), ("tokens_per_minute", record.tokens_per_minute),
+        ("max_priority", record.max_priority)) if value)
     keys = ", ".join(k.key_id + (" (revoked)" if k.revoked_at_ms else "") for k in record.keys) or "none"
     return (f"{record.tenant}{' [admin]' if record.is_admin else ''}: weight {record.weight:g}"
             f"{', ' + limits if limits else ''}; cache group {record.cache_group or record.tenant}; keys {keys}")
@@ -135,7 +157,7 @@ def cmd_tenants(args: argparse.Namespace, etcd: str, credentials: grpc.ChannelCr
             record, key = run_sync(add_tenant(
                 etcd, args.tenant, weight=args.weight, max_concurrency=args.max_concurrency,
                 tokens_per_minute=args.tokens_per_minute, cache_group=args.cache_group,
-                is_admin=True if args.admin else None, credentials=credentials))
+                is_admin=True if args.admin else None, max_priority=args.max_priority, credentials=credentials))
             print(_describe(record), file=sys.stderr)
             print("the new key (shown once; etcd keeps only its hash):", file=sys.stderr)
             print(key)
@@ -145,6 +167,12 @@ def cmd_tenants(args: argparse.Namespace, etcd: str, credentials: grpc.ChannelCr
                 print(_describe(record))
             for line in unreadable:
                 print(f"baton tenants list: {line}", file=sys.stderr)
+        elif args.action == "set":
+            fields = {"is_admin" if name == "admin" else name: getattr(args, name) for name in _SET_FIELDS}
+            if all(value is None for value in fields.values()):
+                raise ValueError("nothing to change: give at least one of "
+                                 + ", ".join("--" + name.replace("_", "-") for name in _SET_FIELDS))
+            print(_describe(run_sync(set_tenant(etcd, args.tenant, fields, credentials))))
         else:
             record = run_sync(revoke(etcd, args.tenant, args.key_id, credentials))
             print(_describe(record))
@@ -155,6 +183,14 @@ def cmd_tenants(args: argparse.Namespace, etcd: str, credentials: grpc.ChannelCr
         print(f"baton tenants {args.action}: etcd at {etcd} did not answer: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+_SET_FIELDS = ("weight", "max_concurrency", "tokens_per_minute", "cache_group", "max_priority", "admin")
+
+
+def _limit_or_unlimited(text: str) -> int | str:
+    """A limit flag of `set`: an integer from 1, or `unlimited` to remove the limit."""
+    return UNLIMITED if text.strip() == UNLIMITED else int_in(1, INT64[1])(text)
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
@@ -174,6 +210,21 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     add.add_argument("--cache-group", default=None, help="share the prefix cache with the tenants of this group "
                      "(default: the tenant's own name, shared with nobody)")
     add.add_argument("--admin", action="store_true", help="may read every tenant's decisions and the cluster state")
+    add.add_argument("--max-priority", type=int_in(0, INT32[1]), default=None,
+                     help="the highest priority its requests may ask for (default 0: none above the default)")
+    change = actions.add_parser("set", help="change a tenant's limits, weight, cache group, highest priority or role "
+                                "(no new key)")
+    change.add_argument("tenant")
+    change.add_argument("--weight", type=positive_finite, default=None, help="admission share under contention")
+    change.add_argument("--max-concurrency", type=_limit_or_unlimited, default=None,
+                        help="requests in flight at once, or `unlimited`")
+    change.add_argument("--tokens-per-minute", type=_limit_or_unlimited, default=None,
+                        help="prompt+completion tokens per minute, or `unlimited`")
+    change.add_argument("--cache-group", default=None, help="share the prefix cache with the tenants of this group")
+    change.add_argument("--max-priority", type=int_in(0, INT32[1]), default=None,
+                        help="the highest priority its requests may ask for")
+    change.add_argument("--admin", action=argparse.BooleanOptionalAction, default=None,
+                        help="may read every tenant's decisions and the cluster state (--no-admin: no longer)")
     actions.add_parser("list", help="tenants, their limits and key ids (never keys)")
     rev = actions.add_parser("revoke", help="revoke a tenant's keys (or one, --key-id)")
     rev.add_argument("tenant")

@@ -20,13 +20,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 
 from services.common import etcd_keys
-from services.common.errors import Unauthenticated, shown
+from services.common.errors import PermissionDenied, Unauthenticated, shown
 from services.common.etcd_records import json_object
 
 KEY_PREFIX = "bt_"
 _KEY_ID_CHARS = 12
 # Limits are kept as JSON in etcd and read by every scheduler; beyond int64 other clients cannot hold them.
 _INT64_MAX = (1 << 63) - 1
+_INT32_MAX = (1 << 31) - 1
 _BEARER = "bearer "
 
 
@@ -85,6 +86,10 @@ class TenantRecord:
     cache_group: str = ""
     # Administrators see every tenant's decisions and the cluster state.
     is_admin: bool = False
+    # The highest priority its requests may ask for (a request's priority orders admission before any weight, so a
+    # tenant that set its own jumped every other: helper-188, helper-189). 0 or more: a lower band is any
+    # request's to ask, and a default-priority request is never refused.
+    max_priority: int = 0
 
     def __post_init__(self) -> None:
         # Read back from etcd, where anyone may have written anything: a list for a name crashed every router's
@@ -104,6 +109,9 @@ class TenantRecord:
         # (JSON has no Infinity or NaN: a record holding one would not be read back by other clients.)
         if not 0 < self.weight < math.inf:
             raise ValueError(f"weight={self.weight!r}: must be positive and finite")
+        if not (_is_int(self.max_priority) and 0 <= self.max_priority <= _INT32_MAX):
+            raise ValueError(f"max_priority={shown(self.max_priority)}: must be a whole number from 0 to "
+                             f"{_INT32_MAX} (a request's priority is a 32-bit integer)")
         for name in ("max_concurrency", "tokens_per_minute"):
             value = getattr(self, name)
             if value is not None and not (_is_int(value) and 1 <= value <= _INT64_MAX):
@@ -127,7 +135,17 @@ class TenantRecord:
             else k for k in self.keys))
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+        fields = asdict(self)
+        if not self.max_priority:  # (as a record was before it had the field: a router of then reads it still)
+            del fields["max_priority"]
+        return json.dumps(fields, sort_keys=True).encode()
+
+    def check_priority(self, priority: int) -> None:
+        """PermissionDenied when a request of this tenant's asks for a priority above its max_priority."""
+        if priority > self.max_priority:
+            raise PermissionDenied(f"priority={priority}: above tenant {self.tenant!r}'s highest, "
+                                   f"{self.max_priority} (an operator raises it: baton tenants set {self.tenant} "
+                                   "--max-priority N)")
 
     @classmethod
     def from_json(cls, data: bytes) -> TenantRecord:

@@ -286,12 +286,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
     async def _authenticate(self, request: router_pb2.GenerateRequest, authorization: str | None,
                             time_remaining: Callable[[], float | None] = lambda: None) -> str:
         """With --auth, the caller's tenant replaces the request's own, and its prefix-cache namespace is
-        returned; Unauthenticated without a valid key. Without --auth, the shared namespace ("")."""
+        returned; Unauthenticated without a valid key, PermissionDenied for a priority above the tenant's
+        max_priority. Without --auth, the shared namespace ("")."""
         if self._tenants is None:
             return ""
         await self._tenants.ready(self._wait_s(time_remaining))
         record = self._tenants.tenant_from_authorization(authorization)
         request.tenant = record.tenant
+        record.check_priority(request.priority)  # as the key decides the tenant, its record bounds the priority
         return record.cache_salt
 
     async def ListModels(

@@ -45,3 +45,19 @@ async def test_a_tenant_no_router_would_take_is_not_created(etcd: ManagedProcess
     with pytest.raises(ValueError, match=why):
         await tenants.add_tenant(etcd.address, tenant)
     assert await tenants.list_tenants(etcd.address) == ([], [])
+
+
+async def test_set_changes_and_removes_limits_issuing_no_key(etcd: ManagedProcess) -> None:
+    """Changing a limit took `baton tenants add`, which left one more valid key each time, and a limit once set could
+    never be removed (helper-189)."""
+    record, _ = await tenants.add_tenant(etcd.address, "acme", max_concurrency=2, tokens_per_minute=1000)
+    changed = await tenants.set_tenant(etcd.address, "acme", {"max_concurrency": tenants.UNLIMITED,
+                                                              "weight": 3.0, "max_priority": 7})
+    assert (changed.max_concurrency, changed.tokens_per_minute, changed.weight, changed.max_priority) == (
+        None, 1000, 3.0, 7)
+    assert changed.keys == record.keys
+    (listed,), _ = await tenants.list_tenants(etcd.address)
+    assert listed == changed
+    with pytest.raises(LookupError, match="'nobody': no such tenant"):
+        await tenants.set_tenant(etcd.address, "nobody", {"weight": 2.0})
+    assert [r.tenant for r in (await tenants.list_tenants(etcd.address))[0]] == ["acme"]

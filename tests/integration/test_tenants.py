@@ -289,3 +289,42 @@ def test_over_http_the_bearer_key_names_the_tenant_and_a_bad_key_gets_401(secure
                 client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
             with pytest.raises(openai.AuthenticationError):
                 client.models.list()
+
+
+async def test_a_tenant_asks_no_priority_above_its_records_and_an_operator_raises_it_without_a_new_key(
+        secured: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A tenant's requests set their own priority, which orders admission before any weight: one tenant at priority 1
+    took all 40 starts from a tenant weighted ten times its own (helper-189), and a flood at 1000 held another's
+    requests 48 s (helper-188). The key decides the tenant, and the tenant's record its highest priority."""
+    import openai
+
+    key = add_tenant(secured, "eager")
+    assert (await complete(secured, key, "a default priority", priority=0)).finish_reason
+    assert (await complete(secured, key, "a lower band is anyone's", priority=-3)).finish_reason
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await complete(secured, key, "me first", priority=1)
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert refused.value.details().startswith("priority=1: above tenant 'eager''s highest, 0")
+    with openai.OpenAI(base_url=f"http://{secured.http_address}/v1", api_key=key, max_retries=0, timeout=30) as client:
+        with pytest.raises(openai.PermissionDeniedError, match="priority=1000"):
+            client.completions.create(model=MODEL, prompt="me first", max_tokens=4, extra_body={"priority": 1000})
+
+    cli = ["--state", str(tmp_path / "none.json"), "tenants", "--etcd", secured.etcd_endpoint]
+    assert baton_main([*cli, "set", "eager", "--max-priority", "5"]) == 0
+    assert "max_priority 5" in capsys.readouterr().out
+
+    async def raised() -> bool:  # the record reaches the router through an etcd watch
+        try:
+            await complete(secured, key, "now allowed", priority=5)
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.PERMISSION_DENIED
+            return False
+        return True
+
+    await eventually(raised, 10, "the raised priority to reach the router")
+    with pytest.raises(grpc.aio.AioRpcError) as still:
+        await complete(secured, key, "beyond it", priority=6)
+    assert "above tenant 'eager''s highest, 5" in still.value.details()
+    async with connect(secured.etcd_endpoint) as client:
+        record = TenantRecord.from_json((await client.get(etcd_keys.tenant_key("eager").encode())).value)
+    assert len(record.keys) == 1  # `set` changed the record and issued no key

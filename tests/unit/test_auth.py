@@ -11,7 +11,7 @@ import pytest
 
 from services.common.auth import TenantKeys, TenantRecord, hash_api_key, key_id_of, new_api_key
 from services.common.block_hash import block_hashes, salted_root
-from services.common.errors import Unauthenticated
+from services.common.errors import PermissionDenied, Unauthenticated
 from tests.unit.test_sim_engine import make_core, prompt, request, run_until_idle
 
 
@@ -95,8 +95,25 @@ def test_the_sim_engine_caches_per_salt_and_generates_the_same_tokens_under_any_
     ({"weight": math.inf}, "weight=inf: must be positive and finite"),
     ({"weight": math.nan}, "weight=nan"),
     ({"max_concurrency": 1 << 63}, "max_concurrency=9223372036854775808: must be at least 1 and at most"),
+    ({"max_priority": -1}, "max_priority=-1: must be a whole number from 0 to 2147483647"),
+    ({"max_priority": 1 << 31}, "max_priority=2147483648"),
+    ({"max_priority": True}, "max_priority=true"),
 ])
 def test_a_record_etcd_could_not_give_back_as_json_is_refused_by_its_field(fields: dict[str, float],
                                                                           named: str) -> None:
     with pytest.raises(ValueError, match=re.escape(named)):
         TenantRecord("acme", **fields)  # type: ignore[arg-type]
+
+
+def test_a_record_bounds_its_tenants_priority_and_reads_as_before_at_the_default() -> None:
+    """A tenant chose its own priority, which orders admission before any weight (helper-188, helper-189)."""
+    record = TenantRecord("acme")
+    record.check_priority(0)
+    record.check_priority(-5)
+    with pytest.raises(PermissionDenied, match=re.escape("priority=1: above tenant 'acme''s highest, 0")):
+        record.check_priority(1)
+    TenantRecord("acme", max_priority=9).check_priority(9)
+    # At the default the record is written as before the field was (a router of then reads it still).
+    assert b"max_priority" not in record.to_json()
+    raised = TenantRecord("acme", max_priority=9)
+    assert TenantRecord.from_json(raised.to_json()) == raised
