@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 from dataclasses import dataclass
 
 from baton.protocol import LIVE_IDS_PER_REPORT
+from services.common.auth import TenantRecord
 from services.common.block_hash import MAX_OVERLAP_BLOCKS
 from services.common.config import ServiceConfig, check_instance_id, doc
+from services.common.errors import shown
 from services.common.slo import DEFAULT_TPOT_BUDGET_MS, DEFAULT_TTFT_BUDGET_MS
 from services.common.telemetry import MAX_LABEL_VALUES
 from services.scheduler.admission import TenantLimits
 from services.scheduler.policies import POLICIES
+
+# What --tenant-limits may set of a tenant (its record's admission fields).
+_LIMIT_FIELDS = tuple(field.name for field in dataclasses.fields(TenantLimits))
 
 
 def parse_tenant_limits(text: str) -> dict[str, TenantLimits]:
@@ -21,11 +26,19 @@ def parse_tenant_limits(text: str) -> dict[str, TenantLimits]:
         raw = json.loads(text)
         if not isinstance(raw, dict):
             raise TypeError("expected an object of tenants")
-        limits = {tenant: TenantLimits(**fields) for tenant, fields in raw.items()}
-        for tenant, tenant_limits in limits.items():
-            # Fair share divides by the weight; json.loads takes Infinity and NaN.
-            if not 0 < tenant_limits.weight < math.inf:
-                raise ValueError(f"{tenant}.weight={tenant_limits.weight!r}: must be positive and finite")
+        limits = {}
+        for tenant, fields in raw.items():
+            if not isinstance(fields, dict):
+                raise ValueError(f"{tenant}={shown(fields)}: expected an object of limits")
+            if unknown := set(fields) - set(_LIMIT_FIELDS):
+                raise ValueError(f"{tenant}.{sorted(unknown)[0]}: unknown field; known: {', '.join(_LIMIT_FIELDS)}")
+            try:
+                # Checked as a tenant's record is: "2" for a limit failed every Place of the tenant with a TypeError,
+                # 0 refused it for ever, NaN, 2.5 and true passed as unlimited, 3 and 1 (helper-189).
+                TenantRecord(tenant=tenant, **fields)
+            except ValueError as exc:
+                raise ValueError(f"{tenant}.{exc}") from None
+            limits[tenant] = TenantLimits(**fields)
         return limits
     except (ValueError, TypeError) as exc:
         raise ValueError(f"--tenant-limits={text!r}: {exc}") from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -247,6 +248,23 @@ def test_a_node_agents_report_intervals_must_be_positive(field: str) -> None:
 def test_a_tenant_weight_fair_share_cannot_divide_by_is_refused_naming_it(text: str) -> None:
     with pytest.raises(ValueError, match=r"acme\.weight=.*: must be positive and finite"):
         parse_tenant_limits(text)
+
+
+@pytest.mark.parametrize(("text", "named"), [
+    # A quoted number failed every Place of the tenant with a TypeError; 0 refused its every request; NaN passed as
+    # unlimited, 2.5 as 3 and true as 1 (helper-189). Checked as a tenant's record in etcd is.
+    ('{"acme": {"max_concurrency": "2"}}', "acme.max_concurrency='2': must be at least 1"),
+    ('{"acme": {"max_concurrency": 0}}', "acme.max_concurrency=0: must be at least 1"),
+    ('{"acme": {"tokens_per_minute": NaN}}', "acme.tokens_per_minute=nan"),
+    ('{"acme": {"max_concurrency": 2.5}}', "acme.max_concurrency=2.5"),
+    ('{"acme": {"max_concurrency": true}}', "acme.max_concurrency=True"),
+    ('{"acme": {"wieght": 2}}', "acme.wieght: unknown field; known: weight, max_concurrency, tokens_per_minute"),
+    ('{"acme": 5}', "acme=5: expected an object of limits"),
+])
+def test_a_tenant_limit_a_record_could_not_hold_is_refused_at_start_naming_it(text: str, named: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(named)):
+        SchedulerConfig(tenant_limits=text)
+    assert parse_tenant_limits('{"acme": {"weight": 2, "max_concurrency": 64}}')["acme"].max_concurrency == 64
 
 
 @pytest.mark.parametrize("node_id", ["", "gpu 1", "nœud-1", "a/b", "n\n", "n" * 129])
