@@ -354,17 +354,18 @@ class Admission:
         tenant.expire(now)
         if not limits.is_limited:
             return None
+        if limits.tokens_per_minute is not None and ticket.num_tokens > limits.tokens_per_minute:
+            return Outcome(Verdict.REJECT, f"with its prompt, {ticket.num_tokens} tokens, more than the whole limit "
+                                           f"of tenant {ticket.tenant!r}, {limits.tokens_per_minute} tokens per "
+                                           "minute: no wait would let it in",
+                           # Its own reason: refused INVALID_ARGUMENT, not the 429 of the limit (helper-185); and
+                           # first, so that no busy moment answers it 429 with a hint it cannot use (helper-189).
+                           kind="tenant tokens per minute less than the request", never=True)
         if limits.max_concurrency is not None and tenant.in_flight + len(waiting) >= limits.max_concurrency:
             return Outcome(Verdict.REJECT, f"tenant {ticket.tenant!r} is at its concurrency limit of "
                                            f"{limits.max_concurrency}"
                                            + (f" ({len(waiting)} of them waiting for admission)" if waiting else ""),
                            retry_after_s=tenant.slot_free_in_s(now, len(waiting)), kind="tenant concurrency limit")
-        if limits.tokens_per_minute is not None and ticket.num_tokens > limits.tokens_per_minute:
-            return Outcome(Verdict.REJECT, f"with its prompt, {ticket.num_tokens} tokens, more than the whole limit "
-                                           f"of tenant {ticket.tenant!r}, {limits.tokens_per_minute} tokens per "
-                                           "minute: no wait would let it in",
-                           # Its own reason: refused INVALID_ARGUMENT, not the 429 of the limit (helper-185).
-                           kind="tenant tokens per minute less than the request", never=True)
         waiting_tokens = sum(t.num_tokens for t in waiting)
         if (limits.tokens_per_minute is not None
                 and tenant.served_tokens + waiting_tokens + ticket.num_tokens > limits.tokens_per_minute):

@@ -50,8 +50,11 @@ class AdmissionGate:
     """Admits, queues or refuses each new request; dispatches the queue as capacity frees."""
 
     def __init__(self, admission: Admission, is_saturated: Callable[[], bool], meter: Meter,
-                 clock: Callable[[], float] = time.monotonic, max_tenant_labels: int = MAX_LABEL_VALUES) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_tenant_labels: int = MAX_LABEL_VALUES,
+                 is_leading: Callable[[], bool] = lambda: True) -> None:
         self._admission = admission
+        # Whether this replica leads: the routers report their requests' ends and lives to the leader alone.
+        self._is_leading = is_leading
         self._is_saturated = is_saturated
         self._clock = clock
         self._waiting: dict[str, asyncio.Future[asyncio.Event]] = {}
@@ -172,7 +175,12 @@ class AdmissionGate:
         """Free the slots whose lease ran out: their requests' end was never reported."""
         self._swept_at = self._clock()
         lapsed = self._admission.expire_holds(self._swept_at)
-        if lapsed:
+        if lapsed and not self._is_leading():
+            # A replica that led no longer hears of its slots' requests: their notices go to its successor. Counted
+            # as lost notices, each failover showed its streams' every slot lost (helper-189).
+            log.info("freed %d admission slots held from when this replica led", len(lapsed))
+            self.capacity_changed()
+        elif lapsed:
             log.warning("freed %d admission slots whose lease of %.0f s ran out (no finish notice), e.g. %s",
                         len(lapsed), self._admission.lease_s, lapsed[0][:128])
             self._lapsed.add(len(lapsed))

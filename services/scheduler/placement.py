@@ -18,7 +18,7 @@ from baton.protocol import DEFAULT_TENANT
 from services.common.block_hash import DEFAULT_BLOCK_SIZE
 from services.common.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unavailable, shown
 from services.common.load import Load
-from services.scheduler.admission import Outcome, Ticket
+from services.scheduler.admission import SLOT_HINT_MAX_S, Outcome, Ticket
 from services.scheduler.fleet import ClusterView, NodeStatus, saturation
 from services.scheduler.model_planner import ModelPlanner
 from services.scheduler.policies import Decision, Option, PlacementRequest, Policy
@@ -310,7 +310,10 @@ class Placer:
             f"deadline_ms={request.deadline_ms}: cannot be met; the first token and max_tokens={request.max_tokens} "
             f"are predicted to take {best_ms:.0f} ms on the best node now"
             + (f", after {waited_s:.1f} s queued" if waited_s else "") + " (ask for fewer tokens or a later deadline)",
-            retry_after_ms=max(1000, int(best_ms - request.deadline_ms), math.ceil(forgets_s * 1000)))
+            # (At most SLOT_HINT_MAX_S, as every hint of admission's: the openai client waits out a Retry-After of up
+            # to 60 s, and past it falls back to its own short backoff; 62,705 ms was sent, helper-189.)
+            retry_after_ms=min(int(SLOT_HINT_MAX_S * 1000),
+                               max(1000, int(best_ms - request.deadline_ms), math.ceil(forgets_s * 1000))))
 
     def _idle_end_s(self, options: list[Option], models: list[str], now: float) -> float | None:
         """The soonest predicted end on the options' candidates as if nothing else ran there (their load, the

@@ -191,7 +191,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._admission = Admission(max_queued=config.max_queued, limits=parse_tenant_limits(config.tenant_limits),
                                     lease_s=config.admission_lease_s, is_registered=self._router_registered)
         self._gate = AdmissionGate(self._admission, self._is_saturated, telemetry.meter, clock,
-                                   config.max_tenant_labels)
+                                   config.max_tenant_labels, lambda: self._role.is_leader)
         self._node_infos: dict[str, common_pb2.NodeInfo] = {}
         # (node, model, why) of the registered profiles that cannot be used, as last logged.
         self._unusable_profiles: set[tuple[str, str, str]] = set()

@@ -124,6 +124,13 @@ def test_a_request_larger_than_its_tenants_whole_minute_is_refused_under_a_reaso
     admission.on_admitted(ticket("a", tenant="t", tokens=900), 0.0)
     later = admission.offer(ticket("b", tenant="t", tokens=500), 1.0, False, 0.1)
     assert (later.verdict, later.never, later.kind) == (Verdict.REJECT, False, "tenant tokens per minute limit")
+    # At its concurrency limit too, it is the same bad input: it was answered 429 with a hint, and once the slot
+    # freed, 400 (helper-189).
+    both = Admission(limits={"t": TenantLimits(max_concurrency=1, tokens_per_minute=1000)})
+    both.on_admitted(ticket("running", tenant="t", tokens=10), 0.0)
+    busy = both.offer(ticket("big", tenant="t", tokens=5000), 1.0, False, 0.1)
+    assert (busy.verdict, busy.never, busy.kind) == (Verdict.REJECT, True,
+                                                     "tenant tokens per minute less than the request")
 
 
 def test_a_tenants_limits_count_its_requests_waiting_for_admission() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import types
 
 import grpc
 import pytest
@@ -128,6 +129,29 @@ async def test_the_gate_frees_a_lapsed_slot_on_its_sweep_and_renews_live_ones() 
         await gate.enter(ticket("fourth", at=clock.now), 0.1)
     gate.finished("third")
     assert await gate.enter(ticket("fourth", at=clock.now), 0.1) is False
+
+
+async def test_a_replica_that_no_longer_leads_frees_its_old_slots_without_counting_lost_notices(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The notices of its slots' requests go to its successor: a deposed leader counted every slot of a failover's
+    streams in admission_leases_lapsed, and logged each as a lost finish notice (helper-189)."""
+    clock = FakeClock()
+    leading = [True]
+    gate = AdmissionGate(Admission(limits={"t": TenantLimits(max_concurrency=2)}, lease_s=5.0), lambda: False,
+                         get_meter("test"), clock=clock, is_leading=lambda: leading[0])
+    counted: list[int] = []
+    gate._lapsed = types.SimpleNamespace(add=lambda amount, *labels: counted.append(amount))
+    assert await gate.enter(ticket("a", at=clock.now), 0.1) is False
+    assert await gate.enter(ticket("b", at=clock.now), 0.1) is False
+    leading[0] = False
+    clock.now += 6.0
+    gate.sweep()
+    assert counted == [] and "no finish notice" not in caplog.text
+    assert await gate.enter(ticket("c", at=clock.now), 0.1) is False  # freed all the same
+    leading[0] = True
+    clock.now += 6.0
+    gate.sweep()
+    assert counted == [1] and "no finish notice" in caplog.text
 
 
 async def test_the_gate_sweep_drops_tenants_gone_quiet() -> None:

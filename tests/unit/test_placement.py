@@ -282,6 +282,13 @@ def test_a_deadline_the_fleets_load_puts_out_of_reach_is_refused_at_once_with_a_
     with pytest.raises(ResourceExhausted, match=r"deadline_ms=3000: cannot be met; .*max_tokens=200") as refused:
         placer.ticket(busy, placer.options(busy, lambda _: {}), 2.0)
     assert refused.value.retry_after_ms >= 1000
+    # Far out of reach, the hint is at most the 60 s every admission hint keeps to (the openai client waits out no
+    # longer Retry-After: 62,705 ms was sent, helper-189).
+    placer.cluster.report_load("a", Load(kv_blocks_total=1000, num_waiting=80, pending_prefill_tokens=20_000_000), 2.5)
+    far = placer.start(ask, 3.0)
+    with pytest.raises(ResourceExhausted, match=r"deadline_ms=3000: cannot be met") as refused:
+        placer.ticket(far, placer.options(far, lambda _: {}), 3.0)
+    assert refused.value.retry_after_ms == 60_000
 
 
 def test_a_request_that_queued_past_what_its_deadline_allows_is_refused_before_it_is_placed() -> None:
