@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from baton.flag_types import INT32
 from baton.protocol import AUTHORIZATION_KEY
 from baton.tenants import add_tenant, run_sync
 from baton.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -424,7 +425,8 @@ class LocalCluster:
         self.etcd_members = start_etcd_members(self.workdir, spec.etcd_members, timeout_s, self.pki)
         self.etcd_endpoint = ",".join(member.address for member in self.etcd_members)
         if spec.auth:
-            self.admin_key = self.add_tenant("admin", is_admin=True)
+            # The operator's own key: it may ask any priority (`baton generate --priority 1` with it was refused).
+            self.admin_key = self.add_tenant("admin", is_admin=True, max_priority=INT32[1])
 
         common = self._common_flags()
         for i in range(spec.num_kvindexes):

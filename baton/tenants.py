@@ -64,9 +64,14 @@ async def _change(client: Any, tenant: str, change: Callable[[TenantRecord | Non
 UNLIMITED = "unlimited"
 
 
+# The fields that UNLIMITED removes (a cache group may be named "unlimited": helper-190).
+_LIMITS = ("max_concurrency", "tokens_per_minute")
+
+
 def _with_fields(record: TenantRecord, fields: dict[str, Any]) -> TenantRecord:
-    """record with the fields given replacing its own (None: not given; UNLIMITED: the limit removed)."""
-    given = {name: None if value == UNLIMITED else value for name, value in fields.items() if value is not None}
+    """record with the fields given replacing its own (None: not given; UNLIMITED for a limit: the limit removed)."""
+    given = {name: None if name in _LIMITS and value == UNLIMITED else value
+             for name, value in fields.items() if value is not None}
     return TenantRecord(**{**record.__dict__, **given})
 
 
@@ -96,6 +101,9 @@ async def add_tenant(etcd: str, tenant: str, *, weight: float | None = None, max
                          "routers' --max-id-len refuses such a tenant's every request)")
     if any(ord(c) < 0x20 or 0x7f <= ord(c) <= 0x9f for c in tenant):
         raise ValueError(f"tenant {shown(tenant)}: holds a control character")
+    if tenant != tenant.strip():  # as the routers refuse such a tenant (a header would drop it)
+        raise ValueError(f"tenant {shown(tenant)}: begins or ends with white space (the routers refuse such a "
+                         "tenant's every request)")
     fields = {"weight": weight, "max_concurrency": max_concurrency, "tokens_per_minute": tokens_per_minute,
               "cache_group": cache_group, "is_admin": is_admin, "max_priority": max_priority}
     key = new_api_key()

@@ -143,7 +143,7 @@ class TenantRecord:
     def check_priority(self, priority: int) -> None:
         """PermissionDenied when a request of this tenant's asks for a priority above its max_priority."""
         if priority > self.max_priority:
-            raise PermissionDenied(f"priority={priority}: above tenant {self.tenant!r}'s highest, "
+            raise PermissionDenied(f"priority={priority}: above the highest that tenant {self.tenant!r} may ask for, "
                                    f"{self.max_priority} (an operator raises it: baton tenants set {self.tenant} "
                                    "--max-priority N)")
 

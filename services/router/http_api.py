@@ -26,7 +26,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.metrics import Meter
 
 from baton.v1 import router_pb2
-from services.common.auth import joined_authorization
+from services.common.auth import TenantRecord, joined_authorization
 from services.common.errors import BatonError, InvalidArgument, Unavailable
 from services.router import openai_schema as schema
 from services.router.chat_template import PLAIN, ChatTemplate, template_for
@@ -89,7 +89,7 @@ class GenerateService(Protocol):
 
     def gone_model(self, name: str) -> ModelEntry | None: ...
 
-    async def authorize(self, authorization: str | None) -> str: ...
+    async def authorize(self, authorization: str | None) -> TenantRecord | None: ...
 
     def has_read_nodes(self) -> bool: ...
 
@@ -380,7 +380,7 @@ class HttpApi:
             # parsed): a caller without one is not told which models are served (a token-id prompt's context window
             # named them, helper-148) and costs the router nothing more (helper-150). The router's generate, which
             # checks it again, puts the key's tenant in the request's place.
-            key_tenant = await self._service.authorize(_authorization(request))
+            key_record = await self._service.authorize(_authorization(request))
         except BatonError as error:
             return _error(error)
         body = await _read_json(request, self._read_timeout_s)
@@ -405,11 +405,13 @@ class HttpApi:
             # while none is served there are none. A request's own fields are checked first, without them: bad input
             # is refused at once, not after the wait, nor answered the 503 that says to retry it.
             early = parse(lambda _: PLAIN, lambda _: sys.maxsize)
-            if key_tenant:
-                early.request.tenant = key_tenant
             if kind == schema.CHAT:  # its size is the model's template's rendering, not known yet (helper-145)
                 early.request.prompt = " "
             try:
+                if key_record is not None:
+                    early.request.tenant = key_record.tenant
+                    # As generate checks it: a priority over the tenant's was answered 503 to retry (helper-190).
+                    key_record.check_priority(early.request.priority)
                 check_fields(early.request, self._limits)
             except BatonError as error:
                 return _error(error, early.names, _id_header(early, self._limits.max_id_len))

@@ -26,7 +26,7 @@ from baton.v1 import (
     scheduler_pb2_grpc,
 )
 from services.common import etcd_keys
-from services.common.auth import joined_authorization
+from services.common.auth import TenantRecord, joined_authorization
 from services.common.coalesce import coalesce
 from services.common.deadline import until
 from services.common.directory import ChannelPool, LeaderDirectory
@@ -275,13 +275,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 f"{config.connection_request_burst}", retry_after_ms=max(1, math.ceil(wait_s * 1000)))
 
     async def authorize(self, authorization: str | None,
-                        time_remaining: Callable[[], float | None] = lambda: None) -> str:
-        """With --auth, the tenant of the caller's `authorization: Bearer <key>` (gRPC metadata or HTTP
-        header); Unauthenticated without a valid key. Without --auth, "" (anyone may call)."""
+                        time_remaining: Callable[[], float | None] = lambda: None) -> TenantRecord | None:
+        """With --auth, the tenant record of the caller's `authorization: Bearer <key>` (gRPC metadata or HTTP
+        header); Unauthenticated without a valid key. Without --auth, None (anyone may call)."""
         if self._tenants is None:
-            return ""
+            return None
         await self._tenants.ready(self._wait_s(time_remaining))
-        return self._tenants.tenant_from_authorization(authorization).tenant
+        return self._tenants.tenant_from_authorization(authorization)
 
     async def _authenticate(self, request: router_pb2.GenerateRequest, authorization: str | None,
                             time_remaining: Callable[[], float | None] = lambda: None) -> str:

@@ -33,9 +33,10 @@ def parse_tenant_limits(text: str) -> dict[str, TenantLimits]:
             if unknown := set(fields) - set(_LIMIT_FIELDS):
                 raise ValueError(f"{tenant}.{sorted(unknown)[0]}: unknown field; known: {', '.join(_LIMIT_FIELDS)}")
             try:
-                # Checked as a tenant's record is: "2" for a limit failed every Place of the tenant with a TypeError,
-                # 0 refused it for ever, NaN, 2.5 and true passed as unlimited, 3 and 1 (helper-189).
-                TenantRecord(tenant=tenant, **fields)
+                # Its limits checked as a tenant's record checks them: "2" for a limit failed every Place of the
+                # tenant with a TypeError, 0 refused it for ever, NaN, 2.5 and true passed as unlimited, 3 and 1
+                # (helper-189). Not its name: without --auth a tenant is any the routers take ("team/a").
+                TenantRecord(tenant="limits", **fields)
             except ValueError as exc:
                 raise ValueError(f"{tenant}.{exc}") from None
             limits[tenant] = TenantLimits(**fields)

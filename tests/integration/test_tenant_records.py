@@ -39,7 +39,8 @@ async def test_a_key_added_while_another_is_revoked_leaves_that_one_revoked(
 
 
 @pytest.mark.parametrize(("tenant", "why"), [("t" * 129, "129 characters, longer than 128"),
-                                             ("t\x1b[2J", "holds a control character")])
+                                             ("t\x1b[2J", "holds a control character"),
+                                             ("ws ", "begins or ends with white space")])
 async def test_a_tenant_no_router_would_take_is_not_created(etcd: ManagedProcess, tenant: str, why: str) -> None:
     """A 200-character tenant was created, and its key then refused on every request (helper-164)."""
     with pytest.raises(ValueError, match=why):
@@ -58,6 +59,9 @@ async def test_set_changes_and_removes_limits_issuing_no_key(etcd: ManagedProces
     assert changed.keys == record.keys
     (listed,), _ = await tenants.list_tenants(etcd.address)
     assert listed == changed
+    # "unlimited" removes a limit, and only a limit: a cache group may be named so (helper-190).
+    grouped = await tenants.set_tenant(etcd.address, "acme", {"cache_group": tenants.UNLIMITED})
+    assert grouped.cache_group == "unlimited"
     with pytest.raises(LookupError, match="'nobody': no such tenant"):
         await tenants.set_tenant(etcd.address, "nobody", {"weight": 2.0})
     assert [r.tenant for r in (await tenants.list_tenants(etcd.address))[0]] == ["acme"]

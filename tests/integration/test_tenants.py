@@ -304,7 +304,7 @@ async def test_a_tenant_asks_no_priority_above_its_records_and_an_operator_raise
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await complete(secured, key, "me first", priority=1)
     assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert refused.value.details().startswith("priority=1: above tenant 'eager''s highest, 0")
+    assert refused.value.details().startswith("priority=1: above the highest that tenant 'eager' may ask for, 0")
     with openai.OpenAI(base_url=f"http://{secured.http_address}/v1", api_key=key, max_retries=0, timeout=30) as client:
         with pytest.raises(openai.PermissionDeniedError, match="priority=1000"):
             client.completions.create(model=MODEL, prompt="me first", max_tokens=4, extra_body={"priority": 1000})
@@ -324,7 +324,7 @@ async def test_a_tenant_asks_no_priority_above_its_records_and_an_operator_raise
     await eventually(raised, 10, "the raised priority to reach the router")
     with pytest.raises(grpc.aio.AioRpcError) as still:
         await complete(secured, key, "beyond it", priority=6)
-    assert "above tenant 'eager''s highest, 5" in still.value.details()
+    assert "above the highest that tenant 'eager' may ask for, 5" in still.value.details()
     async with connect(secured.etcd_endpoint) as client:
         record = TenantRecord.from_json((await client.get(etcd_keys.tenant_key("eager").encode())).value)
     assert len(record.keys) == 1  # `set` changed the record and issued no key

@@ -110,7 +110,8 @@ def test_a_record_bounds_its_tenants_priority_and_reads_as_before_at_the_default
     record = TenantRecord("acme")
     record.check_priority(0)
     record.check_priority(-5)
-    with pytest.raises(PermissionDenied, match=re.escape("priority=1: above tenant 'acme''s highest, 0")):
+    with pytest.raises(PermissionDenied, match=re.escape("priority=1: above the highest that tenant 'acme' may ask "
+                                                         "for, 0")):
         record.check_priority(1)
     TenantRecord("acme", max_priority=9).check_priority(9)
     # At the default the record is written as before the field was (a router of then reads it still).

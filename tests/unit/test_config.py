@@ -265,6 +265,8 @@ def test_a_tenant_limit_a_record_could_not_hold_is_refused_at_start_naming_it(te
     with pytest.raises(ValueError, match=re.escape(named)):
         SchedulerConfig(tenant_limits=text)
     assert parse_tenant_limits('{"acme": {"weight": 2, "max_concurrency": 64}}')["acme"].max_concurrency == 64
+    # Its limits only: without --auth a tenant is any name the routers take (helper-190).
+    assert parse_tenant_limits('{"team/a": {"weight": 2}}')["team/a"].weight == 2
 
 
 @pytest.mark.parametrize("node_id", ["", "gpu 1", "nœud-1", "a/b", "n\n", "n" * 129])

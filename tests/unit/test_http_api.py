@@ -28,6 +28,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from baton.cluster import free_port
 from baton.v1 import common_pb2, router_pb2
+from services.common.auth import TenantRecord
 from services.common.errors import (Aborted, AlreadyExists, BatonError, DeadlineExceeded, InvalidArgument,
                                     ResourceExhausted, Unauthenticated, Unavailable)
 from services.router import openai_schema as schema
@@ -45,8 +46,9 @@ class _FakeRouter:
     def __init__(self, texts: list[str], failure: BatonError | None = None,
                  unread: BatonError | None = None, served: tuple[ModelEntry, ...] = (MODEL,),
                  key_refused: BatonError | None = None, validating: bool = False,
-                 gone: tuple[ModelEntry, ...] = ()) -> None:
+                 gone: tuple[ModelEntry, ...] = (), key_record: TenantRecord | None = None) -> None:
         self.texts = texts
+        self.key_record = key_record  # the tenant every key names (None: no --auth)
         self.gone = {m.name: m for m in gone}  # served lately, by no node now
         self.validating = validating  # validate each request as the router does
         self.key_refused = key_refused
@@ -66,10 +68,10 @@ class _FakeRouter:
         return [router_pb2.ServedModel(name=m.name, max_context_tokens=m.max_context_tokens, tokenizer=m.tokenizer,
                                        num_warm_nodes=m.num_warm_nodes) for m in self.served.values()]
 
-    async def authorize(self, authorization: str | None) -> str:
+    async def authorize(self, authorization: str | None) -> TenantRecord | None:
         if self.key_refused is not None:
             raise self.key_refused
-        return ""
+        return self.key_record
 
     def has_read_nodes(self) -> bool:
         return self.unread is None
@@ -251,6 +253,23 @@ async def test_bad_fields_are_refused_at_once_by_a_router_that_has_not_read_the_
         finally:
             await client.close()
             await http.close()
+
+
+async def test_a_priority_above_the_tenants_is_refused_403_by_a_router_that_serves_no_model_yet() -> None:
+    """The router's generate checks it, which a request waiting for the nodes never reached: it was answered 503, to
+    retry, which the openai client did (helper-190)."""
+    unread = Unavailable("this router has not read the cluster's nodes from etcd (is etcd reachable?) within 30.0 s")
+    router = _FakeRouter(["a"], unread=unread, key_record=TenantRecord("acme"))
+    http, client = await _client(router)
+    try:
+        with pytest.raises(openai.PermissionDeniedError, match="priority=5: above the highest that tenant 'acme'"):
+            await client.completions.create(model="m", prompt="x", extra_body={"priority": 5})
+        with pytest.raises(openai.InternalServerError) as waited:  # within it: the wait, then the 503
+            await client.completions.create(model="m", prompt="x", extra_body={"priority": 0})
+        assert waited.value.status_code == 503
+    finally:
+        await client.close()
+        await http.close()
 
 
 def _failure(code: grpc.StatusCode, message: str) -> BatonError:
@@ -765,9 +784,9 @@ async def test_every_authorization_header_a_request_sends_reaches_the_key_check(
     seen: list[str | None] = []
 
     class _Recording(_FakeRouter):
-        async def authorize(self, authorization: str | None) -> str:
+        async def authorize(self, authorization: str | None) -> TenantRecord | None:
             seen.append(authorization)
-            return ""
+            return None
 
         async def generate(self, request: router_pb2.GenerateRequest, time_remaining: Callable[[], float | None],
                            authorization: str | None = None) -> AsyncIterator[router_pb2.GenerateChunk]:
