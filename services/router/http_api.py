@@ -67,6 +67,10 @@ DEFAULT_READ_TIMEOUT_S = 30.0
 # A request's key for the status of the answer written when the router's stop cut its handler (which ends in a
 # cancellation, past the spans' and the metrics' usual accounting).
 _CUT_STATUS = web.RequestKey("baton.cut_status", int)
+# The id the router made for a completion call, said in x-request-id by an answer that carries none of its own: a
+# refusal of the call itself (no valid key, a body that is no JSON, a field of the wrong type), as OpenAI's API says
+# one in every answer. The call's span carries it (baton.request_id) until the request's own id replaces it.
+_CALL_ID = web.RequestKey("baton.call_id", str)
 
 
 class _Refused(Exception):
@@ -136,34 +140,41 @@ async def _openai_errors(request: web.Request,
     """Every failure in OpenAI's error shape: a refusal with its status, aiohttp's own (404, 405,
     413) too; anything else is a bug, logged, and 500."""
     try:
-        return await handler(request)
+        response = await handler(request)
     except BatonError as error:
-        return _error(error)
+        response = _error(error)
     except _Refused as refused:
         response = _json_response(refused.status, refused.body)
         if refused.close:
             response.force_close()
-        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        if exc.status == 413:
-            size = "a chunked body" if request.content_length is None else f"{request.content_length} bytes"
-            return _json_response(413, schema.refusal("body", size, f"longer than {request.client_max_size} bytes",
-                                                      413))
-        param = "path" if exc.status in (404, 405) else None
-        message = f"{request.method} {request.path}: {exc.reason}"
-        code = exc.reason.lower().replace(" ", "_")
-        # A 405 says which methods the path takes (HTTP requires the header; aiohttp's own exception has it).
-        allow = {"Allow": exc.headers["Allow"]} if exc.status == 405 and "Allow" in exc.headers else None
-        if allow:
-            message += f" (allowed: {allow['Allow']})"
-        return _json_response(exc.status, schema.error_json(exc.status, message, param, code), allow)
+        response = _http_error(request, exc)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         log.exception("HTTP %s %s failed", request.method, request.path)
-        return _json_response(500, schema.error_json(500, "internal error", None, "internal"))
+        response = _json_response(500, schema.error_json(500, "internal error", None, "internal"))
+    if (call_id := request.get(_CALL_ID)) is not None and not response.prepared \
+            and "x-request-id" not in response.headers:
+        response.headers["x-request-id"] = call_id
+    return response
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
+    """aiohttp's own refusal (404, 405, 413, ...) in OpenAI's error shape."""
+    if exc.status == 413:
+        size = "a chunked body" if request.content_length is None else f"{request.content_length} bytes"
+        return _json_response(413, schema.refusal("body", size, f"longer than {request.client_max_size} bytes", 413))
+    param = "path" if exc.status in (404, 405) else None
+    message = f"{request.method} {request.path}: {exc.reason}"
+    code = exc.reason.lower().replace(" ", "_")
+    # A 405 says which methods the path takes (HTTP requires the header; aiohttp's own exception has it).
+    allow = {"Allow": exc.headers["Allow"]} if exc.status == 405 and "Allow" in exc.headers else None
+    if allow:
+        message += f" (allowed: {allow['Allow']})"
+    return _json_response(exc.status, schema.error_json(exc.status, message, param, code), allow)
 
 
 async def _expect_within_limit(request: web.Request) -> web.StreamResponse | None:
@@ -355,10 +366,12 @@ class HttpApi:
         return find_model(model, self._service.models).max_context_tokens if entry is None else entry.max_context_tokens
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        request[_CALL_ID] = uuid.uuid4().hex
         with self._tracer.start_as_current_span(
                 f"{request.method} {request.path}", context=propagate.extract(request.headers),
                 kind=trace.SpanKind.SERVER,
-                attributes={"http.request.method": request.method, "url.path": request.path},
+                attributes={"http.request.method": request.method, "url.path": request.path,
+                            "baton.request_id": request[_CALL_ID]},
                 record_exception=False, set_status_on_exception=False) as span:
             try:
                 response = await self._generate_in_span(request, kind)
@@ -384,10 +397,10 @@ class HttpApi:
         except BatonError as error:
             return _error(error)
         body = await _read_json(request, self._read_timeout_s)
-        # Its id, as the client set it (request_id, X-Baton-Request-Id) or one made here: said in every answer's
-        # x-request-id, as OpenAI's API says its own, so that a failed call can be found in the cluster's logs and
-        # traces (helper-166: no answer carried one).
-        made_id = uuid.uuid4().hex
+        # Its id, as the client set it (request_id, X-Baton-Request-Id) or the one made for the call: said in every
+        # answer's x-request-id, as OpenAI's API says its own, so that a failed call can be found in the cluster's
+        # logs and traces (helper-166: no answer carried one).
+        made_id = request[_CALL_ID]
 
         def parse(template_for_model: Callable[[str], ChatTemplate],
                   context_for_model: Callable[[str], int]) -> schema.ParsedRequest:
@@ -395,6 +408,8 @@ class HttpApi:
                                           self._limits)
             parsed.request.tenant = tenant_for(request, body)
             parsed.request.request_id = parsed.request.request_id or made_id
+            # Parsed, the request is known by its own id: one a header cannot carry is said in none, not the call's.
+            request.pop(_CALL_ID, None)
             if isinstance(body, dict) and body.get(schema.TENANT_FIELD) is None:  # named as the client spelt it
                 parsed.names[schema.TENANT_FIELD] = schema.TENANT_HEADER
             return parsed

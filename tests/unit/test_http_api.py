@@ -7,6 +7,7 @@ import asyncio
 import gzip
 import json
 import random
+import re
 import logging
 import zlib
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -515,6 +516,34 @@ async def test_a_request_is_one_trace_its_calls_inside_its_server_span_under_the
     assert span.attributes["http.response.status_code"] == 200
     assert span.context.trace_id == client_trace and span.parent is not None
     assert inside == [span.context]
+
+
+async def test_a_refusal_of_the_call_itself_carries_an_id_its_span_carries_too() -> None:
+    """OpenAI's API says an x-request-id in every answer; a call refused before its body was read as a request (no
+    valid key, no JSON, a field of the wrong type) had none, so its trace could not be found from the answer."""
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    router = _FakeRouter(["a"])
+    http = TestClient(TestServer(HttpApi(router, "127.0.0.1:0", InputLimits(max_prompt_bytes=1024),
+                                         tracer=provider.get_tracer("test")).app))
+    await http.start_server()
+    try:
+        answers = [await http.post("/v1/completions", data=b"not json"),
+                   await http.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": "2"})]
+        router.key_refused = Unauthenticated("authorization: missing")
+        answers.append(await http.post("/v1/chat/completions", json={"model": "m", "messages": []}))
+        # A request refused once parsed is known by its own id (here the client's), as before.
+        router.key_refused, router.validating = None, True
+        answers.append(await http.post("/v1/completions", json={"model": "m", "prompt": "x", "temperature": -1,
+                                                                "request_id": "mine"}))
+    finally:
+        await http.close()
+    assert [answer.status for answer in answers] == [400, 400, 401, 400]
+    ids = [answer.headers.get("x-request-id") for answer in answers]
+    assert all(re.fullmatch("[0-9a-f]{32}", call_id or "") for call_id in ids[:3]) and len(set(ids[:3])) == 3
+    assert ids[3] == "mine"
+    assert [span.attributes["baton.request_id"] for span in spans.get_finished_spans()][:3] == ids[:3]
 
 
 _BODY = json.dumps({"model": "m", "prompt": "x", "max_tokens": 1}).encode()
