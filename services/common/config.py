@@ -210,9 +210,13 @@ def check_otel_exporter(value: str) -> None:
             raise ValueError(f"--otel-exporter: cannot append to file:{path}: {exc.strerror or exc}") from None
         return
     if value.startswith("otlp:"):
-        host, sep, port = value.removeprefix("otlp:").rpartition(":")
-        if sep and host and port.isdigit():
-            return
+        # As every address flag is checked: port 99999 was taken, and the exporter sent to 34463 (helper-192).
+        endpoint = value.removeprefix("otlp:")
+        check_listen("otel_exporter", endpoint)
+        host = endpoint.rpartition(":")[0]
+        if "/" in host or any(c.isspace() for c in host):  # "otlp:http://x:4317" dialled http://http://x:4317
+            raise ValueError(f"--otel-exporter: the host in {value!r} must be a host name or address, not a URL")
+        return
     raise ValueError(f"--otel-exporter: expected none, console, file:PATH or otlp:HOST:PORT, got {value!r}")
 
 

@@ -31,8 +31,12 @@ def test_the_metrics_endpoint_binds_the_grpc_listen_host(monkeypatch: pytest.Mon
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--metrics-port", "70000"], "--metrics-port: expected 0 (off) to 65535, got 70000"),
-    (["--otel-exporter", "otlp:collector"], "--otel-exporter: expected none, console, file:PATH or otlp:HOST:PORT, "
-                                            "got 'otlp:collector'"),
+    (["--otel-exporter", "otlp:collector"], "--otel-exporter: expected host:port, got 'collector'"),
+    # Taken, 99999 sent to 34463, and a URL dialled http://http://x:4317 (helper-192).
+    (["--otel-exporter", "otlp:127.0.0.1:99999"], "--otel-exporter: port 99999 is past 65535, in '127.0.0.1:99999'"),
+    (["--otel-exporter", "otlp:http://x:4317"], "--otel-exporter: the host in 'otlp:http://x:4317' must be a host "
+                                                "name or address, not a URL"),
+    (["--otel-exporter", "otlp: :4317"], "must be a host name or address"),
     (["--otel-exporter", "jaeger"], "got 'jaeger'"),
     (["--shutdown-grace-s", "-1"], "--shutdown-grace-s: must be 0 to 86400, got -1.0"),
     (["--listen", "127.0.0.1:99999"], "--listen: port 99999 is past 65535, in '127.0.0.1:99999'"),
