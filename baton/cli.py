@@ -564,7 +564,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"admission queue: {sum(state.queued_by_tenant.values())} waiting{f' ({queued})' if queued else ''}")
     for action in state.model_actions[:5]:
         print(f"  model {action.kind} {action.model} on {action.node_id}: {action.result} ({action.reason})")
-    _print_recent_decisions(address, _metadata(args), _credentials(args))
+    _print_recent_decisions(address, _metadata(args), _credentials(args), leading=state.leading_revision,
+                            scheduler_id=state.scheduler_id)
     return 0
 
 
@@ -582,7 +583,12 @@ def _cut(text: str, limit: int) -> str:
 
 
 def _print_recent_decisions(scheduler: str, metadata: tuple[tuple[str, str], ...] = (),
-                            credentials: grpc.ChannelCredentials | None = None, limit: int = 5) -> None:
+                            credentials: grpc.ChannelCredentials | None = None, limit: int = 5,
+                            leading: int = 0, scheduler_id: str = "") -> None:
+    """The scheduler's last placements. Each replica keeps those it made, in every term it led: a replica that does
+    not lead now (leading: 0) shows old ones, and a term's are followed by an earlier term's with the other leaders'
+    between them left out. Both are said (printed as the latest, a standby's list hid the leader's newest placements
+    and the gap, helper-192)."""
     try:
         with sync_channel(scheduler, credentials) as channel:
             recent = scheduler_pb2_grpc.SchedulerStub(channel).GetRecentDecisions(
@@ -591,8 +597,17 @@ def _print_recent_decisions(scheduler: str, metadata: tuple[tuple[str, str], ...
         return
     if not recent.decisions:
         return
-    print(f"recent placements (policy {recent.policy}), newest first:")
+    if leading:
+        print(f"recent placements (policy {recent.policy}), newest first:")
+    else:
+        print(f"recent placements of {printable(scheduler_id) or scheduler}, which does not lead now: those it made "
+              f"when it led, not the leader's (policy {recent.policy}), newest first:")
+    term = leading
     for d in recent.decisions:
+        if d.leader_revision and d.leader_revision != term:
+            print(f"  (as leader at revision {d.leader_revision}"
+                  + (", an earlier term: other leaders' placements since are not here)" if term else ")"))
+            term = d.leader_revision
         # Each candidate's cached prefix too, and ids cut at 40 characters, not 12 (with --auth, `tenant/` took most
         # of those: two requests printed alike, helper-160).
         why = ", ".join(f"{c.node_id}: ttft {c.predicted_ttft_ms:.0f} ms, p {c.success:.2f}, ${c.cost:.5f}"

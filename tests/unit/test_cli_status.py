@@ -186,3 +186,39 @@ def test_status_says_a_decision_was_a_move_and_how_long_it_waited(capsys: pytest
     assert "alice/p12-b10 -> n1" in out and "cached 2992" in out  # cut to 12 characters, and no cache (helper-160)
     assert "a move (drained), avoiding n0" in out
     assert "decided after 5.7 s waiting (admission queue, a model's load, or leadership)" in out
+
+
+class _Terms(_Standby):
+    """A replica that led at revision 46, and now leads again at 143 (or, leading 0, does not lead now)."""
+
+    def __init__(self, leading: int) -> None:
+        super().__init__("scheduler-1", "")
+        self.leading = leading
+
+    def GetClusterState(self, request, context):  # noqa: N802 - the generated servicer's name
+        return scheduler_pb2.ClusterState(scheduler_id="scheduler-1", leader_id="scheduler-1",
+                                          leading_revision=self.leading)
+
+    def GetRecentDecisions(self, request, context):  # noqa: N802 - the generated servicer's name
+        return scheduler_pb2.RecentDecisions(policy="baton", decisions=[
+            scheduler_pb2.PlacementDecision(request_id=rid, node_id="n1", leader_revision=revision)
+            for rid, revision in (("b-1", 143), ("b-0", 143), ("a-2", 46))])
+
+
+def test_status_says_whose_placements_it_shows_and_where_an_earlier_term_begins(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Each replica keeps the placements it made in every term it led. Shown as the latest, a standby's old list hid
+    the leader's newest placements, and a leader's list went from its term to an earlier one with the placements of
+    the leader between them missing and no sign of it (helper-192)."""
+    with _serve(_Terms(leading=143)) as address:
+        assert main(["status", "--scheduler", address]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = lines.index("recent placements (policy baton), newest first:")
+    assert [line.split()[0] for line in lines[start + 1:]] == ["b-1", "b-0", "(as", "a-2"]
+    assert lines[start + 3] == ("  (as leader at revision 46, an earlier term: other leaders' placements since are "
+                                "not here)")
+    with _serve(_Terms(leading=0)) as address:
+        assert main(["status", "--scheduler", address]) == 0
+    out = capsys.readouterr().out
+    assert ("recent placements of scheduler-1, which does not lead now: those it made when it led, not the leader's "
+            "(policy baton), newest first:\n  (as leader at revision 143)\n") in out
