@@ -600,13 +600,15 @@ def _print_recent_decisions(scheduler: str, metadata: tuple[tuple[str, str], ...
     if leading:
         print(f"recent placements (policy {recent.policy}), newest first:")
     else:
-        print(f"recent placements of {printable(scheduler_id) or scheduler}, which does not lead now: those it made "
-              f"when it led, not the leader's (policy {recent.policy}), newest first:")
+        print(f"recent placements of {printable(scheduler_id) or scheduler}, which does not lead on a confirmed lease "
+              f"now: those it made when it led, perhaps not the leader's latest (policy {recent.policy}), newest "
+              "first:")
     term = leading
     for d in recent.decisions:
         if d.leader_revision and d.leader_revision != term:
+            earlier = 0 < d.leader_revision < term  # (a term newer than the one asked about: a race, said plainly)
             print(f"  (as leader at revision {d.leader_revision}"
-                  + (", an earlier term: other leaders' placements since are not here)" if term else ")"))
+                  + (", an earlier term: other leaders' placements since are not here)" if earlier else ")"))
             term = d.leader_revision
         # Each candidate's cached prefix too, and ids cut at 40 characters, not 12 (with --auth, `tenant/` took most
         # of those: two requests printed alike, helper-160).

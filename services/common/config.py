@@ -213,9 +213,14 @@ def check_otel_exporter(value: str) -> None:
         # As every address flag is checked: port 99999 was taken, and the exporter sent to 34463 (helper-192).
         endpoint = value.removeprefix("otlp:")
         check_listen("otel_exporter", endpoint)
-        host = endpoint.rpartition(":")[0]
-        if "/" in host or any(c.isspace() for c in host):  # "otlp:http://x:4317" dialled http://http://x:4317
-            raise ValueError(f"--otel-exporter: the host in {value!r} must be a host name or address, not a URL")
+        host, _, port = endpoint.rpartition(":")
+        # "otlp:http://x:4317" dialled http://http://x:4317; "::1:4317" could not be resolved (helper-193).
+        if "/" in host or "@" in host or "?" in host or any(c.isspace() for c in host) \
+                or (":" in host and not (host.startswith("[") and host.endswith("]"))):
+            raise ValueError(f"--otel-exporter: the host in {value!r} must be a host name or address (an IPv6 one in "
+                             "brackets, [::1]), not a URL")
+        if int(port) == 0:
+            raise ValueError(f"--otel-exporter: port 0 in {value!r} names no collector")
         return
     raise ValueError(f"--otel-exporter: expected none, console, file:PATH or otlp:HOST:PORT, got {value!r}")
 
@@ -235,7 +240,7 @@ def check_etcd(name: str, value: str) -> None:
 def check_listen(name: str, value: str) -> None:
     """Raise ValueError unless value looks like host:port."""
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit():
+    if not sep or not host or not (port.isascii() and port.isdigit()):  # (int() reads other scripts' digits)
         raise ValueError(f"--{name.replace('_', '-')}: expected host:port, got {value!r}")
     if not host.isprintable():  # a control character, or a non-UTF-8 argument's lone surrogate (helper-182)
         raise ValueError(f"--{name.replace('_', '-')}: the host in {value!r} is not printable UTF-8")

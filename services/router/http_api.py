@@ -30,6 +30,7 @@ from services.common.auth import TenantRecord, joined_authorization
 from services.common.errors import BatonError, InvalidArgument, Unavailable
 from services.router import openai_schema as schema
 from services.router.chat_template import PLAIN, ChatTemplate, template_for
+from services.router.request_scope import cluster_request_id
 from services.router.validation import InputLimits, ModelEntry, check_fields, find_model
 
 log = logging.getLogger(__name__)
@@ -408,8 +409,17 @@ class HttpApi:
                                           self._limits)
             parsed.request.tenant = tenant_for(request, body)
             parsed.request.request_id = parsed.request.request_id or made_id
-            # Parsed, the request is known by its own id: one a header cannot carry is said in none, not the call's.
-            request.pop(_CALL_ID, None)
+            # Parsed, the request is known by its own id, which every later answer says (one a header cannot carry,
+            # none), and its span names as the router's generate will, where it runs (helper-193: a refusal before
+            # that said the client's id while the span kept the call's).
+            said = _id_header(parsed, self._limits.max_id_len).get("x-request-id")
+            if said is None:
+                request.pop(_CALL_ID, None)
+            else:
+                request[_CALL_ID] = said
+            own = parsed.request.request_id
+            trace.get_current_span().set_attribute(
+                "baton.request_id", cluster_request_id(key_record.tenant, own) if key_record is not None else own)
             if isinstance(body, dict) and body.get(schema.TENANT_FIELD) is None:  # named as the client spelt it
                 parsed.names[schema.TENANT_FIELD] = schema.TENANT_HEADER
             return parsed

@@ -220,5 +220,8 @@ def test_status_says_whose_placements_it_shows_and_where_an_earlier_term_begins(
     with _serve(_Terms(leading=0)) as address:
         assert main(["status", "--scheduler", address]) == 0
     out = capsys.readouterr().out
-    assert ("recent placements of scheduler-1, which does not lead now: those it made when it led, not the leader's "
-            "(policy baton), newest first:\n  (as leader at revision 143)\n") in out
+    assert ("recent placements of scheduler-1, which does not lead on a confirmed lease now: those it made when it "
+            "led, perhaps not the leader's latest (policy baton), newest first:\n"
+            "  (as leader at revision 143)\n") in out
+    # The term after it older: said to be an earlier one, with what is missing between.
+    assert "(as leader at revision 46, an earlier term: other leaders' placements since are not here)" in out

@@ -537,13 +537,18 @@ async def test_a_refusal_of_the_call_itself_carries_an_id_its_span_carries_too()
         router.key_refused, router.validating = None, True
         answers.append(await http.post("/v1/completions", json={"model": "m", "prompt": "x", "temperature": -1,
                                                                 "request_id": "mine"}))
+        # Parsed, then failing in the router (a bug's 500): its answer says its id, as its span does (helper-193: the
+        # answer said none, and a refusal said the client's id where the span kept the call's).
+        router.validating = False
+        router.failure = RuntimeError("a bug")  # type: ignore[assignment]
+        answers.append(await http.post("/v1/completions", json={"model": "m", "prompt": "x", "request_id": "boom"}))
     finally:
         await http.close()
-    assert [answer.status for answer in answers] == [400, 400, 401, 400]
+    assert [answer.status for answer in answers] == [400, 400, 401, 400, 500]
     ids = [answer.headers.get("x-request-id") for answer in answers]
     assert all(re.fullmatch("[0-9a-f]{32}", call_id or "") for call_id in ids[:3]) and len(set(ids[:3])) == 3
-    assert ids[3] == "mine"
-    assert [span.attributes["baton.request_id"] for span in spans.get_finished_spans()][:3] == ids[:3]
+    assert ids[3:] == ["mine", "boom"]
+    assert [span.attributes["baton.request_id"] for span in spans.get_finished_spans()] == ids
 
 
 _BODY = json.dumps({"model": "m", "prompt": "x", "max_tokens": 1}).encode()

@@ -35,8 +35,11 @@ def test_the_metrics_endpoint_binds_the_grpc_listen_host(monkeypatch: pytest.Mon
     # Taken, 99999 sent to 34463, and a URL dialled http://http://x:4317 (helper-192).
     (["--otel-exporter", "otlp:127.0.0.1:99999"], "--otel-exporter: port 99999 is past 65535, in '127.0.0.1:99999'"),
     (["--otel-exporter", "otlp:http://x:4317"], "--otel-exporter: the host in 'otlp:http://x:4317' must be a host "
-                                                "name or address, not a URL"),
+                                                "name or address"),
     (["--otel-exporter", "otlp: :4317"], "must be a host name or address"),
+    (["--otel-exporter", "otlp:::1:4317"], "an IPv6 one in brackets, [::1]"),  # gRPC could not resolve it
+    (["--otel-exporter", "otlp:x:\u0664\u0663\u0661\u0667"], "--otel-exporter: expected host:port"),
+    (["--otel-exporter", "otlp:127.0.0.1:0"], "port 0 in 'otlp:127.0.0.1:0' names no collector"),
     (["--otel-exporter", "jaeger"], "got 'jaeger'"),
     (["--shutdown-grace-s", "-1"], "--shutdown-grace-s: must be 0 to 86400, got -1.0"),
     (["--listen", "127.0.0.1:99999"], "--listen: port 99999 is past 65535, in '127.0.0.1:99999'"),
