@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from services.common.config import MAX_PRICE_PER_HOUR, ServiceConfig, check_instance_id, doc
@@ -24,6 +25,9 @@ class NodeAgentConfig(ServiceConfig):
     calibrate: bool = doc("vllm engine: measure its profile at start-up with a short sweep (registered when done); "
                           "false: register none, and the scheduler places this node by its stated fallback", True)
     block_size: int = doc("vllm engine: tokens per KV block, a multiple of 16 (32 on CPU); 0: vLLM's default", 0)
+    engine_hung_s: float = doc("vllm engine: with requests in flight and no output of any for this long, the engine "
+                               "is taken as hung and the node agent exits, as when its engine dies (its streams "
+                               "move on); 0: never", 60.0)
     gpu_memory_utilization: float = doc("vllm engine: share of the GPU's memory that must be free when vLLM starts "
                                         "(and that it sizes its KV cache from without --kv-cache-bytes); lower it "
                                         "to run several engines on one GPU", 0.9)
@@ -63,6 +67,8 @@ class NodeAgentConfig(ServiceConfig):
             raise ValueError(f"--gpu-memory-utilization: expected a share in (0, 1], got {self.gpu_memory_utilization}")
         if self.speed < 0:
             raise ValueError(f"--speed: must be 0 or more, got {self.speed}")
+        if not 0 <= self.engine_hung_s < math.inf:
+            raise ValueError(f"--engine-hung-s: must be 0 (never) or more, got {self.engine_hung_s}")
         if not 0 <= self.price_per_hour <= MAX_PRICE_PER_HOUR:
             raise ValueError(f"--price-per-hour: must be 0 to {MAX_PRICE_PER_HOUR:g} (0: the catalogue price), got "
                              f"{self.price_per_hour}")

@@ -6,6 +6,7 @@ vLLM run directly for the reference first, then the cluster's two vllm nodes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import signal
@@ -18,7 +19,7 @@ import grpc
 import pytest
 
 from baton.client import BatonClient
-from baton.cluster import ClusterSpec, LocalCluster
+from baton.cluster import ClusterSpec, LocalCluster, ManagedProcess
 from baton.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc, node_agent_pb2, node_agent_pb2_grpc, router_pb2
 from services.common.block_hash import block_hashes
 from services.node_agent.engines.vllm.engine import cpu_resumes_exactly
@@ -76,6 +77,10 @@ def reference(tiny_model_dir: Path, single_threaded: None) -> list[int]:
     return asyncio.run(generate_directly(tiny_model_dir, PROMPT_IDS, NUM_REFERENCE_TOKENS))
 
 
+# A node's engine with requests in flight and no output for this long is taken as hung: short, for the test below.
+HUNG_S = 10
+
+
 @pytest.fixture(scope="module")
 def vllm_cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
                  reference: list[int]) -> Iterator[LocalCluster]:
@@ -87,7 +92,7 @@ def vllm_cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
     # fallback (KV overlap, then load), which the cache-placement test below relies on.
     spec = ClusterSpec(num_nodes=2, engine="vllm", model=MODEL, model_dir=str(tiny_model_dir),
                        node_args=(f"--kv-cache-bytes={KV_CACHE_BYTES}", f"--max-model-len={MAX_MODEL_LEN}",
-                                  "--block-size=32", "--calibrate=false"),
+                                  "--block-size=32", "--calibrate=false", f"--engine-hung-s={HUNG_S}"),
                        router_args=("--stall-floor-s=5",))
     cluster = LocalCluster(spec, tmp_path_factory.mktemp("vllm-cluster"))
     cluster.start(timeout_s=240)
@@ -182,6 +187,50 @@ async def test_killing_the_serving_node_mid_stream_the_stream_continues_exactly_
     finally:
         if killed is not None:  # the other tests expect both nodes
             vllm_cluster.restart(killed, timeout_s=240)
+            vllm_cluster.wait_nodes_visible(2, timeout_s=60)
+
+
+async def test_a_hung_engine_is_taken_as_dead_and_its_stream_continues_on_the_other_node(
+        vllm_cluster: LocalCluster, reference: list[int]) -> None:
+    """An engine core stopped mid-stream (SIGSTOP: the node agent itself runs on) held its stream as long as its
+    client waited, the node's heartbeats saying it lived, and took every new request (helper-191). After --engine-hung-s
+    with no output, the node agent exits as on the engine's death, and the stream resumes on the other node."""
+    import psutil
+
+    tokens: list[int] = []
+    node_ids: list[str] = []
+    is_exact = True
+    stopped: ManagedProcess | None = None
+    frozen: list[psutil.Process] = []
+    try:
+        async with BatonClient(vllm_cluster.router.address) as client:
+            async for chunk in client.generate(MODEL, prompt_token_ids=PROMPT_IDS, max_tokens=NUM_REFERENCE_TOKENS,
+                                               ignore_eos=True, timeout_s=120):
+                tokens += chunk.token_ids
+                is_exact = is_exact and not chunk.inexact
+                if chunk.node_id and chunk.node_id not in node_ids:
+                    node_ids.append(chunk.node_id)
+                if stopped is None and len(tokens) >= 16:
+                    stopped = next(p for p in vllm_cluster.nodes if p.name == chunk.node_id)
+                    frozen = psutil.Process(stopped.pid).children(recursive=True)  # vLLM's engine core and worker
+                    assert frozen
+                    for process in frozen:
+                        process.send_signal(signal.SIGSTOP)
+        assert stopped is not None
+        assert node_ids[0] == stopped.name and len(node_ids) == 2
+        assert len(tokens) == len(reference)
+        if cpu_resumes_exactly():
+            assert tokens == reference and is_exact
+        else:
+            assert not is_exact
+        # It leaves, rather than take the next request (its engine's shutdown takes a few seconds more).
+        await eventually(lambda: not stopped.is_running(), 60, "the node agent with the hung engine to exit")
+    finally:
+        for process in frozen:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        if stopped is not None:  # the other tests expect both nodes
+            vllm_cluster.restart(stopped, timeout_s=240)
             vllm_cluster.wait_nodes_visible(2, timeout_s=60)
 
 

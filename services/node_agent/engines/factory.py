@@ -88,7 +88,7 @@ def build_vllm_host(config: NodeAgentConfig) -> ModelHost:
                             max_model_len=config.max_model_len, block_size=config.block_size,
                             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                             gpu_memory_utilization=config.gpu_memory_utilization,
-                            calibrate=config.calibrate)
+                            calibrate=config.calibrate, hung_after_s=config.engine_hung_s)
     started = time.monotonic()
     try:
         engine = VllmEngine(name, settings)

@@ -38,6 +38,7 @@ from services.node_agent.engines.vllm.calibration import Sweep
 from services.node_agent.engines.vllm.gpu_time import GpuTimeShare
 from services.node_agent.engines.vllm.kv_subscriber import KvEventSubscriber
 from services.node_agent.engines.vllm.profiler import VllmProfiler
+from services.node_agent.engines.vllm.progress import ProgressWatch
 from services.node_agent.engines.vllm.stop_sequences import StopMatcher
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,9 @@ class VllmSettings:
     # Measure the engine's profile at start-up (calibration.py), registered when done; without it the
     # node has no profile and the scheduler places it by its stated fallback.
     calibrate: bool = True
+    # With requests in flight and no output of any for this long, the engine is taken as hung (progress.py) and run()
+    # raises, as on its engine core's death; 0: never.
+    hung_after_s: float = 60.0
 
 
 def tokenizer_name(model_dir: str) -> str:
@@ -104,6 +108,7 @@ class VllmEngine:
         #: Set when the engine's profile is new (calibrated, refined): the registration is rewritten.
         self.profile_changed = ChangeSignal()
         self._calibrate = settings.calibrate
+        self._progress = ProgressWatch(settings.hung_after_s)
         self._events_dir = tempfile.TemporaryDirectory(prefix="baton-kv-events-")
         events_endpoint = f"ipc://{self._events_dir.name}/kv-events"
         replay_endpoint = f"ipc://{self._events_dir.name}/kv-events-replay"
@@ -226,8 +231,14 @@ class VllmEngine:
         return self._profiler.profile
 
     async def _watch_engine_core(self) -> None:
+        loop = asyncio.get_running_loop()
         while not self._llm.errored:
             await asyncio.sleep(_WATCH_INTERVAL_S)  # AsyncLLM exposes death as a flag, not an awaitable
+            if (stuck_s := self._progress.hung_s(loop.time(), len(self._requests))) is not None:
+                # Raised as a death is: the node agent exits, its lease ends and its streams move on.
+                raise RuntimeError(f"vLLM engine of {self.model} gave no output for {stuck_s:.0f} s with "
+                                   f"{len(self._requests)} requests in flight (--engine-hung-s "
+                                   f"{self._progress.hung_after_s:g}): taken as hung")
         raise RuntimeError(f"vLLM engine core of {self.model} died: {self._llm.dead_error}")
 
     async def _follow_kv_events(self) -> None:
@@ -267,6 +278,7 @@ class VllmEngine:
         )
         resumed = prompt[len(prompt) - request.num_resumed_tokens:] if request.num_resumed_tokens else []
         queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._progress.admitted(asyncio.get_running_loop().time(), len(self._requests))
         pump = asyncio.get_running_loop().create_task(
             self._pump(f"{request.request_id}#{next(self._admissions)}", prompt, params, queue, request.cache_salt))
         running = self._requests[request.request_id] = _Running(
@@ -311,6 +323,7 @@ class VllmEngine:
             # vLLM's cache_salt keeps its prefix cache per salt (per tenant, when authentication is on).
             inputs = {"prompt_token_ids": prompt, **({"cache_salt": cache_salt} if cache_salt else {})}
             async for output in self._llm.generate(inputs, params, vllm_request_id):
+                self._progress.output(asyncio.get_running_loop().time())
                 queue.put_nowait(output)
         except asyncio.CancelledError:
             raise
