@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -156,38 +156,57 @@ async def test_a_stream_resumed_from_its_tokens_continues_as_the_uninterrupted_r
     assert chunks[-1].usage.completion_tokens == NUM_TOKENS
 
 
+async def _resumed_past_a_fault(cluster: LocalCluster, expected: list[int], fault: Callable[[ManagedProcess], None],
+                                **fields: object) -> ManagedProcess:
+    """Stream expected's request and, 16 tokens in, apply fault to the serving node: the stream must end on the other
+    node with every token, equal to the uninterrupted run where the resume promised it (else marked inexact). The
+    faulted node, which the caller brings back (the other tests expect both nodes)."""
+    tokens: list[int] = []
+    node_ids: list[str] = []
+    is_exact = True
+    faulted = None
+    async with BatonClient(cluster.router.address) as client:
+        async for chunk in client.generate(MODEL, prompt_token_ids=PROMPT_IDS, max_tokens=NUM_REFERENCE_TOKENS,
+                                           ignore_eos=True, timeout_s=120, **fields):
+            tokens += chunk.token_ids
+            is_exact = is_exact and not chunk.inexact
+            if chunk.node_id and chunk.node_id not in node_ids:
+                node_ids.append(chunk.node_id)
+            if faulted is None and len(tokens) >= 16:
+                faulted = next(p for p in cluster.nodes if p.name == chunk.node_id)
+                fault(faulted)
+    assert faulted is not None
+    assert node_ids[0] == faulted.name and len(node_ids) == 2
+    assert len(tokens) == len(expected)
+    if not cpu_resumes_exactly():  # resume diverged on other CPUs (docs/vllm.md): the stream must say so
+        assert not is_exact
+    else:
+        assert tokens == expected
+        assert is_exact  # the resumed node promised it: one pinned thread, greedy or keyed by (seed, position)
+    return faulted
+
+
+def _bring_back(cluster: LocalCluster, node: ManagedProcess | None) -> None:
+    if node is not None:
+        cluster.restart(node, timeout_s=240)
+        cluster.wait_nodes_visible(2, timeout_s=60)
+
+
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 async def test_killing_the_serving_node_mid_stream_the_stream_continues_exactly_as_if_uninterrupted(
         vllm_cluster: LocalCluster, reference: list[int], seeded_reference: list[int], sampling: str) -> None:
     expected, fields = (reference, {}) if sampling == "greedy" else (seeded_reference, SEEDED)
-    tokens: list[int] = []
-    node_ids: list[str] = []
-    is_exact = True
-    killed = None
+    assert sampling == "greedy" or expected != reference  # sampled, not greedy
+    killed: list[ManagedProcess] = []
+
+    def kill(node: ManagedProcess) -> None:
+        killed.append(node)
+        node.signal(signal.SIGKILL)
+
     try:
-        async with BatonClient(vllm_cluster.router.address) as client:
-            async for chunk in client.generate(MODEL, prompt_token_ids=PROMPT_IDS, max_tokens=NUM_REFERENCE_TOKENS,
-                                               ignore_eos=True, timeout_s=120, **fields):
-                tokens += chunk.token_ids
-                is_exact = is_exact and not chunk.inexact
-                if chunk.node_id and chunk.node_id not in node_ids:
-                    node_ids.append(chunk.node_id)
-                if killed is None and len(tokens) >= 16:
-                    killed = next(p for p in vllm_cluster.nodes if p.name == chunk.node_id)
-                    killed.signal(signal.SIGKILL)
-        assert killed is not None
-        assert sampling == "greedy" or expected != reference  # sampled, not greedy
-        assert node_ids[0] == killed.name and len(node_ids) == 2
-        assert len(tokens) == len(expected)
-        if not cpu_resumes_exactly():  # resume diverged on other CPUs (docs/vllm.md): the stream must say so
-            assert not is_exact
-        else:
-            assert tokens == expected
-            assert is_exact  # the resumed node promised it: one pinned thread, greedy or keyed by (seed, position)
+        await _resumed_past_a_fault(vllm_cluster, expected, kill, **fields)
     finally:
-        if killed is not None:  # the other tests expect both nodes
-            vllm_cluster.restart(killed, timeout_s=240)
-            vllm_cluster.wait_nodes_visible(2, timeout_s=60)
+        _bring_back(vllm_cluster, next(iter(killed), None))
 
 
 async def test_a_hung_engine_is_taken_as_dead_and_its_stream_continues_on_the_other_node(
@@ -197,41 +216,25 @@ async def test_a_hung_engine_is_taken_as_dead_and_its_stream_continues_on_the_ot
     with no output, the node agent exits as on the engine's death, and the stream resumes on the other node."""
     import psutil
 
-    tokens: list[int] = []
-    node_ids: list[str] = []
-    is_exact = True
-    stopped: ManagedProcess | None = None
+    stopped: list[ManagedProcess] = []
     frozen: list[psutil.Process] = []
+
+    def stop_engine(node: ManagedProcess) -> None:
+        stopped.append(node)
+        frozen.extend(psutil.Process(node.pid).children(recursive=True))  # vLLM's engine core and worker
+        assert frozen
+        for process in frozen:
+            process.send_signal(signal.SIGSTOP)
+
     try:
-        async with BatonClient(vllm_cluster.router.address) as client:
-            async for chunk in client.generate(MODEL, prompt_token_ids=PROMPT_IDS, max_tokens=NUM_REFERENCE_TOKENS,
-                                               ignore_eos=True, timeout_s=120):
-                tokens += chunk.token_ids
-                is_exact = is_exact and not chunk.inexact
-                if chunk.node_id and chunk.node_id not in node_ids:
-                    node_ids.append(chunk.node_id)
-                if stopped is None and len(tokens) >= 16:
-                    stopped = next(p for p in vllm_cluster.nodes if p.name == chunk.node_id)
-                    frozen = psutil.Process(stopped.pid).children(recursive=True)  # vLLM's engine core and worker
-                    assert frozen
-                    for process in frozen:
-                        process.send_signal(signal.SIGSTOP)
-        assert stopped is not None
-        assert node_ids[0] == stopped.name and len(node_ids) == 2
-        assert len(tokens) == len(reference)
-        if cpu_resumes_exactly():
-            assert tokens == reference and is_exact
-        else:
-            assert not is_exact
+        node = await _resumed_past_a_fault(vllm_cluster, reference, stop_engine)
         # It leaves, rather than take the next request (its engine's shutdown takes a few seconds more).
-        await eventually(lambda: not stopped.is_running(), 60, "the node agent with the hung engine to exit")
+        await eventually(lambda: not node.is_running(), 60, "the node agent with the hung engine to exit")
     finally:
         for process in frozen:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
-        if stopped is not None:  # the other tests expect both nodes
-            vllm_cluster.restart(stopped, timeout_s=240)
-            vllm_cluster.wait_nodes_visible(2, timeout_s=60)
+        _bring_back(vllm_cluster, next(iter(stopped), None))
 
 
 async def test_checkpoints_promise_exact_resume_for_greedy_and_seeded_requests_only(
