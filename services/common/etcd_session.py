@@ -54,9 +54,11 @@ class LeaseSession:
     restarted under its id) holds it from then on. Every later write (a changed value, a put again after an outage,
     the mark of leaving) is made only while the key is this session's own or no one's: the old process's leaving
     emptied the new one's key and revoked it with its own lease, and the new process was gone from the fleet for good,
-    serving and healthy (helper-158). A key that another process took over is given up, not taken back: it is put
-    again only once it is under no lease (its other holder gone), tried at every keep-alive, so that the one left of
-    two holders whose leases both lapsed in an etcd freeze, the other re-registered first, comes back (helper-162).
+    serving and healthy (helper-158). A key that another process took over is given up, not taken back (noticed at
+    this session's next write, or at the keep-alive's check that each key is still its own): it is put again only
+    once it is under no lease (its other holder gone), tried at every keep-alive, so that the one left of two holders
+    whose leases both lapsed in an etcd freeze, the other re-registered first, comes back (helper-162), as does a
+    node agent whose id another process took while it lived, once that one leaves (helper-196).
     """
 
     def __init__(self, client: aetcd.Client, ttl_s: int) -> None:
@@ -130,9 +132,8 @@ class LeaseSession:
                             for key, value in list(self._keys.items()):
                                 await self._write(key, value, self._lease_id)
                             self._stale = False
-                        else:  # a key given up comes back once its other holder has gone
-                            for key in list(self._given_up):
-                                await self._write(key, self._keys[key], self._lease_id)
+                        else:
+                            await self._check_held(self._lease_id)
                 delay_s = self._ttl_s / 3
                 failures.succeeded("etcd keep-alive works again")
             except asyncio.CancelledError:
@@ -183,6 +184,20 @@ class LeaseSession:
             log.warning("etcd key %s is held by another process now (lease %x): it took this one's place; no longer "
                         "holding it", key, stored.lease if stored is not None else 0)
             self._given_up.add(key)
+
+    async def _check_held(self, lease_id: int) -> None:
+        """Each key is still this session's: one another process took over since this one last wrote it is given up,
+        and one given up, or deleted meanwhile, is put again if under no lease. A process that took a node's id
+        while its agent lived, then left, deleted the key, and the agent, which had nothing new to write, never
+        noticed: it was gone from the fleet for good, serving and healthy (helper-196). Under the lock."""
+        for key, value in list(self._keys.items()):
+            if key in self._taken and key not in self._given_up:
+                stored = await self._client.get(key.encode())
+                if stored is not None and stored.lease == lease_id:
+                    continue
+                if stored is None:
+                    log.warning("etcd key %s was deleted by another process; putting it back", key)
+            await self._write(key, value, lease_id)
 
     async def _put_if_under(self, key: str, value: bytes, lease_id: int, holder: int) -> bool:
         """Put key=value under lease_id if the key is now under the lease holder (0: none, or no such key)."""

@@ -238,3 +238,28 @@ async def test_a_key_given_up_to_another_process_is_held_again_once_that_one_has
         await first.revoke()
         await first_client.close()
         await second_client.close()
+
+
+async def test_a_holder_whose_key_another_process_took_holds_it_again_once_that_one_has_gone(
+        etcd: ManagedProcess) -> None:
+    """A second node agent started under a live one's id took its key, and when it stopped, its leaving deleted the
+    key: the first agent, which had nothing new to write, never noticed and was gone from the fleet for good, serving
+    and healthy (helper-196). Its keep-alive checks that the key is still its own."""
+    first_client, second_client = connect(etcd.address), connect(etcd.address)
+    first, second = LeaseSession(first_client, ttl_s=TTL_S), LeaseSession(second_client, ttl_s=TTL_S)
+    keep_alive = asyncio.create_task(first.keep_alive())
+    try:
+        await first.put(KEY, b"first")
+        await second.put(KEY, b"second")  # taken over; the first writes nothing after this
+        await second.revoke()  # the second leaves: its leaving mark and revoke delete the key
+
+        async def held_again() -> bool:
+            stored = await first_client.get(KEY.encode())
+            return stored is not None and (stored.value, stored.lease) == (b"first", first.lease_id)
+
+        await eventually(held_again, 10, "the first holder to put its key back at a keep-alive")
+    finally:
+        keep_alive.cancel()
+        await first.revoke()
+        await first_client.close()
+        await second_client.close()
