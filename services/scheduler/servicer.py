@@ -704,7 +704,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.FinishedRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.FinishedAck:
         try:
-            check_finished(request, self._max_context_tokens(request.model))
+            check_finished(request, self._max_context_tokens(request.model), self._config.max_id_len)
         except BatonError as error:
             await abort(context, error)
         await self._role.wait_if_taking_over(self._config.lease_ttl_s)  # not to be overwritten by the hand-over
