@@ -195,7 +195,14 @@ class TaskLedger:
         return task.spent_usd if task is not None else 0.0
 
     def expire(self, now: float) -> int:
-        """End the tasks silent for timeout_s; how many ended."""
+        """End the tasks silent for timeout_s; how many ended. And forget those ended timeout_s ago: a notice that
+        late is no straggler of theirs but a new task under an id used again (a pipeline that names its workflow
+        the same each run). Remembered without an end, every later run's success went uncounted at that leader,
+        though counted after a failover, whose successor is handed only the tasks ended lately (helper-196)."""
+        while self._ended and now - next(iter(self._ended.values())) >= self.timeout_s:
+            self._ended.popitem(last=False)
+        for digest in [d for d, at in self._ended_digests.items() if now - at >= self.timeout_s]:
+            del self._ended_digests[digest]
         ended = 0
         while self._open:
             task_id, task = next(iter(self._open.items()))

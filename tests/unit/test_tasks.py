@@ -83,6 +83,26 @@ def test_a_late_notice_for_an_ended_task_adds_its_cost_but_no_task() -> None:
     assert stats.ended_cost_usd == pytest.approx(0.02)
 
 
+def test_an_id_used_again_after_the_timeout_is_a_new_task() -> None:
+    """A workflow named the same each run (a nightly pipeline) succeeded once ever at one leader, every later run's
+    cost added to that one, and after a failover it counted again (helper-196)."""
+    ledger = TaskLedger(timeout_s=10.0)
+    for step in (1, 2):
+        ledger.record("nightly", step, 2, 0.01, ok=True, now=float(step))
+    assert ledger.stats().succeeded == 1
+    ledger.record("nightly", 1, 2, 0.01, ok=True, now=5.0)  # within the timeout: a late notice
+    ledger.expire(12.0)
+    assert not ledger.is_open("nightly")
+    for step in (1, 2):  # the next run
+        ledger.record("nightly", step, 2, 0.01, ok=True, now=20.0 + step)
+    assert ledger.stats().succeeded == 2
+    # As for one a predecessor had ended.
+    successor = TaskLedger(timeout_s=10.0)
+    successor.restore(ledger.to_state(100, now=22.0), now=22.0)
+    assert successor.record("nightly", 1, 1, 0.01, ok=True, now=23.0) is None
+    successor.expire(32.0)
+    assert successor.record("nightly", 1, 1, 0.01, ok=True, now=33.0) is True
+
 def test_the_headline_counts_the_whole_fleet_idle_time_included_and_survives_a_hand_over() -> None:
     ledger = TaskLedger()
     ledger.record("a", 1, 1, 0.001, ok=True, now=0.0)
