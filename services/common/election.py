@@ -235,13 +235,24 @@ class Election:
             self._drop(f"fenced write refused: {leadership.key}@{leadership.revision} no longer stands")
             raise NotLeader(f"leadership {leadership.key}@{leadership.revision} no longer stands")
 
-    async def resign(self) -> None:
-        """Give up leadership (or candidacy) at once; best effort."""
-        candidate = self._candidate
+    async def resign(self, last_put: Callable[[], tuple[str, bytes]] | None = None) -> None:
+        """Give up leadership (or candidacy) at once; best effort. last_put: a leader's last fenced write, of what it
+        returns once this no longer acts as leader (nothing done as leader after it is left out of it), before its
+        key goes."""
+        candidate, leadership, was_leading = self._candidate, self._leadership, self.is_leading()
         self._leadership = None
         self._candidate = None
         self._deadline.expire()
         self._changed.notify()
+        if leadership is not None and was_leading and last_put is not None:
+            tx = self._client.transactions
+            try:
+                key, value = last_put()
+                await within(self._client.transaction(
+                    compare=[tx.create(leadership.key.encode()) == leadership.revision],
+                    success=[tx.put(key.encode(), value)], failure=[]), 2.0)
+            except Exception as exc:  # noqa: BLE001 - the successor starts from the last periodic write
+                log.warning("last write before resigning failed: %s", exc)
         if candidate is not None:
             await self._revoke(candidate.lease_id)
 

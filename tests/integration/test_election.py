@@ -105,3 +105,32 @@ async def test_a_candidate_whose_key_expired_while_it_waited_is_not_elected(etcd
         await c.resign()
         for client in clients:
             await client.close()
+
+
+async def test_a_leader_that_resigns_writes_its_state_once_more_as_it_stands_when_it_no_longer_acts(
+        etcd: ManagedProcess) -> None:
+    """A scheduler leader stopped between its periodic state writes lost up to a second of the ledger's updates,
+    whose notices it had acknowledged (helper-194). Its last write is made of the state once nothing more is done as
+    leader, and is fenced: a deposed leader's is refused."""
+    client = connect(etcd.address)
+    leader = Election(client, PREFIX, ttl_s=2)
+    try:
+        await leader.campaign(b"leader")
+        await leader.fenced_put("/test/resigned-state", b"the last periodic write")
+        leading_when_read = []
+
+        def last_state() -> tuple[str, bytes]:
+            leading_when_read.append(leader.is_leading())
+            return "/test/resigned-state", b"as it stood at the resignation"
+
+        await leader.resign(last_state)
+        assert leading_when_read == [False]
+        assert (await client.get(b"/test/resigned-state")).value == b"as it stood at the resignation"
+
+        deposed = Election(client, PREFIX, ttl_s=2)
+        leadership = await deposed.campaign(b"deposed")
+        await client.revoke_lease(leadership.lease_id)  # its key gone behind its back
+        await deposed.resign(lambda: ("/test/resigned-state", b"a deposed leader's"))
+        assert (await client.get(b"/test/resigned-state")).value == b"as it stood at the resignation"
+    finally:
+        await client.close()
