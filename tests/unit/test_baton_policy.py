@@ -66,6 +66,23 @@ def test_a_node_without_kv_room_is_skipped() -> None:
     assert chosen(BatonPolicy(), request(4000, ttft_budget_ms=5000), [full, node("a2", "a100")]) == "a2"
 
 
+
+def test_a_requests_end_is_predicted_at_the_measured_step_where_that_is_slower() -> None:
+    """Steps of 157 ms, prefill chunks riding in them, were predicted as 45 ms: requests admitted on the nodes left
+    after a host died missed their deadlines three times in four (helper-195)."""
+    policy = BatonPolicy()
+    req = request(1000, max_tokens=32)
+    decoding = node("a", "a100", num_running=8, active_decode_blocks=400)
+    predicted = policy.best_finish_s(req, [decoding], {})
+    assert predicted is not None
+    slow = dataclasses.replace(decoding, load=dataclasses.replace(decoding.load, recent_decode_step_ms=157.0))
+    terms = policy.terms(req, slow, 0)
+    assert terms is not None and terms.tpot_ms < 100 < terms.measured_tpot_ms
+    measured = policy.best_finish_s(req, [slow], {})
+    assert measured is not None and measured - predicted > 32 * (0.157 - terms.tpot_ms / 1000) * 0.9
+    fast = dataclasses.replace(decoding, load=dataclasses.replace(decoding.load, recent_decode_step_ms=1.0))
+    assert policy.best_finish_s(req, [fast], {}) == pytest.approx(predicted)  # a faster measurement: as predicted
+
 def test_a_prefix_hit_wins_when_load_is_equal() -> None:
     nodes = [node("a1", "a100"), node("a2", "a100")]
     assert chosen(BatonPolicy(), request(6000, ttft_budget_ms=5000), nodes, {"a2": 300}) == "a2"

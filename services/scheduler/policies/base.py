@@ -70,6 +70,8 @@ class Terms:
     kv_free_blocks: int = 0
     at_risk: float = 0.0
     model: str = ""
+    #: The node's measured decode step with this request joining it, where it decodes now (0: none measured).
+    measured_tpot_ms: float = 0.0
 
 
 class Policy:
