@@ -131,7 +131,9 @@ def _id_header(parsed: schema.ParsedRequest, max_len: int) -> dict[str, str]:
     """x-request-id: the request's id; none when the id is one a header cannot carry, or longer than an id may be
     (refused as a bad field: an 8 KB one made the refusal unreadable to aiohttp's client, helper-168)."""
     request_id = parsed.request.request_id
-    fits = len(request_id) <= max_len and request_id.isascii() and request_id.isprintable()
+    # (Nor one with white space at either end, which a header's reader strips: read as another id, helper-197.)
+    fits = (len(request_id) <= max_len and request_id.isascii() and request_id.isprintable()
+            and request_id == request_id.strip())
     return {"x-request-id": request_id} if fits else {}
 
 
@@ -381,8 +383,9 @@ class HttpApi:
                     _end_span(span, status, None if status < 500 else _cut("request"))
                 raise
             except Exception as exc:  # answered by the middleware: a refusal its status, anything else 500
+                # (A 413, 415 or 408 of the body's reading is a _Refused: traced as a 500, an error, helper-197.)
                 status = (schema.http_status(exc.code) if isinstance(exc, BatonError)
-                          else exc.status if isinstance(exc, web.HTTPException) else 500)
+                          else exc.status if isinstance(exc, (web.HTTPException, _Refused)) else 500)
                 _end_span(span, status, exc)
                 raise
             _end_span(span, response.status)

@@ -348,6 +348,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._open_streams += 1
         try:
             cache_salt = await self._authenticate(request, authorization, time_remaining)
+            if (0 < len(request.request_id) <= self._config.max_id_len and request.request_id.isprintable()
+                    and request.request_id == request.request_id.strip()):
+                # Found by its id in the traces even when refused before it is valid (helper-197); as below.
+                span.set_attribute("baton.request_id", request.request_id if self._tenants is None
+                                   else cluster_request_id(request.tenant, request.request_id))
             if not self.has_read_nodes():  # bad input is refused at once, not after the wait for the served models
                 check_fields(request, self._config.input_limits)
             await self.nodes_read(time_remaining)

@@ -1560,3 +1560,17 @@ async def test_a_move_the_retry_budget_holds_back_waits_for_it_and_then_moves(hi
     assert [p.retry_cause for p in scheduler.places] == ["", "stream_broken", "stream_broken"]
     # Each Place says which process of the router asks (a restarted one frees its dead predecessor's slots).
     assert len({p.router_incarnation for p in scheduler.places}) == 1 and scheduler.places[0].router_incarnation
+
+
+async def test_a_request_refused_as_invalid_is_found_in_the_traces_by_its_id() -> None:
+    """Refused before it was valid (top_p out of range), its span carried no request id (helper-197)."""
+    telemetry, spans = _traced()
+    async with _router(_two_tokens(dies_first=False), _FakeScheduler(), telemetry=telemetry) as (router, _):
+        call = router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2, top_p=2.0,
+                                                          request_id="job-11"))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            _ = [m async for m in call]
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    served = [s for s in spans.get_finished_spans() if s.name == "/baton.v1.Router/Generate"]
+    assert len(served) == 1 and served[0].attributes is not None
+    assert served[0].attributes["baton.request_id"] == "job-11"
