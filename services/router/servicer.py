@@ -289,12 +289,25 @@ class RouterService(router_pb2_grpc.RouterServicer):
         returned; Unauthenticated without a valid key, PermissionDenied for a priority above the tenant's
         max_priority. Without --auth, the shared namespace ("")."""
         if self._tenants is None:
+            self._name_span(request)
             return ""
         await self._tenants.ready(self._wait_s(time_remaining))
         record = self._tenants.tenant_from_authorization(authorization)
         request.tenant = record.tenant
+        self._name_span(request)
         record.check_priority(request.priority)  # as the key decides the tenant, its record bounds the priority
         return record.cache_salt
+
+    def _name_span(self, request: router_pb2.GenerateRequest) -> None:
+        """The request's span names the id it asks for, as generate names it once valid, so that a request refused
+        before that (a field out of range, a priority above its tenant's) is found in the traces by it
+        (helper-197); not an id that validation will refuse."""
+        request_id = request.request_id
+        if 0 < len(request_id) <= self._config.max_id_len and request_id.isprintable() \
+                and request_id == request_id.strip():
+            trace.get_current_span().set_attribute(
+                "baton.request_id", request_id if self._tenants is None
+                else cluster_request_id(request.tenant, request_id))
 
     async def ListModels(
         self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -348,11 +361,6 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._open_streams += 1
         try:
             cache_salt = await self._authenticate(request, authorization, time_remaining)
-            if (0 < len(request.request_id) <= self._config.max_id_len and request.request_id.isprintable()
-                    and request.request_id == request.request_id.strip()):
-                # Found by its id in the traces even when refused before it is valid (helper-197); as below.
-                span.set_attribute("baton.request_id", request.request_id if self._tenants is None
-                                   else cluster_request_id(request.tenant, request.request_id))
             if not self.has_read_nodes():  # bad input is refused at once, not after the wait for the served models
                 check_fields(request, self._config.input_limits)
             await self.nodes_read(time_remaining)
