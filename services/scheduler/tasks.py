@@ -24,6 +24,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+# The least time an ended task's id is remembered, whatever --task-timeout-s: twice as long as a router tries a
+# Finished notice (and as the ended tasks a leader hands over), so that no notice retried is taken for a new task.
+ENDED_MEMORY_MIN_S = 60.0
+
 
 def workflow_task(workflow_id: str) -> str:
     """The ledger's key of a workflow's task: its own key space, so that no request id names it (a lone request
@@ -195,13 +199,16 @@ class TaskLedger:
         return task.spent_usd if task is not None else 0.0
 
     def expire(self, now: float) -> int:
-        """End the tasks silent for timeout_s; how many ended. And forget those ended timeout_s ago: a notice that
-        late is no straggler of theirs but a new task under an id used again (a pipeline that names its workflow
-        the same each run). Remembered without an end, every later run's success went uncounted at that leader,
-        though counted after a failover, whose successor is handed only the tasks ended lately (helper-196)."""
-        while self._ended and now - next(iter(self._ended.values())) >= self.timeout_s:
+        """End the tasks silent for timeout_s; how many ended. And forget those ended timeout_s ago (at least
+        ENDED_MEMORY_MIN_S): a notice that late is taken for a new task under an id used again (a pipeline that names
+        its workflow the same each run). Remembered without an end, every later run's success went uncounted at
+        that leader, though counted after a failover, whose successor is handed only the tasks ended lately
+        (helper-196). A straggler later still (a router frozen that long, telling on waking of an attempt its client
+        gave up) opens a task that fails at the timeout (helper-198)."""
+        remember_s = max(self.timeout_s, ENDED_MEMORY_MIN_S)
+        while self._ended and now - next(iter(self._ended.values())) >= remember_s:
             self._ended.popitem(last=False)
-        for digest in [d for d, at in self._ended_digests.items() if now - at >= self.timeout_s]:
+        for digest in [d for d, at in self._ended_digests.items() if now - at >= remember_s]:
             del self._ended_digests[digest]
         ended = 0
         while self._open:

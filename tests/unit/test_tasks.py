@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.scheduler.tasks import TaskLedger, request_task, task_digest, workflow_task
+from services.scheduler.tasks import ENDED_MEMORY_MIN_S, TaskLedger, request_task, task_digest, workflow_task
 
 
 def test_a_request_without_a_workflow_is_a_task_of_one_step() -> None:
@@ -85,23 +85,27 @@ def test_a_late_notice_for_an_ended_task_adds_its_cost_but_no_task() -> None:
 
 def test_an_id_used_again_after_the_timeout_is_a_new_task() -> None:
     """A workflow named the same each run (a nightly pipeline) succeeded once ever at one leader, every later run's
-    cost added to that one, and after a failover it counted again (helper-196)."""
+    cost added to that one, and after a failover it counted again (helper-196). An id is remembered the timeout, and
+    at least as long as a router retries a notice (with a 10 s timeout, a notice retried 30 s on opened a task that
+    never was, helper-198)."""
     ledger = TaskLedger(timeout_s=10.0)
     for step in (1, 2):
         ledger.record("nightly", step, 2, 0.01, ok=True, now=float(step))
     assert ledger.stats().succeeded == 1
-    ledger.record("nightly", 1, 2, 0.01, ok=True, now=5.0)  # within the timeout: a late notice
-    ledger.expire(12.0)
+    ledger.expire(32.0)
+    ledger.record("nightly", 1, 2, 0.01, ok=False, now=32.0, cancelled=True)  # a notice retried: a late one
     assert not ledger.is_open("nightly")
+    ledger.expire(2.0 + ENDED_MEMORY_MIN_S)
     for step in (1, 2):  # the next run
-        ledger.record("nightly", step, 2, 0.01, ok=True, now=20.0 + step)
+        ledger.record("nightly", step, 2, 0.01, ok=True, now=100.0 + step)
     assert ledger.stats().succeeded == 2
     # As for one a predecessor had ended.
     successor = TaskLedger(timeout_s=10.0)
-    successor.restore(ledger.to_state(100, now=22.0), now=22.0)
-    assert successor.record("nightly", 1, 1, 0.01, ok=True, now=23.0) is None
-    successor.expire(32.0)
-    assert successor.record("nightly", 1, 1, 0.01, ok=True, now=33.0) is True
+    successor.restore(ledger.to_state(100, now=102.0), now=102.0)
+    assert successor.record("nightly", 1, 1, 0.01, ok=True, now=103.0) is None
+    successor.expire(102.0 + ENDED_MEMORY_MIN_S)
+    assert successor.record("nightly", 1, 1, 0.01, ok=True, now=200.0) is True
+
 
 def test_the_headline_counts_the_whole_fleet_idle_time_included_and_survives_a_hand_over() -> None:
     ledger = TaskLedger()
