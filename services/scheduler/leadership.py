@@ -55,6 +55,11 @@ class LeaderRole:
         self._restore_state = restore_state
         self._persist_interval_s = persist_interval_s
         self.elected = asyncio.Event()
+        # Set once it resigns: it does not campaign again (alone, it led again within a second while it drained,
+        # and its last updates were never written, helper-198). Its state writes one at a time: a periodic write
+        # under way as it resigned could land after the last, with an older state.
+        self._resigned = asyncio.Event()
+        self._writing = asyncio.Lock()
 
     def loops(self) -> list[Coroutine[Any, Any, None]]:
         return [self._campaign_forever(), self._election.keep_alive(), self._view.run()]
@@ -135,19 +140,25 @@ class LeaderRole:
         """Step down; a leader first writes its hand-over state once more: stopped between its periodic writes, it
         lost up to persist_interval_s of the ledger's updates, whose notices it had acknowledged, and a workflow
         whose every step succeeded then failed at the timeout (helper-194: 4 to 6 of 226 at each SIGTERM)."""
-        await self._election.resign(
-            lambda: (etcd_keys.SCHEDULER_STATE, json.dumps(self._save_state()).encode()))
+        async with self._writing:
+            self._resigned.set()
+            await self._election.resign(
+                lambda: (etcd_keys.SCHEDULER_STATE, json.dumps(self._save_state()).encode()))
 
     async def _campaign_forever(self) -> None:
-        while True:
+        while not self._resigned.is_set():
             try:
                 leadership = await self._election.campaign(self._value)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - etcd down: try again
+                if self._resigned.is_set():
+                    return
                 log.warning("campaign failed (%s); retrying", exc)
                 await asyncio.sleep(_RETRY_S)
                 continue
+            if self._resigned.is_set():  # elected as it resigned: the key goes with the lease it revoked
+                return
             await self._take_over()
             self.elected.set()
             self._on_leading(True)
@@ -157,7 +168,8 @@ class LeaderRole:
             finally:
                 self.elected.clear()
                 self._on_leading(False)
-            log.warning("no longer the leader; campaigning again")
+            if not self._resigned.is_set():
+                log.warning("no longer the leader; campaigning again")
 
     async def _take_over(self) -> None:
         try:
@@ -177,13 +189,20 @@ class LeaderRole:
     async def _lead(self) -> None:
         """Persist state until leadership is lost."""
         while not self._election.lost.is_set():
+            ends = [asyncio.ensure_future(self._election.lost.wait()), asyncio.ensure_future(self._resigned.wait())]
             try:
-                await within(self._election.lost.wait(), self._persist_interval_s)
+                done, _ = await asyncio.wait(ends, timeout=self._persist_interval_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in ends:
+                    waiter.cancel()
+            if done:
                 return
-            except TimeoutError:
-                pass
             try:
-                await self.fenced_put(etcd_keys.SCHEDULER_STATE, json.dumps(self._save_state()).encode())
+                async with self._writing:
+                    if self._resigned.is_set():
+                        return
+                    await self.fenced_put(etcd_keys.SCHEDULER_STATE, json.dumps(self._save_state()).encode())
             except NotLeader:
                 return
             except Exception as exc:  # noqa: BLE001 - etcd down: keep leading on the last view

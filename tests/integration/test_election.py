@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 from baton.cluster import ManagedProcess
+from services.common import etcd_keys
 from services.common.election import Election, NotLeader
 from services.common.etcd_session import connect
+from services.scheduler.leadership import LeaderRole
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -133,4 +136,27 @@ async def test_a_leader_that_resigns_writes_its_state_once_more_as_it_stands_whe
         await deposed.resign(lambda: ("/test/resigned-state", b"a deposed leader's"))
         assert (await client.get(b"/test/resigned-state")).value == b"as it stood at the resignation"
     finally:
+        await client.close()
+
+
+async def test_a_scheduler_that_resigns_writes_its_state_and_campaigns_no_more(etcd: ManagedProcess) -> None:
+    """Resigned on SIGTERM, a scheduler alone campaigned again while its last calls drained, led again within a
+    second, and its later updates were never written (helper-198)."""
+    client = connect(etcd.address)
+    state = {"acked": 0}
+    role = LeaderRole(client, "s1", "127.0.0.1:1", 3, save_state=lambda: dict(state),
+                      restore_state=state.update, persist_interval_s=60.0)
+    campaign, *others = [asyncio.create_task(loop) for loop in role.loops()]
+    try:
+        await asyncio.wait_for(role.elected.wait(), 10)
+        state["acked"] = 5  # after the last periodic write (none in 60 s)
+        await role.resign()
+        stored = await client.get(etcd_keys.SCHEDULER_STATE.encode())
+        assert stored is not None and json.loads(stored.value) == {"acked": 5}
+        await asyncio.wait_for(campaign, 10)  # it stops campaigning
+        assert not role.is_leader and not await client.get_prefix(etcd_keys.SCHEDULER_ELECTION.encode())
+    finally:
+        for task in (campaign, *others):
+            task.cancel()
+        await asyncio.gather(campaign, *others, return_exceptions=True)
         await client.close()
