@@ -235,8 +235,8 @@ class Placer:
                                 + " not predicted and nothing was refused on them")
         self._check_deadline(request, options, now, resumed=plan.ask.resumed, models=plan.models)
         ticket = ticket_of(plan.ask, now, attempt)
-        best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now)
-                          for o in options)
+        best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now,
+                                                      as_chosen=self._predictor is self.policy) for o in options)
         return ticket, best_ttft_s
 
     def _refuse_the_impossible(self, request: PlacementRequest, models: list[str]) -> None:
@@ -287,7 +287,8 @@ class Placer:
         if not request.deadline_ms:
             return
         ends = [end for o in options
-                if (end := self._predictor.best_finish_s(o.request, o.candidates, o.matched_blocks, now)) is not None]
+                if (end := self._predictor.best_finish_s(o.request, o.candidates, o.matched_blocks, now,
+                                                         as_chosen=self._predictor is self.policy)) is not None]
         if not ends or (waited_s + min(ends)) * 1000 <= request.deadline_ms:
             return
         best_ms = (waited_s + min(ends)) * 1000

@@ -70,8 +70,10 @@ class Terms:
     kv_free_blocks: int = 0
     at_risk: float = 0.0
     model: str = ""
-    #: The node's measured decode step with this request joining it, where it decodes now (0: none measured).
+    #: The node's measured decode step with this request joining it, where it decodes now (0: none measured), and
+    #: for how many steps it is expected to last (the prompts to prefill there, queued or coming, a chunk a step).
     measured_tpot_ms: float = 0.0
+    measured_steps: float = 0.0
 
 
 class Policy:
