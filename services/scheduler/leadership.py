@@ -142,8 +142,11 @@ class LeaderRole:
         whose every step succeeded then failed at the timeout (helper-194: 4 to 6 of 226 at each SIGTERM)."""
         async with self._writing:
             self._resigned.set()
+            # Only once it leads on its predecessor's state: resigned while it read it, it wrote its own empty state
+            # over the hand-over, and its successor restored nothing (helper-199).
             await self._election.resign(
-                lambda: (etcd_keys.SCHEDULER_STATE, json.dumps(self._save_state()).encode()))
+                (lambda: (etcd_keys.SCHEDULER_STATE, json.dumps(self._save_state()).encode()))
+                if self.elected.is_set() else None)
 
     async def _campaign_forever(self) -> None:
         while not self._resigned.is_set():
@@ -157,9 +160,13 @@ class LeaderRole:
                 log.warning("campaign failed (%s); retrying", exc)
                 await asyncio.sleep(_RETRY_S)
                 continue
-            if self._resigned.is_set():  # elected as it resigned: the key goes with the lease it revoked
+            if self._resigned.is_set():  # elected as it resigned, its lease granted after: revoked now (helper-199)
+                await self._election.resign()
                 return
             await self._take_over()
+            if self._resigned.is_set():
+                await self._election.resign()
+                return
             self.elected.set()
             self._on_leading(True)
             log.info("leading as %s (revision %d)", leadership.key, leadership.revision)

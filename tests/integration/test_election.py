@@ -160,3 +160,44 @@ async def test_a_scheduler_that_resigns_writes_its_state_and_campaigns_no_more(e
             task.cancel()
         await asyncio.gather(campaign, *others, return_exceptions=True)
         await client.close()
+
+
+async def test_a_scheduler_that_resigns_while_taking_over_leaves_its_predecessors_state(etcd: ManagedProcess) -> None:
+    """In a rolling restart, a successor stopped while it read its predecessor's hand-over wrote its own empty state
+    over it, and the next one restored nothing (helper-199)."""
+    first_client, second_client = connect(etcd.address), connect(etcd.address)
+    reading, release = asyncio.Event(), asyncio.Event()
+    real_get = second_client.get
+
+    async def held_get(key: bytes, *args: object, **kwargs: object) -> object:
+        if key == etcd_keys.SCHEDULER_STATE.encode():
+            reading.set()
+            await release.wait()
+        return await real_get(key, *args, **kwargs)
+
+    second_client.get = held_get  # type: ignore[method-assign]
+    first_state, second_state = {"n": 5}, {}
+    first = LeaderRole(first_client, "s1", "127.0.0.1:1", 3, save_state=lambda: dict(first_state),
+                       restore_state=first_state.update)
+    second = LeaderRole(second_client, "s2", "127.0.0.1:2", 3, save_state=lambda: dict(second_state),
+                        restore_state=second_state.update)
+    tasks = [asyncio.create_task(loop) for loop in first.loops()]
+    try:
+        await asyncio.wait_for(first.elected.wait(), 10)
+        second_campaign, *others = [asyncio.create_task(loop) for loop in second.loops()]
+        tasks += [second_campaign, *others]
+        await first.resign()
+        await asyncio.wait_for(reading.wait(), 10)  # the second is elected and reads the hand-over
+        await second.resign()
+        release.set()
+        await asyncio.wait_for(second_campaign, 10)
+        stored = await first_client.get(etcd_keys.SCHEDULER_STATE.encode())
+        assert stored is not None and json.loads(stored.value) == {"n": 5}
+        assert not second.elected.is_set() and not await first_client.get_prefix(
+            etcd_keys.SCHEDULER_ELECTION.encode())
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await first_client.close()
+        await second_client.close()
