@@ -233,11 +233,28 @@ class Placer:
             plan.unpredicted = ("admission: no candidate registered an engine profile, so its time to first token"
                                 + (" and deadline were" if request.deadline_ms else " was")
                                 + " not predicted and nothing was refused on them")
-        self._check_deadline(request, options, now, resumed=plan.ask.resumed, models=plan.models)
+        # Admitted at once, it is placed on the fleet as it is; queued, it is chosen later, on the fleet as it is then.
+        judged = self._choosable(options, now) if not self.is_saturated(now) else options
+        self._check_deadline(request, options, now, resumed=plan.ask.resumed, models=plan.models, judged=judged)
         ticket = ticket_of(plan.ask, now, attempt)
-        best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now,
-                                                      as_chosen=self._predictor is self.policy) for o in options)
+        best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now) for o in judged)
         return ticket, best_ttft_s
+
+    def _choosable(self, options: list[Option], now: float) -> list[Option]:
+        """options as Baton's policy chooses among them now: the candidates with KV room for the request while any
+        has, across every model it accepts (it passes over a full node: judged on one, a request was let in on a node
+        16 s from the end of its model's load against a 2 s budget, helper-195). Under another policy, as they are:
+        it may choose a full node."""
+        if self._predictor is not self.policy:
+            return options
+
+        def has_room(option: Option, status: NodeStatus) -> bool:
+            matched = option.matched_blocks.get(status.spec.node_id, 0)
+            terms = self._predictor.terms(option.request, status, matched, now)
+            return terms is not None and terms.has_kv_room
+
+        roomy = [dataclasses.replace(o, candidates=[s for s in o.candidates if has_room(o, s)]) for o in options]
+        return [o for o in roomy if o.candidates] or options
 
     def _refuse_the_impossible(self, request: PlacementRequest, models: list[str]) -> None:
         """Unmeetable, naming the budget (ttft_budget_ms, tpot_budget_ms, deadline_ms) that no node listing one of
@@ -274,7 +291,8 @@ class Placer:
                              "cached (ask for fewer tokens or a later deadline)")
 
     def _check_deadline(self, request: PlacementRequest, options: list[Option], now: float,
-                        waited_s: float = 0.0, resumed: bool = False, models: list[str] | None = None) -> None:
+                        waited_s: float = 0.0, resumed: bool = False, models: list[str] | None = None,
+                        judged: list[Option] | None = None) -> None:
         """Refuse a request that could not end by its deadline on any candidate: the time it has waited
         plus TTFT plus max_tokens decode steps, predicted from the candidates' registered profiles on
         the fleet as it is (candidates without a profile: not predicted; none has one: no refusal, see
@@ -283,12 +301,12 @@ class Placer:
         arrival (models: those it accepts that some node has), that its candidates could not meet even with their
         load gone (_idle_end_s) is bad input (Unmeetable): a retry hint would send it again in vain (one between
         the floor and that prediction got 429, and the openai client sent it three times). After the queue it was
-        admitted as meetable: what changed is the fleet, and a retry may help."""
+        admitted as meetable: what changed is the fleet, and a retry may help. judged: the options its end is
+        predicted on (_choosable's, when it is placed now), options by default."""
         if not request.deadline_ms:
             return
-        ends = [end for o in options
-                if (end := self._predictor.best_finish_s(o.request, o.candidates, o.matched_blocks, now,
-                                                         as_chosen=self._predictor is self.policy)) is not None]
+        ends = [end for o in (options if judged is None else judged)
+                if (end := self._predictor.best_finish_s(o.request, o.candidates, o.matched_blocks, now)) is not None]
         if not ends or (waited_s + min(ends)) * 1000 <= request.deadline_ms:
             return
         best_ms = (waited_s + min(ends)) * 1000
@@ -338,7 +356,8 @@ class Placer:
         fresh = [o for o in fresh if o.candidates]
         if not fresh:
             raise Unavailable(f"model={shown(plan.ask.request.model)}: no live node left for it after queueing")
-        self._check_deadline(plan.ask.request, fresh, now, waited_s=now - plan.started_at, resumed=plan.ask.resumed)
+        self._check_deadline(plan.ask.request, fresh, now, waited_s=now - plan.started_at, resumed=plan.ask.resumed,
+                             judged=self._choosable(fresh, now))
         return fresh
 
     def decide(self, options: list[Option], now: float) -> Placed:

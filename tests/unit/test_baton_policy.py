@@ -68,19 +68,6 @@ def test_a_node_without_kv_room_is_skipped() -> None:
 
 
 
-def test_admission_judges_a_request_on_the_nodes_the_policy_would_choose_from() -> None:
-    """Its time to first token was the best of every candidate, a full node's included, which the policy then passed
-    over for one 10–16 s from the end of its model's load, against a 2 s budget (helper-195)."""
-    full_and_fast = node("h", "h100", kv_blocks_used=24_990)
-    loading = cold("a", "a100", load_s=20.0, loading=True, since=0.0)
-    req = request(4000, ttft_budget_ms=2000)
-    policy = BatonPolicy()
-    assert chosen(policy, req, [full_and_fast, loading]) == "a"
-    assert policy.best_ttft_s(req, [full_and_fast, loading], {}, 5.0, as_chosen=True) > 15.0
-    # Another policy may choose the full node: judged for one, every candidate counts; and so with none roomy.
-    assert policy.best_ttft_s(req, [full_and_fast, loading], {}, 5.0) < 2.0
-    assert policy.best_ttft_s(req, [full_and_fast], {}, 5.0, as_chosen=True) < 2.0
-
 def test_a_requests_end_is_predicted_at_the_measured_step_for_as_long_as_prompts_ride_in_it() -> None:
     """Steps of 157 ms, prefill chunks riding in them, were predicted as 45 ms: requests admitted on the nodes left
     after a host died missed their deadlines three times in four (helper-195). But a measurement is of the last

@@ -391,6 +391,27 @@ def test_a_deadline_only_a_models_load_puts_out_of_reach_on_an_idle_fleet_keeps_
         placer.ticket(plan, placer.options(plan, lambda _: {}), 1.0)
 
 
+
+@pytest.mark.parametrize("saturated", [False, True])
+def test_a_request_placed_now_is_judged_on_the_nodes_batons_policy_would_choose_from(saturated: bool) -> None:
+    """Judged on a full node the policy then passed over, a request was let in on one 16 s from the end of its
+    model's load, against a 2 s budget (helper-195). One to be queued is chosen later, on the fleet as it is then,
+    and is judged on every candidate: a full node may have room by then (helper-199)."""
+    model = "sim-llama-3.1-8b"
+    loading = dataclasses.replace(_spec("a", warm=(), cold=(model,), gpu="a100"), load_time_s={model: 20.0},
+                                  loading_models=frozenset({model}))
+    placer = _placer(_spec("h", warm=(model,)), loading, policy="baton")
+    placer.cluster.report_load("h", Load(kv_blocks_total=1000, kv_blocks_used=795, num_waiting=10 if saturated else 0),
+                               1.0)
+    placer.cluster.report_load("a", Load(kv_blocks_total=100_000), 1.0)
+    assert placer.is_saturated(1.0) == saturated
+    plan = placer.start(_ask(model=model, max_tokens=4000, ttft_budget_ms=2000), 1.0)
+    options = placer.options(plan, lambda _: {})
+    _, ttft_s = placer.ticket(plan, options, 1.0)
+    assert (ttft_s > 15.0) != saturated  # not saturated: only the loading node has room for it
+    if not saturated:
+        assert placer.decide(options, 1.0).decision.node_id == "a"
+
 def _idle_ms(status: NodeStatus, ask: PlaceAsk, model: str = "sim-llama-3.1-8b") -> float:
     """The request's predicted end on status with nothing there and no prompts sent it lately."""
     idle = NodeStatus(spec=status.spec, load=Load(kv_blocks_total=100_000))

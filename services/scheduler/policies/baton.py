@@ -420,25 +420,17 @@ class BatonPolicy(Policy):
     def restore_workflow_state(self, state: dict[str, float]) -> None:
         self.workflow_spent.update(state)
 
-    def _predicted(self, request: PlacementRequest, candidates: list[NodeStatus], matched_blocks: dict[str, int],
-                   now: float, as_chosen: bool) -> list[Terms]:
-        """Each candidate's terms; as_chosen, of those choose_among chooses from (with KV room for the request while
-        any has): judged as the policy that places it, admission let in requests on a full node it then passed over,
-        for one 10–16 s from the end of its model's load against a 2 s budget (helper-195)."""
-        terms = [t for s in candidates if (t := self.terms(request, s, matched_blocks.get(s.spec.node_id, 0), now))]
-        return ([t for t in terms if t.has_kv_room] or terms) if as_chosen else terms
-
     def best_finish_s(self, request: PlacementRequest, candidates: list[NodeStatus],
-                      matched_blocks: dict[str, int], now: float = 0.0, as_chosen: bool = False) -> float | None:
-        """The soonest predicted end of request, max_tokens generated, on its best candidate (as_chosen: of those
-        this policy would choose): TTFT + max_tokens × TPOT, the node's measured step where it decodes now and that
+                      matched_blocks: dict[str, int], now: float = 0.0) -> float | None:
+        """The soonest predicted end of request, max_tokens generated, on its best candidate: TTFT + max_tokens ×
+        TPOT, the node's measured step where it decodes now and that
         is slower, for as many steps as prompts are expected to ride in them (the chunks of the prompts riding in its
         steps, which the prediction leaves out: 157 ms steps predicted as 45 ms let in requests three quarters of
         which then missed their deadlines on the nodes left after a host died, helper-195); None without a timing
         model."""
         ends = [t.ttft_ms + request.max_tokens * t.tpot_ms
                 + min(request.max_tokens, t.measured_steps) * max(0.0, t.measured_tpot_ms - t.tpot_ms)
-                for t in self._predicted(request, candidates, matched_blocks, now, as_chosen)]
+                for s in candidates if (t := self.terms(request, s, matched_blocks.get(s.spec.node_id, 0), now))]
         return min(ends) / 1000 if ends else None
 
     def floor_s(self, request: PlacementRequest, statuses: list[NodeStatus]) -> tuple[float, float, float] | None:
@@ -461,9 +453,9 @@ class BatonPolicy(Policy):
         return tuple(min(f[i] for f in floors) / 1000 for i in range(3))  # type: ignore[return-value]
 
     def best_ttft_s(self, request: PlacementRequest, candidates: list[NodeStatus],
-                    matched_blocks: dict[str, int], now: float = 0.0, as_chosen: bool = False) -> float:
-        """The shortest predicted time to first token any candidate (as_chosen: that this policy would choose)
-        offers (0 without a timing model)."""
-        terms = self._predicted(request, candidates, matched_blocks, now, as_chosen)
+                    matched_blocks: dict[str, int], now: float = 0.0) -> float:
+        """The shortest predicted time to first token any candidate offers (0 without a timing model)."""
+        terms = [t for s in candidates
+                 if (t := self.terms(request, s, matched_blocks.get(s.spec.node_id, 0), now))]
         return min(t.ttft_ms for t in terms) / 1000 if terms else 0.0
 
