@@ -214,52 +214,36 @@ async def test_a_process_started_in_anothers_place_keeps_the_key_when_the_other_
         await new_client.close()
 
 
-async def test_a_key_given_up_to_another_process_is_held_again_once_that_one_has_gone(etcd: ManagedProcess) -> None:
+@pytest.mark.parametrize("first_writes_again", [True, False])
+async def test_a_key_another_process_took_is_held_again_once_that_one_has_gone(
+        etcd: ManagedProcess, first_writes_again: bool) -> None:
     """Of two holders whose leases both lapsed in an etcd freeze, the one that re-registered first kept the key, and
-    the other, given it up, never held it again, though the first then left (helper-162)."""
+    the other, given it up, never held it again, though the first then left (helper-162). And a second node agent
+    started under a live one's id took its key, and its leaving deleted it: the first agent, which had nothing new to
+    write, never noticed and was gone from the fleet for good, serving and healthy (helper-196). Its keep-alive checks
+    that the key is still its own."""
     first_client, second_client = connect(etcd.address), connect(etcd.address)
     first, second = LeaseSession(first_client, ttl_s=TTL_S), LeaseSession(second_client, ttl_s=TTL_S)
+    keep_alive = None
     try:
         await first.put(KEY, b"first")
-        await second.put(KEY, b"second")
-        await first.put(KEY, b"first again")  # given up: the second holds it
-        stored = await first_client.get(KEY.encode())
-        assert stored is not None and stored.value == b"second"
+        await second.put(KEY, b"second")  # taken over
+        if first_writes_again:
+            await first.put(KEY, b"first again")  # given up: the second holds it
+            stored = await first_client.get(KEY.encode())
+            assert stored is not None and stored.value == b"second"
         keep_alive = asyncio.create_task(first.keep_alive())
-        await second.revoke()  # the second leaves
-
-        async def held_again() -> bool:
-            stored = await first_client.get(KEY.encode())
-            return stored is not None and (stored.value, stored.lease) == (b"first again", first.lease_id)
-
-        await eventually(held_again, 10, "the first holder to put its key back at a keep-alive")
-    finally:
-        keep_alive.cancel()
-        await first.revoke()
-        await first_client.close()
-        await second_client.close()
-
-
-async def test_a_holder_whose_key_another_process_took_holds_it_again_once_that_one_has_gone(
-        etcd: ManagedProcess) -> None:
-    """A second node agent started under a live one's id took its key, and when it stopped, its leaving deleted the
-    key: the first agent, which had nothing new to write, never noticed and was gone from the fleet for good, serving
-    and healthy (helper-196). Its keep-alive checks that the key is still its own."""
-    first_client, second_client = connect(etcd.address), connect(etcd.address)
-    first, second = LeaseSession(first_client, ttl_s=TTL_S), LeaseSession(second_client, ttl_s=TTL_S)
-    keep_alive = asyncio.create_task(first.keep_alive())
-    try:
-        await first.put(KEY, b"first")
-        await second.put(KEY, b"second")  # taken over; the first writes nothing after this
         await second.revoke()  # the second leaves: its leaving mark and revoke delete the key
+        value = b"first again" if first_writes_again else b"first"
 
         async def held_again() -> bool:
             stored = await first_client.get(KEY.encode())
-            return stored is not None and (stored.value, stored.lease) == (b"first", first.lease_id)
+            return stored is not None and (stored.value, stored.lease) == (value, first.lease_id)
 
         await eventually(held_again, 10, "the first holder to put its key back at a keep-alive")
     finally:
-        keep_alive.cancel()
+        if keep_alive is not None:
+            keep_alive.cancel()
         await first.revoke()
         await first_client.close()
         await second_client.close()
