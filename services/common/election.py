@@ -214,24 +214,32 @@ class Election:
     def _drop(self, reason: str) -> None:
         if self._leadership is not None:
             log.warning("%s: leadership lost", reason)
+        self._give_up()
+
+    def _give_up(self) -> None:
+        """No longer leading nor a candidate (lost, or resigned): lost is set."""
         self._leadership = None
         self._candidate = None
         self._deadline.expire()
         self.lost.set()
         self._changed.notify()
 
-    async def fenced_put(self, key: str, value: bytes) -> None:
-        """Write key=value only while this candidate's leadership key stands; NotLeader otherwise."""
-        leadership = self._leadership
-        if leadership is None:
-            raise NotLeader("not the leader")
+    async def _put_under(self, leadership: Leadership, key: str, value: bytes) -> bool:
+        """Write key=value if leadership's key still stands; whether it was written."""
         tx = self._client.transactions
         succeeded, _ = await self._client.transaction(
             compare=[tx.create(leadership.key.encode()) == leadership.revision],
             success=[tx.put(key.encode(), value)],
             failure=[],
         )
-        if not succeeded:
+        return bool(succeeded)
+
+    async def fenced_put(self, key: str, value: bytes) -> None:
+        """Write key=value only while this candidate's leadership key stands; NotLeader otherwise."""
+        leadership = self._leadership
+        if leadership is None:
+            raise NotLeader("not the leader")
+        if not await self._put_under(leadership, key, value):
             self._drop(f"fenced write refused: {leadership.key}@{leadership.revision} no longer stands")
             raise NotLeader(f"leadership {leadership.key}@{leadership.revision} no longer stands")
 
@@ -240,17 +248,10 @@ class Election:
         returns once this no longer acts as leader (nothing done as leader after it is left out of it), before its
         key goes."""
         candidate, leadership, was_leading = self._candidate, self._leadership, self.is_leading()
-        self._leadership = None
-        self._candidate = None
-        self._deadline.expire()
-        self._changed.notify()
+        self._give_up()
         if leadership is not None and was_leading and last_put is not None:
-            tx = self._client.transactions
             try:
-                key, value = last_put()
-                await within(self._client.transaction(
-                    compare=[tx.create(leadership.key.encode()) == leadership.revision],
-                    success=[tx.put(key.encode(), value)], failure=[]), 2.0)
+                await within(self._put_under(leadership, *last_put()), 2.0)
             except Exception as exc:  # noqa: BLE001 - the successor starts from the last periodic write
                 log.warning("last write before resigning failed: %s", exc)
         if candidate is not None:

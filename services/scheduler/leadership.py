@@ -55,10 +55,10 @@ class LeaderRole:
         self._restore_state = restore_state
         self._persist_interval_s = persist_interval_s
         self.elected = asyncio.Event()
-        # Set once it resigns: it does not campaign again (alone, it led again within a second while it drained,
-        # and its last updates were never written, helper-198). Its state writes one at a time: a periodic write
-        # under way as it resigned could land after the last, with an older state.
-        self._resigned = asyncio.Event()
+        # Once it resigns it does not campaign again (alone, it led again within a second while it drained, and its
+        # last updates were never written, helper-198). Its state writes one at a time: a periodic write under way as
+        # it resigned could land after the last, with an older state.
+        self._resigned = False
         self._writing = asyncio.Lock()
 
     def loops(self) -> list[Coroutine[Any, Any, None]]:
@@ -141,7 +141,7 @@ class LeaderRole:
         lost up to persist_interval_s of the ledger's updates, whose notices it had acknowledged, and a workflow
         whose every step succeeded then failed at the timeout (helper-194: 4 to 6 of 226 at each SIGTERM)."""
         async with self._writing:
-            self._resigned.set()
+            self._resigned = True
             # Only once it leads on its predecessor's state: resigned while it read it, it wrote its own empty state
             # over the hand-over, and its successor restored nothing (helper-199).
             await self._election.resign(
@@ -149,22 +149,20 @@ class LeaderRole:
                 if self.elected.is_set() else None)
 
     async def _campaign_forever(self) -> None:
-        while not self._resigned.is_set():
+        while not self._resigned:
             try:
                 leadership = await self._election.campaign(self._value)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - etcd down: try again
-                if self._resigned.is_set():
+                if self._resigned:
                     return
                 log.warning("campaign failed (%s); retrying", exc)
                 await asyncio.sleep(_RETRY_S)
                 continue
-            if self._resigned.is_set():  # elected as it resigned, its lease granted after: revoked now (helper-199)
-                await self._election.resign()
-                return
-            await self._take_over()
-            if self._resigned.is_set():
+            if not self._resigned:
+                await self._take_over()
+            if self._resigned:  # as it was elected (its lease granted after) or took over: its key goes (helper-199)
                 await self._election.resign()
                 return
             self.elected.set()
@@ -175,7 +173,7 @@ class LeaderRole:
             finally:
                 self.elected.clear()
                 self._on_leading(False)
-            if not self._resigned.is_set():
+            if not self._resigned:
                 log.warning("no longer the leader; campaigning again")
 
     async def _take_over(self) -> None:
@@ -195,20 +193,14 @@ class LeaderRole:
 
     async def _lead(self) -> None:
         """Persist state until leadership is lost."""
-        while not self._election.lost.is_set():
-            ends = [asyncio.ensure_future(self._election.lost.wait()), asyncio.ensure_future(self._resigned.wait())]
+        while not self._election.lost.is_set():  # (set by a resignation too)
             try:
-                done, _ = await asyncio.wait(ends, timeout=self._persist_interval_s,
-                                             return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for waiter in ends:
-                    waiter.cancel()
-            if done:
+                await within(self._election.lost.wait(), self._persist_interval_s)
                 return
+            except TimeoutError:
+                pass
             try:
-                async with self._writing:
-                    if self._resigned.is_set():
-                        return
+                async with self._writing:  # (resigned meanwhile, NotLeader)
                     await self.fenced_put(etcd_keys.SCHEDULER_STATE, json.dumps(self._save_state()).encode())
             except NotLeader:
                 return
