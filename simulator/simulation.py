@@ -442,11 +442,14 @@ class Simulation:
         # As the router does: skip the nodes that failed this request, and any that failed lately.
         self._suspects = {n: until for n, until in self._suspects.items() if until > self._now}
         request = record.request
+        deadline_ms = request.deadline_ms
+        if retry_cause and deadline_ms:  # a move asks with what is left of its deadline, as the router's does
+            deadline_ms = max(1, math.ceil((record.arrival_s + deadline_ms / 1000 - self._now) * 1000))
         ask = PlaceAsk(PlacementRequest(
             request_id=generation.request_id, model=generation.model, num_prompt_tokens=len(generation.context),
             num_prompt_blocks=len(block_hashes), max_tokens=self._asked_tokens(generation),
             block_hashes=block_hashes, ttft_budget_ms=request.ttft_budget_ms or self._ttft_budget_ms,
-            tpot_budget_ms=request.tpot_budget_ms or self._tpot_budget_ms, deadline_ms=request.deadline_ms,
+            tpot_budget_ms=request.tpot_budget_ms or self._tpot_budget_ms, deadline_ms=deadline_ms,
             tenant=request.tenant, priority=request.priority, workflow_id=request.task_id, step=request.step,
             total_steps=request.total_steps),
             exclude=frozenset(generation.excluded_nodes()) | frozenset(self._suspects),
@@ -467,9 +470,8 @@ class Simulation:
                 # Drawn per request and move, so that runs of two policies on a seed draw alike for each.
                 draw = random.Random(f"{self._seed}:{move[0]}:{move[1]}:{self._now}").random()
                 wait_s = min(move_wait_s(error.retry_after_ms, draw), gives_up_at - self._now)
-                deadline_ms = request.deadline_ms
                 if self._now + error.retry_after_ms / 1000 <= gives_up_at and (
-                        not deadline_ms or self._now + wait_s < record.arrival_s + deadline_ms / 1000):
+                        not request.deadline_ms or self._now + wait_s < record.arrival_s + request.deadline_ms / 1000):
                     self._move_gives_up_at[move] = gives_up_at
                     self._at(self._now + wait_s, lambda: self._place(generation, record, block_hashes, retry_cause))
                     return

@@ -180,7 +180,7 @@ class Relay:
                     yield _length_finish(generation)
                     return
                 try:
-                    placement = await self._place(generation, request, retry_cause, time_remaining)
+                    placement = await self._place(generation, request, retry_cause, time_remaining, deadline_at)
                     generation.placed = True
                 except BatonError as error:
                     # Refused as bad input before any node ran it (a move's GPU time is a task's, whatever comes), and
@@ -336,7 +336,7 @@ class Relay:
 
     async def _place(
         self, generation: Generation, request: router_pb2.GenerateRequest, retry_cause: FailureCause | None,
-        time_remaining: Callable[[], float | None],
+        time_remaining: Callable[[], float | None], deadline_at: float | None = None,
     ) -> scheduler_pb2.Placement:
         """A node for the generation's next attempt, avoiding nodes that failed recently and those that run another
         stream of its id it cannot take over. When none is left, the nodes that failed any stream lately are asked
@@ -346,7 +346,10 @@ class Relay:
         (helper-154).
 
         When it is a move (retry_cause set) that cannot happen, Unavailable says which node failed
-        how, and why the generation could not move; when no node but those is left, StreamHeld says so.
+        how, and why the generation could not move; when no node but those is left, StreamHeld says so. A move asks
+        with what is left of the request's deadline (deadline_at, on the loop's clock) as its deadline_ms, as a
+        client's resume does: the leader ends one that could not end in it (DEADLINE_EXCEEDED) rather than have a
+        survivor prefill it again to miss it.
         """
         place = scheduler_pb2.PlaceRequest(
             request_id=generation.request_id,
@@ -372,6 +375,10 @@ class Relay:
                 # (Asked again after a wait, as the nodes' failures are then: suspects lapse, nodes fail.)
                 self._suspects = {node: until for node, until in self._suspects.items() if until > loop.time()}
                 asks = generation.placement_asks(self._suspects)
+                if retry_cause and deadline_at is not None:
+                    # (Asked with the whole deadline, 16 of 18 streams moved off a dead host were placed, prefilled
+                    # on the survivors and ended at their deadline, helper-195.)
+                    place.context.deadline_ms = max(1, math.ceil((deadline_at - loop.time()) * 1000))
                 try:
                     placement = await self._ask_in_turn(place, asks, time_remaining, waiting)
                     break

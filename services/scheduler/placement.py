@@ -225,20 +225,28 @@ class Placer:
 
     def ticket(self, plan: Plan, options: list[Option], now: float, attempt: int = 0) -> tuple[Ticket, float] | None:
         """The admission ticket of a fresh request (asked for by Place call attempt) and its best predicted time to
-        first token; None for a retry (a migrating stream is already admitted: never shed it)."""
-        if plan.is_retry:
-            return None
+        first token; None for a retry (a migrating stream is already admitted: never shed it). A retry's deadline_ms
+        is what its stream has left, as a resumed one's: one that could not end in it is ended (LeftOutOfReach), not
+        prefilled again on a survivor to miss it."""
         request = plan.ask.request
+        if plan.is_retry:
+            if request.deadline_ms:
+                self._check_deadline(request, options, now, resumed=True, judged=self._judged(options, now))
+            return None
         if not any(s.profile(o.request.model) for o in options for s in o.candidates):
             plan.unpredicted = ("admission: no candidate registered an engine profile, so its time to first token"
                                 + (" and deadline were" if request.deadline_ms else " was")
                                 + " not predicted and nothing was refused on them")
-        # Admitted at once, it is placed on the fleet as it is; queued, it is chosen later, on the fleet as it is then.
-        judged = self._choosable(options, now) if not self.is_saturated(now) else options
+        judged = self._judged(options, now)
         self._check_deadline(request, options, now, resumed=plan.ask.resumed, models=plan.models, judged=judged)
         ticket = ticket_of(plan.ask, now, attempt)
         best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now) for o in judged)
         return ticket, best_ttft_s
+
+    def _judged(self, options: list[Option], now: float) -> list[Option]:
+        """The options a request placed now is judged on: admitted at once, it is placed on the fleet as it is
+        (_choosable); queued (the fleet saturated), it is chosen later, on the fleet as it is then."""
+        return self._choosable(options, now) if not self.is_saturated(now) else options
 
     def _choosable(self, options: list[Option], now: float) -> list[Option]:
         """options as Baton's policy chooses among them now: the candidates with KV room for the request while any

@@ -12,7 +12,7 @@ from services.common.gone_from_listing import GONE_MODEL_MEMORY_S
 from services.common.load import Load
 from services.scheduler.fleet import ClusterView, NodeSpec, NodeStatus
 from services.scheduler.model_planner import ModelPlanner
-from services.scheduler.placement import FLOOR_MARGIN, PlaceAsk, Placer
+from services.scheduler.placement import FLOOR_MARGIN, LeftOutOfReach, PlaceAsk, Placer
 from services.scheduler.policies import PlacementRequest, make_policy
 from services.scheduler.policies.baton import BatonPolicy
 from services.scheduler.retry_budget import RetryBudget
@@ -228,6 +228,22 @@ def test_a_resumed_stream_is_never_refused_as_invalid_nor_judged_on_its_ttft_bud
     tight = placer.start(PlaceAsk(_ask(model=model, ttft_budget_ms=1).request, resumed=True), 1.0)
     ticket, _ = placer.ticket(tight, placer.options(tight, lambda _: {}), 1.0)
     assert ticket.deadline_at == math.inf
+
+
+def test_a_move_that_cannot_end_in_what_its_deadline_has_left_is_ended_not_placed() -> None:
+    """A move asks with what is left of its stream's deadline. Placed whatever that was, 16 of 18 streams moved off a
+    dead host were prefilled again on the survivors and ended at their deadlines, their prefills taking the
+    survivors' capacity (helper-195). It ends DEADLINE_EXCEEDED, with no retry hint, and gives back its unit of the
+    retry budget; a move with time to end is placed."""
+    model = "sim-llama-3.1-8b"
+    placer = _placer(_spec("a", warm=(model,)), retries_per_s=0.1)  # one retry in the 10 s window
+    late = placer.start(_ask(model=model, retry_cause="stream_broken", max_tokens=2000, deadline_ms=5), 1.0)
+    with pytest.raises(LeftOutOfReach, match="deadline_ms=5: cannot be met in what the resumed stream has left"):
+        placer.ticket(late, placer.options(late, lambda _: {}), 1.0)
+    placer.abandon(late)
+    in_time = placer.start(_ask(model=model, retry_cause="stream_broken", max_tokens=2000, deadline_ms=600_000), 2.0)
+    assert placer.ticket(in_time, placer.options(in_time, lambda _: {}), 2.0) is None
+    assert placer.decide(placer.options(in_time, lambda _: {}), 2.0).decision.node_id == "a"
 
 
 def test_what_no_node_could_meet_counts_every_node_listing_the_model_not_only_todays_candidates() -> None:

@@ -1392,6 +1392,46 @@ async def test_a_leaders_deadline_exceeded_for_a_resumed_stream_reaches_its_clie
     assert len(scheduler.places) == 1
 
 
+class _MoveOutOfReachScheduler(_FakeScheduler):
+    """Places the first attempt on the one node; ends its move, as the leader ends one that cannot end in what its
+    deadline has left."""
+
+    async def Place(self, request, context):  # noqa: N802
+        self.places.append(request)
+        if request.retry_cause:
+            await abort(context, LeftOutOfReach(f"deadline_ms={request.context.deadline_ms}: cannot be met in what "
+                                                "the resumed stream has left"))
+        return scheduler_pb2.Placement(node_id=NODE, address=self.node_address)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("deadline_ms", [60_000, 0])
+async def test_a_move_asks_with_what_is_left_of_its_deadline_and_ends_when_the_leader_says_it_is_out_of_reach(
+        deadline_ms: int) -> None:
+    """Asked with the whole deadline, 16 of 18 streams moved off a dead host were placed, prefilled again on the
+    survivors and ended at their deadlines (helper-195). The move asks with what is left; the leader's
+    DEADLINE_EXCEEDED reaches the client at once, after the tokens it had."""
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        yield _started()
+        yield Chunk(node_id=NODE, index=0, token_ids=[97])
+        await asyncio.sleep(0.01)  # 10 ms of the deadline pass on the first node (not synchronisation)
+        raise RuntimeError("the node died")
+
+    tokens: list[int] = []
+    async with _router(generate, _MoveOutOfReachScheduler()) as (router, scheduler):
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            async for message in router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=4,
+                                                                            deadline_ms=deadline_ms)):
+                tokens.extend(message.token_ids)
+    assert tokens == [97]
+    assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "cannot be met in what the resumed stream has left" in (failed.value.details() or "")
+    assert [p.retry_cause for p in scheduler.places] == ["", "stream_broken"]
+    first, move = (p.context.deadline_ms for p in scheduler.places)
+    assert first == deadline_ms
+    assert (0 < move <= deadline_ms - 10) if deadline_ms else move == 0
+
+
 @pytest.mark.timeout(30)
 async def test_a_move_from_a_node_that_never_had_the_request_recomputes_nothing() -> None:
     """The first node froze before the request reached it (it said nothing on the stream): its move's node prefills
