@@ -112,7 +112,7 @@ class LeaseSession:
         that once etcd answers again a lapsed lease is re-granted and its keys re-put at once.
         """
         delay_s = self._ttl_s / 3
-        failures = Repeats(log)
+        failures, checks = Repeats(log), Repeats(log)
         while True:
             await asyncio.sleep(delay_s)
             delay_s = min(self._ttl_s / 3, QUICK_RETRY_S)
@@ -133,7 +133,7 @@ class LeaseSession:
                                 await self._write(key, value, self._lease_id)
                             self._stale = False
                         else:
-                            await self._check_held(self._lease_id)
+                            await self._checked(self._lease_id, checks)
                 delay_s = self._ttl_s / 3
                 failures.succeeded("etcd keep-alive works again")
             except asyncio.CancelledError:
@@ -184,6 +184,20 @@ class LeaseSession:
             log.warning("etcd key %s is held by another process now (lease %x): it took this one's place; no longer "
                         "holding it", key, stored.lease if stored is not None else 0)
             self._given_up.add(key)
+
+    async def _checked(self, lease_id: int, checks: Repeats) -> None:
+        """_check_held, whose failure is not the keep-alive's: the lease lives, so the keys are checked again at the
+        next keep-alive, a third of the TTL on. (Said as "keep-alive failed", it was retried every QUICK_RETRY_S,
+        helper-198.) Under the lock."""
+        try:
+            await self._check_held(lease_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - etcd refreshed the lease but did not answer the reads
+            checks.failed("etcd lease %x kept alive, but its keys could not be checked (%s); checking them again at "
+                          "the next keep-alive", lease_id, exc)
+        else:
+            checks.succeeded("etcd lease %x: its keys are checked again", lease_id)
 
     async def _check_held(self, lease_id: int) -> None:
         """Each key is still this session's: one another process took over since this one last wrote it is given up,
