@@ -37,6 +37,7 @@ from pathlib import Path
 from bench.adoption_rule import KEY, MARGIN, slo_misses
 from bench.sim_matrix import SETTINGS, Setting, _args, build_parser, held_out_windows, paired_changes
 from simulator.report import mean_ci, run_one
+from simulator.study import results_json
 
 SEEDS = (0, 1, 2)
 # The burst the tenth round's variant was built on (Azure code at 2x); its requests are left out here.
@@ -116,7 +117,7 @@ def run(out: Path, options: argparse.Namespace, load: float, traces: str, seeds:
         attained = " / ".join(f"{r['slo_attainment'] * 100:.1f}" for r in per_window[window.name])
         print(f"{window.name}: SLO attainment {attained} %", flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"seeds": seeds, "per_window": per_window}, indent=1))
+    (out / "results.json").write_text(results_json({"seeds": seeds, "per_window": per_window}))
 
 
 def main(argv: list[str] | None = None) -> int:

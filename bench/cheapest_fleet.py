@@ -17,7 +17,6 @@ the whole-fleet KPI implies.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from bench.sim_matrix import BASELINES
 from services.node_agent.engines.sim.models import GPU_SPECS
 from simulator import flags
 from simulator.report import TRACES, check_trace, parse_args, run_one
-from simulator.study import worker_pool
+from simulator.study import results_json, worker_pool
 
 
 @dataclass(frozen=True)
@@ -162,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(text)
-    (out / "results.json").write_text(json.dumps({f"{p}@{f}": dict(zip(map(str, seeds), s, strict=True))
-                                                  for (p, f), s in runs.items()}, indent=1))
+    (out / "results.json").write_text(results_json({f"{p}@{f}": dict(zip(map(str, seeds), s, strict=True))
+                                                    for (p, f), s in runs.items()}))
     sys.stdout.write(text)
     return 0
 

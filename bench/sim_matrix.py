@@ -23,7 +23,6 @@ window, with its interval over the windows, on the whole fleet and on the busy-t
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 from simulator import flags
 from simulator.report import TRACES, check_trace, mean_ci, merge_seeds, parse_args, run_one
 from simulator.simulation import ADMISSIONS
-from simulator.study import run_all
+from simulator.study import results_json, run_all
 from simulator.workload import trace_length
 
 # SGLang's cache-aware policy and plain least-loaded trail these on every setting tried
@@ -172,8 +171,8 @@ CHEAPEST = "the cheapest in each window"
 
 
 def _has_figure(run: dict, key: str) -> bool:
-    """Whether a run has the figure: a run with no success has no cost per success (inf)."""
-    return math.isfinite(run[key]) and run[key] > 0
+    """Whether a run has the figure: a run with no success has no cost per success (inf; null in results.json)."""
+    return run[key] is not None and math.isfinite(run[key]) and run[key] > 0
 
 
 def pooled_change(per_window: list[dict[str, list[dict]]], mine: str, theirs: str,
@@ -388,8 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     setups = {setting.name: setup_of(setting, options) for setting in settings}
-    (out / "results.json").write_text(json.dumps({"options": vars(options), "settings": merged, "setups": setups,
-                                                  "per_seed": seeds_run}, indent=1))
+    (out / "results.json").write_text(results_json({"options": vars(options), "settings": merged, "setups": setups,
+                                                    "per_seed": seeds_run}))
     print("\n".join(lines))
     return 0
 

@@ -17,6 +17,7 @@ from bench.sim_matrix import (
     held_out_windows,
     main,
     paired_change,
+    paired_changes,
     pooled_verdict,
     setup_of,
     verdict,
@@ -263,3 +264,30 @@ def test_the_documented_command_lines_still_parse(command: str) -> None:
 def test_a_range_of_seeds_is_every_seed_in_it() -> None:
     options = build_parser().parse_args(["--seeds", "10-12,20", "--sweep-seeds", "0-1"])
     assert options.seeds == (10, 11, 12, 20) and options.sweep_seeds == (0, 1)
+
+
+def _no_success(job: tuple) -> tuple:
+    """run_one, as a run in which no task met its SLO ends: no cost per successful task (inf)."""
+    row = run_one(job)
+    row[3]["cost_per_successful_task"] = float("inf")
+    return row
+
+
+def _refuse_constant(name: str) -> None:
+    raise AssertionError(f"results.json holds {name}, which is not JSON")
+
+
+def test_a_run_with_no_success_writes_json_that_parsers_take_and_the_rule_reads_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run with no success has no cost per successful task: results.json held Infinity, which jq and JavaScript
+    refuse. It is null, and a comparison of two sides passes over it as a run with no figure."""
+    rows = [{"timestamp": 500 * j, "input_length": 64, "output_length": 4, "hash_ids": [j]} for j in range(20)]
+    (tmp_path / TRACES["mooncake-conversation"]).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr("bench.sim_matrix.run_one", _no_success)
+    out = tmp_path / "out"
+    assert main(["--limit", "5", "--seeds", "0", "--only", "Mooncake conversation, 8xH100, 2x", "--policies",
+                 "baton,dynamo", "--jobs", "1", "--traces", str(tmp_path), "--out", str(out)]) == 0
+    result = json.loads((out / "results.json").read_text(), parse_constant=_refuse_constant)
+    runs = result["per_seed"]["Mooncake conversation, 8xH100, 2x"]
+    assert runs["baton"][0]["cost_per_successful_task"] is None
+    assert paired_changes(runs["baton"], runs["dynamo"], "cost_per_successful_task") is None
