@@ -13,7 +13,7 @@ import enum
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
@@ -32,6 +32,12 @@ from services.common.reconnect import CLIENT_CONNECT_OPTIONS, CLIENT_KEEPALIVE_O
 FAILOVER_CONNECT_S = 3.0
 # How the details of a call's error begin when no router it tried answered (each router's failure follows).
 EVERY_ROUTER_FAILED = "no router answered"
+# New calls go to the routers in turn, passing over one a call found down (a transport failure) for this long, twice
+# as long at each failure in a row, at most PASS_OVER_MAX_S; a call it answers ends that. (Each call kept to the
+# router the last failover went to: after a rolling restart of the routers every client was on the last one,
+# helper-194. Passed over for a fixed time, a frozen router would cost a call its connection wait each time.)
+PASS_OVER_S = 5.0
+PASS_OVER_MAX_S = 300.0
 
 
 class FinishReason(enum.IntEnum):
@@ -56,13 +62,16 @@ def finish_reason_of(chunk: router_pb2.GenerateChunk) -> FinishReason:
 
 
 class BatonClient:
-    """Streams completions from one of several routers, failing over between them mid-stream."""
+    """Streams completions from several routers, each new call to the next in turn, failing over between them
+    mid-stream."""
 
     def __init__(self, addresses: str | Sequence[str], max_failovers: int = 3, *, api_key: str | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """addresses: one router's host:port, several comma-separated (as `baton generate --router` takes them), or
         a sequence of them; api_key: the tenant's key (`baton tenants add`), for routers run with --auth;
-        credentials: TLS to the routers (grpc.ssl_channel_credentials with the cluster's CA), plaintext when None."""
+        credentials: TLS to the routers (grpc.ssl_channel_credentials with the cluster's CA), plaintext when None;
+        clock: what times how long a router found down is passed over."""
         # (A comma-separated string was one address, and its calls failed "Misformatted domain name": helper-176.)
         self.addresses = [a.strip() for a in addresses.split(",") if a.strip()] if isinstance(addresses, str) \
             else list(addresses)
@@ -74,13 +83,40 @@ class BatonClient:
         self._channels = {address: grpc.aio.secure_channel(address, credentials, options)
                           if credentials is not None else grpc.aio.insecure_channel(address, options)
                           for address in self.addresses}
-        self._current = 0
+        self._clock = clock
+        self._next = 0  # the router the next call starts at, if no call found it down lately
+        # Routers a call found down: when new calls stop passing them over, and how long they were passed over.
+        self._passed_over: dict[str, tuple[float, float]] = {}
         self._plaintext = credentials is None
 
     @property
     def current_address(self) -> str:
-        """The router new calls go to (it moves on when one dies)."""
-        return self.addresses[self._current]
+        """The router the next call goes to: the next in turn that no call found down lately."""
+        return self.addresses[self._first()]
+
+    def _first(self) -> int:
+        """The index of the router a new call starts at: the next in turn neither passed over nor failing to connect
+        (its channel waiting out a reconnect backoff, where a call fails at once); with none such, the one whose time
+        ends first."""
+        now = self._clock()
+        turn = [(self._next + k) % len(self.addresses) for k in range(len(self.addresses))]
+        up = [i for i in turn if self._passed_over.get(self.addresses[i], (0.0, 0.0))[0] <= now
+              and self._channels[self.addresses[i]].get_state() != grpc.ChannelConnectivity.TRANSIENT_FAILURE]
+        return up[0] if up else min(turn, key=lambda i: self._passed_over.get(self.addresses[i], (0.0, 0.0))[0])
+
+    def _take_turn(self) -> int:
+        """_first, and the call after this one starts at the router after it."""
+        index = self._first()
+        self._next = (index + 1) % len(self.addresses)
+        return index
+
+    def _found_down(self, address: str) -> None:
+        _, last_s = self._passed_over.get(address, (0.0, 0.0))
+        period_s = min(PASS_OVER_MAX_S, 2 * last_s) if last_s else PASS_OVER_S
+        self._passed_over[address] = (self._clock() + period_s, period_s)
+
+    def _answered(self, address: str) -> None:
+        self._passed_over.pop(address, None)
 
     @staticmethod
     async def _wait_ready(channel: grpc.aio.Channel, wait_s: float) -> float:
@@ -141,7 +177,7 @@ class BatonClient:
         last_token_at: float | None = None
         failovers = 0
         # This stream's router: its own, as other streams of the client fail over at the same time.
-        index = self._current
+        index = self._take_turn()
         failed: dict[str, grpc.aio.AioRpcError] = {}  # each router's last transport failure, in the order tried
         connect_budget_s = FAILOVER_CONNECT_S
         while True:
@@ -169,7 +205,11 @@ class BatonClient:
                                                 request.resume.first_token_ms)
             call = router_pb2_grpc.RouterStub(channel).Generate(request, timeout=remaining, metadata=self._metadata)
             try:
+                answered = False
                 async for chunk in call:
+                    if not answered:
+                        answered = True
+                        self._answered(self.addresses[index])
                     if chunk.HasField("seed"):
                         request.seed = chunk.seed
                     if chunk.model and chunk.model != request.model:  # an alternative runs it: resume on that one
@@ -186,11 +226,11 @@ class BatonClient:
                 if not is_transport_failure(error):
                     raise
                 failed[self.addresses[index]] = error
+                self._found_down(self.addresses[index])
                 if failovers >= self.max_failovers:
                     raise self._every_router_failed(failed) from None
                 failovers += 1
                 index = (index + 1) % len(self.addresses)
-                self._current = index  # new calls start where this stream went
             finally:
                 call.cancel()
 
@@ -208,8 +248,9 @@ class BatonClient:
         asked that one only: with the first router down, `baton generate --router A,B` took no model as known and
         sent its default, which B's cluster did not serve; helper-176)."""
         failed: dict[str, grpc.aio.AioRpcError] = {}
+        first = self._take_turn()
         for tried in range(len(self.addresses)):
-            index = (self._current + tried) % len(self.addresses)
+            index = (first + tried) % len(self.addresses)
             try:
                 reply = await router_pb2_grpc.RouterStub(self._channels[self.addresses[index]]).ListModels(
                     router_pb2.ListModelsRequest(), timeout=5.0, metadata=self._metadata)
@@ -220,10 +261,11 @@ class BatonClient:
                 if not (is_transport_failure(error) or timed_out):
                     raise
                 failed[self.addresses[index]] = error
+                self._found_down(self.addresses[index])
                 if tried == len(self.addresses) - 1:
                     raise self._every_router_failed(failed) from None
                 continue
-            self._current = index
+            self._answered(self.addresses[index])
             return list(reply.models)
         raise AssertionError("unreachable: the last router's failure is raised")
 

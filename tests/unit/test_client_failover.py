@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from baton.client import FAILOVER_CONNECT_S, BatonClient
+from baton.client import FAILOVER_CONNECT_S, PASS_OVER_S, BatonClient
 from baton.cluster import free_port
 from baton.protocol import ORIGIN_KEY, is_transport_failure
 from baton.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -334,7 +334,7 @@ async def test_a_stream_quiet_for_longer_than_the_keepalive_is_not_taken_for_a_d
     client = BatonClient([address, f"127.0.0.1:{free_port()}"], max_failovers=1)
     try:
         completion = await asyncio.wait_for(client.complete("m", prompt="hi", max_tokens=1), 30)
-        assert completion.token_ids == [7] and router.calls == 1 and client.current_address == address
+        assert completion.token_ids == [7] and router.calls == 1  # (moved, it would have failed: no other router)
     finally:
         await client.close()
         await server.stop(0)
@@ -433,3 +433,45 @@ async def test_with_every_router_failing_the_error_names_each_and_a_tls_router_i
     finally:
         await client.close()
         await server.stop(None)
+
+
+class _Counted(_Router):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def Generate(self, request, context):  # noqa: N802 - the generated servicer's name
+        self.calls += 1
+        yield router_pb2.GenerateChunk(request_id=request.request_id, token_ids=[7], index=0, node_id="n1",
+                                       finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+
+async def test_new_calls_go_to_the_routers_in_turn_passing_over_one_found_down_until_its_time_ends() -> None:
+    """Each call went to the router the last failover went to, also once the first was back: after a rolling
+    restart of the routers every client was on the last one (helper-194)."""
+    first, second = _Counted(), _Counted()
+    server, a = await _serving(first)
+    other, b = await _serving(second)
+    now = [0.0]
+    client = BatonClient([a, b], max_failovers=1, clock=lambda: now[0])
+
+    async def calls(count: int) -> tuple[int, int]:
+        for _ in range(count):
+            assert (await asyncio.wait_for(client.complete("m", prompt="hi", max_tokens=1), 30)).token_ids == [7]
+        return first.calls, second.calls
+
+    try:
+        assert await calls(4) == (2, 2)
+        await server.stop(None)  # the next call finds it down, and moves on to the second
+        assert await calls(3) == (2, 5)
+        server = grpc.aio.server()
+        router_pb2_grpc.add_RouterServicer_to_server(first, server)
+        assert server.add_insecure_port(a) == int(a.rsplit(":", 1)[1])
+        await server.start()
+        await asyncio.wait_for(client._channels[a].channel_ready(), 30)  # back, and connected again
+        assert await calls(2) == (2, 7)  # passed over still
+        now[0] += PASS_OVER_S
+        assert await calls(4) == (4, 9)
+    finally:
+        await client.close()
+        await server.stop(None)
+        await other.stop(None)
