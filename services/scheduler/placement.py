@@ -228,6 +228,10 @@ class Placer:
         first token; None for a retry (a migrating stream is already admitted: never shed it). A retry's deadline_ms
         is what its stream has left, as a resumed one's: one that could not end in it is ended (LeftOutOfReach), not
         prefilled again on a survivor to miss it."""
+        with self._predictor.remembering():  # its passes over the candidates ask of one fleet state
+            return self._ticket(plan, options, now, attempt)
+
+    def _ticket(self, plan: Plan, options: list[Option], now: float, attempt: int) -> tuple[Ticket, float] | None:
         request = plan.ask.request
         if plan.is_retry:
             if request.deadline_ms:
@@ -364,8 +368,9 @@ class Placer:
         fresh = [o for o in fresh if o.candidates]
         if not fresh:
             raise Unavailable(f"model={shown(plan.ask.request.model)}: no live node left for it after queueing")
-        self._check_deadline(plan.ask.request, fresh, now, waited_s=now - plan.started_at, resumed=plan.ask.resumed,
-                             judged=self._choosable(fresh, now))
+        with self._predictor.remembering():
+            self._check_deadline(plan.ask.request, fresh, now, waited_s=now - plan.started_at,
+                                 resumed=plan.ask.resumed, judged=self._choosable(fresh, now))
         return fresh
 
     def decide(self, options: list[Option], now: float) -> Placed:

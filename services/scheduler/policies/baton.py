@@ -58,9 +58,11 @@ refined the profile online, it is placed like any other.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 
 from services.common.block_hash import DEFAULT_BLOCK_SIZE
 from services.common.engine_profile import ProfileSource
@@ -190,6 +192,21 @@ class BatonPolicy(Policy):
         self._sent_tokens: dict[str, int] = {}
         # Per node: when it was last given a request as a trial of its calibrated profile.
         self._tried: dict[str, float] = {}
+        # terms() by request, node, cached blocks, time and fleet price, while a caller asks several questions of
+        # one fleet state (remembering); None otherwise.
+        self._remembered: dict[tuple[int, int, int, float, float | None], Terms | None] | None = None
+
+    @contextlib.contextmanager
+    def remembering(self) -> Iterator[None]:
+        """Within, terms() is computed once for each request, node, cached blocks, time and fleet price: for a
+        caller that asks several questions of the fleet as it is, changing nothing in between (admission judges a
+        request's KV room, end and first token on each candidate: it computed each term three times, helper-195's
+        review). Placing a request here forgets them."""
+        self._remembered = {}
+        try:
+            yield
+        finally:
+            self._remembered = None
 
     def _prefill_rate(self, node_id: str, now: float) -> float:
         """Prompt tokens a second this policy has lately sent node_id to prefill."""
@@ -207,6 +224,8 @@ class BatonPolicy(Policy):
         return max(0.0, sent[-1][0] + RATE_WINDOW_S - now) if sent else 0.0
 
     def _record_sent(self, node_id: str, tokens: int, now: float) -> None:
+        if self._remembered is not None:
+            self._remembered.clear()
         self._sent.setdefault(node_id, deque()).append((now, tokens))
         self._sent_tokens[node_id] = self._sent_tokens.get(node_id, 0) + tokens
 
@@ -217,6 +236,16 @@ class BatonPolicy(Policy):
         fleet_price_per_hour prices the request's latency: the mean price of the GPUs it could run on
         (the node's own price when not given).
         """
+        if self._remembered is None:
+            return self._terms(request, status, matched_blocks, now, fleet_price_per_hour)
+        # (By identity: the objects live while remembered, and a request's hash sums its prompt's block hashes.)
+        key = (id(request), id(status), matched_blocks, now, fleet_price_per_hour)
+        if key not in self._remembered:
+            self._remembered[key] = self._terms(request, status, matched_blocks, now, fleet_price_per_hour)
+        return self._remembered[key]
+
+    def _terms(self, request: PlacementRequest, status: NodeStatus, matched_blocks: int, now: float,
+               fleet_price_per_hour: float | None) -> Terms | None:
         profile = status.profile(request.model)
         if profile is None:
             return None
