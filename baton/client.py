@@ -248,7 +248,7 @@ class BatonClient:
         asked that one only: with the first router down, `baton generate --router A,B` took no model as known and
         sent its default, which B's cluster did not serve; helper-176)."""
         failed: dict[str, grpc.aio.AioRpcError] = {}
-        first = self._take_turn()
+        first = self._first()  # (not a turn: `baton generate` then streams from the router that listed the models)
         for tried in range(len(self.addresses)):
             index = (first + tried) % len(self.addresses)
             try:
