@@ -20,6 +20,9 @@ from services.common.tls import TlsFiles, channel_credentials, server_credential
 # A service's or node's id keys its etcd records, labels metrics and travels in gRPC metadata and messages (a node's in
 # baton-stream-held, a router's as router_id): printable ASCII with no space or slash, at most MAX_INSTANCE_ID_LEN.
 MAX_INSTANCE_ID_LEN = 128
+# The most nodes one request may run on, and one Finished notice charge: its first node and one per move, so a
+# router's --max-migrations is at most one less.
+MAX_NODES_OF_A_REQUEST = 64
 _INSTANCE_ID = re.compile(r"[A-Za-z0-9._:@-]{1,%d}" % MAX_INSTANCE_ID_LEN)
 
 

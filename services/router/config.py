@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from services.common.config import ServiceConfig, check_instance_id, check_listen, doc
+from services.common.config import MAX_NODES_OF_A_REQUEST, ServiceConfig, check_instance_id, check_listen, doc
 from services.common.sampling_checks import NODE_MAX_STOP_SEQUENCES, NODE_MAX_STOP_TOKENS
 from services.common.slo import DEFAULT_TPOT_BUDGET_MS, DEFAULT_TTFT_BUDGET_MS, Slo
 from services.common.telemetry import MAX_LABEL_VALUES
@@ -72,8 +72,11 @@ class RouterConfig(ServiceConfig):
             check_listen("http_listen", self.http_listen)
         if self.default_max_tokens < 1:
             raise ValueError(f"--default-max-tokens: must be positive, got {self.default_max_tokens}")
-        if self.max_migrations < 0:
-            raise ValueError(f"--max-migrations: must be 0 or more, got {self.max_migrations}")
+        if not 0 <= self.max_migrations < MAX_NODES_OF_A_REQUEST:
+            # (At 64 or more, a request that moved that often ran on more nodes than its Finished notice may name: the
+            # leader refused the notice, its cost was lost and its slot held until the sweep, helper-198.)
+            raise ValueError(f"--max-migrations: must be 0 to {MAX_NODES_OF_A_REQUEST - 1} (a request runs on at most "
+                             f"{MAX_NODES_OF_A_REQUEST} nodes), got {self.max_migrations}")
         if not 0 < self.http_read_timeout_s < math.inf:
             raise ValueError(f"--http-read-timeout-s: must be positive, got {self.http_read_timeout_s}")
         if self.stall_floor_s <= 0:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from baton.protocol import MAX_ALTERNATIVE_MODELS
 from baton.v1 import common_pb2, scheduler_pb2
 from services.common.block_hash import DEFAULT_BLOCK_SIZE
-from services.common.config import MAX_INSTANCE_ID_LEN
+from services.common.config import MAX_INSTANCE_ID_LEN, MAX_NODES_OF_A_REQUEST
 from services.common.errors import InvalidArgument, shown
 from services.common.failure_cause import RETRY_CAUSES
 from services.common.request_context import check_context
@@ -77,9 +77,6 @@ def _check_ids(request: scheduler_pb2.PlaceRequest | scheduler_pb2.FinishedReque
             raise InvalidArgument(field, value, f"{len(value)} characters, longer than {limit}")
 
 
-# The most nodes one Finished notice may charge: a request runs on its first node and one per move, and moves are
-# bounded by the routers' --max-migrations (3 by default).
-MAX_NODES_OF_A_REQUEST = 64
 
 
 def check_finished(request: scheduler_pb2.FinishedRequest, max_context_tokens: int | None, max_id_len: int) -> None:

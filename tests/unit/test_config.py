@@ -113,6 +113,16 @@ def test_the_connection_rate_limit_is_on_by_default_off_at_zero_and_checked(
         capsys, RouterConfig, PREFIX, ["--connection-request-burst", "0"])
 
 
+def test_max_migrations_stops_where_a_finished_notice_could_no_longer_name_every_node(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A request that moved 64 times ran on 65 nodes: the leader refused its Finished notice, which may name 64, and
+    its cost was lost, its admission slot held until the sweep (helper-198)."""
+    assert parse_config(RouterConfig, PREFIX, ["--max-migrations", "63"]).max_migrations == 63
+    for value in ("64", "-1"):
+        message = _exit_message(capsys, RouterConfig, PREFIX, ["--max-migrations", value])
+        assert f"--max-migrations: must be 0 to 63 (a request runs on at most 64 nodes), got {value}" in message
+
+
 def test_unconvertible_flag_exits_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--verbose" in _exit_message(capsys, FlagsConfig, "BATON_TEST", ["--verbose", "maybe"])
     assert "--retries" in _exit_message(capsys, FlagsConfig, "BATON_TEST", ["--retries", "1.5"])
