@@ -6,7 +6,9 @@ from baton.v1 import kvindex_pb2
 from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
-def event_from_proto(message: kvindex_pb2.KVEvent) -> KVEvent:
+def event_from_proto(message: kvindex_pb2.KVEvent) -> KVEvent | None:
+    """The event, or None for one of no type this version knows (none set, or a newer node's): taken for "every block
+    cleared", one such event wiped a node's whole cache from the index, for good (helper-202)."""
     kind = message.WhichOneof("event")
     if kind == "stored":
         stored = message.stored
@@ -18,7 +20,9 @@ def event_from_proto(message: kvindex_pb2.KVEvent) -> KVEvent:
         )
     if kind == "removed":
         return BlockRemoved(block_hashes=tuple(message.removed.block_hashes))
-    return AllBlocksCleared()
+    if kind == "cleared":
+        return AllBlocksCleared()
+    return None
 
 
 def event_to_proto(event: KVEvent) -> kvindex_pb2.KVEvent:

@@ -150,8 +150,15 @@ class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
                                                          f"beyond the node's own snapshot (seq {last})"))
             if batch.seq <= last:
                 continue  # the snapshot already holds it
-            for message in batch.events:
-                self._index.apply(node_id, batch.model, event_from_proto(message))
+            events = [event_from_proto(message) for message in batch.events]
+            if (unknown := next((i for i, event in enumerate(events) if event is None), None)) is not None:
+                # Refused whole, nothing of it applied: the node's next stream catches up from a snapshot.
+                await abort(context, InvalidArgument(f"events[{unknown}] (node {shown(node_id)}, seq {batch.seq})",
+                                                     "no event type", "not one this kvindex knows (stored, removed, "
+                                                     "cleared); the batch is refused"))
+            for event in events:
+                assert event is not None
+                self._index.apply(node_id, batch.model, event)
             self._last_seq[node_id] = batch.seq
             self._events.add(len(batch.events), {"node": node_id})
         return kvindex_pb2.PublishAck(last_seq=self._last_seq.get(node_id, 0))

@@ -404,3 +404,25 @@ async def test_a_batch_of_more_block_hashes_than_an_engine_makes_is_refused_nami
         assert ack.last_seq == 2
     finally:
         await service.close()
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("unknown", [kvindex_pb2.KVEvent(), kvindex_pb2.KVEvent.FromString(b"\x22\x00")],
+                         ids=["no type set", "a type of a newer node"])
+async def test_an_event_of_no_known_type_is_refused_naming_it_and_the_nodes_cache_stays_indexed(
+        monkeypatch: pytest.MonkeyPatch, unknown: kvindex_pb2.KVEvent) -> None:
+    """Taken for "every block cleared", one such event wiped a node's whole cache from the index, and it stayed wiped:
+    prompts cached there were computed again elsewhere, and the node's next real batch, of the same seq, was dropped
+    as already seen (helper-202)."""
+    service = _service_with_node_a(monkeypatch, snapshot_seq=1)
+    try:
+        batch = kvindex_pb2.KVEventBatch(node_id="a", model=M, seq=2, events=[event_to_proto(_stored(99)), unknown])
+        with pytest.raises(Refused) as refused:
+            await publish(service, kvindex_pb2.KVEventBatch(node_id="a", model=M, seq=1), batch)
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "events[1] (node 'a', seq 2)='no event type': not one this kvindex knows" in str(refused.value)
+        assert service._index.overlap(M, list(PROMPT)) == {"a": len(PROMPT)}  # nothing of the batch applied
+        ack = await publish(service, kvindex_pb2.KVEventBatch(node_id="a", model=M, seq=1), stored_batch(2, 99))
+        assert ack.last_seq == 2 and service._index.overlap(M, [99]) == {"a": 1}
+    finally:
+        await service.close()
