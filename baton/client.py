@@ -111,7 +111,12 @@ class BatonClient:
         return index
 
     def _found_down(self, address: str) -> None:
-        _, last_s = self._passed_over.get(address, (0.0, 0.0))
+        """A call found the router down: it is passed over, twice as long as last time if it failed again after its
+        last pass-over ended. (Every stream it cut doubled it: a router that died under 8 streams was passed over
+        for 5 min, helper-204.)"""
+        until, last_s = self._passed_over.get(address, (0.0, 0.0))
+        if until > self._clock():
+            return  # passed over already: another call that found it down at the same time
         period_s = min(PASS_OVER_MAX_S, 2 * last_s) if last_s else PASS_OVER_S
         self._passed_over[address] = (self._clock() + period_s, period_s)
 
@@ -224,6 +229,8 @@ class BatonClient:
                 return
             except grpc.aio.AioRpcError as error:
                 if not is_transport_failure(error):
+                    if is_baton_status(error):  # the router's own answer: it is up
+                        self._answered(self.addresses[index])
                     raise
                 failed[self.addresses[index]] = error
                 self._found_down(self.addresses[index])

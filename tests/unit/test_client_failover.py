@@ -475,3 +475,47 @@ async def test_new_calls_go_to_the_routers_in_turn_passing_over_one_found_down_u
         await client.close()
         await server.stop(None)
         await other.stop(None)
+
+
+class _Hanging(_Router):
+    """Starts each stream and says nothing more until it is stopped."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.all_started = asyncio.Event()
+
+    async def Generate(self, request, context):  # noqa: N802 - the generated servicer's name
+        self.started += 1
+        if self.started == 4:
+            self.all_started.set()
+        await asyncio.Event().wait()
+        yield router_pb2.GenerateChunk()
+
+
+async def test_a_router_that_died_under_many_streams_is_passed_over_once_not_once_per_stream() -> None:
+    """Every stream it cut doubled the time a router was passed over: one that died under 8 streams was passed over
+    for 5 minutes after it was back (helper-204)."""
+    hanging, second = _Hanging(), _Counted()
+    server, a = await _serving(hanging)
+    other, b = await _serving(second)
+    now = [0.0]
+    client = BatonClient([a, b], max_failovers=1, clock=lambda: now[0])
+    try:
+        streams = [asyncio.ensure_future(client.complete("m", prompt=f"p{i}", max_tokens=1)) for i in range(8)]
+        await asyncio.wait_for(hanging.all_started.wait(), 30)  # four on each router, in turn
+        await server.stop(None)  # the first dies under its four: they move on to the second
+        assert [c.token_ids for c in await asyncio.wait_for(asyncio.gather(*streams), 30)] == [[7]] * 8
+        server = grpc.aio.server()
+        back = _Counted()
+        router_pb2_grpc.add_RouterServicer_to_server(back, server)
+        assert server.add_insecure_port(a) == int(a.rsplit(":", 1)[1])
+        await server.start()
+        await asyncio.wait_for(client._channels[a].channel_ready(), 30)
+        now[0] += PASS_OVER_S  # once, not 2^3 times over
+        for _ in range(2):
+            await asyncio.wait_for(client.complete("m", prompt="hi", max_tokens=1), 30)
+        assert back.calls == 1
+    finally:
+        await client.close()
+        await server.stop(None)
+        await other.stop(None)
