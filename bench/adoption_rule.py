@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,7 +285,8 @@ def judge(variant: dict[str, list[dict]], current: dict[str, list[dict]],
 
 
 def _mean(runs: list[dict]) -> float:
-    return sum(r[KEY] for r in runs) / len(runs)
+    """The runs' mean cost per successful task; a run with none has no figure (null in results.json): infinite."""
+    return sum(math.inf if r[KEY] is None else r[KEY] for r in runs) / len(runs)
 
 
 def report(verdict: Verdict, rule_5: bool = False) -> list[str]:

@@ -87,6 +87,15 @@ def test_the_best_baseline_counts(tmp_path: Path) -> None:
     assert not verdict.rule_3 and not verdict.rule_4
 
 
+def test_a_baseline_run_with_no_success_counts_as_no_cheaper_than_any(tmp_path: Path) -> None:
+    """A run with no success has no cost per successful task, null in results.json: read as a number, it crashed
+    the comparison with the baselines (helper-204)."""
+    _, current = load([_write(tmp_path / "current", SEEDS, CURRENT)])
+    _, variant = load([_write(tmp_path / "variant", SEEDS, {"steady": [99.0] * 10, "overloaded": [101.0] * 10})])
+    baselines = {name: {"dynamo": [_run(100.5)] * 9 + [_run(None)]} for name in CURRENT}  # type: ignore[arg-type]
+    assert judge(variant, current, baselines).behind_best == (0, 0)
+
+
 def test_rule_3_needs_a_clear_gain_somewhere_and_no_clear_loss_anywhere(tmp_path: Path) -> None:
     _, current = load([_write(tmp_path / "current", SEEDS, CURRENT)])
     # Cheaper by 0.3 % in every seed on the steady window-setting; the overloaded one swings -20 to +26 %.
