@@ -133,7 +133,7 @@ class LeaseSession:
                                 await self._write(key, value, self._lease_id)
                             self._stale = False
                         else:
-                            await self._checked(self._lease_id, checks)
+                            await self._check_keys(self._lease_id, checks)
                 delay_s = self._ttl_s / 3
                 failures.succeeded("etcd keep-alive works again")
             except asyncio.CancelledError:
@@ -185,33 +185,38 @@ class LeaseSession:
                         "holding it", key, stored.lease if stored is not None else 0)
             self._given_up.add(key)
 
-    async def _checked(self, lease_id: int, checks: Repeats) -> None:
-        """_check_held, whose failure is not the keep-alive's: the lease lives, so the keys are checked again at the
-        next keep-alive, a third of the TTL on. (Said as "keep-alive failed", it was retried every QUICK_RETRY_S,
-        helper-198.) Under the lock."""
+    async def _check_keys(self, lease_id: int, checks: Repeats) -> None:
+        """Each key is still this session's: one another process took over since this one last wrote it is given up,
+        and one given up, or deleted meanwhile, is put again if under no lease. A process that took a node's id
+        while its agent lived, then left, deleted the key, and the agent, which had nothing new to write, never
+        noticed: it was gone from the fleet for good, serving and healthy (helper-196). Reads that fail are not the
+        keep-alive's failure (the lease lives): the keys are read again at the next keep-alive, a third of the TTL on
+        (said as "keep-alive failed", a live lease was refreshed every QUICK_RETRY_S, helper-198); a put back that
+        fails is, and is tried again soon. Under the lock."""
         try:
-            await self._check_held(lease_id)
+            stale = await self._keys_to_put(lease_id)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - etcd refreshed the lease but did not answer the reads
             checks.failed("etcd lease %x kept alive, but its keys could not be checked (%s); checking them again at "
                           "the next keep-alive", lease_id, exc)
-        else:
-            checks.succeeded("etcd lease %x: its keys are checked again", lease_id)
+            return
+        checks.succeeded("etcd lease %x: its keys are checked again", lease_id)
+        for key in stale:
+            await self._write(key, self._keys[key], lease_id)
 
-    async def _check_held(self, lease_id: int) -> None:
-        """Each key is still this session's: one another process took over since this one last wrote it is given up,
-        and one given up, or deleted meanwhile, is put again if under no lease. A process that took a node's id
-        while its agent lived, then left, deleted the key, and the agent, which had nothing new to write, never
-        noticed: it was gone from the fleet for good, serving and healthy (helper-196). Under the lock."""
-        for key, value in list(self._keys.items()):
+    async def _keys_to_put(self, lease_id: int) -> list[str]:
+        """The keys not under lease_id in etcd now: given up, taken over since, or deleted. Under the lock."""
+        stale = []
+        for key in list(self._keys):
             if key in self._taken and key not in self._given_up:
                 stored = await self._client.get(key.encode())
                 if stored is not None and stored.lease == lease_id:
                     continue
                 if stored is None:
                     log.warning("etcd key %s was deleted by another process; putting it back", key)
-            await self._write(key, value, lease_id)
+            stale.append(key)
+        return stale
 
     async def _put_if_under(self, key: str, value: bytes, lease_id: int, holder: int) -> bool:
         """Put key=value under lease_id if the key is now under the lease holder (0: none, or no such key)."""

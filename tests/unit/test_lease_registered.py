@@ -82,3 +82,42 @@ async def test_keys_that_could_not_be_checked_while_the_lease_lives_are_not_a_ke
     said = [r.getMessage() for r in caplog.records]
     assert any("kept alive, but its keys could not be checked" in m for m in said)
     assert not any("keep-alive failed" in m for m in said)
+
+
+class _DeletedEtcd(_UnreadableEtcd):
+    """Reads answer that the session's key was deleted; its first put back fails."""
+
+    transactions = types.SimpleNamespace(put=lambda *args, **kwargs: None)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.put_backs = 0
+
+    async def get(self, key: bytes) -> None:
+        return None
+
+    async def transaction(self, compare: object, success: object, failure: object) -> tuple[bool, None]:
+        self.put_backs += 1
+        if self.put_backs == 1:
+            raise ConnectionError("etcd write timed out")
+        return True, None
+
+
+async def test_a_key_whose_put_back_fails_is_put_back_again_soon(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the reads of the check are not the keep-alive's failure: a key another process deleted, whose put back
+    failed, was retried a third of the TTL later, out of the fleet meanwhile (helper-204)."""
+    monkeypatch.setattr(etcd_session, "_LeaseOf", lambda key: types.SimpleNamespace(__eq__=lambda self, other: True))
+    etcd = _DeletedEtcd()
+    session = LeaseSession(etcd, ttl_s=9)  # type: ignore[arg-type]
+    await session.put("/baton/nodes/n1", b"{}")
+    waits: list[float] = []
+
+    async def counted(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) > 2:
+            raise asyncio.CancelledError
+
+    monkeypatch.setattr(etcd_session.asyncio, "sleep", counted)
+    with pytest.raises(asyncio.CancelledError):
+        await session.keep_alive()
+    assert waits == [3.0, etcd_session.QUICK_RETRY_S, 3.0] and etcd.put_backs == 2
