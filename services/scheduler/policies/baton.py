@@ -193,15 +193,19 @@ class BatonPolicy(Policy):
         # Per node: when it was last given a request as a trial of its calibrated profile.
         self._tried: dict[str, float] = {}
         # terms() by request, node, cached blocks, time and fleet price, while a caller asks several questions of
-        # one fleet state (remembering); None otherwise.
-        self._remembered: dict[tuple[int, int, int, float, float | None], Terms | None] | None = None
+        # one fleet state (remembering), with the request and node they were computed for; None otherwise.
+        self._remembered: dict[tuple[int, int, int, float, float | None],
+                               tuple[PlacementRequest, NodeStatus, Terms | None]] | None = None
 
     @contextlib.contextmanager
     def remembering(self) -> Iterator[None]:
         """Within, terms() is computed once for each request, node, cached blocks, time and fleet price: for a
         caller that asks several questions of the fleet as it is, changing nothing in between (admission judges a
         request's KV room, end and first token on each candidate: it computed each term three times, helper-195's
-        review). Placing a request here forgets them."""
+        review). Placing a request here forgets them; within a scope already open, it is that scope."""
+        if self._remembered is not None:
+            yield
+            return
         self._remembered = {}
         try:
             yield
@@ -238,11 +242,14 @@ class BatonPolicy(Policy):
         """
         if self._remembered is None:
             return self._terms(request, status, matched_blocks, now, fleet_price_per_hour)
-        # (By identity: the objects live while remembered, and a request's hash sums its prompt's block hashes.)
+        # By identity (a request's hash would sum its prompt's block hashes), kept alive with the terms, so that no
+        # other object takes its id within the scope (two requests made one after the other inside it had one id,
+        # and the second got the first's terms, helper-204).
         key = (id(request), id(status), matched_blocks, now, fleet_price_per_hour)
         if key not in self._remembered:
-            self._remembered[key] = self._terms(request, status, matched_blocks, now, fleet_price_per_hour)
-        return self._remembered[key]
+            self._remembered[key] = (request, status,
+                                     self._terms(request, status, matched_blocks, now, fleet_price_per_hour))
+        return self._remembered[key][2]
 
     def _terms(self, request: PlacementRequest, status: NodeStatus, matched_blocks: int, now: float,
                fleet_price_per_hour: float | None) -> Terms | None:
