@@ -495,7 +495,10 @@ class Simulation:
             admission = self._placer.ticket(plan, options, self._now) if self._admission is not None else None
         except BatonError as error:  # a deadline the fleet as it is could not meet: refused at once, as Place does
             self._placer.abandon(plan)
-            self._refuse(record, error)
+            if plan.is_retry:  # a move that could not end in what it had left: it was admitted once, not refused
+                self._fail(record, f"its move ended: {error}")
+            else:
+                self._refuse(record, error)
             return
         if admission is None:
             self._commit(pending, options)

@@ -365,20 +365,23 @@ class Relay:
             router_incarnation=self.incarnation,
             prompt_digest=generation.prompt_digest,
         )
+        loop = asyncio.get_running_loop()
+
         def waiting(since: float | None) -> None:
             generation.leader_wait_since = since
+            if since is None and retry_cause and deadline_at is not None:
+                # A call goes out: a move's with what is left of the deadline then, through waits for the retry
+                # budget and for a leader alike. (Asked with the whole deadline, 16 of 18 streams moved off a dead
+                # host were placed, prefilled again on the survivors and ended at their deadline, helper-195; set once
+                # a round, a move reached a leader elected seconds later with what was left before, helper-204.)
+                place.context.deadline_ms = max(1, math.ceil((deadline_at - loop.time()) * 1000))
 
         try:
-            loop = asyncio.get_running_loop()
             give_up_at = loop.time() + MOVE_WAIT_S
             while True:
                 # (Asked again after a wait, as the nodes' failures are then: suspects lapse, nodes fail.)
                 self._suspects = {node: until for node, until in self._suspects.items() if until > loop.time()}
                 asks = generation.placement_asks(self._suspects)
-                if retry_cause and deadline_at is not None:
-                    # (Asked with the whole deadline, 16 of 18 streams moved off a dead host were placed, prefilled
-                    # on the survivors and ended at their deadline, helper-195.)
-                    place.context.deadline_ms = max(1, math.ceil((deadline_at - loop.time()) * 1000))
                 try:
                     placement = await self._ask_in_turn(place, asks, time_remaining, waiting)
                     break

@@ -314,10 +314,19 @@ class Placer:
         load gone (_idle_end_s) is bad input (Unmeetable): a retry hint would send it again in vain (one between
         the floor and that prediction got 429, and the openai client sent it three times). After the queue it was
         admitted as meetable: what changed is the fleet, and a retry may help. judged: the options its end is
-        predicted on (_choosable's, when it is placed now), options by default."""
+        predicted on (_choosable's, when it is placed now), options by default. A resumed (or moved) stream is judged
+        on the tokens it is expected to generate (the model's typical answer, at most its max_tokens), not on all of
+        max_tokens: ended, it loses what its client was streaming, so it is ended only when even those cannot end in
+        time (judged on max_tokens, a move with 20 s left was ended on an idle H100 for 3,000 tokens it would likely
+        never generate, helper-204)."""
         if not request.deadline_ms:
             return
-        ends = [end for o in (options if judged is None else judged)
+        judged = options if judged is None else judged
+        if resumed:
+            judged = [dataclasses.replace(o, request=dataclasses.replace(o.request,
+                                                                         max_tokens=self._expected(o.request)))
+                      for o in judged]
+        ends = [end for o in judged
                 if (end := self._predictor.best_finish_s(o.request, o.candidates, o.matched_blocks, now)) is not None]
         if not ends or (waited_s + min(ends)) * 1000 <= request.deadline_ms:
             return
@@ -329,9 +338,11 @@ class Placer:
                              f"take {idle_s * 1000:.0f} ms on an idle node, with nothing else running (ask for fewer "
                              "tokens or a later deadline)")
         if resumed:
+            expected = min(o.request.max_tokens for o in judged)
             raise LeftOutOfReach(
-                f"deadline_ms={request.deadline_ms}: cannot be met in what the resumed stream has left; the rest of "
-                f"it, max_tokens={request.max_tokens}, is predicted to take {best_ms:.0f} ms on the best node now")
+                f"deadline_ms={request.deadline_ms}: cannot be met in what the resumed stream has left; the "
+                f"{expected} tokens it is expected to generate yet (of max_tokens={request.max_tokens}) are predicted "
+                f"to take {best_ms:.0f} ms on the best node now")
         # Retry when the load that puts it out of reach may have passed: at least the excess, and no sooner than the
         # prompts sent the candidates lately stop weighing on their predicted steps (after a burst of large prompts a
         # hint of the 1 s excess sent the openai client back twice within the ~9 s they weighed, in vain).
@@ -345,6 +356,10 @@ class Placer:
             # to 60 s, and past it falls back to its own short backoff; 62,705 ms was sent, helper-189.)
             retry_after_ms=min(int(SLOT_HINT_MAX_S * 1000),
                                max(1000, int(best_ms - request.deadline_ms), math.ceil(forgets_s * 1000))))
+
+    def _expected(self, request: PlacementRequest) -> int:
+        """The tokens request is expected to generate: its model's typical answer, at most its max_tokens."""
+        return max(1, min(request.max_tokens, math.ceil(self._predictor.expected_output_tokens(request))))
 
     def _idle_end_s(self, options: list[Option], models: list[str], now: float) -> float | None:
         """The soonest predicted end on the options' candidates as if nothing else ran there (their load, the

@@ -573,7 +573,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             # Budgets refused by the placement core, before the gate or after its queue: counted as the gate's are.
             if isinstance(error, Unmeetable):
                 self._gate.refused(f"{error.field} no node could meet", request.context.priority)
-            elif isinstance(error, (DeadlineOutOfReach, LeftOutOfReach)):
+            elif isinstance(error, (DeadlineOutOfReach, LeftOutOfReach)) and not request.retry_cause:
+                # (A move ended so was admitted once already: not a refusal of admission's.)
                 self._gate.refused("deadline cannot be met", request.context.priority)
             await abort(context, error)
         finally:

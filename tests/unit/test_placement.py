@@ -246,6 +246,22 @@ def test_a_move_that_cannot_end_in_what_its_deadline_has_left_is_ended_not_place
     assert placer.decide(placer.options(in_time, lambda _: {}), 2.0).decision.node_id == "a"
 
 
+def test_a_move_is_judged_on_the_answer_its_model_typically_gives_not_on_all_of_max_tokens() -> None:
+    """Ended, a moved stream loses what its client was streaming: judged on max_tokens, a move with 20 s left was
+    ended on an idle H100 for 3,000 tokens it would likely never generate (helper-204). Where its model's answers
+    run that long, it is ended."""
+    model = "sim-llama-3.1-8b"
+    placer = _placer(_spec("a", warm=(model,)), policy="baton")
+    move = _ask(model=model, retry_cause="stream_broken", max_tokens=3000, deadline_ms=20_000)
+    plan = placer.start(move, 1.0)
+    assert placer.ticket(plan, placer.options(plan, lambda _: {}), 1.0) is None  # placed
+    for _ in range(50):
+        placer.policy.observe_finished(model, 3000)
+    plan = placer.start(move, 2.0)
+    with pytest.raises(LeftOutOfReach, match=r"the 3000 tokens it is expected to generate yet \(of max_tokens=3000\)"):
+        placer.ticket(plan, placer.options(plan, lambda _: {}), 2.0)
+
+
 def test_what_no_node_could_meet_counts_every_node_listing_the_model_not_only_todays_candidates() -> None:
     """An H100 that missed its load reports is no candidate now, but a retry may find it back: a deadline only the
     L4 left could not meet is the fleet's load (a retry hint), not a request no node could serve."""
@@ -563,3 +579,19 @@ def test_admission_predicts_each_candidate_once_and_the_next_request_on_the_flee
         chosen.append(placer.decide(options, 1.0).decision.node_id)
     if policy == "baton":  # the second's prediction counts the prompt sent the first's node: it goes elsewhere
         assert chosen[0] != chosen[1]
+
+
+def test_what_is_remembered_is_each_requests_own_even_for_requests_made_and_dropped_within() -> None:
+    """Keyed by identity, two requests made one after the other within a scope had one id, and the second got the
+    first's predicted end (helper-204); a scope opened within another is that scope."""
+    model = "sim-llama-3.1-8b"
+    policy = BatonPolicy()
+    status = _placer(_spec("a", warm=(model,))).cluster.nodes()[0]
+    base = _ask(model=model, max_tokens=100).request
+    alone = [policy.best_finish_s(dataclasses.replace(base, max_tokens=n), [status], {}, 1.0) for n in (100, 200)]
+    with policy.remembering():
+        with policy.remembering():
+            pass
+        within = [policy.best_finish_s(dataclasses.replace(base, max_tokens=n), [status], {}, 1.0) for n in (100, 200)]
+        assert policy._remembered  # the inner scope left the outer one's memory
+    assert within == alone and alone[0] != alone[1]

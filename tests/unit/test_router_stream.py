@@ -1432,6 +1432,35 @@ async def test_a_move_asks_with_what_is_left_of_its_deadline_and_ends_when_the_l
     assert (0 < move <= deadline_ms - 10) if deadline_ms else move == 0
 
 
+class _NotInOfficeAtFirstScheduler(_MoveOutOfReachScheduler):
+    """As _MoveOutOfReachScheduler, but the first move finds the leader elected and not yet in office."""
+
+    async def Place(self, request, context):  # noqa: N802
+        if request.retry_cause and not any(p.retry_cause for p in self.places):
+            self.places.append(request)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not in office yet")
+        return await super().Place(request, context)
+
+
+@pytest.mark.timeout(30)
+async def test_a_move_asked_again_of_a_leader_not_yet_in_office_asks_with_what_is_left_then() -> None:
+    """Set once a round of asks, what was left of the deadline reached a leader elected seconds later as it was
+    before (helper-204): every call goes out with what is left as it goes."""
+    async def generate(request: node_agent_pb2.NodeGenerateRequest) -> AsyncIterator[Chunk]:
+        yield _started()
+        yield Chunk(node_id=NODE, index=0, token_ids=[97])
+        raise RuntimeError("the node died")
+
+    async with _router(generate, _NotInOfficeAtFirstScheduler(), leader_wait_s=30.0) as (router, scheduler):
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            async for _ in router.Generate(router_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=4,
+                                                                      deadline_ms=60_000)):
+                pass
+    assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    first, again = (p.context.deadline_ms for p in scheduler.places if p.retry_cause)
+    assert again <= first - 50  # the router waited at least 50 ms before it asked that leader again
+
+
 @pytest.mark.timeout(30)
 async def test_a_move_from_a_node_that_never_had_the_request_recomputes_nothing() -> None:
     """The first node froze before the request reached it (it said nothing on the stream): its move's node prefills
