@@ -24,6 +24,36 @@ def test_an_engine_is_hung_only_with_requests_in_flight_and_no_output_past_the_l
     assert ProgressWatch(hung_after_s=0.0).hung_s(10_000.0, 5) is None  # 0: never
 
 
+def test_requests_that_left_with_no_output_count_on_into_the_next_so_a_hang_is_found_whatever_the_clients_wait(
+) -> None:
+    """Each admission to an empty engine started the clock afresh: with clients that gave up after 25 s, a stopped
+    engine core was never taken as hung and took every request placed there for 125 s (helper-203)."""
+    watch = ProgressWatch(hung_after_s=60.0)
+    watch.admitted(0.0, 0)
+    watch.left(25.0, 0)  # its client gave up: no output came
+    assert watch.hung_s(39.0, 0) is None  # nothing in flight
+    watch.admitted(40.0, 0)
+    assert watch.hung_s(74.0, 1) is None  # 25 + 34 s
+    assert watch.hung_s(76.0, 1) == pytest.approx(61.0)
+    # A healthy engine: an output, then the request ends; a long idle later is nobody's.
+    healthy = ProgressWatch(hung_after_s=60.0)
+    healthy.admitted(0.0, 0)
+    healthy.output(1.0)
+    healthy.left(1.5, 0)
+    healthy.admitted(1000.0, 0)
+    assert healthy.hung_s(1059.0, 1) is None
+
+
+def test_time_the_watcher_did_not_run_is_not_the_engines() -> None:
+    """A node agent paused 65 s with a stream in flight took its healthy engine for hung as it woke, before it had
+    read the outputs of that time, and exited (helper-203)."""
+    watch = ProgressWatch(hung_after_s=60.0)
+    watch.admitted(0.0, 0)
+    watch.not_watched(64.0)  # the watcher woke at 65 s, 64 s late
+    assert watch.hung_s(65.0, 1) is None
+    assert watch.hung_s(125.5, 1) == pytest.approx(61.5)  # and no output since: hung
+
+
 def test_the_hung_limit_is_zero_or_more() -> None:
     assert NodeAgentConfig(engine_hung_s=0.0).engine_hung_s == 0.0
     with pytest.raises(ValueError, match=r"--engine-hung-s: must be 0 \(never\) or more, got -1"):

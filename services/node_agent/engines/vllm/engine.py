@@ -232,8 +232,13 @@ class VllmEngine:
 
     async def _watch_engine_core(self) -> None:
         loop = asyncio.get_running_loop()
+        looked_at = loop.time()
         while not self._llm.errored:
             await asyncio.sleep(_WATCH_INTERVAL_S)  # AsyncLLM exposes death as a flag, not an awaitable
+            if (late_s := loop.time() - looked_at - _WATCH_INTERVAL_S) > _WATCH_INTERVAL_S:
+                # This process did not run (paused): the engine's outputs of that time are not read yet.
+                self._progress.not_watched(late_s)
+            looked_at = loop.time()
             if (stuck_s := self._progress.hung_s(loop.time(), len(self._requests))) is not None:
                 # Raised as a death is: the node agent exits, its lease ends and its streams move on.
                 raise RuntimeError(f"vLLM engine of {self.model} gave no output for {stuck_s:.0f} s with "
@@ -427,6 +432,7 @@ class VllmEngine:
         running = self._requests.pop(request_id, None)
         if running is None:
             return
+        self._progress.left(asyncio.get_running_loop().time(), len(self._requests))
         running.pump.cancel()
         self._gpu_time.finish(request_id, asyncio.get_running_loop().time())
         if not any(r.has_first_token for r in self._requests.values()):

@@ -2,8 +2,9 @@
 
 vLLM tells an engine core's death (AsyncLLM.errored), not a hang: an engine core stopped, or stuck in a kernel,
 held its streams for as long as their clients waited, since the node's heartbeats said the node lived, and took
-every new request placed there (helper-191). A hang is the time since the last sign of progress: an output of any
-request in flight, or the admission that ended a time with none in flight (an idle engine is not hung).
+every new request placed there (helper-191). A hang is the time with requests in flight since the last sign of
+progress, an output of any of them; an idle engine is not hung, and a request that left with no output (its client
+gave up, or the router moved it) is no progress: the time it was in flight counts on into the next one's.
 """
 
 from __future__ import annotations
@@ -13,20 +14,39 @@ class ProgressWatch:
     def __init__(self, hung_after_s: float) -> None:
         # 0: never taken as hung.
         self.hung_after_s = hung_after_s
-        self._since = 0.0
+        # When the present time in flight with no output began; None while nothing is in flight.
+        self._since: float | None = None
+        # The time in flight with no output before it, since the last output.
+        self._carried_s = 0.0
 
     def admitted(self, now: float, num_in_flight: int) -> None:
-        """A request was admitted with num_in_flight others running: with none, the clock starts now."""
-        if num_in_flight == 0:
+        """A request was admitted with num_in_flight others running: with none, a time in flight begins now."""
+        if num_in_flight == 0 or self._since is None:
             self._since = now
 
     def output(self, now: float) -> None:
         """vLLM gave an output of a request in flight."""
-        self._since = now
+        self._since, self._carried_s = now, 0.0
+
+    def left(self, now: float, num_in_flight: int) -> None:
+        """A request left the engine (finished or aborted), num_in_flight still running: with none, the time in
+        flight since the last output is carried to the next admission. (Each admission to an empty engine started
+        the clock afresh: a stopped engine core whose clients gave up within the limit was never taken as hung,
+        and took every request placed there, helper-203.)"""
+        if num_in_flight == 0 and self._since is not None:
+            self._carried_s += max(0.0, now - self._since)
+            self._since = None
+
+    def not_watched(self, seconds: float) -> None:
+        """The watcher could not look for seconds (its own process was paused): no output of that time has been
+        read yet, so it is nobody's. (A node agent paused 65 s took its healthy engine for hung as it woke, and
+        exited, helper-203.)"""
+        if self._since is not None:
+            self._since += seconds
 
     def hung_s(self, now: float, num_in_flight: int) -> float | None:
         """How long the engine has made no progress with requests in flight, once that is past hung_after_s."""
-        stuck_s = now - self._since
-        if self.hung_after_s and num_in_flight and stuck_s > self.hung_after_s:
-            return stuck_s
-        return None
+        if not (self.hung_after_s and num_in_flight) or self._since is None:
+            return None
+        stuck_s = self._carried_s + now - self._since
+        return stuck_s if stuck_s > self.hung_after_s else None
