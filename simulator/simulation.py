@@ -625,7 +625,7 @@ class Simulation:
                 del node.flights[output.request_id]
                 record.finish_s = self._settled_s = self._now
                 record.end_attempt()
-                self._policy.observe_finished(generation.model, record.num_generated)
+                self._placer.observe_finished(generation.model, record.num_generated)
                 if self._admission is not None:
                     self._admission.release(output.request_id)
                 self._follow_up(record.request)

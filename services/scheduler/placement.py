@@ -122,6 +122,13 @@ class Placer:
         # Predicts on idle copies of nodes: with no memory of the prompts sent them lately (the load it takes away).
         self._idle_predictor = BatonPolicy()
 
+    def observe_finished(self, model: str, num_output_tokens: int) -> None:
+        """A request of model ran to its end with num_output_tokens: the policy learns it, and admission's predictor
+        when it is another policy's own (it judged moves on the typical answer it had never learned, helper-205)."""
+        self.policy.observe_finished(model, num_output_tokens)
+        if self._predictor is not self.policy:
+            self._predictor.observe_finished(model, num_output_tokens)
+
     def start(self, ask: PlaceAsk, now: float, changing: Changing = _none_changing,
               refused_by_limits: RefusedByLimits | None = None) -> Plan:
         """Charge the retry budget (or count the request), find the models some node has and their

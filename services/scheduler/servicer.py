@@ -721,7 +721,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if request.ttft_ms and ctx.ttft_budget_ms:
             self._ttft_ratio.record(request.ttft_ms / ctx.ttft_budget_ms)
         if request.outcome in (_SUCCEEDED, _LATE) and request.model:  # ran to its end: a length to learn
-            self._policy.observe_finished(request.model, request.num_output_tokens)
+            self._placer.observe_finished(request.model, request.num_output_tokens)
         if request.outcome:
             # At the price this leader saw the node registered with, else at the router's (a node that left before
             # this leader began), else at nothing.

@@ -77,8 +77,6 @@ def _check_ids(request: scheduler_pb2.PlaceRequest | scheduler_pb2.FinishedReque
             raise InvalidArgument(field, value, f"{len(value)} characters, longer than {limit}")
 
 
-
-
 def check_finished(request: scheduler_pb2.FinishedRequest, max_context_tokens: int | None, max_id_len: int) -> None:
     """Refuse a Finished notice that would skew the ledger or the policy, naming the first such field and its value.
 

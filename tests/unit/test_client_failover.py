@@ -15,6 +15,7 @@ from baton.client import FAILOVER_CONNECT_S, PASS_OVER_S, BatonClient
 from baton.cluster import free_port
 from baton.protocol import ORIGIN_KEY, is_transport_failure
 from baton.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.common.errors import InvalidArgument, abort
 from services.common.reconnect import SERVER_KEEPALIVE_OPTIONS
 from services.common.tls import generate_throwaway_pki
 
@@ -515,6 +516,49 @@ async def test_a_router_that_died_under_many_streams_is_passed_over_once_not_onc
         for _ in range(2):
             await asyncio.wait_for(client.complete("m", prompt="hi", max_tokens=1), 30)
         assert back.calls == 1
+    finally:
+        await client.close()
+        await server.stop(None)
+        await other.stop(None)
+
+
+class _Refusing(_Router):
+    """Answers every call with a status of its own, as a router does to bad input."""
+
+    async def Generate(self, request, context):  # noqa: N802 - the generated servicer's name
+        await abort(context, InvalidArgument("max_tokens", request.max_tokens, "refused for the test"))
+        yield router_pb2.GenerateChunk()
+
+
+async def test_a_router_that_answers_with_a_status_of_its_own_is_up_and_a_later_death_is_passed_over_afresh() -> None:
+    """Answered with a status, not a chunk, a router kept its pass-over's length, and its next death was passed over
+    twice as long (helper-204)."""
+    port = free_port()
+    a = f"127.0.0.1:{port}"
+    other, b = await _serving(_Counted())
+    now = [0.0]
+    client = BatonClient([a, b], max_failovers=1, clock=lambda: now[0])
+    server = grpc.aio.server()
+    try:
+        await asyncio.wait_for(client.complete("m", prompt="hi", max_tokens=1), 30)  # a is down: passed over 5 s
+        router_pb2_grpc.add_RouterServicer_to_server(_Refusing(), server)
+        assert server.add_insecure_port(a) == port
+        await server.start()
+        await asyncio.wait_for(client._channels[a].channel_ready(), 30)
+        now[0] += PASS_OVER_S
+
+        async def call() -> None:
+            await asyncio.wait_for(client.complete("m", prompt="hi", max_tokens=1), 30)
+
+        await call()  # the second's turn
+        assert client.current_address == a
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call()
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        await server.stop(None)  # and dies
+        await call()  # the second's turn
+        await call()  # the first's: found down, it moves on to the second
+        assert client._passed_over[a] == (now[0] + PASS_OVER_S, PASS_OVER_S)  # 5 s afresh, not 10
     finally:
         await client.close()
         await server.stop(None)

@@ -246,17 +246,19 @@ def test_a_move_that_cannot_end_in_what_its_deadline_has_left_is_ended_not_place
     assert placer.decide(placer.options(in_time, lambda _: {}), 2.0).decision.node_id == "a"
 
 
-def test_a_move_is_judged_on_the_answer_its_model_typically_gives_not_on_all_of_max_tokens() -> None:
+@pytest.mark.parametrize("policy", ["baton", "dynamo"])
+def test_a_move_is_judged_on_the_answer_its_model_typically_gives_not_on_all_of_max_tokens(policy: str) -> None:
     """Ended, a moved stream loses what its client was streaming: judged on max_tokens, a move with 20 s left was
     ended on an idle H100 for 3,000 tokens it would likely never generate (helper-204). Where its model's answers
-    run that long, it is ended."""
+    run that long, it is ended, whichever policy places (another policy's predictor never learned them,
+    helper-205)."""
     model = "sim-llama-3.1-8b"
-    placer = _placer(_spec("a", warm=(model,)), policy="baton")
+    placer = _placer(_spec("a", warm=(model,)), policy=policy)
     move = _ask(model=model, retry_cause="stream_broken", max_tokens=3000, deadline_ms=20_000)
     plan = placer.start(move, 1.0)
     assert placer.ticket(plan, placer.options(plan, lambda _: {}), 1.0) is None  # placed
     for _ in range(50):
-        placer.policy.observe_finished(model, 3000)
+        placer.observe_finished(model, 3000)
     plan = placer.start(move, 2.0)
     with pytest.raises(LeftOutOfReach, match=r"the 3000 tokens it is expected to generate yet \(of max_tokens=3000\)"):
         placer.ticket(plan, placer.options(plan, lambda _: {}), 2.0)

@@ -49,9 +49,26 @@ def test_time_the_watcher_did_not_run_is_not_the_engines() -> None:
     read the outputs of that time, and exited (helper-203)."""
     watch = ProgressWatch(hung_after_s=60.0)
     watch.admitted(0.0, 0)
-    watch.not_watched(64.0)  # the watcher woke at 65 s, 64 s late
+    watch.not_watched(65.0, 64.0)  # the watcher woke at 65 s, 64 s late
     assert watch.hung_s(65.0, 1) is None
     assert watch.hung_s(125.5, 1) == pytest.approx(61.5)  # and no output since: hung
+    # An output read as the process woke restarted the clock: the pause is not added on top of it (helper-205).
+    woke = ProgressWatch(hung_after_s=3.0)
+    woke.admitted(0.0, 0)
+    woke.output(5.5)
+    woke.not_watched(5.6, 5.0)
+    assert woke.hung_s(8.7, 1) == pytest.approx(3.1)
+
+
+def test_what_requests_with_no_output_carried_lapses_once_the_engine_was_idle_for_the_limit() -> None:
+    """Carried for good, six long prefills an hour apart whose clients gave up after 10 s added up to a healthy
+    engine taken as hung 1 s into the next (helper-205)."""
+    watch = ProgressWatch(hung_after_s=60.0)
+    for hour in range(6):
+        watch.admitted(hour * 3600.0, 0)
+        watch.left(hour * 3600.0 + 10.0, 0)
+    watch.admitted(6 * 3600.0, 0)
+    assert watch.hung_s(6 * 3600.0 + 50.0, 1) is None
 
 
 def test_the_hung_limit_is_zero_or_more() -> None:

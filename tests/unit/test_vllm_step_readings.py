@@ -14,6 +14,7 @@ from services.common.recent_steps import RecentSteps
 from services.node_agent.engines.types import FinishReason
 from services.node_agent.engines.vllm.engine import VllmEngine, _Running
 from services.node_agent.engines.vllm.gpu_time import GpuTimeShare
+from services.node_agent.engines.vllm.progress import ProgressWatch
 from services.node_agent.engines.vllm.stop_sequences import StopMatcher
 
 # Long enough that the few microseconds a test takes do not show in the readings.
@@ -36,6 +37,7 @@ def engine() -> VllmEngine:
     vllm = VllmEngine.__new__(VllmEngine)
     vllm._requests, vllm._recent_steps = {}, RecentSteps()
     vllm._profiler, vllm._gpu_time, vllm.load_changed = _Profiler(), GpuTimeShare(), ChangeSignal()
+    vllm._progress = ProgressWatch(hung_after_s=0.0)
     return vllm
 
 

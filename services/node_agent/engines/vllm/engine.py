@@ -237,7 +237,7 @@ class VllmEngine:
             await asyncio.sleep(_WATCH_INTERVAL_S)  # AsyncLLM exposes death as a flag, not an awaitable
             if (late_s := loop.time() - looked_at - _WATCH_INTERVAL_S) > _WATCH_INTERVAL_S:
                 # This process did not run (paused): the engine's outputs of that time are not read yet.
-                self._progress.not_watched(late_s)
+                self._progress.not_watched(loop.time(), late_s)
             looked_at = loop.time()
             if (stuck_s := self._progress.hung_s(loop.time(), len(self._requests))) is not None:
                 # Raised as a death is: the node agent exits, its lease ends and its streams move on.

@@ -16,12 +16,17 @@ class ProgressWatch:
         self.hung_after_s = hung_after_s
         # When the present time in flight with no output began; None while nothing is in flight.
         self._since: float | None = None
-        # The time in flight with no output before it, since the last output.
+        # The time in flight with no output before it, since the last output, and when the engine last went idle.
         self._carried_s = 0.0
+        self._idle_since = 0.0
 
     def admitted(self, now: float, num_in_flight: int) -> None:
-        """A request was admitted with num_in_flight others running: with none, a time in flight begins now."""
+        """A request was admitted with num_in_flight others running: with none, a time in flight begins now, and
+        what was carried lapses if the engine was idle for hung_after_s (a long prefill now and then whose client gave
+        up must not add up, over hours, to a healthy engine taken as hung, helper-205)."""
         if num_in_flight == 0 or self._since is None:
+            if now - self._idle_since >= self.hung_after_s:
+                self._carried_s = 0.0
             self._since = now
 
     def output(self, now: float) -> None:
@@ -35,14 +40,15 @@ class ProgressWatch:
         and took every request placed there, helper-203.)"""
         if num_in_flight == 0 and self._since is not None:
             self._carried_s += max(0.0, now - self._since)
-            self._since = None
+            self._since, self._idle_since = None, now
 
-    def not_watched(self, seconds: float) -> None:
-        """The watcher could not look for seconds (its own process was paused): no output of that time has been
-        read yet, so it is nobody's. (A node agent paused 65 s took its healthy engine for hung as it woke, and
-        exited, helper-203.)"""
+    def not_watched(self, now: float, seconds: float) -> None:
+        """The watcher could not look for the seconds before now (its own process was paused): no output of that
+        time has been read yet, so it is nobody's. (A node agent paused 65 s took its healthy engine for hung as it
+        woke, and exited, helper-203.) Never past now: an output read as the process woke already restarted the
+        clock, and the pause added on top hid a hang for as long again (helper-205)."""
         if self._since is not None:
-            self._since += seconds
+            self._since = min(self._since + seconds, now)
 
     def hung_s(self, now: float, num_in_flight: int) -> float | None:
         """How long the engine has made no progress with requests in flight, once that is past hung_after_s."""
