@@ -153,14 +153,17 @@ async def test_a_place_whose_deadline_no_node_could_meet_is_invalid_unless_it_re
     service._cluster.report_load("n0", Load(kv_blocks_total=100_000), time.monotonic())
     hopeless = {**GOOD, "model": model, "max_tokens": 2000, "context": common_pb2.RequestContext(deadline_ms=5)}
     try:
-        for resumed, code in ((False, grpc.StatusCode.INVALID_ARGUMENT), (True, grpc.StatusCode.DEADLINE_EXCEEDED)):
+        for resumed, retry_cause, code in ((False, "", grpc.StatusCode.INVALID_ARGUMENT),
+                                           (True, "", grpc.StatusCode.DEADLINE_EXCEEDED),
+                                           (True, "stream_broken", grpc.StatusCode.DEADLINE_EXCEEDED)):
             with pytest.raises(Refused) as refused:
-                await service.Place(scheduler_pb2.PlaceRequest(**hopeless, resumed=resumed),
+                await service.Place(scheduler_pb2.PlaceRequest(**hopeless, resumed=resumed, retry_cause=retry_cause),
                                     FakeContext())  # type: ignore[arg-type]
             assert refused.value.code == code and "deadline_ms=5: cannot be met" in str(refused.value)
     finally:
         await service.close()
-    # Both counted as admission refusals, as the gate's own are (they bypassed the gate's count).
+    # The first two counted as admission refusals, as the gate's own are (they bypassed the gate's count); not the
+    # move, admitted once already (helper-205).
     metrics = reader.get_metrics_data()
     assert sorted((p.attributes["reason"], p.value) for rm in metrics.resource_metrics for sm in rm.scope_metrics
                   for m in sm.metrics if m.name == "baton.scheduler.admissions" for p in m.data.data_points) == [

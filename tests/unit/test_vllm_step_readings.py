@@ -125,3 +125,16 @@ async def test_a_stream_first_read_after_a_resume_of_its_id_hands_out_none_of_th
     new.queue.put_nowait(output([7], "length"))
     assert [item async for item in reader] == []
     assert vllm._requests.get("r") is new and new.queue.qsize() == 1  # still its own to read
+
+
+async def test_a_request_that_leaves_with_no_output_tells_the_hang_watch_so() -> None:
+    """The engine tells its watch of every request that leaves: one aborted with no output carries its time in flight
+    into the next one's, so a stopped core whose clients give up is still taken as hung (helper-203)."""
+    vllm = engine()
+    vllm._progress = ProgressWatch(hung_after_s=60.0)
+    now = asyncio.get_running_loop().time()
+    vllm._progress.admitted(now - 50.0, 0)  # in flight for 50 s, no output
+    decoding(vllm, "r")
+    vllm.abort("r")  # its client gave up
+    vllm._progress.admitted(now, 0)
+    assert vllm._progress.hung_s(now + 11.0, 1) == pytest.approx(61.0, abs=0.5)
