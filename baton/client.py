@@ -114,11 +114,12 @@ class BatonClient:
         """A call found the router down: it is passed over, twice as long as last time if it failed again after its
         last pass-over ended. (Every stream it cut doubled it: a router that died under 8 streams was passed over
         for 5 min, helper-204.)"""
+        now = self._clock()
         until, last_s = self._passed_over.get(address, (0.0, 0.0))
-        if until > self._clock():
+        if until > now:
             return  # passed over already: another call that found it down at the same time
         period_s = min(PASS_OVER_MAX_S, 2 * last_s) if last_s else PASS_OVER_S
-        self._passed_over[address] = (self._clock() + period_s, period_s)
+        self._passed_over[address] = (now + period_s, period_s)
 
     def _answered(self, address: str) -> None:
         self._passed_over.pop(address, None)

@@ -151,9 +151,10 @@ class KVIndexService(kvindex_pb2_grpc.KVIndexServicer):
             if batch.seq <= last:
                 continue  # the snapshot already holds it
             events = [event_from_proto(message) for message in batch.events]
-            if (unknown := next((i for i, event in enumerate(events) if event is None), None)) is not None:
+            if None in events:
                 # Refused whole, nothing of it applied: the node's next stream catches up from a snapshot.
-                await abort(context, InvalidArgument(f"events[{unknown}] (node {shown(node_id)}, seq {batch.seq})",
+                await abort(context, InvalidArgument(f"events[{events.index(None)}] (node {shown(node_id)}, "
+                                                     f"seq {batch.seq})",
                                                      "no event type", "not one this kvindex knows (stored, removed, "
                                                      "cleared); the batch is refused"))
             for event in events:

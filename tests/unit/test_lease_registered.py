@@ -29,6 +29,21 @@ class _Etcd:
         return types.SimpleNamespace(TTL=3)
 
 
+async def _keep_alive_waits(session: LeaseSession, monkeypatch: pytest.MonkeyPatch, rounds: int) -> list[float]:
+    """The waits of session's keep-alive over rounds rounds: it is stopped as the wait after the last begins."""
+    waits: list[float] = []
+
+    async def counted(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) > rounds:
+            raise asyncio.CancelledError
+
+    monkeypatch.setattr(etcd_session.asyncio, "sleep", counted)
+    with pytest.raises(asyncio.CancelledError):
+        await session.keep_alive()
+    return waits
+
+
 async def test_a_registration_whose_first_write_failed_after_its_grant_counts_once_keep_alive_writes_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """keep_alive wrote the key again and the node was in the fleet, but `registered` stayed unset, so its health (and
@@ -37,17 +52,7 @@ async def test_a_registration_whose_first_write_failed_after_its_grant_counts_on
     session = LeaseSession(etcd, ttl_s=3)  # type: ignore[arg-type]
     await session.put("/baton/nodes/n1", b"{}")
     assert etcd.puts == 1 and not session.registered.is_set()
-    rounds = 0
-
-    async def one_round(seconds: float) -> None:
-        nonlocal rounds
-        rounds += 1
-        if rounds > 1:
-            raise asyncio.CancelledError
-
-    monkeypatch.setattr(etcd_session.asyncio, "sleep", one_round)
-    with pytest.raises(asyncio.CancelledError):
-        await session.keep_alive()
+    await _keep_alive_waits(session, monkeypatch, rounds=1)
     assert etcd.puts == 2 and session.registered.is_set()
 
 
@@ -68,16 +73,8 @@ async def test_keys_that_could_not_be_checked_while_the_lease_lives_are_not_a_ke
     (helper-198): it is said as what it is, and checked again at the next keep-alive, a third of the TTL on."""
     session = LeaseSession(_UnreadableEtcd(), ttl_s=3)  # type: ignore[arg-type]
     await session.put("/baton/nodes/n1", b"{}")
-    waits: list[float] = []
-
-    async def counted(seconds: float) -> None:
-        waits.append(seconds)
-        if len(waits) > 3:
-            raise asyncio.CancelledError
-
-    monkeypatch.setattr(etcd_session.asyncio, "sleep", counted)
-    with caplog.at_level("WARNING"), pytest.raises(asyncio.CancelledError):
-        await session.keep_alive()
+    with caplog.at_level("WARNING"):
+        waits = await _keep_alive_waits(session, monkeypatch, rounds=3)
     assert waits == [1.0, 1.0, 1.0, 1.0]
     said = [r.getMessage() for r in caplog.records]
     assert any("kept alive, but its keys could not be checked" in m for m in said)
@@ -110,14 +107,5 @@ async def test_a_key_whose_put_back_fails_is_put_back_again_soon(monkeypatch: py
     etcd = _DeletedEtcd()
     session = LeaseSession(etcd, ttl_s=9)  # type: ignore[arg-type]
     await session.put("/baton/nodes/n1", b"{}")
-    waits: list[float] = []
-
-    async def counted(seconds: float) -> None:
-        waits.append(seconds)
-        if len(waits) > 2:
-            raise asyncio.CancelledError
-
-    monkeypatch.setattr(etcd_session.asyncio, "sleep", counted)
-    with pytest.raises(asyncio.CancelledError):
-        await session.keep_alive()
+    waits = await _keep_alive_waits(session, monkeypatch, rounds=2)
     assert waits == [3.0, etcd_session.QUICK_RETRY_S, 3.0] and etcd.put_backs == 2
