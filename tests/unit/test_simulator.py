@@ -17,8 +17,8 @@ from services.scheduler.policies import make_policy
 from services.scheduler.retry_budget import RetryBudget
 from simulator.metrics import Slo, summarize, task_stats
 from simulator.model_study import shifted
-from simulator.simulation import RunResult, Simulation, fleet
 from simulator.report import TRACES
+from simulator.simulation import RunResult, Simulation, fleet
 from simulator.workload import (
     SimRequest,
     TokenBook,
@@ -324,6 +324,20 @@ def test_a_deadline_no_node_could_meet_is_refused_in_the_simulator_and_the_other
     first = dataclasses.replace(_request((3,), 64, "first"), task_id="w", step=1, total_steps=2)
     flow = Simulation(fleet("1xh100"), make_policy("baton"), admission="baton").run(Workload("flow", [first, step]))
     assert (task_stats(flow, Slo()).succeeded, task_stats(flow, Slo()).failed) == (0, 1)
+
+
+def test_a_move_that_cannot_end_in_what_its_deadline_has_left_is_ended_not_counted_as_refused() -> None:
+    """As the live leader ends it (DEADLINE_EXCEEDED, not an admission refusal): a stream admitted once, moved off its
+    dead node with 1.1 s of its deadline left, ends there with the tokens it had, a failed task; the admission
+    study's count of refusals leaves it out (it counted it as refused before)."""
+    request = dataclasses.replace(_request((1, 2), 1024, "long", output_len=2000), deadline_ms=15_100)
+    result = Simulation(fleet("2xh100"), make_policy("baton"), admission="baton",
+                        failures=((14.0, "h100-0"),)).run(Workload("move", [request]))
+    [record] = result.records
+    assert record.failed.startswith("its move ended: deadline_ms=1100: cannot be met in what the resumed stream has")
+    assert (record.num_migrations, record.finish_s) == (1, None) and 1800 < record.num_generated < 2000
+    assert (task_stats(result, Slo()).succeeded, task_stats(result, Slo()).failed) == (0, 1)
+    assert not record.failed.startswith(("refused", "shed"))  # what simulator/admission_study.py counts as refused
 
 
 # -- model placement --------------------------------------------------------------------------------

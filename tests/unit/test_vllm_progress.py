@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from services.node_agent.config import NodeAgentConfig
+from services.node_agent.engines.vllm import engine as engine_module
+from services.node_agent.engines.vllm.engine import VllmEngine
 from services.node_agent.engines.vllm.progress import ProgressWatch
 
 
@@ -69,6 +73,39 @@ def test_what_requests_with_no_output_carried_lapses_once_the_engine_was_idle_fo
         watch.left(hour * 3600.0 + 10.0, 0)
     watch.admitted(6 * 3600.0, 0)
     assert watch.hung_s(6 * 3600.0 + 50.0, 1) is None
+
+
+def _watched(monkeypatch: pytest.MonkeyPatch, sleeps: list[float]) -> str:
+    """What the engine's watch loop raised, one request in flight from 0 s with no output and a limit of 60 s, each of
+    its waits taking the next of sleeps (a clock it is given, not the event loop's); its engine core dies after
+    them."""
+    clock = [0.0]
+    vllm = VllmEngine.__new__(VllmEngine)
+    vllm.model, vllm._requests = "m", {"r": object()}
+    vllm._llm = SimpleNamespace(errored=False, dead_error="gone")
+    vllm._progress = ProgressWatch(hung_after_s=60.0)
+    vllm._progress.admitted(0.0, 0)
+    waits = iter(sleeps)
+
+    async def sleep(_: float) -> None:
+        clock[0] += next(waits, 0.0)
+        vllm._llm.errored = clock[0] >= sum(sleeps)
+
+    monkeypatch.setattr(engine_module, "asyncio", SimpleNamespace(
+        sleep=sleep, get_running_loop=lambda: SimpleNamespace(time=lambda: clock[0])))
+    watching = vllm._watch_engine_core()
+    with pytest.raises(RuntimeError) as raised:
+        watching.send(None)  # its waits never suspend it: it runs to its end in one go
+    return str(raised.value)
+
+
+def test_the_engines_watch_does_not_count_its_own_pause_as_the_engines_hang(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node agent's process paused 65 s (SIGSTOP) with a stream in flight: as it woke, its watch took its healthy
+    engine for hung and the agent exited (helper-203). Now the pause is nobody's, and a hang after it is still found."""
+    paused = [1.0, 1.0, 65.0] + [1.0] * 5
+    assert _watched(monkeypatch, paused) == "vLLM engine core of m died: gone"
+    assert "gave no output for 61 s" in _watched(monkeypatch, paused + [1.0] * 60)
+    assert "gave no output for 61 s" in _watched(monkeypatch, [1.0] * 70)  # unpaused: hung at 61 s
 
 
 def test_the_hung_limit_is_zero_or_more() -> None:
