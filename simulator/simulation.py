@@ -453,7 +453,7 @@ class Simulation:
             tenant=request.tenant, priority=request.priority, workflow_id=request.task_id, step=request.step,
             total_steps=request.total_steps),
             exclude=frozenset(generation.excluded_nodes()) | frozenset(self._suspects),
-            retry_cause=retry_cause.value if retry_cause else "")
+            retry_cause=retry_cause.value if retry_cause else "", num_generated_tokens=len(generation.generated))
         # The scheduler sees each node's load as of now (the live one, as of its last report).
         self._refresh_loads()
         # A move the retry budget held back gives up MOVE_WAIT_S after its first ask (kept only while it waits).

@@ -200,7 +200,7 @@ class CandidateTerms(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., gpu: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., predicted_ttft_ms: _Optional[float] = ..., predicted_tpot_ms: _Optional[float] = ..., cost: _Optional[float] = ..., success: _Optional[float] = ..., workflow_spent: _Optional[float] = ..., has_kv_room: _Optional[bool] = ..., score: _Optional[float] = ..., warm: _Optional[bool] = ..., load_ms: _Optional[float] = ..., kv_free_blocks: _Optional[int] = ..., at_risk: _Optional[float] = ..., model: _Optional[str] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("request_id", "model", "num_prompt_tokens", "block_hashes", "max_tokens", "context", "exclude_node_ids", "retry_cause", "alternative_models", "resumed", "router_id", "prompt_digest", "router_incarnation")
+    __slots__ = ("request_id", "model", "num_prompt_tokens", "block_hashes", "max_tokens", "context", "exclude_node_ids", "retry_cause", "alternative_models", "resumed", "router_id", "prompt_digest", "router_incarnation", "num_generated_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,7 @@ class PlaceRequest(_message.Message):
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     ROUTER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     num_prompt_tokens: int
@@ -227,7 +228,8 @@ class PlaceRequest(_message.Message):
     router_id: str
     prompt_digest: int
     router_incarnation: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., context: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., exclude_node_ids: _Optional[_Iterable[str]] = ..., retry_cause: _Optional[str] = ..., alternative_models: _Optional[_Iterable[str]] = ..., resumed: _Optional[bool] = ..., router_id: _Optional[str] = ..., prompt_digest: _Optional[int] = ..., router_incarnation: _Optional[int] = ...) -> None: ...
+    num_generated_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., context: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., exclude_node_ids: _Optional[_Iterable[str]] = ..., retry_cause: _Optional[str] = ..., alternative_models: _Optional[_Iterable[str]] = ..., resumed: _Optional[bool] = ..., router_id: _Optional[str] = ..., prompt_digest: _Optional[int] = ..., router_incarnation: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("node_id", "address", "matched_blocks", "cost", "model")

@@ -361,6 +361,7 @@ class Relay:
             retry_cause=retry_cause.value if retry_cause else "",
             alternative_models=generation.alternative_models,
             resumed=bool(generation.generated) or request.HasField("resume"),
+            num_generated_tokens=len(generation.generated),
             router_id=self._config.instance_id,
             router_incarnation=self.incarnation,
             prompt_digest=generation.prompt_digest,

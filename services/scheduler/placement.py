@@ -66,6 +66,8 @@ class PlaceAsk:
     # Its context holds tokens its client already has: a stream resumed through another router (or moved). Its
     # budgets were met or missed by its first attempt: never refused as invalid, nor on its TTFT budget.
     resumed: bool = False
+    # Of the request's prompt, the tokens its stream generated already (a resumed or moved one's).
+    num_generated_tokens: int = 0
     # The router that asks ("": not said): a holder of the id's admission slot.
     router_id: str = ""
     # Its prompt's and cache salt's digest (0: not said): a resend of a running id must have the running one's.
@@ -242,14 +244,16 @@ class Placer:
         request = plan.ask.request
         if plan.is_retry:
             if request.deadline_ms:
-                self._check_deadline(request, options, now, resumed=True, judged=self._judged(options, now))
+                self._check_deadline(request, options, now, resumed=True, judged=self._judged(options, now),
+                                     generated=plan.ask.num_generated_tokens)
             return None
         if not any(s.profile(o.request.model) for o in options for s in o.candidates):
             plan.unpredicted = ("admission: no candidate registered an engine profile, so its time to first token"
                                 + (" and deadline were" if request.deadline_ms else " was")
                                 + " not predicted and nothing was refused on them")
         judged = self._judged(options, now)
-        self._check_deadline(request, options, now, resumed=plan.ask.resumed, models=plan.models, judged=judged)
+        self._check_deadline(request, options, now, resumed=plan.ask.resumed, models=plan.models, judged=judged,
+                             generated=plan.ask.num_generated_tokens)
         ticket = ticket_of(plan.ask, now, attempt)
         best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now) for o in judged)
         return ticket, best_ttft_s
@@ -311,7 +315,7 @@ class Placer:
 
     def _check_deadline(self, request: PlacementRequest, options: list[Option], now: float,
                         waited_s: float = 0.0, resumed: bool = False, models: list[str] | None = None,
-                        judged: list[Option] | None = None) -> None:
+                        judged: list[Option] | None = None, generated: int = 0) -> None:
         """Refuse a request that could not end by its deadline on any candidate: the time it has waited
         plus TTFT plus max_tokens decode steps, predicted from the candidates' registered profiles on
         the fleet as it is (candidates without a profile: not predicted; none has one: no refusal, see
@@ -322,7 +326,7 @@ class Placer:
         the floor and that prediction got 429, and the openai client sent it three times). After the queue it was
         admitted as meetable: what changed is the fleet, and a retry may help. judged: the options its end is
         predicted on (_choosable's, when it is placed now), options by default. A resumed (or moved) stream is judged
-        on the tokens it is expected to generate (the model's typical answer, at most its max_tokens), not on all of
+        on the tokens it is expected to generate yet, given the generated tokens it has (_expected), not on all of
         max_tokens: ended, it loses what its client was streaming, so it is ended only when even those cannot end in
         time (judged on max_tokens, a move with 20 s left was ended on an idle H100 for 3,000 tokens it would likely
         never generate, helper-204)."""
@@ -330,9 +334,8 @@ class Placer:
             return
         judged = options if judged is None else judged
         if resumed:
-            judged = [dataclasses.replace(o, request=dataclasses.replace(o.request,
-                                                                         max_tokens=self._expected(o.request)))
-                      for o in judged]
+            judged = [dataclasses.replace(o, request=dataclasses.replace(
+                o.request, max_tokens=self._expected(o.request, generated))) for o in judged]
         ends = [end for o in judged
                 if (end := self._predictor.best_finish_s(o.request, o.candidates, o.matched_blocks, now)) is not None]
         if not ends or (waited_s + min(ends)) * 1000 <= request.deadline_ms:
@@ -364,9 +367,12 @@ class Placer:
             retry_after_ms=min(int(SLOT_HINT_MAX_S * 1000),
                                max(1000, int(best_ms - request.deadline_ms), math.ceil(forgets_s * 1000))))
 
-    def _expected(self, request: PlacementRequest) -> int:
-        """The tokens request is expected to generate: its model's typical answer, at most its max_tokens."""
-        return max(1, min(request.max_tokens, math.ceil(self._predictor.expected_output_tokens(request))))
+    def _expected(self, request: PlacementRequest, generated: int) -> int:
+        """The tokens request is expected to generate yet, having generated that many: the mean of what its model's
+        answers longer than that had left, at most its max_tokens (the typical answer where none seen was longer).
+        (Judged on the typical answer whatever it had, a stream 1,500 tokens into an answer of 2,000 moved as if 256
+        were left, and a survivor prefilled it again to end it at its deadline.)"""
+        return max(1, min(request.max_tokens, math.ceil(self._predictor.expected_remaining_tokens(request, generated))))
 
     def _idle_end_s(self, options: list[Option], models: list[str], now: float) -> float | None:
         """The soonest predicted end on the options' candidates as if nothing else ran there (their load, the
@@ -392,7 +398,8 @@ class Placer:
             raise Unavailable(f"model={shown(plan.ask.request.model)}: no live node left for it after queueing")
         with self._predictor.remembering():
             self._check_deadline(plan.ask.request, fresh, now, waited_s=now - plan.started_at,
-                                 resumed=plan.ask.resumed, judged=self._choosable(fresh, now))
+                                 resumed=plan.ask.resumed, judged=self._choosable(fresh, now),
+                                 generated=plan.ask.num_generated_tokens)
         return fresh
 
     def decide(self, options: list[Option], now: float) -> Placed:

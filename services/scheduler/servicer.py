@@ -132,6 +132,7 @@ def place_ask(request: scheduler_pb2.PlaceRequest) -> PlaceAsk:
         exclude=frozenset(request.exclude_node_ids),
         retry_cause=request.retry_cause,
         resumed=request.resumed,
+        num_generated_tokens=request.num_generated_tokens,
         router_id=request.router_id,
         prompt_digest=request.prompt_digest,
     )

@@ -52,6 +52,10 @@ def check_place(request: scheduler_pb2.PlaceRequest, max_context_tokens: int | N
         raise InvalidArgument("max_tokens", request.max_tokens,
                               f"num_prompt_tokens ({request.num_prompt_tokens}) + max_tokens exceeds {whose} "
                               f"({context})")
+    if not 0 <= request.num_generated_tokens < request.num_prompt_tokens:
+        raise InvalidArgument("num_generated_tokens", request.num_generated_tokens,
+                              f"must be 0 or more and less than num_prompt_tokens ({request.num_prompt_tokens}), "
+                              "of which they are a part")
     # One key per full block of the prompt, as the router computes them (services/common/block_hash.py).
     num_blocks = request.num_prompt_tokens // DEFAULT_BLOCK_SIZE
     if len(request.block_hashes) > num_blocks:

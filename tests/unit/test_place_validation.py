@@ -50,6 +50,8 @@ GOOD = {"request_id": "r", "model": MODEL, "num_prompt_tokens": 16, "max_tokens"
     ({"retry_cause": "c" * 129}, "retry_cause='cccc"),
     ({"retry_cause": "node b failed"}, "retry_cause='node b failed': not a cause of a move"),
     ({"alternative_models": [MODEL] * 17}, "alternative_models='17 models': at most 16"),
+    ({"num_generated_tokens": 16}, "num_generated_tokens=16: must be 0 or more and less than num_prompt_tokens (16)"),
+    ({"num_generated_tokens": -1}, "num_generated_tokens=-1: must be 0 or more"),
 ])
 @pytest.mark.timeout(10)
 async def test_a_place_with_a_senseless_field_is_refused_by_name_and_the_next_is_placed(

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from baton.v1 import scheduler_pb2
 from services.common.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from services.common.gone_from_listing import GONE_MODEL_MEMORY_S
 from services.common.load import Load
@@ -16,6 +17,7 @@ from services.scheduler.placement import FLOOR_MARGIN, LeftOutOfReach, PlaceAsk,
 from services.scheduler.policies import PlacementRequest, make_policy
 from services.scheduler.policies.baton import BatonPolicy
 from services.scheduler.retry_budget import RetryBudget
+from services.scheduler.servicer import place_ask
 from tests.unit.sim_profiles import sim_profiles
 
 pytestmark = pytest.mark.timeout(10)
@@ -262,6 +264,30 @@ def test_a_move_is_judged_on_the_answer_its_model_typically_gives_not_on_all_of_
     plan = placer.start(move, 2.0)
     with pytest.raises(LeftOutOfReach, match=r"the 3000 tokens it is expected to generate yet \(of max_tokens=3000\)"):
         placer.ticket(plan, placer.options(plan, lambda _: {}), 2.0)
+
+
+def test_a_move_that_has_outlived_most_answers_is_judged_on_what_the_longer_ones_had_left() -> None:
+    """A stream 2,100 tokens into its answer, where 1 answer in 21 of its model runs about 4,000 tokens and the rest
+    100: judged on the typical answer it had under 200 tokens left, and a survivor prefilled it again to end it at its
+    deadline. Now it is judged on what the longer answers had left (about 1,000 tokens, 7 s on an H100), and ended
+    with 4 s left; the same move with no tokens yet is placed."""
+    model = "sim-llama-3.1-8b"
+    placer = _placer(_spec("a", warm=(model,)), policy="baton")
+    for length in [4000] * 10 + [100] * 200:
+        placer.observe_finished(model, length)
+    move = _ask(model=model, retry_cause="stream_broken", prompt_blocks=162, max_tokens=1900, deadline_ms=4000)
+    fresh = placer.start(move, 1.0)
+    assert placer.ticket(fresh, placer.options(fresh, lambda _: {}), 1.0) is None  # placed
+    placer.abandon(fresh)
+    long = placer.start(dataclasses.replace(move, num_generated_tokens=2100), 2.0)
+    with pytest.raises(LeftOutOfReach, match=r"the 998 tokens it is expected to generate yet \(of max_tokens=1900\)"):
+        placer.ticket(long, placer.options(long, lambda _: {}), 2.0)
+
+
+def test_a_place_call_gives_the_core_what_its_stream_generated() -> None:
+    ask = place_ask(scheduler_pb2.PlaceRequest(request_id="r", model=M, num_prompt_tokens=40, max_tokens=8,
+                                               retry_cause="stalled", resumed=True, num_generated_tokens=7))
+    assert (ask.num_generated_tokens, ask.resumed, ask.retry_cause) == (7, True, "stalled")
 
 
 def test_what_no_node_could_meet_counts_every_node_listing_the_model_not_only_todays_candidates() -> None:

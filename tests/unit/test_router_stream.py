@@ -236,6 +236,11 @@ async def test_a_move_with_nowhere_to_go_asks_once_for_each_set_of_nodes_and_say
                 pass
     assert [(p.retry_cause, list(p.exclude_node_ids)) for p in scheduler.places] == [
         ("", []), ("stalled", [NODE]), ("stalled", [])]
+    # Each move says which of its context's tokens it generated already: the leader judges what it has yet to generate
+    # from them.
+    first, *moves = scheduler.places
+    assert first.num_generated_tokens == 0
+    assert [(m.num_generated_tokens, m.num_prompt_tokens) for m in moves] == [(1, first.num_prompt_tokens + 1)] * 2
     assert _counted(reader, "baton.router.migrations") == []  # it moved nowhere (counted one: helper-116)
     assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
     details = raised.value.details() or ""

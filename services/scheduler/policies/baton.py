@@ -443,6 +443,26 @@ class BatonPolicy(Policy):
         typical = self._output_tokens.get(request.model, self._default_output_tokens)
         return min(float(request.max_tokens), typical) if request.max_tokens else typical
 
+    def expected_remaining_tokens(self, request: PlacementRequest, generated: int) -> float:
+        """Tokens a stream of request that has generated that many is expected to generate yet: over the output
+        lengths seen end (OUTPUT_BINS), the mean of those longer than that, less what it has, each bin's lengths taken
+        as spread evenly over it; expected_output_tokens where none is longer (or none has ended, or it has none)."""
+        bins = self._output_bins.get(request.model)
+        if generated <= 0 or not bins:
+            return self.expected_output_tokens(request)
+        weight = total = 0.0
+        for i, count in enumerate(bins):
+            low, high = 1 << i, (1 << (i + 1)) - 1 if i < OUTPUT_BINS - 1 else max(1 << (i + 1), generated + 1)
+            if count and high > generated:
+                first = max(low, generated + 1)
+                share = count * (high - first + 1) / (high - low + 1)
+                weight += share
+                total += share * ((first + high) / 2 - generated)
+        if not weight:
+            return self.expected_output_tokens(request)
+        left = total / weight
+        return min(float(request.max_tokens), left) if request.max_tokens else left
+
     def observe_finished(self, model: str, num_output_tokens: int) -> None:
         bins = self._output_bins.setdefault(model, [0] * OUTPUT_BINS)
         bins[min(max(num_output_tokens, 1).bit_length() - 1, OUTPUT_BINS - 1)] += 1
