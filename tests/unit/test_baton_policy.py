@@ -14,7 +14,7 @@ from services.node_agent.engines.sim.models import SIM_MODELS
 from services.node_agent.engines.types import EngineRequest, SamplingParams
 from services.scheduler.fleet import NodeSpec, NodeStatus
 from services.scheduler.policies import Option, PlacementRequest, make_policy
-from services.scheduler.policies.baton import TRIAL_EVERY_S, BatonPolicy
+from services.scheduler.policies.baton import RECENT_OUTPUTS, TRIAL_EVERY_S, BatonPolicy
 from tests.unit.sim_profiles import sim_profiles
 
 MODEL = "sim-llama-3.1-8b"
@@ -450,3 +450,24 @@ def test_a_trial_keeps_the_model_and_its_note_beside_an_unprofiled_candidate() -
     placed = BatonPolicy().choose(request(200), [fast, calibrated("slow", "h100", 3.0), bare], {}, 0.0)
     assert placed.node_id == "slow"
     assert placed.fallback.startswith("a trial of slow") and "no engine profile registered by bare" in placed.fallback
+
+
+def test_what_a_stream_is_expected_to_generate_yet_is_what_the_answers_longer_than_it_had_left_each_capped() -> None:
+    """Judged on the typical whole answer, a stream that had outlived most answers was moved as if it had a short one
+    left; averaged over the answers longer than it with no cap, one 20,000-token answer in 20 made every stream look
+    1,000 tokens from its end whatever its max_tokens (helper-208)."""
+    policy = BatonPolicy()
+    assert policy.expected_remaining_tokens(request(64, max_tokens=2000), 500) == 256  # nothing ended: the default
+    for length in (100, 100, 100, 1000, 3000):
+        policy.observe_finished(MODEL, length)
+    assert policy.expected_remaining_tokens(request(64, max_tokens=2000), 0) == (3 * 100 + 1000 + 2000) / 5
+    assert policy.expected_remaining_tokens(request(64, max_tokens=2000), 500) == (500 + 2000) / 2
+    assert policy.expected_remaining_tokens(request(64, max_tokens=2000), 2999) == 1
+    typical = policy.expected_output_tokens(request(64, max_tokens=2000))
+    assert policy.expected_remaining_tokens(request(64, max_tokens=2000), 3000) == typical  # past every answer seen
+    for _ in range(RECENT_OUTPUTS - 1):  # the 3,000-token answer is the oldest of the last RECENT_OUTPUTS + 1
+        policy.observe_finished(MODEL, 100)
+    assert policy.expected_remaining_tokens(request(64, max_tokens=2000), 1000) == 2000
+    policy.observe_finished(MODEL, 100)  # and now forgotten
+    assert policy.expected_remaining_tokens(request(64, max_tokens=2000), 1000) == policy.expected_output_tokens(
+        request(64, max_tokens=2000))

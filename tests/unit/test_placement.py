@@ -267,20 +267,20 @@ def test_a_move_is_judged_on_the_answer_its_model_typically_gives_not_on_all_of_
 
 
 def test_a_move_that_has_outlived_most_answers_is_judged_on_what_the_longer_ones_had_left() -> None:
-    """A stream 2,100 tokens into its answer, where 1 answer in 21 of its model runs about 4,000 tokens and the rest
-    100: judged on the typical answer it had under 200 tokens left, and a survivor prefilled it again to end it at its
-    deadline. Now it is judged on what the longer answers had left (about 1,000 tokens, 7 s on an H100), and ended
-    with 4 s left; the same move with no tokens yet is placed."""
+    """A stream 2,100 tokens into its answer, where 1 answer in 21 of its model runs 3,000 or 6,000 tokens and the
+    rest 100: judged on the typical answer it had under 200 tokens left, and a survivor prefilled it again to end it
+    at its deadline. Now it is judged on what the longer answers had left, each at most its max_tokens (900 and
+    1,900: 1,400 tokens, 10 s on an H100), and ended with 4 s left; the same move with no tokens yet is placed."""
     model = "sim-llama-3.1-8b"
     placer = _placer(_spec("a", warm=(model,)), policy="baton")
-    for length in [4000] * 10 + [100] * 200:
+    for length in [3000, 6000] * 5 + [100] * 200:
         placer.observe_finished(model, length)
     move = _ask(model=model, retry_cause="stream_broken", prompt_blocks=162, max_tokens=1900, deadline_ms=4000)
     fresh = placer.start(move, 1.0)
     assert placer.ticket(fresh, placer.options(fresh, lambda _: {}), 1.0) is None  # placed
     placer.abandon(fresh)
     long = placer.start(dataclasses.replace(move, num_generated_tokens=2100), 2.0)
-    with pytest.raises(LeftOutOfReach, match=r"the 998 tokens it is expected to generate yet \(of max_tokens=1900\)"):
+    with pytest.raises(LeftOutOfReach, match=r"the 1400 tokens it is expected to generate yet \(of max_tokens=1900\)"):
         placer.ticket(long, placer.options(long, lambda _: {}), 2.0)
 
 

@@ -327,17 +327,33 @@ def test_a_deadline_no_node_could_meet_is_refused_in_the_simulator_and_the_other
 
 
 def test_a_move_that_cannot_end_in_what_its_deadline_has_left_is_ended_not_counted_as_refused() -> None:
-    """As the live leader ends it (DEADLINE_EXCEEDED, not an admission refusal): a stream admitted once, moved off its
-    dead node with 1.1 s of its deadline left, ends there with the tokens it had, a failed task; the admission
-    study's count of refusals leaves it out (it counted it as refused before)."""
-    request = dataclasses.replace(_request((1, 2), 1024, "long", output_len=2000), deadline_ms=15_100)
-    result = Simulation(fleet("2xh100"), make_policy("baton"), admission="baton",
+    """As the live leader ends it (DEADLINE_EXCEEDED, not an admission refusal): a stream admitted once on the H100,
+    moved off it with 2.5 s of its deadline left to an L4 predicted to need about 10 s, ends there with the tokens it
+    had, a failed task; the admission study's count of refusals leaves it out (it counted it as refused before)."""
+    request = dataclasses.replace(_request((1, 2), 1024, "long", output_len=2000), deadline_ms=16_500)
+    result = Simulation(fleet("1xh100,1xl4"), make_policy("baton"), admission="baton",
                         failures=((14.0, "h100-0"),)).run(Workload("move", [request]))
     [record] = result.records
-    assert record.failed.startswith("its move ended: deadline_ms=1100: cannot be met in what the resumed stream has")
+    assert record.failed.startswith("its move ended: deadline_ms=2500: cannot be met in what the resumed stream has")
     assert (record.num_migrations, record.finish_s) == (1, None) and 1800 < record.num_generated < 2000
     assert (task_stats(result, Slo()).succeeded, task_stats(result, Slo()).failed) == (0, 1)
     assert not record.failed.startswith(("refused", "shed"))  # what simulator/admission_study.py counts as refused
+
+
+def test_a_move_is_judged_on_what_the_answers_longer_than_its_stream_had_left() -> None:
+    """The simulator tells the leader how many tokens a moved stream generated, as the router does: 1,086 into its
+    answer, where 3 of 23 answers seen ran 2,000 tokens, it is judged on the 914 they had left (predicted 10 s on the
+    A100 left, with 8.5 s of its deadline) and ended at once. Judged on the typical answer (213 tokens) it was placed,
+    and the A100 ran it for 10 s to end it after its deadline."""
+    history = [dataclasses.replace(_request((100 + i,), 64, f"h{i}", arrival_s=0.05 * i), output_len=2000 if i < 3
+                                   else 100) for i in range(23)]
+    long = dataclasses.replace(_request((1, 2), 1024, "long", arrival_s=20.0, output_len=2000), deadline_ms=16_500)
+    result = Simulation(fleet("1xh100,1xa100"), make_policy("baton"), admission="baton",
+                        failures=((28.0, "h100-0"),)).run(Workload("move", [*history, long]))
+    record = {r.request.request_id: r for r in result.records}["long"]
+    assert record.failed.startswith("its move ended: deadline_ms=8500: cannot be met in what the resumed stream has "
+                                    "left; the 914 tokens it is expected to generate yet")
+    assert (record.num_migrations, record.num_generated) == (1, 1086)
 
 
 # -- model placement --------------------------------------------------------------------------------

@@ -127,6 +127,8 @@ OUTPUT_SMOOTHING = 0.02
 RATE_WINDOW_S = 10.0
 # Output lengths of ended requests are kept per model in power-of-two bins (1, 2–3, 4–7, … tokens).
 OUTPUT_BINS = 16
+# And the last this many of them as they were, for what a stream that has generated some is expected to generate yet.
+RECENT_OUTPUTS = 1024
 # What places a request when no candidate registered an engine profile, and what becomes of the
 # candidates without one when others have one (docs/placement.md, "Engine profiles").
 NO_PROFILE_FALLBACK = "dynamo's KV-load cost (uncached prompt blocks plus load)"
@@ -186,6 +188,7 @@ class BatonPolicy(Policy):
         # Per model: how many ended requests made 2^i … 2^(i+1) − 1 tokens, for the harm a prefill does
         # to the short ones decoding beside it.
         self._output_bins: dict[str, list[int]] = {}
+        self._recent_outputs: dict[str, deque[int]] = {}
         self._fallback = KvLoadPolicy()
         # Per node: (when, uncached prompt tokens) of the placements of the last RATE_WINDOW_S, and their sum.
         self._sent: dict[str, deque[tuple[float, int]]] = {}
@@ -444,28 +447,19 @@ class BatonPolicy(Policy):
         return min(float(request.max_tokens), typical) if request.max_tokens else typical
 
     def expected_remaining_tokens(self, request: PlacementRequest, generated: int) -> float:
-        """Tokens a stream of request that has generated that many is expected to generate yet: over the output
-        lengths seen end (OUTPUT_BINS), the mean of those longer than that, less what it has, each bin's lengths taken
-        as spread evenly over it; expected_output_tokens where none is longer (or none has ended, or it has none)."""
-        bins = self._output_bins.get(request.model)
-        if generated <= 0 or not bins:
-            return self.expected_output_tokens(request)
-        weight = total = 0.0
-        for i, count in enumerate(bins):
-            low, high = 1 << i, (1 << (i + 1)) - 1 if i < OUTPUT_BINS - 1 else max(1 << (i + 1), generated + 1)
-            if count and high > generated:
-                first = max(low, generated + 1)
-                share = count * (high - first + 1) / (high - low + 1)
-                weight += share
-                total += share * ((first + high) / 2 - generated)
-        if not weight:
-            return self.expected_output_tokens(request)
-        left = total / weight
-        return min(float(request.max_tokens), left) if request.max_tokens else left
+        """Tokens a stream of request that has generated that many is expected to generate yet, at most its max_tokens
+        more: over the model's last RECENT_OUTPUTS answers longer than that, the mean of what each had left, each
+        capped at max_tokens (a 20,000-token answer in 20 weighs as a max_tokens one, not as 20,000);
+        expected_output_tokens where none was longer (or none has ended)."""
+        cap = request.max_tokens or math.inf
+        left = [min(length - generated, cap) for length in self._recent_outputs.get(request.model, ())
+                if length > generated]
+        return sum(left) / len(left) if left else self.expected_output_tokens(request)
 
     def observe_finished(self, model: str, num_output_tokens: int) -> None:
         bins = self._output_bins.setdefault(model, [0] * OUTPUT_BINS)
         bins[min(max(num_output_tokens, 1).bit_length() - 1, OUTPUT_BINS - 1)] += 1
+        self._recent_outputs.setdefault(model, deque(maxlen=RECENT_OUTPUTS)).append(num_output_tokens)
         mean = self._output_tokens.get(model)
         self._output_tokens[model] = float(num_output_tokens) if mean is None else (
             mean + OUTPUT_SMOOTHING * (num_output_tokens - mean))
