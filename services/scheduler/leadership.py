@@ -19,6 +19,8 @@ from services.common.timeouts import within
 log = logging.getLogger(__name__)
 
 _RETRY_S = 0.5
+# How often a leader looks whether its lease is still confirmed, to say so (on_leading).
+_LEASE_LOOK_S = 0.25
 
 
 class LeaderRole:
@@ -40,7 +42,8 @@ class LeaderRole:
         on_leading: Callable[[bool], None] = lambda leading: None,
     ) -> None:
         """on_leading(True) once this replica leads (its predecessor's state restored), on_leading(False) when it no
-        longer does."""
+        longer does; and, while it leads, on_leading(False) when its lease goes unconfirmed (etcd unreachable past
+        the lease's margin: it places nothing then) and on_leading(True) once confirmed again."""
         self._client = client
         self._on_leading = on_leading
         self._instance_id = instance_id
@@ -62,7 +65,16 @@ class LeaderRole:
         self._writing = asyncio.Lock()
 
     def loops(self) -> list[Coroutine[Any, Any, None]]:
-        return [self._campaign_forever(), self._election.keep_alive(), self._view.run()]
+        return [self._campaign_forever(), self._election.keep_alive(), self._view.run(), self._tell_confirmed()]
+
+    async def _tell_confirmed(self) -> None:
+        """While elected, on_leading follows the lease: a leader that cannot confirm its lease holds every placement
+        until it can (docs/etcd.md), so it is not said to lead meanwhile (its gRPC health said SERVING through a 30 s
+        etcd freeze, while GetClusterState's leading_revision said 0 from 2 s in, helper-207)."""
+        while not self._resigned:
+            if self.elected.is_set():
+                self._on_leading(self.is_leader)
+            await asyncio.sleep(_LEASE_LOOK_S)
 
     @property
     def is_leader(self) -> bool:

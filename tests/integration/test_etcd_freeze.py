@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.client import BatonClient
 from baton.cluster import ClusterSpec, LocalCluster, ManagedProcess
@@ -22,6 +23,7 @@ from tests.integration.load import SteadyLoad
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
 TTL_S = 3
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 FREEZE_S = 3 * TTL_S
 NUM_TOKENS = 60
 
@@ -55,6 +57,13 @@ async def listed_nodes(address: str, stop: asyncio.Event) -> list[int]:
     return counts
 
 
+def leader_health(process: ManagedProcess) -> int:
+    """What the scheduler's gRPC health says of baton.v1.Scheduler."""
+    with grpc.insecure_channel(process.address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="baton.v1.Scheduler"),
+                                                         timeout=2).status
+
+
 async def test_an_etcd_freeze_longer_than_the_ttl_fails_no_request(cluster: LocalCluster) -> None:
     assert cluster.etcd is not None and cluster.router is not None and cluster.scheduler is not None
     leases_before = await node_leases(cluster.etcd.address)
@@ -64,13 +73,20 @@ async def test_an_etcd_freeze_longer_than_the_ttl_fails_no_request(cluster: Loca
     stop_asking = asyncio.Event()
     asking = asyncio.create_task(listed_nodes(cluster.scheduler.address, stop_asking))
 
+    loop = asyncio.get_running_loop()
+    frozen_at = loop.time()
     cluster.etcd.signal(signal.SIGSTOP)
     try:
         # Streams already placed go on; new placements wait, since no leader can confirm its lease
-        # (docs/etcd.md). The sleep is the fault's length, not synchronisation.
-        await asyncio.sleep(FREEZE_S)
+        # (docs/etcd.md), and the leader says so on gRPC health (it said SERVING throughout, helper-207).
+        await eventually(lambda: leader_health(cluster.scheduler) == NOT_SERVING, FREEZE_S,
+                         "the leader, its lease unconfirmed, to stop serving baton.v1.Scheduler")
+        # The rest of the fault's length, not synchronisation.
+        await asyncio.sleep(max(0.0, FREEZE_S - (loop.time() - frozen_at)))
     finally:
         cluster.etcd.signal(signal.SIGCONT)
+    await eventually(lambda: leader_health(cluster.scheduler) == SERVING, 10,
+                     "the leader to serve baton.v1.Scheduler again once etcd thawed")
 
     async def every_node_re_registered() -> bool:
         # Every lease expired while etcd was frozen: each node is back under a lease of its own.
