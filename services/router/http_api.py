@@ -65,8 +65,8 @@ RUNNER_OPTIONS: dict[str, Any] = {"auto_decompress": False}
 DEFAULT_READ_TIMEOUT_S = 30.0
 
 
-# A request's key for the status of the answer written when the router's stop cut its handler (which ends in a
-# cancellation, past the spans' and the metrics' usual accounting).
+# A request's key for the status of the answer written when its handler was cancelled (the router's stop cut it, or a
+# stream's client hung up after its headers), which ends past the spans' and the metrics' usual accounting.
 _CUT_STATUS = web.RequestKey("baton.cut_status", int)
 # The id the router made for a completion call, said in x-request-id by an answer that carries none of its own: a
 # refusal of the call itself (no valid key, a body that is no JSON, a field of the wrong type), as OpenAI's API says
@@ -207,7 +207,7 @@ def _counted(meter: Meter) -> Callable[..., Awaitable[web.StreamResponse]]:
         try:
             response = await handler(request)
         except asyncio.CancelledError:
-            if (status := request.get(_CUT_STATUS)) is not None:  # cut by the router's stop, its answer written
+            if (status := request.get(_CUT_STATUS)) is not None:  # its answer (or a stream's headers) written
                 responses.add(1, {"route": route, "status": str(status)})
             raise
         responses.add(1, {"route": route, "status": str(response.status)})
@@ -502,6 +502,8 @@ class HttpApi:
             except asyncio.CancelledError:
                 if self._cutting:  # (else its client hung up: there is no one to tell)
                     await _end_cut(request, response, parsed, builder)
+                else:  # its client hung up: its headers went out, and it is counted and traced with their status
+                    request[_CUT_STATUS] = response.status  # (it was neither, helper-206)
                 raise
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()

@@ -729,6 +729,48 @@ async def test_a_request_aiohttp_cannot_parse_is_a_400_and_one_debug_line_not_a_
     assert "400" in records[0].getMessage()
 
 
+async def test_a_stream_whose_client_hangs_up_is_counted_and_traced_with_the_status_its_headers_went_out_with(
+) -> None:
+    """A stream answered 200, then hung up on, was counted in neither baton.router.http_responses nor its span's
+    http.response.status_code (only a cut by the router's stop was, helper-206)."""
+    ended = asyncio.Event()
+
+    class _Endless(_FakeRouter):
+        async def generate(self, *args, **kwargs) -> AsyncIterator[router_pb2.GenerateChunk]:  # type: ignore[override]
+            yield router_pb2.GenerateChunk(request_id="r", text="a", index=0, node_id="n", model="m")
+            await asyncio.Event().wait()  # a generation its client will not wait for
+            yield router_pb2.GenerateChunk()  # (never reached)
+
+    class _Told(InMemorySpanExporter):
+        def export(self, spans):  # type: ignore[no-untyped-def]
+            result = super().export(spans)
+            ended.set()
+            return result
+
+    spans, reader = _Told(), InMemoryMetricReader()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    port = free_port()
+    api = HttpApi(_Endless([]), f"127.0.0.1:{port}", InputLimits(max_prompt_bytes=1024),
+                  tracer=provider.get_tracer("test"), meter=MeterProvider(metric_readers=[reader]).get_meter("test"))
+    assert await api.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"http://127.0.0.1:{port}/v1/completions",
+                                    json={"model": "m", "prompt": "x", "stream": True}) as response:
+                assert response.status == 200 and (await response.content.readline()).startswith(b"data: ")
+                response.close()  # the client hangs up mid-stream
+        await asyncio.wait_for(ended.wait(), 10)
+    finally:
+        await api.close()
+    [span] = spans.get_finished_spans()
+    assert span.attributes["http.response.status_code"] == 200 and span.status.status_code != trace.StatusCode.ERROR
+    counts = {p.attributes["status"]: p.value for rm in reader.get_metrics_data().resource_metrics
+              for sm in rm.scope_metrics for m in sm.metrics if m.name == "baton.router.http_responses"
+              for p in m.data.data_points}
+    assert counts == {"200": 1}
+
+
 async def test_a_whole_answer_whose_client_closes_once_it_has_it_is_still_answered_200() -> None:
     """The client read the body and closed the connection; aiohttp cancelled the handler while the router finished
     the stream, and the 200 went uncounted in baton.router.http_responses, its span without a status (helper-116)."""
