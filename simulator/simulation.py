@@ -238,7 +238,7 @@ class Simulation:
             check_deadlines=admission == "baton")
         # The leader's placement core, over this fleet view.
         self._placer = Placer(self._view, policy, RetryBudget(ratio=0.2, min_retries_per_s=5.0),
-                              planner or ModelPlanner())
+                              planner or ModelPlanner(), judges_ttft=admission == "baton")
         # Requests queued for admission, with the options they were offered.
         self._held: dict[str, tuple[_Pending, list[Option]]] = {}
         self._suspects: dict[str, float] = {}

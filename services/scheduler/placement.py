@@ -113,8 +113,11 @@ class Placer:
     """Each step of a placement, over the scheduler's fleet view, policy, retry budget and model planner."""
 
     def __init__(self, cluster: ClusterView, policy: Policy, retry_budget: RetryBudget, planner: ModelPlanner,
-                 predictor: BatonPolicy | None = None) -> None:
+                 predictor: BatonPolicy | None = None, judges_ttft: bool = True) -> None:
+        """judges_ttft: admission judges a fresh request's TTFT budget on its predicted first token (Baton's does, GIE's
+        flow control does not): then one its candidates could not meet idle is refused as bad input (ticket)."""
         self.cluster = cluster
+        self.judges_ttft = judges_ttft
         self.policy = policy
         self.retry_budget = retry_budget
         self.planner = planner
@@ -254,6 +257,8 @@ class Placer:
         judged = self._judged(options, now)
         self._check_deadline(request, options, now, resumed=plan.ask.resumed, models=plan.models, judged=judged,
                              generated=plan.ask.num_generated_tokens)
+        if self.judges_ttft and request.ttft_budget_ms and not plan.ask.resumed:
+            self._check_ttft_idle(request, options, plan.models, now)
         ticket = ticket_of(plan.ask, now, attempt)
         best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now) for o in judged)
         return ticket, best_ttft_s
@@ -379,14 +384,35 @@ class Placer:
         placements they have not reported and the prompts sent them lately taken away); None unless every node
         listing one of models is a candidate with it warm and a profile for it (one that is not may come back, end
         its load or calibrate, and do better) and some prediction is made."""
-        warm = {s.spec.node_id for o in options for s in o.candidates
-                if o.request.model in s.spec.warm_models and s.profile(o.request.model) is not None}
-        if not all(s.spec.node_id in warm for s in self.cluster.nodes() if any(s.spec.has(m) for m in models)):
+        if not self._all_warm(options, models):
             return None
         ends = [end for o in options
                 if (end := self._idle_predictor.best_finish_s(o.request, [_idle(s) for s in o.candidates],
                                                               o.matched_blocks, now)) is not None]
         return min(ends) if ends else None
+
+    def _all_warm(self, options: list[Option], models: list[str]) -> bool:
+        """Whether every node listing one of models is one of the options' candidates, with it warm and a profile."""
+        warm = {s.spec.node_id for o in options for s in o.candidates
+                if o.request.model in s.spec.warm_models and s.profile(o.request.model) is not None}
+        return all(s.spec.node_id in warm for s in self.cluster.nodes() if any(s.spec.has(m) for m in models))
+
+    def _check_ttft_idle(self, request: PlacementRequest, options: list[Option], models: list[str],
+                         now: float) -> None:
+        """Unmeetable when a fresh request's TTFT budget could not be met on any candidate even with its load gone, with
+        what each caches of the prompt now (the floor, _refuse_the_impossible, assumes it all cached): admission would
+        refuse it with a retry hint, and the openai client sent an 8,000-token prompt with a 100 ms budget three times
+        to an idle fleet in 2 s, each a 429 (helper-206). As for a deadline (_check_deadline), only where every node
+        listing the model is a warm candidate with a profile; a retry may still find more of the prompt cached, which
+        this does not wait for: the client can send its prefix first."""
+        if not self._all_warm(options, models):
+            return
+        firsts = [self._idle_predictor.best_ttft_s(o.request, [_idle(s) for s in o.candidates], o.matched_blocks, now)
+                  for o in options if o.candidates]
+        if firsts and (first_ms := min(firsts) * 1000) > request.ttft_budget_ms:
+            raise Unmeetable("ttft_budget_ms", request.ttft_budget_ms,
+                             f"cannot be met: its first token is predicted to take {first_ms:.0f} ms on an idle node, "
+                             "with nothing else running and what is cached of its prompt now (ask for a larger budget)")
 
     def after_queueing(self, plan: Plan, options: list[Option], now: float,
                        changing: Changing = _none_changing) -> list[Option]:

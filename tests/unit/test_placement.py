@@ -284,6 +284,28 @@ def test_a_move_that_has_outlived_most_answers_is_judged_on_what_the_longer_ones
         placer.ticket(long, placer.options(long, lambda _: {}), 2.0)
 
 
+def test_a_ttft_budget_no_idle_node_could_meet_with_what_it_caches_of_the_prompt_is_bad_input() -> None:
+    """An 8,000-token prompt with a 100 ms TTFT budget on an idle fleet got 429 with a retry hint, and the openai client
+    sent it three times in 2 s (helper-206): its floor assumed the whole prompt cached. Now it is refused as bad input,
+    naming the budget; with the prompt cached it is admitted; and where admission does not judge the TTFT budget (GIE's
+    flow control, in the simulator) nothing is refused on it."""
+    model = "sim-llama-3.1-8b"
+    placer = _placer(_spec("a", warm=(model,)), policy="baton")
+    hashes = tuple(range(1000, 1500))
+    request = PlacementRequest(request_id="r", model=model, num_prompt_tokens=8000, num_prompt_blocks=500,
+                               max_tokens=16, block_hashes=hashes, ttft_budget_ms=100)
+    plan = placer.start(PlaceAsk(request), 1.0)
+    with pytest.raises(InvalidArgument, match=r"ttft_budget_ms=100: cannot be met: its first token is predicted to "
+                                              r"take \d+ ms on an idle node"):
+        placer.ticket(plan, placer.options(plan, lambda _: {}), 1.0)
+    cached = placer.start(PlaceAsk(request), 2.0)
+    assert placer.ticket(cached, placer.options(cached, lambda _: {"a": 500}), 2.0) is not None
+    flow_control = _placer(_spec("a", warm=(model,)), policy="baton")
+    flow_control.judges_ttft = False
+    plan = flow_control.start(PlaceAsk(request), 1.0)
+    assert flow_control.ticket(plan, flow_control.options(plan, lambda _: {}), 1.0) is not None
+
+
 def test_a_place_call_gives_the_core_what_its_stream_generated() -> None:
     ask = place_ask(scheduler_pb2.PlaceRequest(request_id="r", model=M, num_prompt_tokens=40, max_tokens=8,
                                                retry_cause="stalled", resumed=True, num_generated_tokens=7))
