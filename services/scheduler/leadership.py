@@ -178,7 +178,7 @@ class LeaderRole:
                 await self._election.resign()
                 return
             self.elected.set()
-            self._on_leading(True)
+            self._on_leading(self.is_leader)  # (its lease may have gone unconfirmed while it took over, helper-209)
             log.info("leading as %s (revision %d)", leadership.key, leadership.revision)
             try:
                 await self._lead()

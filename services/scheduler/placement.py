@@ -235,15 +235,19 @@ class Placer:
         return [Option(dataclasses.replace(plan.ask.request, model=m), nodes, overlap(m))
                 for m, nodes in plan.candidates.items() if nodes]
 
-    def ticket(self, plan: Plan, options: list[Option], now: float, attempt: int = 0) -> tuple[Ticket, float] | None:
+    def ticket(self, plan: Plan, options: list[Option], now: float, attempt: int = 0,
+               cache_known: bool = True) -> tuple[Ticket, float] | None:
         """The admission ticket of a fresh request (asked for by Place call attempt) and its best predicted time to
         first token; None for a retry (a migrating stream is already admitted: never shed it). A retry's deadline_ms
         is what its stream has left, as a resumed one's: one that could not end in it is ended (LeftOutOfReach), not
-        prefilled again on a survivor to miss it."""
+        prefilled again on a survivor to miss it. cache_known: whether the options' matched blocks are a kvindex's
+        answer (False: none answered, they read as nothing cached): only then is a budget refused as bad input on what
+        idle nodes would do with what they cache."""
         with self._predictor.remembering():  # its passes over the candidates ask of one fleet state
-            return self._ticket(plan, options, now, attempt)
+            return self._ticket(plan, options, now, attempt, cache_known)
 
-    def _ticket(self, plan: Plan, options: list[Option], now: float, attempt: int) -> tuple[Ticket, float] | None:
+    def _ticket(self, plan: Plan, options: list[Option], now: float, attempt: int,
+                cache_known: bool) -> tuple[Ticket, float] | None:
         request = plan.ask.request
         if plan.is_retry:
             if request.deadline_ms:
@@ -255,9 +259,12 @@ class Placer:
                                 + (" and deadline were" if request.deadline_ms else " was")
                                 + " not predicted and nothing was refused on them")
         judged = self._judged(options, now)
-        self._check_deadline(request, options, now, resumed=plan.ask.resumed, models=plan.models, judged=judged,
+        # With no kvindex's answer (cache_known False) the options' caches read as empty: a prompt cached in fact
+        # would be refused as bad input, with no retry for when the kvindex answers again (helper-209).
+        self._check_deadline(request, options, now, resumed=plan.ask.resumed,
+                             models=plan.models if cache_known else None, judged=judged,
                              generated=plan.ask.num_generated_tokens)
-        if self.judges_ttft and request.ttft_budget_ms and not plan.ask.resumed:
+        if self.judges_ttft and cache_known and request.ttft_budget_ms and not plan.ask.resumed:
             self._check_ttft_idle(request, options, plan.models, now)
         ticket = ticket_of(plan.ask, now, attempt)
         best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now) for o in judged)

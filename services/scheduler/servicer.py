@@ -535,7 +535,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     else f"no kvindex answered within {self._config.kvindex_timeout_s:g} s (or every one failed "
                     "lately): placed without cache information")
                 options = self._placer.options(plan, overlaps.__getitem__)
-                admission = self._placer.ticket(plan, options, self._clock(), attempt)
+                admission = self._placer.ticket(plan, options, self._clock(), attempt,
+                                                cache_known=None not in answers.values())
                 waited = False
                 if admission is not None:
                     waited = await self._gate.enter(*admission)

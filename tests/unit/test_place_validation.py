@@ -172,6 +172,26 @@ async def test_a_place_whose_deadline_no_node_could_meet_is_invalid_unless_it_re
         ("deadline cannot be met", 1), ("deadline_ms no node could meet", 1)]
 
 
+async def test_a_ttft_budget_is_not_refused_as_bad_input_on_caches_no_kvindex_answered_for(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No kvindex answered (none is registered here): the prompt's caches read as empty, and an 8,000-token prompt's
+    100 ms budget, which only its cache could meet, is the fleet's to refuse, with a retry hint, not bad input
+    (helper-209)."""
+    service, _ = _metered_leader(monkeypatch)
+    model = "sim-llama-3.1-8b"
+    service._cluster.set_nodes([NodeSpec(node_id="n0", address="n0:1", gpu="h100", price_per_hour=1.0,
+                                         warm_models=frozenset({model}), profiles=sim_profiles("h100", model))])
+    service._cluster.report_load("n0", Load(kv_blocks_total=100_000), time.monotonic())
+    try:
+        with pytest.raises(Refused) as refused:
+            await service.Place(scheduler_pb2.PlaceRequest(
+                request_id="r", model=model, num_prompt_tokens=8000, max_tokens=8, block_hashes=range(1, 501),
+                context=common_pb2.RequestContext(ttft_budget_ms=100)), FakeContext())  # type: ignore[arg-type]
+    finally:
+        await service.close()
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
+
+
 @pytest.mark.timeout(10)
 async def test_a_retry_cause_no_router_sends_is_refused_and_labels_no_metric(monkeypatch: pytest.MonkeyPatch) -> None:
     """retry_cause labels the placements metric: a value of the caller's choosing would add a series each; only

@@ -300,6 +300,10 @@ def test_a_ttft_budget_no_idle_node_could_meet_with_what_it_caches_of_the_prompt
         placer.ticket(plan, placer.options(plan, lambda _: {}), 1.0)
     cached = placer.start(PlaceAsk(request), 2.0)
     assert placer.ticket(cached, placer.options(cached, lambda _: {"a": 500}), 2.0) is not None
+    # With no kvindex's answer its caches read as empty: not judged on them (a prompt cached in fact was refused as bad
+    # input, with no retry for when the kvindex answers again, helper-209).
+    blind = placer.start(PlaceAsk(request), 3.0)
+    assert placer.ticket(blind, placer.options(blind, lambda _: {}), 3.0, cache_known=False) is not None
     flow_control = _placer(_spec("a", warm=(model,)), policy="baton")
     flow_control.judges_ttft = False
     plan = flow_control.start(PlaceAsk(request), 1.0)
