@@ -259,15 +259,18 @@ class Placer:
                                 + (" and deadline were" if request.deadline_ms else " was")
                                 + " not predicted and nothing was refused on them")
         judged = self._judged(options, now)
-        # With no kvindex's answer (cache_known False) the options' caches read as empty: a prompt cached in fact
-        # would be refused as bad input, with no retry for when the kvindex answers again (helper-209).
-        self._check_deadline(request, options, now, resumed=plan.ask.resumed,
-                             models=plan.models if cache_known else None, judged=judged,
+        # A fresh request's budgets are bad input when no candidate could meet them idle, with what each caches of its
+        # prompt: judged so only when a kvindex answered for its caches (with none, they read as empty: a prompt cached
+        # in fact was refused as bad input, with no retry for when the kvindex answered again, helper-209).
+        idle_models = plan.models if cache_known and not plan.ask.resumed else None
+        self._check_deadline(request, options, now, resumed=plan.ask.resumed, idle_models=idle_models, judged=judged,
                              generated=plan.ask.num_generated_tokens)
-        if self.judges_ttft and cache_known and request.ttft_budget_ms and not plan.ask.resumed:
-            self._check_ttft_idle(request, options, plan.models, now)
         ticket = ticket_of(plan.ask, now, attempt)
         best_ttft_s = min(self._predictor.best_ttft_s(o.request, o.candidates, o.matched_blocks, now) for o in judged)
+        # Admission will refuse it on its TTFT budget: is that the fleet's load, or would idle nodes miss it too?
+        if (idle_models is not None and self.judges_ttft and request.ttft_budget_ms
+                and best_ttft_s * 1000 > request.ttft_budget_ms):
+            self._check_ttft_idle(request, options, idle_models, now)
         return ticket, best_ttft_s
 
     def _judged(self, options: list[Option], now: float) -> list[Option]:
@@ -326,17 +329,18 @@ class Placer:
                              "cached (ask for fewer tokens or a later deadline)")
 
     def _check_deadline(self, request: PlacementRequest, options: list[Option], now: float,
-                        waited_s: float = 0.0, resumed: bool = False, models: list[str] | None = None,
+                        waited_s: float = 0.0, resumed: bool = False, idle_models: list[str] | None = None,
                         judged: list[Option] | None = None, generated: int = 0) -> None:
         """Refuse a request that could not end by its deadline on any candidate: the time it has waited
         plus TTFT plus max_tokens decode steps, predicted from the candidates' registered profiles on
         the fleet as it is (candidates without a profile: not predicted; none has one: no refusal, see
         ticket). A resumed stream's deadline_ms is what its client has left: it ends DEADLINE_EXCEEDED, as its
         router's timer would end it, with no retry hint (sent again, it would have less left). A fresh one, on
-        arrival (models: those it accepts that some node has), that its candidates could not meet even with their
-        load gone (_idle_end_s) is bad input (Unmeetable): a retry hint would send it again in vain (one between
-        the floor and that prediction got 429, and the openai client sent it three times). After the queue it was
-        admitted as meetable: what changed is the fleet, and a retry may help. judged: the options its end is
+        arrival (idle_models: the models it accepts that some node has, where that is judged, see ticket), that its
+        candidates could not meet even with their load gone (_idle_end_s) is bad input (Unmeetable): a retry hint would
+        send it again in vain (one between the floor and that prediction got 429, and the openai client sent it three
+        times). After the queue it was admitted as meetable: what changed is the fleet, and a retry may help. judged:
+        the options its end is
         predicted on (_choosable's, when it is placed now), options by default. A resumed (or moved) stream is judged
         on the tokens it is expected to generate yet, given the generated tokens it has (_expected), not on all of
         max_tokens: ended, it loses what its client was streaming, so it is ended only when even those cannot end in
@@ -353,7 +357,7 @@ class Placer:
         if not ends or (waited_s + min(ends)) * 1000 <= request.deadline_ms:
             return
         best_ms = (waited_s + min(ends)) * 1000
-        if not resumed and models is not None and (idle_s := self._idle_end_s(options, models, now)) is not None \
+        if idle_models is not None and (idle_s := self._idle_end_s(options, idle_models, now)) is not None \
                 and idle_s * 1000 > request.deadline_ms:
             raise Unmeetable("deadline_ms", request.deadline_ms,
                              f"cannot be met: the first token and max_tokens={request.max_tokens} are predicted to "
@@ -389,8 +393,7 @@ class Placer:
     def _idle_end_s(self, options: list[Option], models: list[str], now: float) -> float | None:
         """The soonest predicted end on the options' candidates as if nothing else ran there (their load, the
         placements they have not reported and the prompts sent them lately taken away); None unless every node
-        listing one of models is a candidate with it warm and a profile for it (one that is not may come back, end
-        its load or calibrate, and do better) and some prediction is made."""
+        listing one of models is a warm candidate with a profile (_all_warm) and some prediction is made."""
         if not self._all_warm(options, models):
             return None
         ends = [end for o in options
@@ -399,7 +402,8 @@ class Placer:
         return min(ends) if ends else None
 
     def _all_warm(self, options: list[Option], models: list[str]) -> bool:
-        """Whether every node listing one of models is one of the options' candidates, with it warm and a profile."""
+        """Whether every node listing one of models is one of the options' candidates, with it warm and a profile: else
+        one may come back, end its load or calibrate, and do better than the candidates idle."""
         warm = {s.spec.node_id for o in options for s in o.candidates
                 if o.request.model in s.spec.warm_models and s.profile(o.request.model) is not None}
         return all(s.spec.node_id in warm for s in self.cluster.nodes() if any(s.spec.has(m) for m in models))
@@ -409,9 +413,9 @@ class Placer:
         """Unmeetable when a fresh request's TTFT budget could not be met on any candidate even with its load gone, with
         what each caches of the prompt now (the floor, _refuse_the_impossible, assumes it all cached): admission would
         refuse it with a retry hint, and the openai client sent an 8,000-token prompt with a 100 ms budget three times
-        to an idle fleet in 2 s, each a 429 (helper-206). As for a deadline (_check_deadline), only where every node
-        listing the model is a warm candidate with a profile; a retry may still find more of the prompt cached, which
-        this does not wait for: the client can send its prefix first."""
+        to an idle fleet in 2 s, each a 429 (helper-206). As for a deadline (_idle_end_s), only where every node listing
+        one of models is a warm candidate with a profile; a retry may still find more of the prompt cached, which this
+        does not wait for: the client can send its prefix first."""
         if not self._all_warm(options, models):
             return
         firsts = [self._idle_predictor.best_ttft_s(o.request, [_idle(s) for s in o.candidates], o.matched_blocks, now)

@@ -664,6 +664,13 @@ async def test_close_ends_a_stream_still_running_when_the_shutdown_timeout_passe
     assert events[-1] == b"[DONE]" and b"the router is stopping" in events[-2], rest
 
 
+def _responses_by_status(reader: InMemoryMetricReader) -> dict[str, int]:
+    """baton.router.http_responses, by status."""
+    return {p.attributes["status"]: p.value for rm in reader.get_metrics_data().resource_metrics
+            for sm in rm.scope_metrics for m in sm.metrics if m.name == "baton.router.http_responses"
+            for p in m.data.data_points}
+
+
 @pytest.mark.parametrize(("stream", "first_chunk"), [(False, True), (False, False), (True, False)])
 async def test_a_request_cut_by_the_routers_stop_before_its_answer_is_answered_503(stream: bool,
                                                                                    first_chunk: bool) -> None:
@@ -700,10 +707,7 @@ async def test_a_request_cut_by_the_routers_stop_before_its_answer_is_answered_5
     # Counted and traced as answered (the handler's cancellation skipped both: helper-174).
     [span] = spans.get_finished_spans()
     assert span.attributes["http.response.status_code"] == 503 and span.status.status_code == trace.StatusCode.ERROR
-    counts = {p.attributes["status"]: p.value for rm in reader.get_metrics_data().resource_metrics
-              for sm in rm.scope_metrics for m in sm.metrics if m.name == "baton.router.http_responses"
-              for p in m.data.data_points}
-    assert counts == {"503": 1}
+    assert _responses_by_status(reader) == {"503": 1}
 
 
 async def test_a_request_aiohttp_cannot_parse_is_a_400_and_one_debug_line_not_a_logged_traceback(
@@ -765,10 +769,7 @@ async def test_a_stream_whose_client_hangs_up_is_counted_and_traced_with_the_sta
         await api.close()
     [span] = spans.get_finished_spans()
     assert span.attributes["http.response.status_code"] == 200 and span.status.status_code != trace.StatusCode.ERROR
-    counts = {p.attributes["status"]: p.value for rm in reader.get_metrics_data().resource_metrics
-              for sm in rm.scope_metrics for m in sm.metrics if m.name == "baton.router.http_responses"
-              for p in m.data.data_points}
-    assert counts == {"200": 1}
+    assert _responses_by_status(reader) == {"200": 1}
 
 
 async def test_a_whole_answer_whose_client_closes_once_it_has_it_is_still_answered_200() -> None:
